@@ -1,0 +1,150 @@
+"""Typed settings, read from a TOML file and ``NBOS_*`` environment variables.
+
+Precedence, lowest first: defaults, the TOML file, the environment. An
+environment variable names a section and a key joined by a double underscore:
+``NBOS_RAFT__TICK_MS=20`` sets ``[raft] tick_ms = 20``. Every value is checked;
+a bad one raises :class:`~nbos.core.errors.ConfigError` naming the key, the
+value and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from nbos.core.errors import ConfigError
+
+ENV_PREFIX = "NBOS_"
+
+FsyncPolicy = Literal["always", "batch", "never"]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ClusterSettings(_Section, frozen=True):
+    """The embedded cluster: virtual hosts and their (virtual or real) GPUs."""
+
+    hosts: int = 3
+    gpus_per_host: int = 8
+    gpu_memory_mib: int = 40_960
+    replicas_per_kernel: int = 3
+    placement_policy: str = "least-loaded"
+    backend: str = "local"
+    data_dir: str = ""
+
+
+class RaftSettings(_Section, frozen=True):
+    """Timing and durability of every kernel's Raft group.
+
+    ``fsync``: ``always`` syncs the WAL before any answer that depends on it (safe
+    against power loss); ``batch`` syncs once per batch of ready entries (same
+    guarantee, fewer syncs under load); ``never`` leaves it to the OS (survives a
+    process crash, not a machine crash).
+    """
+
+    tick_ms: int = 10
+    election_ticks: int = 20
+    heartbeat_ticks: int = 2
+    max_inflight: int = 64
+    max_batch_bytes: int = 1 << 20
+    snapshot_every: int = 1000
+    fsync: FsyncPolicy = "batch"
+
+
+class TransportSettings(_Section, frozen=True):
+    """ZeroMQ transport limits and optional CURVE keys (Z85 strings)."""
+
+    queue_size: int = 1000
+    curve_secret_key: str = ""
+    curve_public_key: str = ""
+
+
+class StoreSettings(_Section, frozen=True):
+    """Where large values of kernel namespaces are kept."""
+
+    kind: Literal["local", "redis"] = "local"
+    path: str = ""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+
+class Settings(_Section, frozen=True):
+    """All nbos settings."""
+
+    cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
+    raft: RaftSettings = msgspec.field(default_factory=RaftSettings)
+    transport: TransportSettings = msgspec.field(default_factory=TransportSettings)
+    store: StoreSettings = msgspec.field(default_factory=StoreSettings)
+
+    @classmethod
+    def load(
+        cls, path: str | Path | None = None, env: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Read ``path`` (if given), then the ``NBOS_*`` variables of ``env`` (or os.environ)."""
+        raw: dict[str, Any] = {}
+        if path is not None:
+            raw = _read_toml(Path(path))
+        _merge(raw, _from_env(os.environ if env is None else env))
+        return _convert(raw)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(str(path), None, f"a readable TOML file ({exc.strerror})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), None, f"valid TOML ({exc})") from exc
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, sep, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if not sep or not key:
+            raise ConfigError(name, value, f"a name of the form {ENV_PREFIX}<SECTION>__<KEY>")
+        raw.setdefault(section, {})[key] = value
+    return raw
+
+
+def _merge(into: dict[str, Any], top: Mapping[str, Any]) -> None:
+    for section, values in top.items():
+        if isinstance(values, Mapping) and isinstance(into.get(section), dict):
+            into[section].update(values)
+        else:
+            into[section] = values
+
+
+_PATH = re.compile(r"at `\$((?:\.\w+)*)`")
+
+
+def _convert(raw: dict[str, Any]) -> Settings:
+    try:
+        # strict=False lets environment strings such as "20" become ints.
+        return msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH.search(message)
+        key = match.group(1).lstrip(".") if match else "<root>"
+        if message.startswith("Object contains unknown field"):
+            unknown = message.split("`")[1]
+            key = f"{key}.{unknown}" if key else unknown
+            return _raise(key, raw, "a known setting")
+        return _raise(key, raw, message.split(" - at ", maxsplit=1)[0].removeprefix("Expected "))
+
+
+def _raise(key: str, raw: Mapping[str, Any], expected: str) -> Settings:
+    value: Any = raw
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    raise ConfigError(key, value, expected)

@@ -1,0 +1,192 @@
+"""The nbos error hierarchy.
+
+Every error that nbos raises on purpose derives from :class:`NbosError`, so an
+embedding application can catch one type at its boundary. Subclasses carry the
+facts a caller needs as attributes, not only in the message text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class NbosError(Exception):
+    """Root of every error nbos raises on purpose."""
+
+
+# --- configuration -------------------------------------------------------------
+
+
+class ConfigError(NbosError):
+    """A setting has a bad value; names the key, the value and what was expected."""
+
+    def __init__(self, key: str, value: Any, expected: str) -> None:
+        self.key = key
+        self.value = value
+        self.expected = expected
+        super().__init__(f"bad config value for {key!r}: {value!r} (expected {expected})")
+
+
+# --- wire ----------------------------------------------------------------------
+
+
+class DecodeError(NbosError):
+    """Bytes from a wire or a log could not be decoded into a known message."""
+
+
+class AuthenticationError(NbosError):
+    """A message or peer failed authentication (wrong HMAC signature, wrong CURVE key)."""
+
+
+# --- transports ----------------------------------------------------------------
+
+
+class TransportError(NbosError):
+    """A transport could not carry out a request."""
+
+
+class TransportClosedError(TransportError):
+    """The transport was closed; no more sends or receives are possible."""
+
+
+class UnknownPeerError(TransportError):
+    """A message was addressed to a peer the transport has no address for."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        super().__init__(f"unknown peer {peer!r}")
+
+
+# --- object stores -------------------------------------------------------------
+
+
+class StoreError(NbosError):
+    """An object store could not carry out a request."""
+
+
+class BlobNotFoundError(StoreError):
+    """No blob is stored under the key."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"no blob stored under {key!r}")
+
+
+class BlobCorruptError(StoreError):
+    """A stored blob's content does not hash to its key."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"blob {key!r} does not match its content hash")
+
+
+# --- replication ---------------------------------------------------------------
+
+
+class ReplicationError(NbosError):
+    """The replicated log could not carry out a request."""
+
+
+class NotLeaderError(ReplicationError):
+    """This node is not the leader; ``leader_hint`` names the one it knows of, if any."""
+
+    def __init__(self, leader_hint: int | None) -> None:
+        self.leader_hint = leader_hint
+        hint = f"; try node {leader_hint}" if leader_hint is not None else "; leader unknown"
+        super().__init__(f"not the leader{hint}")
+
+
+class ProposalTimeoutError(ReplicationError):
+    """A proposal was not committed and applied within its deadline.
+
+    The entry may still commit later: callers that retry must reuse the same
+    client id and sequence number so that it applies once.
+    """
+
+
+class LogClosedError(ReplicationError):
+    """The replicated log has shut down."""
+
+
+class StorageCorruptError(ReplicationError):
+    """Durable Raft state failed its checksums in a place that cannot be a torn tail."""
+
+
+class MembershipChangeError(ReplicationError):
+    """A membership change was refused (another change is in progress, unknown node, ...)."""
+
+
+# --- kernels -------------------------------------------------------------------
+
+
+class KernelError(NbosError):
+    """A replicated kernel could not carry out a request."""
+
+
+class UnknownKernelError(KernelError):
+    """No kernel with this id exists."""
+
+    def __init__(self, kernel_id: str) -> None:
+        self.kernel_id = kernel_id
+        super().__init__(f"unknown kernel {kernel_id!r}")
+
+
+class CellLostError(KernelError):
+    """The replica executing a cell died before the cell's ``Done`` committed."""
+
+    def __init__(self, exec_index: int, replica: int) -> None:
+        self.exec_index = exec_index
+        self.replica = replica
+        super().__init__(
+            f"cell {exec_index} was lost: its executor (replica {replica}) died mid-cell; "
+            "the kernel keeps the state of the last completed cell"
+        )
+
+
+class QuorumLostError(KernelError):
+    """Fewer than a majority of a kernel's replicas are alive."""
+
+
+# --- GPUs and placement --------------------------------------------------------
+
+
+class GpuError(NbosError):
+    """GPU inventory or accounting failed."""
+
+
+class InsufficientGpusError(GpuError):
+    """A request asks for more GPUs than can be committed."""
+
+    def __init__(self, requested: int, available: int, where: str) -> None:
+        self.requested = requested
+        self.available = available
+        self.where = where
+        super().__init__(f"{where}: asked for {requested} GPUs, {available} can be committed")
+
+
+class PlacementError(NbosError):
+    """No placement satisfies the request."""
+
+
+class UnknownPolicyError(PlacementError):
+    """No placement policy is registered under this name."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = known
+        super().__init__(f"unknown placement policy {name!r}; known: {', '.join(known) or 'none'}")
+
+
+# --- backends ------------------------------------------------------------------
+
+
+class BackendError(NbosError):
+    """A compute backend could not start, reach or stop a process."""
+
+
+class HostUnreachableError(BackendError):
+    """A host stopped answering or was never reachable."""
+
+    def __init__(self, host: str, reason: str) -> None:
+        self.host = host
+        super().__init__(f"host {host!r} is unreachable: {reason}")

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the Debian servers the tests talk to, if they are missing.
+# Idempotent: does nothing when they are already there.
+set -euo pipefail
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+  echo "missing ${need[*]}: install them (apt-get install ${need[*]}) or run as root" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
