@@ -135,11 +135,12 @@ def _convert(raw: dict[str, Any]) -> Settings:
     except msgspec.ValidationError as exc:
         message = str(exc)
         match = _PATH.search(message)
-        key = match.group(1).lstrip(".") if match else "<root>"
+        key = match.group(1).lstrip(".") if match else ""
         if message.startswith("Object contains unknown field"):
             unknown = message.split("`")[1]
             key = f"{key}.{unknown}" if key else unknown
             return _raise(key, raw, "a known setting")
+        key = key or "<root>"
         return _raise(key, raw, message.split(" - at ", maxsplit=1)[0].removeprefix("Expected "))
 
 

@@ -50,9 +50,12 @@ def encode(message: AnyMessage) -> bytes:
 def decode(data: bytes) -> AnyMessage:
     """Strictly decode bytes made by :func:`encode`; raises ``DecodeError`` for anything else."""
     try:
-        return _decoder.decode(data).body
+        envelope = _decoder.decode(data)
     except _DECODE_FAILURES as exc:
         raise _explain(data, exc) from exc
+    if envelope.version != PROTOCOL_VERSION:
+        raise _version_error(envelope.version)
+    return envelope.body
 
 
 def _explain(data: bytes, exc: Exception) -> DecodeError:
@@ -61,5 +64,10 @@ def _explain(data: bytes, exc: Exception) -> DecodeError:
     except _DECODE_FAILURES:
         version = PROTOCOL_VERSION
     if version != PROTOCOL_VERSION:
-        return DecodeError(f"protocol version {version} is not {PROTOCOL_VERSION}")
+        return _version_error(version)
     return DecodeError(f"malformed message ({len(data)} bytes): {exc}")
+
+
+def _version_error(version: int) -> DecodeError:
+    log.warning("refused a message of protocol version %s (ours: %s)", version, PROTOCOL_VERSION)
+    return DecodeError(f"protocol version {version} is not {PROTOCOL_VERSION}")

@@ -1,0 +1,71 @@
+"""Settings from defaults, TOML and NBOS_* variables; bad values are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nbos.core.config import Settings
+from nbos.core.errors import ConfigError
+
+
+def test_defaults_without_file_or_environment() -> None:
+    settings = Settings.load(env={})
+    assert settings.cluster.hosts == 3
+    assert settings.raft.fsync == "batch"
+
+
+def test_toml_then_environment_override(tmp_path: Path) -> None:
+    path = tmp_path / "nbos.toml"
+    path.write_text('[cluster]\nhosts = 5\ngpus_per_host = 4\n[raft]\ntick_ms = 7\n')
+    settings = Settings.load(path, env={"NBOS_CLUSTER__HOSTS": "6", "OTHER": "x"})
+    assert settings.cluster.hosts == 6
+    assert settings.cluster.gpus_per_host == 4
+    assert settings.raft.tick_ms == 7
+
+
+@pytest.mark.parametrize(
+    ("env", "key", "value"),
+    [
+        ({"NBOS_RAFT__TICK_MS": "fast"}, "raft.tick_ms", "fast"),
+        ({"NBOS_RAFT__FSYNC": "sometimes"}, "raft.fsync", "sometimes"),
+        ({"NBOS_RAFT__NO_SUCH_KEY": "1"}, "raft.no_such_key", "1"),
+        ({"NBOS_STORE__KIND": "s3"}, "store.kind", "s3"),
+        ({"NBOS_NOSECTION": "1"}, "NBOS_NOSECTION", "1"),
+    ],
+)
+def test_bad_environment_value_names_key_and_value(
+    env: dict[str, str], key: str, value: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.load(env=env)
+    assert info.value.key == key
+    assert info.value.value == value
+    assert key in str(info.value)
+
+
+def test_bad_toml_value_names_expected_type(tmp_path: Path) -> None:
+    path = tmp_path / "nbos.toml"
+    path.write_text('[cluster]\nhosts = "three"\n')
+    with pytest.raises(ConfigError) as info:
+        Settings.load(path, env={})
+    assert info.value.key == "cluster.hosts"
+    assert "int" in info.value.expected
+
+
+def test_unknown_section_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "nbos.toml"
+    path.write_text("[clutser]\nhosts = 3\n")
+    with pytest.raises(ConfigError) as info:
+        Settings.load(path, env={})
+    assert info.value.key == "clutser"
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="readable"):
+        Settings.load(tmp_path / "missing.toml", env={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[cluster\n")
+    with pytest.raises(ConfigError, match="valid TOML"):
+        Settings.load(broken, env={})
