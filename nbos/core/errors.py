@@ -80,6 +80,20 @@ class BlobCorruptError(StoreError):
         super().__init__(f"blob {key!r} does not match its content hash")
 
 
+class InvalidBlobKeyError(StoreError):
+    """A key is not ``"sha256:"`` followed by 64 lowercase hex digits.
+
+    Refused before any lookup, so a key can never name a path or a backend key
+    outside the store.
+    """
+
+    def __init__(self, key: object) -> None:
+        self.key = key
+        super().__init__(
+            f"invalid blob key {key!r}: expected 'sha256:' followed by 64 lowercase hex digits"
+        )
+
+
 # --- replication ---------------------------------------------------------------
 
 
