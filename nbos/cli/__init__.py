@@ -1,1 +1,5 @@
-"""nbos.cli"""
+"""The ``nbos`` command-line interface (composition layer)."""
+
+from nbos.cli.main import main
+
+__all__ = ["main"]

@@ -84,9 +84,7 @@ class Settings(_Section, frozen=True):
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
 
     @classmethod
-    def load(
-        cls, path: str | Path | None = None, env: Mapping[str, str] | None = None
-    ) -> Settings:
+    def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
         """Read ``path`` (if given), then the ``NBOS_*`` variables of ``env`` (or os.environ)."""
         raw: dict[str, Any] = {}
         if path is not None:

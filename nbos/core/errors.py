@@ -178,6 +178,15 @@ class InsufficientGpusError(GpuError):
         super().__init__(f"{where}: asked for {requested} GPUs, {available} can be committed")
 
 
+class UnknownReservationError(GpuError):
+    """A GPU reservation is not held: never made, expired (``why="expired"``) or lost."""
+
+    def __init__(self, reservation_id: str, why: str) -> None:
+        self.reservation_id = reservation_id
+        self.why = why
+        super().__init__(f"GPU reservation {reservation_id!r} is not held ({why})")
+
+
 class PlacementError(NbosError):
     """No placement satisfies the request."""
 

@@ -18,7 +18,7 @@ def test_defaults_without_file_or_environment() -> None:
 
 def test_toml_then_environment_override(tmp_path: Path) -> None:
     path = tmp_path / "nbos.toml"
-    path.write_text('[cluster]\nhosts = 5\ngpus_per_host = 4\n[raft]\ntick_ms = 7\n')
+    path.write_text("[cluster]\nhosts = 5\ngpus_per_host = 4\n[raft]\ntick_ms = 7\n")
     settings = Settings.load(path, env={"NBOS_CLUSTER__HOSTS": "6", "OTHER": "x"})
     assert settings.cluster.hosts == 6
     assert settings.cluster.gpus_per_host == 4

@@ -1,0 +1,5 @@
+import sys
+
+from nbos.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""The ``nbos`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from nbos._version import __version__
+from nbos.core.errors import NbosError
+
+log = logging.getLogger(__name__)
+
+#: Each subcommand module exposes ``register(subparsers)``; it sets ``func`` on its parser.
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nbos",
+        description="Replicated, GPU-on-demand Jupyter kernels over a cluster of GPU hosts.",
+    )
+    parser.add_argument("--version", action="version", version=f"nbos {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level for nbos's own messages (default: WARNING)",
+    )
+    parser.add_argument("--config", help="TOML settings file (NBOS_* variables override it)")
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    func: Handler | None = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0
+    try:
+        return func(args)
+    except NbosError as exc:
+        log.debug("command failed", exc_info=True)
+        print(f"nbos: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
