@@ -16,11 +16,12 @@ from nbos.core.wire.agent import AgentMessage
 from nbos.core.wire.base import PROTOCOL_VERSION
 from nbos.core.wire.control import ControlMessage
 from nbos.core.wire.entries import KernelEntry
+from nbos.core.wire.log_commands import LogCommand
 from nbos.core.wire.raft import RaftMessage
 
 log = logging.getLogger(__name__)
 
-AnyMessage = ControlMessage | RaftMessage | AgentMessage | KernelEntry
+AnyMessage = ControlMessage | RaftMessage | AgentMessage | KernelEntry | LogCommand
 
 
 class Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
