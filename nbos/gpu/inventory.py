@@ -1,0 +1,163 @@
+"""What GPUs a host has: real ones through NVML, or virtual ones where no driver exists.
+
+Virtual GPUs let every test and the demo run on a CPU-only machine: the control
+plane accounts for them exactly as for real devices. That NVML is missing (no
+driver, no library, no permission) is a fact about the host, reported in
+:attr:`Inventory.nvml_unavailable_reason`, never an error in ``"auto"`` mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import attrs
+import pynvml
+
+from nbos.core.errors import ConfigError, GpuError
+
+log = logging.getLogger(__name__)
+
+InventorySource = Literal["nvml", "virtual"]
+DiscoveryMode = Literal["auto", "nvml", "virtual"]
+
+#: Virtual GPUs per host when none is configured; matches ``[cluster] gpus_per_host``.
+DEFAULT_VIRTUAL_COUNT = 8
+#: Memory of one virtual GPU; matches ``[cluster] gpu_memory_mib``.
+DEFAULT_VIRTUAL_MEMORY_MIB = 40_960
+
+_MIB = 1024 * 1024
+
+
+@attrs.frozen
+class GpuDevice:
+    """One device. ``utilization_pct`` is ``None`` where the device cannot report it."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: int
+    memory_used_mib: int
+    utilization_pct: int | None
+
+
+@attrs.frozen
+class Inventory:
+    """The GPUs found on this host and where the answer came from."""
+
+    devices: tuple[GpuDevice, ...]
+    source: InventorySource
+    #: Why NVML was not used (``None`` when it was).
+    nvml_unavailable_reason: str | None = None
+    driver_version: str | None = None
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(d.index for d in self.devices)
+
+
+def discover_gpus(
+    virtual_count: int | None = None,
+    virtual_memory_mib: int = DEFAULT_VIRTUAL_MEMORY_MIB,
+    *,
+    mode: DiscoveryMode = "auto",
+) -> Inventory:
+    """Find this host's GPUs.
+
+    ``mode="auto"`` uses NVML when it loads and reports at least one device, else
+    ``virtual_count`` virtual GPUs (default :data:`DEFAULT_VIRTUAL_COUNT`) of
+    ``virtual_memory_mib`` each. ``"virtual"`` skips NVML; ``"nvml"`` requires it
+    and raises :class:`GpuError` (with the reason) when it is unavailable.
+    """
+    count = DEFAULT_VIRTUAL_COUNT if virtual_count is None else virtual_count
+    if count < 0:
+        raise ConfigError("virtual_count", virtual_count, "a non-negative number of GPUs")
+    if virtual_memory_mib <= 0:
+        raise ConfigError("virtual_memory_mib", virtual_memory_mib, "a positive size in MiB")
+    if mode == "virtual":
+        return virtual_inventory(count, virtual_memory_mib, reason="virtual GPUs requested")
+    found = _nvml_inventory()
+    if isinstance(found, Inventory):
+        return found
+    if mode == "nvml":
+        raise GpuError(f"NVML is unavailable: {found}")
+    log.info("NVML unavailable (%s); using %d virtual GPUs", found, count)
+    return virtual_inventory(count, virtual_memory_mib, reason=found)
+
+
+def virtual_inventory(count: int, memory_mib: int, *, reason: str) -> Inventory:
+    """``count`` idle virtual GPUs of ``memory_mib`` each."""
+    devices = tuple(
+        GpuDevice(
+            index=i,
+            uuid=f"GPU-virtual-{i:04d}",
+            name="nbos virtual GPU",
+            memory_total_mib=memory_mib,
+            memory_used_mib=0,
+            utilization_pct=0,
+        )
+        for i in range(count)
+    )
+    return Inventory(devices, "virtual", nvml_unavailable_reason=reason)
+
+
+def _nvml_inventory() -> Inventory | str:
+    """The NVML view of this host, or the reason there is none."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return _reason(exc)
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        devices = tuple(
+            dev for i in range(pynvml.nvmlDeviceGetCount()) if (dev := _device(i)) is not None
+        )
+    except pynvml.NVMLError as exc:
+        return _reason(exc)
+    finally:
+        _shutdown()
+    if not devices:
+        return "NVML reports no usable GPU devices"
+    log.info("NVML: %d GPUs, driver %s", len(devices), driver)
+    return Inventory(devices, "nvml", driver_version=driver)
+
+
+def _device(index: int) -> GpuDevice | None:
+    # One broken device (fallen off the bus, no permission) must not hide the others.
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return GpuDevice(
+            index=index,
+            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            name=_text(pynvml.nvmlDeviceGetName(handle)),
+            memory_total_mib=int(memory.total) // _MIB,
+            memory_used_mib=int(memory.used) // _MIB,
+            utilization_pct=_utilization(handle),
+        )
+    except pynvml.NVMLError as exc:
+        log.warning("GPU %d skipped: %s", index, _reason(exc))
+        return None
+
+
+def _utilization(handle: Any) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except pynvml.NVMLError_NotSupported:
+        return None
+
+
+def _shutdown() -> None:
+    try:
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError as exc:
+        log.warning("nvmlShutdown failed: %s", _reason(exc))
+
+
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _text(value: str | bytes) -> str:
+    # Older bindings return bytes, newer ones str.
+    return value.decode() if isinstance(value, bytes) else value
