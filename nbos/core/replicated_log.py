@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from nbos.core.ids import NodeId
+from nbos.core.ids import NodeId, PeerId
 
 
 @runtime_checkable
@@ -86,8 +86,8 @@ class ReplicatedLog(Protocol):
         """Wait until ``applied_index >= index``."""
         ...
 
-    async def add_learner(self, node: NodeId, address: str) -> None:
-        """Add a non-voting member that receives the log."""
+    async def add_learner(self, node: NodeId, peer: PeerId, address: str) -> None:
+        """Add a non-voting member, reached as transport peer ``peer`` at ``address``."""
         ...
 
     async def promote(self, node: NodeId) -> None:
