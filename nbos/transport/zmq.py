@@ -1,0 +1,375 @@
+"""A :class:`~nbos.core.transport.Transport` over ZeroMQ (pyzmq).
+
+Design
+------
+* Each endpoint binds one **ROUTER** socket, the only socket it reads. Every
+  message arrives as ``[sender id, payload]``; anything else (a wrong frame
+  count, a routing id that is not a peer id) is logged, counted in
+  :attr:`ZmqTransport.rejected` and dropped, and the endpoint reads on.
+* It sends through one **DEALER** per peer, connected to the peer's address, with
+  the local peer id as routing identity. One pipe per peer gives each peer its
+  own bounded queue (``SNDHWM = queue_size``): a slow or dead peer fills only its
+  own queue, and a send that would exceed it fails at once (``NOBLOCK``) and is
+  counted in :attr:`ZmqTransport.dropped`. ``IMMEDIATE`` stays off, so messages
+  to a peer that is not connected yet (or restarting) wait in that queue, and
+  ZeroMQ reconnects on its own. ZMTP heartbeats tear down half-open
+  connections to a vanished host so that the reconnection starts.
+* The ROUTER sets ``ROUTER_HANDOVER``: a restarted peer connects with the same
+  routing id before the old connection is noticed dead, and must take it over
+  rather than be ignored.
+* Sockets are plain (blocking-API) pyzmq sockets used only with ``NOBLOCK``,
+  and ``receive`` waits with :func:`anyio.wait_readable` on the ROUTER's
+  ``ZMQ_FD``. Unlike a ``zmq.asyncio`` future, which can complete with a message
+  and then be cancelled before its task resumes, a message here is taken off
+  the socket only in synchronous code that returns it: cancelling ``receive``
+  never loses one. It also saves a future per message on the hot path and works
+  under any anyio backend (except CURVE, below, which needs asyncio).
+* Payloads of :data:`ZERO_COPY_THRESHOLD` bytes or more are sent without a copy.
+
+CURVE
+-----
+With :class:`CurveKeys`, every endpoint has one key pair, used as the CURVE
+server key of its ROUTER and the client key of its DEALERs. A ZAP handler
+(:class:`zmq.auth.asyncio.AsyncioAuthenticator`) admits only clients whose public
+key is in ``allowed_clients`` and logs every refusal. A DEALER must know the
+server public key of the peer it connects to: ``add_peer(..., server_key=...)``;
+by default it is the endpoint's own public key, which is the *cluster key*
+model where all members share one key pair from ``TransportSettings``. Keys
+authenticate cluster membership, not individual peer ids: an admitted member
+can claim any routing id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import anyio
+import anyio.lowlevel
+import attrs
+import zmq
+import zmq.auth.asyncio
+
+from nbos.core.config import TransportSettings
+from nbos.core.errors import TransportClosedError, TransportError, UnknownPeerError
+from nbos.core.ids import PeerId
+
+log = logging.getLogger(__name__)
+
+#: Payloads at least this large are handed to ZeroMQ without a copy.
+ZERO_COPY_THRESHOLD = 64 * 1024
+#: Default largest payload an endpoint accepts; larger inbound messages close the connection.
+MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+_RECONNECT_IVL_MS = 100
+_RECONNECT_IVL_MAX_MS = 1000
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 3000
+
+
+@attrs.frozen
+class CurveKeys:
+    """CURVE keys of one endpoint (Z85-encoded, as from :func:`zmq.curve_keypair`).
+
+    ``allowed_clients``: public keys admitted to this endpoint's ROUTER; empty
+    means only ``public_key`` itself (the cluster key model).
+    """
+
+    secret_key: bytes
+    public_key: bytes
+    allowed_clients: frozenset[bytes] = frozenset()
+
+    def __attrs_post_init__(self) -> None:
+        for name, key in (("secret_key", self.secret_key), ("public_key", self.public_key)):
+            _check_key(name, key)
+        for key in self.allowed_clients:
+            _check_key("allowed_clients", key)
+
+    @property
+    def admitted(self) -> frozenset[bytes]:
+        """The client keys the ZAP handler admits."""
+        return self.allowed_clients or frozenset({self.public_key})
+
+    @classmethod
+    def from_settings(
+        cls, settings: TransportSettings, allowed_clients: Iterable[bytes] = ()
+    ) -> CurveKeys | None:
+        """Keys from settings, or ``None`` when CURVE is not configured."""
+        if not settings.curve_secret_key and not settings.curve_public_key:
+            return None
+        return cls(
+            settings.curve_secret_key.encode(),
+            settings.curve_public_key.encode(),
+            frozenset(allowed_clients),
+        )
+
+
+def _check_key(name: str, key: bytes) -> None:
+    if len(key) != 40:
+        log.warning("bad CURVE key for %s: %d bytes", name, len(key))
+        raise TransportError(f"{name} must be a 40-character Z85 CURVE key, got {len(key)} bytes")
+
+
+class _KeyRing:
+    """ZAP credentials provider: admits listed client keys, logs the rest."""
+
+    def __init__(self, local: PeerId, admitted: frozenset[bytes]) -> None:
+        self._local = local
+        self._admitted = admitted
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self._admitted:
+            return True
+        log.warning("%s: refused CURVE client key %s (domain %r)", self._local, key, domain)
+        return False
+
+
+class ZmqTransport:
+    """A ZeroMQ endpoint; create it with :meth:`open` (see the module docstring)."""
+
+    def __init__(
+        self,
+        local: PeerId,
+        *,
+        bind: str,
+        queue_size: int,
+        curve: CurveKeys | None,
+        max_message_size: int,
+    ) -> None:
+        if queue_size < 1:
+            raise TransportError(f"queue_size must be positive, got {queue_size}")
+        self._local = local
+        self._identity = local.encode()
+        self._queue_size = queue_size
+        self._curve = curve
+        self._max_message_size = max_message_size
+        self._context = zmq.Context()
+        self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
+        self._dealers: dict[PeerId, tuple[zmq.Socket[bytes], str, bytes | None]] = {}
+        self._dropped = 0
+        self._rejected = 0
+        self._closed = False
+        self._wait_lock = anyio.Lock()
+        try:
+            if curve is not None:
+                self._start_auth(curve)
+            self._router = self._bind(bind)
+        except BaseException:
+            self._teardown()
+            raise
+        self._fd = int(self._router.getsockopt(zmq.FD))
+        self._address = bytes(self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()
+
+    @classmethod
+    async def open(
+        cls,
+        local: PeerId | str,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        queue_size: int = 1000,
+        curve: CurveKeys | None = None,
+        max_message_size: int = MAX_MESSAGE_SIZE,
+    ) -> ZmqTransport:
+        """Bind an endpoint for ``local`` at ``bind`` (port 0 picks a free port).
+
+        Raises :class:`TransportError` if the address cannot be bound.
+        """
+        await anyio.lowlevel.checkpoint()
+        return cls(
+            PeerId(local),
+            bind=bind,
+            queue_size=queue_size,
+            curve=curve,
+            max_message_size=max_message_size,
+        )
+
+    @classmethod
+    async def from_settings(
+        cls,
+        local: PeerId | str,
+        settings: TransportSettings,
+        bind: str = "tcp://127.0.0.1:0",
+        allowed_clients: Iterable[bytes] = (),
+    ) -> ZmqTransport:
+        """:meth:`open` with the queue size and CURVE keys of ``settings``."""
+        curve = CurveKeys.from_settings(settings, allowed_clients)
+        return await cls.open(local, bind, queue_size=settings.queue_size, curve=curve)
+
+    async def __aenter__(self) -> ZmqTransport:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # --- properties --------------------------------------------------------------
+
+    @property
+    def local(self) -> PeerId:
+        return self._local
+
+    @property
+    def address(self) -> str:
+        """The bound address, with the real port; what peers pass to ``add_peer``."""
+        return self._address
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    @property
+    def rejected(self) -> int:
+        """How many malformed inbound messages were dropped since start."""
+        return self._rejected
+
+    # --- peers -------------------------------------------------------------------
+
+    def add_peer(self, peer: PeerId, address: str, *, server_key: bytes | None = None) -> None:
+        """Learn where ``peer`` is; ``server_key`` is its CURVE public key (see module doc).
+
+        Re-adding a peer at the same address and key keeps its queue; a new
+        address or key replaces the connection and discards what was queued.
+        """
+        self._check_open()
+        if server_key is not None:
+            _check_key("server_key", server_key)
+        current = self._dealers.get(peer)
+        if current is not None and current[1:] == (address, server_key):
+            return
+        dealer = self._dealer(peer, address, server_key)
+        self.remove_peer(peer)
+        self._dealers[peer] = (dealer, address, server_key)
+
+    def remove_peer(self, peer: PeerId) -> None:
+        entry = self._dealers.pop(peer, None)
+        if entry is not None:
+            entry[0].close(linger=0)
+
+    # --- data --------------------------------------------------------------------
+
+    async def send(self, peer: PeerId, payload: bytes) -> None:
+        if self._closed:
+            raise TransportClosedError(f"transport {self._local!r} is closed")
+        entry = self._dealers.get(peer)
+        if entry is None:
+            raise UnknownPeerError(peer)
+        size = len(payload)
+        if size > self._max_message_size:
+            log.warning("%s: refusing a %d-byte message to %s", self._local, size, peer)
+            raise TransportError(f"payload of {size} bytes exceeds {self._max_message_size}")
+        try:
+            entry[0].send(payload, zmq.NOBLOCK, copy=size < ZERO_COPY_THRESHOLD)
+        except zmq.Again:
+            self._dropped += 1
+            log.debug("%s: queue to %s full, message dropped", self._local, peer)
+
+    async def receive(self) -> tuple[PeerId, bytes]:
+        message = self._receive_nowait()
+        if message is not None:
+            # Give others a turn without a cancellation point: the message is taken.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+            return message
+        while True:
+            async with self._wait_lock:
+                # Another receiver may have consumed the wake-up; look before waiting.
+                message = self._receive_nowait()
+                if message is not None:
+                    return message
+                try:
+                    await anyio.wait_readable(self._fd)
+                except anyio.ClosedResourceError:
+                    raise TransportClosedError(f"transport {self._local!r} is closed") from None
+            message = self._receive_nowait()
+            if message is not None:
+                return message
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        anyio.notify_closing(self._fd)
+        # Let a blocked receive see the notification before the descriptor goes away.
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        self._teardown()
+
+    # --- internals ---------------------------------------------------------------
+
+    def _receive_nowait(self) -> tuple[PeerId, bytes] | None:
+        """Take the next well-formed message off the ROUTER, or ``None``."""
+        self._check_open()
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            if len(frames) == 2 and frames[0][:1] != b"\x00":
+                try:
+                    return PeerId(frames[0].decode()), frames[1]
+                except UnicodeDecodeError:
+                    pass
+            self._rejected += 1
+            log.warning(
+                "%s: dropped a malformed message (%d frames, routing id %r)",
+                self._local,
+                len(frames),
+                frames[0][:64],
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosedError(f"transport {self._local!r} is closed")
+
+    def _start_auth(self, curve: CurveKeys) -> None:
+        # The handler must be bound before the ROUTER accepts its first connection.
+        self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._context, log=log)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", _KeyRing(self._local, curve.admitted))
+
+    def _bind(self, address: str) -> zmq.Socket[bytes]:
+        router: zmq.Socket[bytes] = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, self._queue_size)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        router.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+        if self._curve is not None:
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret_key)
+        try:
+            router.bind(address)
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            log.warning("%s: cannot bind %r: %s", self._local, address, exc)
+            raise TransportError(f"cannot bind {address!r}: {exc}") from exc
+        return router
+
+    def _dealer(self, peer: PeerId, address: str, server_key: bytes | None) -> zmq.Socket[bytes]:
+        dealer: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        options: dict[int, int | bytes] = {
+            zmq.LINGER: 0,
+            zmq.SNDHWM: self._queue_size,
+            # Nothing is ever read from a DEALER; keep what a rogue peer could push small.
+            zmq.RCVHWM: 1,
+            zmq.ROUTING_ID: self._identity,
+            zmq.RECONNECT_IVL: _RECONNECT_IVL_MS,
+            zmq.RECONNECT_IVL_MAX: _RECONNECT_IVL_MAX_MS,
+            zmq.HEARTBEAT_IVL: _HEARTBEAT_IVL_MS,
+            zmq.HEARTBEAT_TIMEOUT: _HEARTBEAT_TIMEOUT_MS,
+        }
+        for option, value in options.items():
+            dealer.setsockopt(option, value)
+        if self._curve is not None:
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret_key)
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public_key)
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, server_key or self._curve.public_key)
+        try:
+            dealer.connect(address)
+        except zmq.ZMQError as exc:
+            dealer.close(linger=0)
+            log.warning("%s: bad address %r for peer %r: %s", self._local, address, peer, exc)
+            raise TransportError(f"cannot connect to {address!r}: {exc}") from exc
+        return dealer
+
+    def _teardown(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._dealers.clear()
+        self._context.destroy(linger=0)
