@@ -18,10 +18,11 @@ from nbos.core.wire.control import ControlMessage
 from nbos.core.wire.entries import KernelEntry
 from nbos.core.wire.log_commands import LogCommand
 from nbos.core.wire.raft import RaftMessage
+from nbos.core.wire.state import StateEntry
 
 log = logging.getLogger(__name__)
 
-AnyMessage = ControlMessage | RaftMessage | AgentMessage | KernelEntry | LogCommand
+AnyMessage = ControlMessage | RaftMessage | AgentMessage | KernelEntry | LogCommand | StateEntry
 
 
 class Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,37 @@
+"""Log entries that carry a cell's changes to the user namespace (design step 6).
+
+The executor captures what a cell changed and commits one :class:`StateDelta`;
+every replica applies it in log order. Values travel as one pickle so that
+objects shared between names stay shared; buffers of 1 MiB or more travel as
+content-addressed blobs in the object store, and the entry holds their keys.
+"""
+
+from __future__ import annotations
+
+from nbos.core.wire.base import Message
+
+
+class StateDelta(Message):
+    """What cell ``exec_index`` changed in the user namespace.
+
+    * ``set``: one pickle (protocol 5) of a ``dict`` from name to new value, or
+      empty when the pickle itself is 1 MiB or more and lives in the object
+      store under ``set_blob``.
+    * ``blobs``: keys of the pickle's out-of-band buffers, in buffer order.
+    * ``deleted``: names the cell removed.
+    * ``imports``: ``(alias, module)`` pairs; the module is imported by name on
+      apply, never pickled.
+    * ``unpicklable``: ``(name, reason)`` for values that stay on the executor;
+      replicas drop any older value of those names so they hold no stale copy.
+    """
+
+    exec_index: int
+    set: bytes = b""
+    set_blob: str | None = None
+    blobs: list[str] = []
+    deleted: list[str] = []
+    imports: list[tuple[str, str]] = []
+    unpicklable: list[tuple[str, str]] = []
+
+
+StateEntry = StateDelta
