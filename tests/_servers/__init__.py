@@ -1,0 +1,1 @@
+"""Real servers (started as subprocesses on loopback) shared by test directories."""
