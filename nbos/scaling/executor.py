@@ -1,0 +1,94 @@
+"""Which replica executes a cell: a pure decision over the gateway's view of the cluster.
+
+The order (design, "One cell, end to end", step 2): the last executor if its host
+can commit the kernel's GPUs now (its tensors may still be resident there), else
+the replica whose host has the most idle GPUs, else a migration to a host that
+can commit them, else the cell waits. Waiting and migrating are ordinary
+outcomes, returned as values; only a request no host could ever satisfy is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+
+from nbos.core.errors import GpuError, InsufficientGpusError
+from nbos.core.ids import HostId
+from nbos.core.placement import ClusterView, HostView
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Execute:
+    """Run the cell on the replica at ``host``."""
+
+    host: HostId
+    reason: Literal["last-executor", "most-idle"]
+
+
+@attrs.frozen
+class Migrate:
+    """No replica's host can commit the GPUs now, but ``candidates`` (sorted) can."""
+
+    candidates: tuple[HostId, ...]
+    reason: str
+
+
+@attrs.frozen
+class Wait:
+    """No host can commit the GPUs now; the cell waits (``reason`` is shown to the client)."""
+
+    reason: str
+
+
+Choice = Execute | Migrate | Wait
+
+
+def choose_executor(
+    last_executor_host: HostId | None,
+    replica_hosts: Sequence[HostId],
+    cluster_view: ClusterView,
+    gpus: int,
+) -> Choice:
+    """Decide where a cell asking for ``gpus`` GPUs runs.
+
+    Replica hosts missing from ``cluster_view`` (dead, not yet reported) are
+    skipped. Ties between replica hosts go to the earlier one in ``replica_hosts``.
+    Raises :class:`GpuError` for a negative count and
+    :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
+    """
+    if gpus < 0:
+        raise GpuError(f"a cell cannot ask for {gpus} GPUs")
+    largest = max((h.gpus_total for h in cluster_view.hosts), default=0)
+    if gpus > largest:
+        log.info("cell asks for %d GPUs; the largest host has %d", gpus, largest)
+        raise InsufficientGpusError(gpus, largest, "cluster (no host has that many GPUs)")
+    replicas = _views(replica_hosts, cluster_view)
+    last = next((h for h in replicas if h.host_id == last_executor_host), None)
+    if last is not None and last.gpus_idle >= gpus:
+        return Execute(last.host_id, "last-executor")
+    fitting = [h for h in replicas if h.gpus_idle >= gpus]
+    if fitting:
+        # max() keeps the first of equals, so ties go to the earlier replica.
+        return Execute(max(fitting, key=lambda h: h.gpus_idle).host_id, "most-idle")
+    on_replica = {h.host_id for h in replicas}
+    movable = sorted(
+        h.host_id
+        for h in cluster_view.hosts
+        if h.schedulable and h.host_id not in on_replica and h.gpus_idle >= gpus
+    )
+    if movable:
+        return Migrate(tuple(movable), f"no replica's host has {gpus} idle GPUs")
+    return Wait(f"waiting for {gpus} GPUs: no host has them idle")
+
+
+def _views(replica_hosts: Sequence[HostId], cluster: ClusterView) -> list[HostView]:
+    by_id = {h.host_id: h for h in cluster.hosts}
+    missing = [h for h in replica_hosts if h not in by_id]
+    if missing:
+        log.debug("replica hosts %s are not in the cluster view", missing)
+    return [by_id[h] for h in replica_hosts if h in by_id]

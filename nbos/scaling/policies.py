@@ -1,0 +1,133 @@
+"""The built-in placement policies: least-loaded (the paper's), bin-packing and random.
+
+All three admit hosts the same way (see :mod:`nbos.scaling._admission`) and differ
+only in which admitted hosts they prefer. They are pure and deterministic given
+their inputs (and, for :class:`RandomPolicy`, its seed), so the gateway and the
+trace-driven simulator can run the same objects.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import random
+from collections.abc import Sequence
+
+from nbos.core.ids import HostId
+from nbos.core.placement import ClusterView, HostView, PlacementRequest
+from nbos.scaling._admission import admissible, migration_candidates, ratio_after, require
+
+log = logging.getLogger(__name__)
+
+
+class _AdmittingPolicy(abc.ABC):
+    """Admission and error handling shared by the built-ins; subclasses rank hosts."""
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The name the policy is registered under."""
+
+    def place(self, request: PlacementRequest, cluster: ClusterView) -> Sequence[HostId]:
+        """``request.replicas`` distinct admitted hosts, or :class:`PlacementError`."""
+        candidates = admissible(request, cluster)
+        require(candidates, request, cluster)
+        chosen = tuple(h.host_id for h in self._choose(candidates, request, cluster))
+        log.debug("%s placed kernel %s on %s", self.name, request.kernel_id, chosen)
+        return chosen
+
+    def migration_target(self, request: PlacementRequest, cluster: ClusterView) -> HostId | None:
+        """A schedulable host outside ``exclude`` with ``request.gpus`` idle GPUs, or ``None``."""
+        candidates = migration_candidates(request, cluster)
+        if not candidates:
+            return None
+        return self._target(candidates, request, cluster).host_id
+
+    @abc.abstractmethod
+    def _choose(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> Sequence[HostView]:
+        """``request.replicas`` of ``candidates`` (sorted by id, at least that many)."""
+
+    @abc.abstractmethod
+    def _target(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> HostView:
+        """One of ``candidates`` (sorted by id, never empty)."""
+
+
+class LeastLoadedPolicy(_AdmittingPolicy):
+    """The paper's policy: spread replicas over the admitted hosts with the lowest
+    subscription ratio (ties: fewer committed GPUs, then host id).
+
+    A migration goes to the host with the most idle GPUs, which leaves the most
+    room for the next cell there.
+    """
+
+    @property
+    def name(self) -> str:
+        return "least-loaded"
+
+    def _choose(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> Sequence[HostView]:
+        ranked = sorted(
+            candidates,
+            key=lambda h: (ratio_after(h, request, cluster), h.gpus_committed, h.host_id),
+        )
+        return ranked[: request.replicas]
+
+    def _target(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> HostView:
+        return min(
+            candidates,
+            key=lambda h: (-h.gpus_idle, ratio_after(h, request, cluster), h.host_id),
+        )
+
+
+class BinPackingPolicy(_AdmittingPolicy):
+    """Fill the most-subscribed admitted hosts first, so that lightly used hosts
+    empty out and the autoscaler can remove them.
+
+    A migration goes to the host with the fewest idle GPUs that still fit (best fit).
+    """
+
+    @property
+    def name(self) -> str:
+        return "bin-packing"
+
+    def _choose(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> Sequence[HostView]:
+        ranked = sorted(candidates, key=lambda h: (-ratio_after(h, request, cluster), h.host_id))
+        return ranked[: request.replicas]
+
+    def _target(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> HostView:
+        return min(
+            candidates,
+            key=lambda h: (h.gpus_idle, -ratio_after(h, request, cluster), h.host_id),
+        )
+
+
+class RandomPolicy(_AdmittingPolicy):
+    """Uniformly random admitted hosts; reproducible for a given ``seed`` and call sequence."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    @property
+    def name(self) -> str:
+        return "random"
+
+    def _choose(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> Sequence[HostView]:
+        return self._rng.sample(candidates, request.replicas)
+
+    def _target(
+        self, candidates: list[HostView], request: PlacementRequest, cluster: ClusterView
+    ) -> HostView:
+        return self._rng.choice(candidates)

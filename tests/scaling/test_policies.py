@@ -1,0 +1,129 @@
+"""The built-in placement policies: distinct hosts, exclusion, admission, errors, determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbos.core.errors import PlacementError
+from nbos.core.ids import HostId
+from nbos.core.placement import PlacementPolicy
+from nbos.scaling import BinPackingPolicy, LeastLoadedPolicy, RandomPolicy, subscription_ratio
+
+from .conftest import cluster, host, request
+
+ALL = [LeastLoadedPolicy, BinPackingPolicy, lambda: RandomPolicy(seed=7)]
+IDS = ["least-loaded", "bin-packing", "random"]
+
+
+@pytest.fixture(params=ALL, ids=IDS)
+def policy(request: pytest.FixtureRequest) -> PlacementPolicy:
+    made: PlacementPolicy = request.param()
+    return made
+
+
+def test_builtins_satisfy_the_protocol(policy: PlacementPolicy) -> None:
+    assert isinstance(policy, PlacementPolicy)
+    assert policy.name in IDS
+
+
+def test_places_on_distinct_hosts_respecting_exclude_and_schedulable(
+    policy: PlacementPolicy,
+) -> None:
+    view = cluster(
+        host("h1"), host("h2"), host("h3"), host("h4", schedulable=False), host("h5"), host("h6")
+    )
+    for _ in range(20):
+        chosen = policy.place(request(exclude=("h2", "h6")), view)
+        assert len(chosen) == 3
+        assert len(set(chosen)) == 3
+        assert set(chosen) == {HostId("h1"), HostId("h3"), HostId("h5")}
+
+
+def test_too_few_hosts_is_a_clear_placement_error(policy: PlacementPolicy) -> None:
+    view = cluster(host("h1"), host("h2", total=2), host("h3", schedulable=False))
+    with pytest.raises(PlacementError) as err:
+        policy.place(request(gpus=4), view)
+    text = str(err.value)
+    assert "k-1" in text and "1 of 3 qualify" in text
+    assert "1 not schedulable" in text and "1 with fewer than 4 GPUs" in text
+
+
+def test_admission_refuses_hosts_over_the_demand_to_busy_ratio(policy: PlacementPolicy) -> None:
+    # 4 GPUs x 3 replicas: ratio 1.0 allows 12 subscribed GPUs, so 11 + 1 fits, 12 + 1 does not.
+    full, edge = host("full", 4, subscribed=12), host("edge", 4, subscribed=11)
+    view = cluster(full, edge, host("a", 4), host("b", 4))
+    assert subscription_ratio(edge, 3, 1) == pytest.approx(1.0)
+    chosen = set(policy.place(request(), view))
+    assert HostId("full") not in chosen
+    assert chosen == {HostId("edge"), HostId("a"), HostId("b")}
+    # A busier cluster (lower demand-to-busy ratio) admits less oversubscription.
+    with pytest.raises(PlacementError, match=r"over the subscription limit 0\.5"):
+        policy.place(request(), cluster(full, edge, host("a", 4), host("b", 4), ratio=0.5))
+
+
+@pytest.mark.parametrize("bad", [request(gpus=-1), request(replicas=0)])
+def test_malformed_request_is_a_placement_error(
+    policy: PlacementPolicy, bad: object
+) -> None:
+    with pytest.raises(PlacementError, match="bad placement request"):
+        policy.place(bad, cluster(host("h1"), host("h2"), host("h3")))  # type: ignore[arg-type]
+
+
+def test_malformed_cluster_view_is_a_placement_error(policy: PlacementPolicy) -> None:
+    with pytest.raises(PlacementError, match="duplicate host ids"):
+        policy.place(request(), cluster(host("h1"), host("h1"), host("h2")))
+    with pytest.raises(PlacementError, match="bad cluster view"):
+        policy.place(request(), cluster(host("h1"), host("h2"), host("h3"), ratio=float("nan")))
+
+
+def test_least_loaded_picks_lowest_subscription_ratio() -> None:
+    view = cluster(
+        host("busy", subscribed=20),
+        host("mid", subscribed=6),
+        host("idle"),
+        host("small", total=2, subscribed=4),  # ratio 4/2/3 = 0.67 > mid's 6/8/3 = 0.25
+        host("light", subscribed=1),
+    )
+    assert LeastLoadedPolicy().place(request(), view) == ("idle", "light", "mid")
+
+
+def test_bin_packing_fills_most_subscribed_admissible_hosts() -> None:
+    view = cluster(
+        host("over", subscribed=24),  # would exceed ratio 1.0
+        host("busy", subscribed=20),
+        host("mid", subscribed=6),
+        host("idle"),
+        host("small", total=2, subscribed=4),
+    )
+    assert BinPackingPolicy().place(request(), view) == ("busy", "small", "mid")
+
+
+def test_random_policy_is_reproducible_with_a_seed() -> None:
+    view = cluster(*(host(f"h{i}") for i in range(10)))
+    one, again = RandomPolicy(seed=1), RandomPolicy(seed=1)
+    seq = [one.place(request(), view) for _ in range(10)]
+    assert seq == [again.place(request(), view) for _ in range(10)]
+    assert len(set(seq)) > 1  # it does vary from call to call
+    assert [RandomPolicy(seed=2).place(request(), view) for _ in range(10)] != seq
+    # Host order in the view does not change the outcome.
+    shuffled = cluster(*reversed(view.hosts))
+    assert RandomPolicy(seed=3).place(request(), view) == RandomPolicy(seed=3).place(
+        request(), shuffled
+    )
+
+
+def test_migration_targets() -> None:
+    view = cluster(
+        host("r1", committed=8),
+        host("roomy", committed=1),
+        host("tight", committed=6),
+        host("off", committed=0, schedulable=False),
+        host("full", committed=7),
+    )
+    req = request(gpus=2, exclude=("r1",))
+    assert LeastLoadedPolicy().migration_target(req, view) == "roomy"
+    assert BinPackingPolicy().migration_target(req, view) == "tight"
+    assert RandomPolicy(seed=0).migration_target(req, view) in {"roomy", "tight"}
+    too_big = request(gpus=8, exclude=("r1",))
+    for policy in (LeastLoadedPolicy(), BinPackingPolicy(), RandomPolicy(seed=0)):
+        assert policy.migration_target(too_big, view) is None
