@@ -1,0 +1,108 @@
+"""Fixtures for the object store tests: a real redis-server, and one harness per store."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+
+from nbos.core.ids import BlobKey
+from nbos.core.object_store import ObjectStore
+from nbos.store import LocalObjectStore, RedisObjectStore
+from tests._servers.redis_server import RedisServer, RedisUnavailableError, start_redis
+
+#: Stored chunk size of the Redis store under test: small, so that blobs of a few hundred
+#: KiB already span several chunks.
+REDIS_CHUNK_BYTES = 256 << 10
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # redis.asyncio runs on asyncio only.
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    try:
+        server = start_redis(tmp_path_factory.mktemp("redis"))
+    except RedisUnavailableError as exc:
+        pytest.skip(f"needs a real Redis: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def redis_raw(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    """A plain client on an empty database, for looking behind the store's back."""
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    await client.flushdb()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@dataclass
+class Harness:
+    """A store under test plus the backend-specific ways to inspect and damage it."""
+
+    kind: str
+    store: ObjectStore
+    #: Change one byte of the stored content of ``key`` (its size stays the same).
+    corrupt: Callable[[BlobKey], Awaitable[None]]
+    #: Traces of unfinished writes (part files or part hashes); empty when clean.
+    leftovers: Callable[[], Awaitable[list[str]]]
+
+
+@pytest.fixture(params=["local", "redis"])
+async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
+    if request.param == "local":
+        made = _local_harness(tmp_path)
+        yield made
+        await made.store.aclose()
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    raw = redis.asyncio.Redis.from_url(server.url)
+    await raw.flushdb()
+    made = _redis_harness(server, raw)
+    try:
+        yield made
+    finally:
+        await made.store.aclose()
+        await raw.aclose()
+
+
+def _local_harness(root: Path) -> Harness:
+    store = LocalObjectStore(root)
+
+    async def corrupt(key: BlobKey) -> None:
+        with store.path_of(key).open("r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0xFF]))
+
+    async def leftovers() -> list[str]:
+        return sorted(p.name for p in (root / "tmp").iterdir())
+
+    return Harness("local", store, corrupt, leftovers)
+
+
+def _redis_harness(server: RedisServer, raw: redis.asyncio.Redis) -> Harness:
+    store = RedisObjectStore(server.url, chunk_bytes=REDIS_CHUNK_BYTES)
+
+    async def corrupt(key: BlobKey) -> None:
+        name = store.blob_name(key)
+        first = await raw.hget(name, "0")
+        assert isinstance(first, bytes)
+        await raw.hset(name, "0", bytes([first[0] ^ 0xFF]) + first[1:])
+
+    async def leftovers() -> list[str]:
+        return sorted([k.decode() async for k in raw.scan_iter(match=store.part_pattern)])
+
+    return Harness("redis", store, corrupt, leftovers)
