@@ -45,7 +45,7 @@ import anyio
 import anyio.lowlevel
 import attrs
 
-from nbos.core.errors import TransportClosedError, TransportError, UnknownPeerError
+from nbos.core.errors import ConfigError, TransportClosedError, TransportError, UnknownPeerError
 from nbos.core.ids import PeerId
 
 log = logging.getLogger(__name__)
@@ -116,11 +116,10 @@ class MemoryNetwork:
     ) -> None:
         for name, rate in (("drop_rate", drop_rate), ("duplicate_rate", duplicate_rate)):
             if not 0.0 <= rate <= 1.0:
-                raise ValueError(f"{name} must be within [0, 1], got {rate}")
+                raise ConfigError(name, rate, "a probability within [0, 1]")
         if not 0.0 <= delay[0] <= delay[1]:
-            raise ValueError(f"delay must be (low, high) with 0 <= low <= high, got {delay}")
-        if queue_size < 1:
-            raise ValueError(f"queue_size must be positive, got {queue_size}")
+            raise ConfigError("delay", delay, "(low, high) seconds with 0 <= low <= high")
+        _check_queue_size(queue_size)
         self.drop_rate = drop_rate
         self.duplicate_rate = duplicate_rate
         self.delay = delay
@@ -137,15 +136,18 @@ class MemoryNetwork:
 
     # --- endpoints -----------------------------------------------------------------
 
-    def endpoint(self, peer: PeerId | str) -> MemoryTransport:
+    def endpoint(self, peer: PeerId | str, *, queue_size: int | None = None) -> MemoryTransport:
         """Open the endpoint of ``peer`` at :func:`address_of` ``(peer)``.
 
+        ``queue_size`` bounds each of its outbound queues (default: the network's).
         A closed endpoint's address can be opened again: that is a peer restart.
         """
         address = address_of(peer)
         if address in self._endpoints:
             raise TransportError(f"address {address!r} is already in use")
-        transport = MemoryTransport(self, PeerId(peer))
+        if queue_size is not None:
+            _check_queue_size(queue_size)
+        transport = MemoryTransport(self, PeerId(peer), queue_size or self.queue_size)
         self._endpoints[address] = transport
         return transport
 
@@ -259,7 +261,7 @@ class MemoryNetwork:
         key = (sender.local, dst)
         self._seq += 1
         envelope = Envelope(self._seq, sender.local, dst, payload)
-        if self._pending[key] >= self.queue_size:
+        if self._pending[key] >= sender.queue_size:
             sender._dropped += 1
             self._record("overflow", envelope)
             return
@@ -320,12 +322,18 @@ class MemoryNetwork:
         self._trace.append(TraceEvent(kind, envelope.seq, envelope.src, envelope.dst))
 
 
+def _check_queue_size(queue_size: int) -> None:
+    if queue_size < 1:
+        raise ConfigError("queue_size", queue_size, "a positive number of messages")
+
+
 class MemoryTransport:
     """One endpoint of a :class:`MemoryNetwork`; made by :meth:`MemoryNetwork.endpoint`."""
 
-    def __init__(self, network: MemoryNetwork, local: PeerId) -> None:
+    def __init__(self, network: MemoryNetwork, local: PeerId, queue_size: int) -> None:
         self._network = network
         self._local = local
+        self.queue_size = queue_size
         self._peers: dict[PeerId, PeerId] = {}
         self._inbox = _Inbox()
         self._dropped = 0

@@ -51,7 +51,7 @@ import zmq
 import zmq.auth.asyncio
 
 from nbos.core.config import TransportSettings
-from nbos.core.errors import TransportClosedError, TransportError, UnknownPeerError
+from nbos.core.errors import ConfigError, TransportClosedError, TransportError, UnknownPeerError
 from nbos.core.ids import PeerId
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class ZmqTransport:
         max_message_size: int,
     ) -> None:
         if queue_size < 1:
-            raise TransportError(f"queue_size must be positive, got {queue_size}")
+            raise ConfigError("queue_size", queue_size, "a positive number of messages")
         self._local = local
         self._identity = local.encode()
         self._queue_size = queue_size
@@ -256,7 +256,9 @@ class ZmqTransport:
             log.warning("%s: refusing a %d-byte message to %s", self._local, size, peer)
             raise TransportError(f"payload of {size} bytes exceeds {self._max_message_size}")
         try:
-            entry[0].send(payload, zmq.NOBLOCK, copy=size < ZERO_COPY_THRESHOLD)
+            # Zero-copy only for immutable bytes: a caller could change a bytearray later.
+            zero_copy = size >= ZERO_COPY_THRESHOLD and type(payload) is bytes
+            entry[0].send(payload, zmq.NOBLOCK, copy=not zero_copy)
         except zmq.Again:
             self._dropped += 1
             log.debug("%s: queue to %s full, message dropped", self._local, peer)
