@@ -1,7 +1,11 @@
 """Raft log records and peer messages.
 
-The records (``Entry``, ``HardState``, ``ConfState``, ``SnapshotMeta``) are what
-the durable log store persists; the messages are what Raft peers exchange.
+The records (``Entry``, ``HardState``, ``ConfState``, ``SnapshotMeta``,
+``ConfChange``) are what the durable log store persists; the messages are what
+Raft peers exchange. Every peer message carries ``src`` (sender node id),
+``dst`` (receiver node id) and ``term`` (the sender's term, or for a granted
+pre-vote the term the candidate would take). Their class names are wire tags,
+so they all start with ``Raft`` to stay unique across nbos.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from typing import Literal
 from nbos.core.wire.base import Message
 
 EntryKind = Literal["normal", "conf", "noop"]
+ConfChangeKind = Literal["add_voter", "add_learner", "promote", "remove"]
 
 
 class Entry(Message):
-    """One log entry. ``kind="conf"`` entries carry an encoded membership change."""
+    """One log entry. ``kind="conf"`` entries carry an encoded :class:`ConfChange`."""
 
     term: int
     index: int
@@ -45,5 +50,124 @@ class SnapshotMeta(Message):
     conf: ConfState
 
 
-RaftRecord = Entry | HardState | ConfState | SnapshotMeta
-RaftMessage = RaftRecord
+class ConfChange(Message):
+    """One membership change: the payload of a ``kind="conf"`` entry."""
+
+    kind: ConfChangeKind
+    node: int
+
+
+RaftRecord = Entry | HardState | ConfState | SnapshotMeta | ConfChange
+
+
+# --- peer messages ---------------------------------------------------------------
+
+
+class RaftPeerMessage(Message):
+    """Fields every Raft peer message has (not itself on the wire)."""
+
+    src: int
+    dst: int
+    term: int
+
+
+class RaftVote(RaftPeerMessage):
+    """A (pre-)vote request. ``transfer`` marks a leadership transfer, which breaks leases."""
+
+    last_index: int
+    last_term: int
+    pre_vote: bool = False
+    transfer: bool = False
+
+
+class RaftVoteResponse(RaftPeerMessage):
+    """Answer to :class:`RaftVote`; ``pre_vote`` echoes the request's kind."""
+
+    granted: bool
+    pre_vote: bool = False
+
+
+class RaftAppend(RaftPeerMessage):
+    """AppendEntries: ``entries`` follow ``(prev_index, prev_term)``; ``commit`` is the leader's."""
+
+    prev_index: int
+    prev_term: int
+    commit: int
+    entries: list[Entry] = []
+
+
+class RaftAppendResponse(RaftPeerMessage):
+    """Answer to :class:`RaftAppend` (also sent after a snapshot is installed).
+
+    On success ``index`` is the follower's last index known to match the leader.
+    On ``reject``, ``index`` is the rejected ``prev_index`` and ``(hint_index,
+    hint_term)`` is the follower's last entry at or below it whose term is at
+    most the rejected ``prev_term``, so the leader skips a whole term per round.
+    """
+
+    index: int
+    reject: bool = False
+    hint_index: int = 0
+    hint_term: int = 0
+
+
+class RaftHeartbeat(RaftPeerMessage):
+    """Leader liveness; ``commit`` never exceeds what the receiver is known to hold."""
+
+    commit: int
+    ctx: bytes = b""
+
+
+class RaftHeartbeatResponse(RaftPeerMessage):
+    """Answer to :class:`RaftHeartbeat`; echoes ``ctx`` (a ReadIndex round)."""
+
+    ctx: bytes = b""
+
+
+class RaftSnapshotChunk(RaftPeerMessage):
+    """InstallSnapshot: bytes ``[offset, offset + len(data))`` of the image for ``meta``."""
+
+    meta: SnapshotMeta
+    offset: int
+    data: bytes
+    done: bool
+
+
+class RaftSnapshotResponse(RaftPeerMessage):
+    """Acknowledges chunks: the follower next expects byte ``offset`` of the image."""
+
+    snapshot_index: int
+    offset: int
+
+
+class RaftTimeoutNow(RaftPeerMessage):
+    """Leadership transfer: campaign now, skipping pre-vote and leases."""
+
+
+class RaftReadIndex(RaftPeerMessage):
+    """A follower asks the leader for a linearizable read index for ``ctx``."""
+
+    ctx: bytes
+
+
+class RaftReadIndexResponse(RaftPeerMessage):
+    """The leader's answer to :class:`RaftReadIndex`: reads are safe once ``index`` is applied."""
+
+    ctx: bytes
+    index: int
+
+
+RaftPeerMessages = (
+    RaftVote
+    | RaftVoteResponse
+    | RaftAppend
+    | RaftAppendResponse
+    | RaftHeartbeat
+    | RaftHeartbeatResponse
+    | RaftSnapshotChunk
+    | RaftSnapshotResponse
+    | RaftTimeoutNow
+    | RaftReadIndex
+    | RaftReadIndexResponse
+)
+RaftMessage = RaftRecord | RaftPeerMessages
