@@ -82,13 +82,16 @@ def address_of(peer: PeerId | str) -> str:
 
 @attrs.define
 class _Inbox:
-    """Copies delivered or due for an endpoint, ordered by (due time, seq)."""
+    """Copies delivered or due for an endpoint, ordered by due time, then arrival."""
 
     heap: list[tuple[float, int, Envelope]] = attrs.Factory(list)
     changed: anyio.Event = attrs.Factory(anyio.Event)
+    pushed: int = 0
 
     def push(self, due: float, envelope: Envelope) -> None:
-        heapq.heappush(self.heap, (due, envelope.seq, envelope))
+        # Arrival order, not seq, breaks ties: a manual delivery order must survive.
+        self.pushed += 1
+        heapq.heappush(self.heap, (due, self.pushed, envelope))
         self.changed.set()
 
     def pop_due(self, now: float) -> Envelope | None:

@@ -193,4 +193,3 @@ async def test_restarted_peer_is_reached_again(harness: Harness) -> None:
                 break
     await b2.send(a.local, b"back")
     assert await receive_n(a, 1) == [("b", b"back")]
-
