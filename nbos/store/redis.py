@@ -65,7 +65,7 @@ class RedisObjectStore:
         *,
         namespace: str = "nbos",
         chunk_bytes: int = 1 << 20,
-        part_ttl_s: int = 900,
+        part_ttl_s: float = 900.0,
         timeout_s: float = 30.0,
     ) -> None:
         check_chunk_size(chunk_bytes)
@@ -80,6 +80,7 @@ class RedisObjectStore:
         self._namespace = namespace
         self._chunk_bytes = chunk_bytes
         self._part_ttl_s = part_ttl_s
+        self._part_ttl_ms = max(1, round(part_ttl_s * 1000))
 
     @classmethod
     def from_settings(cls, settings: StoreSettings) -> RedisObjectStore:
@@ -160,7 +161,7 @@ class RedisObjectStore:
     async def _write_chunk(self, part: str, index: int, chunk: bytes) -> None:
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(part, str(index), chunk)
-        pipe.expire(part, self._part_ttl_s)
+        pipe.pexpire(part, self._part_ttl_ms)
         await pipe.execute()
 
     async def _verified_chunks(self, key: BlobKey) -> AsyncIterator[bytes]:
