@@ -1,0 +1,244 @@
+"""Docker engines as hosts (aiodocker): each process is a container running the argv.
+
+A host is a Docker engine endpoint (``unix:///var/run/docker.sock``,
+``tcp://gpu-3:2376``, ...). Every container runs ``image`` (never pulled: it
+must already exist on each engine) with the spec's argv as its command,
+``NBOS_HOST_ID`` and the spec's environment, the configured bind mounts, the
+host network (so loopback ZeroMQ works as with local processes) and, by
+default, Docker's init as PID 1, which forwards signals to the argv process and
+reaps zombies.
+
+Signals: SIGSTOP and SIGCONT pause and unpause the container (the cgroup
+freezer stops every process in it); any other signal is sent with ``docker
+kill``. Exit statuses ``128 + N`` are reported as ``-N``, like ``subprocess``.
+The exit status is learned by :meth:`DockerProcessHandle.wait`, so ``returncode``
+stays ``None`` until a ``wait`` returned. ``aclose`` kills and removes every
+container this backend created (found by a label naming this backend instance).
+
+Needs the ``docker`` extra (``aiodocker``) and the asyncio event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import signal
+import uuid
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any
+
+import aiodocker
+import aiohttp
+import anyio
+from aiodocker.containers import DockerContainer
+
+from nbos.backends._common import (
+    check_host,
+    check_spec,
+    normalize_exit_status,
+    process_env,
+    terminate_with_grace,
+)
+from nbos.core.compute_backend import ProcessSpec
+from nbos.core.errors import BackendError, ConfigError, HostUnreachableError
+from nbos.core.ids import HostId
+
+logger = logging.getLogger(__name__)
+
+#: Label naming the backend instance that created a container.
+BACKEND_LABEL = "nbos.backend"
+# aiodocker reports "cannot connect to the engine" as this pseudo HTTP status.
+_UNREACHABLE = 900
+_NOT_FOUND = 404
+_CONFLICT = 409
+_CLEANUP_TIMEOUT = 10.0
+
+
+class DockerProcessHandle:
+    """A container running one process."""
+
+    def __init__(self, host: HostId, container: DockerContainer, name: str) -> None:
+        self._host = host
+        self._container = container
+        #: The container's name (unique per backend instance).
+        self.name = name
+        self._returncode: int | None = None
+        self._paused = False
+
+    def __repr__(self) -> str:
+        return f"<DockerProcessHandle host={self._host} name={self.name} rc={self._returncode}>"
+
+    @property
+    def host(self) -> HostId:
+        return self._host
+
+    @property
+    def container_id(self) -> str:
+        container_id: str = self._container.id
+        return container_id
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status (``-N`` for signal ``N``) once a :meth:`wait` has returned, else ``None``."""
+        return self._returncode
+
+    async def wait(self) -> int:
+        if self._returncode is None:
+            try:
+                result = await self._container.wait()
+            except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+                raise _translate(self._host, f"wait for {self.name}", exc) from exc
+            self._returncode = normalize_exit_status(int(result["StatusCode"]))
+        return self._returncode
+
+    async def signal(self, signum: int) -> None:
+        """Pause/unpause for SIGSTOP/SIGCONT, else ``docker kill``; a no-op once it ended."""
+        if self._returncode is not None:
+            return
+        try:
+            if signum == signal.SIGSTOP:
+                await self._container.pause()
+                self._paused = True
+            elif signum == signal.SIGCONT and self._paused:
+                await self._container.unpause()
+                self._paused = False
+            else:
+                await self._container.kill(signal=str(int(signum)))
+        except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+            if isinstance(exc, aiodocker.DockerError) and exc.status == _CONFLICT:
+                logger.debug("signal %d to %s: not running (%s)", signum, self.name, exc)
+                return
+            raise _translate(self._host, f"signal {signum} to {self.name}", exc) from exc
+
+    async def terminate(self, grace: float = 5.0) -> int:
+        return await terminate_with_grace(self, grace)
+
+
+class DockerBackend:
+    """Starts each process as a container on one of several Docker engines.
+
+    ``hosts`` maps host ids to engine URLs. ``image`` is the image every container
+    runs; ``mounts`` are bind mounts in Docker's ``SRC:DST[:ro]`` form (e.g. the
+    repository and its virtual environment); ``network_mode`` defaults to ``host``;
+    ``init`` runs Docker's init as PID 1; ``workdir`` and ``user`` set the
+    container's working directory and user.
+    """
+
+    def __init__(
+        self,
+        hosts: Mapping[str, str],
+        *,
+        image: str,
+        mounts: Sequence[str] = (),
+        network_mode: str = "host",
+        init: bool = True,
+        workdir: str | None = None,
+        user: str | None = None,
+    ) -> None:
+        if not hosts or not all(isinstance(u, str) and u for u in hosts.values()):
+            raise ConfigError("hosts", hosts, "a non-empty mapping of host id to Docker engine URL")
+        if not image:
+            raise ConfigError("image", image, "the name of an image present on every engine")
+        self._urls = {HostId(h): u for h, u in hosts.items()}
+        self._image = image
+        self._host_config: dict[str, Any] = {
+            "Binds": list(mounts),
+            "NetworkMode": network_mode,
+            "Init": init,
+        }
+        self._extra: dict[str, Any] = {"WorkingDir": workdir or "", "User": user or ""}
+        #: Labels every container of this instance; aclose removes what carries it.
+        self.instance = uuid.uuid4().hex[:12]
+        self._clients: dict[HostId, aiodocker.Docker] = {}
+        self._handles: list[DockerProcessHandle] = []
+        self._seq = itertools.count()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return "docker"
+
+    def hosts(self) -> tuple[HostId, ...]:
+        return tuple(self._urls)
+
+    async def start(self, host: HostId, spec: ProcessSpec) -> DockerProcessHandle:
+        if self._closed:
+            raise BackendError("the docker backend is closed")
+        check_host(host, self._urls, self.name)
+        check_spec(spec, self.name)
+        client = self._client(host)
+        name = f"nbos-{self.instance}-{next(self._seq)}"
+        try:
+            container = await self._create_and_start(client, name, host, spec)
+        except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+            raise _translate(host, f"start {spec.argv[0]!r} ({self._image})", exc) from exc
+        handle = DockerProcessHandle(host, container, name)
+        self._handles.append(handle)
+        logger.debug("started %r on %s: container %s", spec.label, host, name)
+        return handle
+
+    async def aclose(self) -> None:
+        """Kill every container still running, then remove every container this instance made."""
+        self._closed = True
+        with anyio.move_on_after(_CLEANUP_TIMEOUT) as scope:
+            for handle in self._handles:
+                if handle.returncode is None:
+                    await _quietly(handle.signal(signal.SIGKILL), handle.host)
+            for host, client in self._clients.items():
+                await _quietly(self._remove_all(client), host)
+        if scope.cancelled_caught:
+            logger.error("docker cleanup took over %.0fs; containers may remain", _CLEANUP_TIMEOUT)
+        self._handles.clear()
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+    def _client(self, host: HostId) -> aiodocker.Docker:
+        if host not in self._clients:
+            self._clients[host] = aiodocker.Docker(url=self._urls[host])
+        return self._clients[host]
+
+    async def _create_and_start(
+        self, client: aiodocker.Docker, name: str, host: HostId, spec: ProcessSpec
+    ) -> DockerContainer:
+        config = {
+            "Image": self._image,
+            "Cmd": list(spec.argv),
+            "Env": [f"{k}={v}" for k, v in process_env(host, spec.env).items()],
+            "Labels": {BACKEND_LABEL: self.instance, "nbos.host": host, "nbos.label": spec.label},
+            "HostConfig": self._host_config,
+            **self._extra,
+        }
+        try:
+            container = await client.containers.create(config, name=name)
+            await container.start()
+        except BaseException:
+            # The engine may have created (or started) it even if the request was interrupted.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
+                await _quietly(client.containers.container(name).delete(force=True), host)
+            raise
+        return container
+
+    async def _remove_all(self, client: aiodocker.Docker) -> None:
+        filters = json.dumps({"label": [f"{BACKEND_LABEL}={self.instance}"]})
+        for container in await client.containers.list(all=True, filters=filters):
+            await container.delete(force=True)
+
+
+def _translate(host: HostId, action: str, exc: Exception) -> BackendError:
+    status = exc.status if isinstance(exc, aiodocker.DockerError) else _UNREACHABLE
+    message = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
+    logger.warning("docker on %s: %s failed: %s", host, action, message)
+    if status == _UNREACHABLE:
+        return HostUnreachableError(host, f"Docker engine: {message}")
+    return BackendError(f"docker on {host}: {action} failed ({status}): {message}")
+
+
+async def _quietly(work: Awaitable[object], host: HostId) -> None:
+    """Await ``work`` (a cleanup step); a 404 means done already, other errors are logged."""
+    try:
+        await work
+    except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+        if not (isinstance(exc, aiodocker.DockerError) and exc.status == _NOT_FOUND):
+            logger.warning("docker cleanup on %s failed: %s", host, exc)

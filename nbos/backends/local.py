@@ -1,0 +1,175 @@
+"""The embedded default backend: virtual hosts, each process a local subprocess.
+
+A host is only a name here: every process runs on this machine, in its own
+session and process group (so a signal reaches the whole replica, children
+included), with ``NBOS_HOST_ID`` naming its virtual host. Output goes to one log
+file per process under ``run_dir/<host>/`` instead of pipes that could fill up.
+Works on every anyio backend (asyncio and trio).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import BinaryIO
+
+import anyio
+import anyio.abc
+
+from nbos.backends._common import (
+    check_host,
+    check_spec,
+    log_name,
+    process_env,
+    safe_file_part,
+    terminate_with_grace,
+)
+from nbos.core.compute_backend import ProcessSpec
+from nbos.core.errors import BackendError, ConfigError
+from nbos.core.ids import HostId
+
+logger = logging.getLogger(__name__)
+
+# How long aclose waits for SIGKILLed processes to be reaped before giving up on them.
+_REAP_TIMEOUT = 5.0
+
+
+class LocalProcessHandle:
+    """A local subprocess, the leader of its own process group."""
+
+    def __init__(self, host: HostId, process: anyio.abc.Process, log_path: Path) -> None:
+        self._host = host
+        self._process = process
+        self.log_path = log_path
+        #: The process id, which is also its process group id.
+        self.pid = process.pid
+
+    def __repr__(self) -> str:
+        return f"<LocalProcessHandle host={self._host} pid={self.pid} rc={self.returncode}>"
+
+    @property
+    def host(self) -> HostId:
+        return self._host
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status; ``-N`` when killed by signal ``N``."""
+        return self._process.returncode
+
+    async def wait(self) -> int:
+        return await self._process.wait()
+
+    async def signal(self, signum: int) -> None:
+        """Send ``signum`` to the whole process group; a no-op once the process ended."""
+        if self.returncode is not None:
+            return
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            pass  # it ended between the check and the kill
+        except PermissionError as exc:
+            logger.warning("cannot signal process group %d on %s: %s", self.pid, self._host, exc)
+            raise BackendError(f"cannot signal process group {self.pid}: {exc}") from exc
+
+    async def terminate(self, grace: float = 5.0) -> int:
+        return await terminate_with_grace(self, grace)
+
+
+class LocalProcessBackend:
+    """Runs every "host" on this machine as local subprocesses.
+
+    ``hosts`` names the virtual hosts. ``run_dir`` holds the log files (a fresh
+    temporary directory when not given; see :attr:`run_dir`).
+    """
+
+    def __init__(
+        self, hosts: Sequence[str], *, run_dir: str | os.PathLike[str] | None = None
+    ) -> None:
+        if isinstance(hosts, str) or not hosts or len(set(hosts)) != len(hosts):
+            raise ConfigError("hosts", hosts, "a non-empty sequence of distinct host names")
+        self._hosts = tuple(HostId(h) for h in hosts)
+        self._run_dir = Path(run_dir) if run_dir is not None else None
+        self._handles: list[LocalProcessHandle] = []
+        self._seq = itertools.count()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return "local"
+
+    @property
+    def run_dir(self) -> Path | None:
+        """Where the logs go; ``None`` until the first start when no ``run_dir`` was given."""
+        return self._run_dir
+
+    def hosts(self) -> Sequence[HostId]:
+        return self._hosts
+
+    async def start(self, host: HostId, spec: ProcessSpec) -> LocalProcessHandle:
+        if self._closed:
+            raise BackendError("the local backend is closed")
+        check_host(host, self._hosts, self.name)
+        check_spec(spec, self.name)
+        log_path, log = await self._open_log(host, spec)
+        try:
+            process = await self._spawn(host, spec, log)
+        finally:
+            # The child holds its own copy of the descriptor.
+            log.close()
+        handle = LocalProcessHandle(host, process, log_path)
+        self._handles.append(handle)
+        logger.debug("started %r on %s: pid %d, log %s", spec.label, host, handle.pid, log_path)
+        return handle
+
+    async def aclose(self) -> None:
+        """SIGKILL the process group of every process still running, and reap them."""
+        self._closed = True
+        live = [h for h in self._handles if h.returncode is None]
+        for handle in live:
+            await handle.signal(signal.SIGKILL)
+        with anyio.move_on_after(_REAP_TIMEOUT):
+            for handle in live:
+                await handle.wait()
+        stuck = [h.pid for h in live if h.returncode is None]
+        if stuck:
+            logger.error("processes %s survived SIGKILL for %.0fs", stuck, _REAP_TIMEOUT)
+        self._handles.clear()
+
+    async def _spawn(self, host: HostId, spec: ProcessSpec, log: BinaryIO) -> anyio.abc.Process:
+        env = {**os.environ, **process_env(host, spec.env)}
+        try:
+            return await anyio.open_process(
+                list(spec.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            logger.warning("cannot start %r on %s: %s", spec.argv[0], host, exc)
+            raise BackendError(f"cannot start {spec.argv[0]!r} on {host}: {exc}") from exc
+
+    async def _open_log(self, host: HostId, spec: ProcessSpec) -> tuple[Path, BinaryIO]:
+        try:
+            if self._run_dir is None:
+                self._run_dir = Path(
+                    await anyio.to_thread.run_sync(partial(tempfile.mkdtemp, prefix="nbos-run-"))
+                )
+            path = self._run_dir / safe_file_part(host) / log_name(next(self._seq), spec)
+            await anyio.Path(path.parent).mkdir(parents=True, exist_ok=True)
+            return path, await anyio.to_thread.run_sync(partial(_open_append, path))
+        except OSError as exc:
+            logger.warning("cannot create a log file under %s: %s", self._run_dir, exc)
+            raise BackendError(f"cannot create a log file under {self._run_dir}: {exc}") from exc
+
+
+def _open_append(path: Path) -> BinaryIO:
+    return path.open("ab")

@@ -1,0 +1,169 @@
+"""Reach a Docker engine for tests: the system one, or a private ``dockerd`` started here.
+
+Framework-neutral, so any test directory can wrap it in a fixture::
+
+    try:
+        daemon = start_dockerd(tmp_dir)
+    except DockerdUnavailableError as exc:
+        pytest.skip(str(exc))
+    image = import_empty_image(daemon)
+    ...
+    daemon.stop()
+
+If a daemon answers on ``/var/run/docker.sock`` it is used (and never stopped).
+Otherwise, as root, a private ``dockerd`` runs with its own socket, data root,
+exec root and pid file under ``workdir``, without iptables or a bridge
+(containers use the host network); :meth:`DockerDaemon.stop` stops it by the PID
+this module started and unmounts what it left under ``workdir``.
+
+No image can be pulled here, so :func:`import_empty_image` makes one from an
+empty tarball: containers bind-mount the host's ``/usr``, ``/lib*``, ``/bin``,
+``/etc`` (and whatever else they need) read-only.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import os
+import shutil
+import socket
+import subprocess
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SYSTEM_SOCKET = Path("/var/run/docker.sock")
+EMPTY_IMAGE = "nbos-test-empty:latest"
+
+
+class DockerdUnavailableError(RuntimeError):
+    """No Docker engine can run here: tests that need one should skip."""
+
+
+@dataclass
+class DockerDaemon:
+    """A Docker engine reachable at ``socket``; ``process`` is set when this module started it."""
+
+    socket: Path
+    process: subprocess.Popen[bytes] | None = None
+    workdir: Path | None = None
+    log: Path | None = None
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """One HTTP request to the engine API; returns the status and the body."""
+        conn = _UnixHTTPConnection(self.socket)
+        try:
+            conn.request(method, path, body=body)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def answers(self) -> bool:
+        try:
+            return self.request("GET", "/_ping") == (200, b"OK")
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the daemon this module started (SIGTERM, then SIGKILL) and unmount its leftovers."""
+        if self.process is None or self._stopped:
+            return
+        self._stopped = True
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.workdir is not None:
+            _unmount_under(self.workdir)
+
+
+def start_dockerd(workdir: Path, ready_timeout_s: float = 30.0) -> DockerDaemon:
+    """The system engine if it answers, else a private ``dockerd`` (needs root) in ``workdir``.
+
+    Raises :class:`DockerdUnavailableError` when neither works (the message says why,
+    quoting the daemon's log).
+    """
+    system = DockerDaemon(SYSTEM_SOCKET)
+    if SYSTEM_SOCKET.is_socket() and system.answers():
+        return system
+    binary = shutil.which("dockerd")
+    if binary is None:
+        raise DockerdUnavailableError("dockerd is not installed (apt-get install docker.io)")
+    if os.geteuid() != 0:
+        raise DockerdUnavailableError("no Docker engine answers and starting dockerd needs root")
+    workdir.mkdir(parents=True, exist_ok=True)
+    daemon = _launch(binary, workdir)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline and daemon.process is not None:
+        if daemon.process.poll() is not None:
+            break
+        if daemon.answers():
+            return daemon
+        time.sleep(0.1)
+    daemon.stop()
+    log = daemon.log.read_text()[-2000:] if daemon.log else ""
+    raise DockerdUnavailableError(f"dockerd did not come up here; its log:\n{log}")
+
+
+def import_empty_image(daemon: DockerDaemon, tag: str = EMPTY_IMAGE) -> str:
+    """Create ``tag`` from an empty root file system (no pull); returns the tag."""
+    tarball = io.BytesIO()
+    with tarfile.open(fileobj=tarball, mode="w"):
+        pass
+    repo, _, version = tag.rpartition(":")
+    status, body = daemon.request(
+        "POST", f"/images/create?fromSrc=-&repo={repo}&tag={version}", tarball.getvalue()
+    )
+    if status != 200 or b'"error"' in body:
+        raise RuntimeError(f"importing {tag} failed: {status} {body[-500:]!r}")
+    return tag
+
+
+def _launch(binary: str, workdir: Path) -> DockerDaemon:
+    sock = workdir / "docker.sock"
+    log = workdir / "dockerd.log"
+    args = [
+        binary,
+        f"--host=unix://{sock}",
+        f"--data-root={workdir / 'data'}",
+        f"--exec-root={workdir / 'exec'}",
+        f"--pidfile={workdir / 'dockerd.pid'}",
+        "--iptables=false",
+        "--bridge=none",
+    ]
+    with log.open("ab") as log_file:
+        process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
+        )
+    return DockerDaemon(sock, process, workdir, log)
+
+
+def _unmount_under(workdir: Path) -> None:
+    prefix = f"{workdir.resolve()}/"
+    with open("/proc/mounts") as f:
+        points = [line.split()[1] for line in f if line.split()[1].startswith(prefix)]
+    # Deepest first, so a mount is never busy because of one inside it.
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=10)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(str(self._path))
+        self.sock = sock
