@@ -90,9 +90,13 @@ class GpuPool:
         tombstones: int = DEFAULT_TOMBSTONES,
     ) -> None:
         if len(set(devices)) != len(devices) or any(d < 0 for d in devices):
-            raise ConfigError("devices", list(devices), "distinct non-negative device indices")
+            raise _logged(
+                ConfigError("devices", list(devices), "distinct non-negative device indices")
+            )
         if not precommit_ttl > 0:
-            raise ConfigError("precommit_ttl", precommit_ttl, "a positive number of seconds")
+            raise _logged(
+                ConfigError("precommit_ttl", precommit_ttl, "a positive number of seconds")
+            )
         self._devices = tuple(sorted(devices))
         self._clock = clock
         self._ttl = precommit_ttl
@@ -114,13 +118,16 @@ class GpuPool:
         """Rebuild a pool after an agent restart from the reservations it reports committed.
 
         Pre-commits do not survive a restart (their cells re-acquire on commit).
-        Raises :class:`GpuError` if the report names unknown devices or binds a
-        device twice: such a report cannot be trusted and must not be half-applied.
+        Raises :class:`GpuError` if the report holds anything but committed
+        reservations, names unknown devices or binds a device twice: such a report
+        cannot be trusted, and the half-built pool is discarded.
         """
         pool = cls(devices, clock, precommit_ttl)
         for alloc in committed:
-            if alloc.reservation_id in pool._live:
-                raise GpuError(f"restore: reservation {alloc.reservation_id!r} reported twice")
+            if alloc.state != "committed" or alloc.reservation_id in pool._live:
+                raise _logged(
+                    GpuError(f"restore: bad report entry {alloc.reservation_id!r} ({alloc.state})")
+                )
             pool._take(alloc.reservation_id, alloc.kernel_id, alloc.devices, "committed")
         for device, kernel in (resident or {}).items():
             pool._check_known(device)
@@ -271,16 +278,19 @@ class GpuPool:
         if (kernel_id is not None and kernel_id != alloc.kernel_id) or (
             n is not None and n != len(alloc.devices)
         ):
-            raise GpuError(
-                f"reservation {alloc.reservation_id!r} belongs to kernel {alloc.kernel_id!r} "
-                f"with {len(alloc.devices)} devices; asked again for kernel {kernel_id!r}, n={n}"
+            raise _logged(
+                GpuError(
+                    f"reservation {alloc.reservation_id!r} belongs to kernel {alloc.kernel_id!r} "
+                    f"with {len(alloc.devices)} devices; asked again for kernel {kernel_id!r}, "
+                    f"n={n}"
+                )
             )
 
     def _allocate(
         self, reservation_id: str, kernel_id: KernelId, n: int, state: ReservationState
     ) -> Allocation:
         if n < 0:
-            raise GpuError(f"reservation {reservation_id!r}: device count {n} is negative")
+            raise _logged(GpuError(f"reservation {reservation_id!r}: device count {n} < 0"))
         idle = self.idle_devices()
         if n > len(idle):
             log.info("kernel %s asked for %d GPUs, %d idle", kernel_id, n, len(idle))
@@ -304,7 +314,7 @@ class GpuPool:
         for d in devices:
             self._check_known(d)
             if d in self._owner:
-                raise GpuError(f"device {d} is already held by reservation {self._owner[d]!r}")
+                raise _logged(GpuError(f"device {d} is already held by {self._owner[d]!r}"))
         evict = {d: k for d in devices if (k := self._resident.get(d)) not in (None, kernel_id)}
         for d in devices:
             self._owner[d] = reservation_id
@@ -318,7 +328,7 @@ class GpuPool:
 
     def _check_known(self, device: int) -> None:
         if device not in self._devices:
-            raise GpuError(f"device {device} is not in this pool ({list(self._devices)})")
+            raise _logged(GpuError(f"device {device} is not in this pool {list(self._devices)}"))
 
     def _finish(self, alloc: Allocation, state: ReservationState) -> None:
         for d in alloc.devices:
@@ -326,3 +336,8 @@ class GpuPool:
         self._finished[alloc.reservation_id] = attrs.evolve(alloc, state=state, evict_from={})
         while len(self._finished) > self._tombstones:
             self._finished.popitem(last=False)
+
+
+def _logged(error: GpuError | ConfigError) -> GpuError | ConfigError:
+    log.warning("GPU pool refused a request: %s", error)
+    return error

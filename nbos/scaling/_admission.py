@@ -20,7 +20,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 from nbos.core.errors import PlacementError
-from nbos.core.ids import HostId
 from nbos.core.placement import ClusterView, HostView, PlacementRequest
 
 log = logging.getLogger(__name__)
@@ -62,9 +61,7 @@ def require(
     if len(candidates) >= request.replicas:
         return
     reasons = Counter(
-        reason
-        for h in cluster.hosts
-        if (reason := _reject_reason(h, request, cluster)) is not None
+        reason for h in cluster.hosts if (reason := _reject_reason(h, request, cluster)) is not None
     )
     detail = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())) or "no hosts"
     message = (
@@ -89,19 +86,23 @@ def _reject_reason(host: HostView, request: PlacementRequest, cluster: ClusterVi
 
 
 def _validate(request: PlacementRequest, cluster: ClusterView) -> None:
+    problem = None
     if request.replicas < 1 or request.gpus < 0:
-        raise PlacementError(
+        problem = (
             f"bad placement request for kernel {request.kernel_id}: "
             f"replicas={request.replicas}, gpus={request.gpus}"
         )
-    if cluster.replicas_per_kernel < 1 or not cluster.demand_to_busy_ratio >= 0:
-        raise PlacementError(
+    elif cluster.replicas_per_kernel < 1 or not cluster.demand_to_busy_ratio >= 0:
+        problem = (
             f"bad cluster view: replicas_per_kernel={cluster.replicas_per_kernel}, "
             f"demand_to_busy_ratio={cluster.demand_to_busy_ratio}"
         )
-    ids: list[HostId] = [h.host_id for h in cluster.hosts]
-    if len(set(ids)) != len(ids):
-        raise PlacementError(f"bad cluster view: duplicate host ids in {sorted(ids)}")
+    elif len({h.host_id for h in cluster.hosts}) != len(cluster.hosts):
+        ids = sorted(h.host_id for h in cluster.hosts)
+        problem = f"bad cluster view: duplicate host ids in {ids}"
+    if problem is not None:
+        log.warning("%s", problem)
+        raise PlacementError(problem)
 
 
 def migration_candidates(request: PlacementRequest, cluster: ClusterView) -> list[HostView]:

@@ -58,10 +58,13 @@ def choose_executor(
 
     Replica hosts missing from ``cluster_view`` (dead, not yet reported) are
     skipped. Ties between replica hosts go to the earlier one in ``replica_hosts``.
+    A draining (unschedulable) host still runs cells of the replicas it holds;
+    only placement and migration avoid it.
     Raises :class:`GpuError` for a negative count and
     :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
     """
     if gpus < 0:
+        log.warning("cell asks for %d GPUs", gpus)
         raise GpuError(f"a cell cannot ask for {gpus} GPUs")
     largest = max((h.gpus_total for h in cluster_view.hosts), default=0)
     if gpus > largest:

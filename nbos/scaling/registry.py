@@ -44,14 +44,16 @@ def load_policy(name: str, **kwargs: Any) -> PlacementPolicy:
         raise PlacementError(f"placement policy {name!r} ({entry.value}) failed to load") from exc
     try:
         policy = factory(**kwargs)
-    except TypeError as exc:
+    except Exception as exc:
         log.warning("placement policy %r refused arguments %s: %s", name, sorted(kwargs), exc)
         raise PlacementError(f"placement policy {name!r} refused its arguments: {exc}") from exc
     if not isinstance(policy, PlacementPolicy):
-        raise PlacementError(
+        message = (
             f"entry point {name!r} ({entry.value}) gave {type(policy).__name__}, "
             "not a PlacementPolicy (needs name, place and migration_target)"
         )
+        log.warning("%s", message)
+        raise PlacementError(message)
     return policy
 
 
@@ -60,5 +62,6 @@ def _single(name: str, found: list[EntryPoint]) -> EntryPoint:
     # the cluster's behaviour depend on install order.
     targets = sorted({ep.value for ep in found})
     if len(targets) > 1:
+        log.warning("placement policy %r is registered twice: %s", name, targets)
         raise PlacementError(f"placement policy {name!r} is registered twice: {targets}")
     return found[0]

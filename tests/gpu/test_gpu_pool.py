@@ -156,6 +156,21 @@ def test_restore_rejects_a_report_that_binds_a_device_twice(
     stranger = type(one)("c1", B, (9,), "committed", 0.0)
     with pytest.raises(GpuError):
         GpuPool.restore(pool.devices, clock, TTL, [stranger])
+    pending = pool.precommit("p1", B, 1)
+    with pytest.raises(GpuError):
+        GpuPool.restore(pool.devices, clock, TTL, [pending])
+
+
+def test_finished_reservations_are_remembered_up_to_a_bound(clock: ManualClock) -> None:
+    pool = GpuPool([0, 1], clock, TTL, tombstones=2)
+    released = []
+    for rid in ("r1", "r2", "r3"):
+        pool.commit(rid, A, 1)
+        released.append(pool.release(rid))
+    assert pool.release("r3") == released[2] != ()
+    assert pool.release("r2") == released[1]
+    assert pool.release("r1") == ()  # forgotten: still a no-op
+    assert pool.counts().idle == 2
 
 
 @pytest.mark.parametrize(

@@ -62,9 +62,7 @@ def test_admission_refuses_hosts_over_the_demand_to_busy_ratio(policy: Placement
 
 
 @pytest.mark.parametrize("bad", [request(gpus=-1), request(replicas=0)])
-def test_malformed_request_is_a_placement_error(
-    policy: PlacementPolicy, bad: object
-) -> None:
+def test_malformed_request_is_a_placement_error(policy: PlacementPolicy, bad: object) -> None:
     with pytest.raises(PlacementError, match="bad placement request"):
         policy.place(bad, cluster(host("h1"), host("h2"), host("h3")))  # type: ignore[arg-type]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nbos.core.errors import PlacementError, UnknownPolicyError
@@ -41,3 +43,29 @@ def test_unknown_name_lists_known_policies() -> None:
 def test_bad_arguments_are_a_placement_error() -> None:
     with pytest.raises(PlacementError, match="refused its arguments"):
         load_policy("least-loaded", seed=1)
+
+
+@pytest.fixture
+def odd_entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A distribution on sys.path whose entry points are broken in the ways a user's can be."""
+    dist = tmp_path / "odd_policies-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: odd-policies\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[nbos.placement_policies]\n"
+        "broken = nbos_no_such_module:Policy\n"
+        "not-a-policy = builtins:dict\n"
+        "bin-packing = nbos.scaling.policies:LeastLoadedPolicy\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.usefixtures("odd_entry_points")
+def test_broken_entry_points_are_placement_errors() -> None:
+    with pytest.raises(PlacementError, match="failed to load"):
+        load_policy("broken")
+    with pytest.raises(PlacementError, match="not a PlacementPolicy"):
+        load_policy("not-a-policy")
+    with pytest.raises(PlacementError, match="registered twice"):
+        load_policy("bin-packing")
+    assert isinstance(load_policy("least-loaded"), LeastLoadedPolicy)
