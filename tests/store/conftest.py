@@ -60,7 +60,7 @@ class Harness:
     leftovers: Callable[[], Awaitable[list[str]]]
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
 async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
     if request.param == "local":
         made = _local_harness(tmp_path)

@@ -22,19 +22,16 @@ WRITER = Path(__file__).with_name("_crash_writer.py")
 
 def writer_killed_mid_put(kind: str, where: str) -> None:
     """Run the writer until it reports a write under way, then SIGKILL it."""
-    child = subprocess.Popen(
-        [sys.executable, str(WRITER), kind, where],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert child.stdout is not None
-        ready, _, _ = select.select([child.stdout], [], [], 30.0)
-        line = child.stdout.readline() if ready else b""
-        assert line == b"writing\n", f"writer did not start: {line!r}, {_stderr(child)}"
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+    args = [sys.executable, str(WRITER), kind, where]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None
+            ready, _, _ = select.select([child.stdout], [], [], 30.0)
+            line = child.stdout.readline() if ready else b""
+            assert line == b"writing\n", f"writer did not start: {line!r}, {_stderr(child)}"
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
     assert child.returncode == -signal.SIGKILL
 
 
@@ -73,6 +70,7 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
         client.close()
 
 
+@pytest.mark.redis
 def test_redis_writer_killed_mid_put_leaves_only_a_part_hash_which_expires(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:

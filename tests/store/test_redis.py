@@ -19,7 +19,7 @@ from nbos.core.ids import BlobKey
 from nbos.store import RedisObjectStore
 from tests._servers.redis_server import RedisServer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
 CHUNK = 64 << 10
 
