@@ -23,6 +23,9 @@ class Replay:
         # The last snapshot marker that dropped the log: no entry at or before it
         # can come from the WAL, so only a snapshot at least as new can stand for them.
         self._reset: SnapshotMeta | None = None
+        # The last marker seen: every new segment repeats it, and a repeat agrees with
+        # the log even when the segments holding the entries before it are gone.
+        self._marker_seen: SnapshotMeta | None = None
 
     def feed(self, records: list[WalRecord]) -> None:
         for record in records:
@@ -44,9 +47,12 @@ class Replay:
             self._entries = [entry]
 
     def _marker(self, meta: SnapshotMeta) -> None:
-        if not self._term_matches(meta.index, meta.term):
+        if not _same_position(meta, self._marker_seen) and not self._term_matches(
+            meta.index, meta.term
+        ):
             self._entries = []
             self._reset = meta
+        self._marker_seen = meta
 
     def _term_matches(self, index: int, term: int) -> bool:
         if not self._entries or not self._entries[0].index <= index <= self._entries[-1].index:
@@ -74,9 +80,11 @@ class Replay:
         return self._entries[snap_index + 1 - first :]
 
 
+def _same_position(a: SnapshotMeta, b: SnapshotMeta | None) -> bool:
+    return b is not None and (a.index, a.term) == (b.index, b.term)
+
+
 def _same_or_newer(snapshot: SnapshotMeta | None, reset: SnapshotMeta) -> bool:
     if snapshot is None:
         return False
-    if snapshot.index == reset.index:
-        return snapshot.term == reset.term
-    return snapshot.index > reset.index
+    return _same_position(reset, snapshot) or snapshot.index > reset.index
