@@ -93,6 +93,8 @@ class GpuPool:
             raise _logged(
                 ConfigError("devices", list(devices), "distinct non-negative device indices")
             )
+        if tombstones < 0:
+            raise _logged(ConfigError("tombstones", tombstones, "a non-negative count"))
         if not precommit_ttl > 0:
             raise _logged(
                 ConfigError("precommit_ttl", precommit_ttl, "a positive number of seconds")
@@ -131,7 +133,9 @@ class GpuPool:
             pool._take(alloc.reservation_id, alloc.kernel_id, alloc.devices, "committed")
         for device, kernel in (resident or {}).items():
             pool._check_known(device)
-            pool._resident[device] = kernel
+            # A committed device holds its holder's state; an older mark on it is stale.
+            if device not in pool._owner:
+                pool._resident[device] = kernel
         return pool
 
     # --- queries ---------------------------------------------------------------

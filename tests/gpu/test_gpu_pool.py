@@ -139,8 +139,11 @@ def test_foreign_resident_device_reports_who_evicts(pool: GpuPool) -> None:
 def test_restore_from_committed_report(pool: GpuPool, clock: ManualClock) -> None:
     pool.commit("a1", A, 2)
     pool.precommit("b1", B, 1)
-    restored = GpuPool.restore(pool.devices, clock, TTL, pool.committed())
+    stale = {d: B for d in pool.committed()[0].devices}
+    resident = {d: A for d in pool.idle_devices()[:1]}
+    restored = GpuPool.restore(pool.devices, clock, TTL, pool.committed(), stale | resident)
     assert restored.counts() == PoolCounts(total=4, idle=2, precommitted=0, committed=2)
+    assert restored.resident() == resident
     assert restored.commit("a1") == pool.commit("a1")
     with pytest.raises(UnknownReservationError):
         restored.commit("b1")
@@ -187,3 +190,8 @@ def test_negative_count_is_refused(pool: GpuPool) -> None:
     with pytest.raises(GpuError):
         pool.precommit("r1", A, -1)
     assert pool.counts().idle == 4
+
+
+def test_negative_tombstone_bound_is_a_config_error(clock: ManualClock) -> None:
+    with pytest.raises(ConfigError):
+        GpuPool([0], clock, TTL, tombstones=-1)
