@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+_DISCARD_TIMEOUT_S = 2.0
 _SIZE = "size"
 _CHUNKS = "chunks"
 
@@ -195,8 +196,12 @@ class RedisObjectStore:
         raise BlobCorruptError(key)
 
     async def _discard(self, part: str) -> None:
-        """Best-effort removal of an unfinished part; its TTL covers a failure here."""
-        with anyio.CancelScope(shield=True):
+        """Best-effort removal of an unfinished part; its TTL covers a failure here.
+
+        Shielded so that a cancelled put still cleans up, but bounded so that an
+        unreachable server cannot hold the cancellation up.
+        """
+        with anyio.move_on_after(_DISCARD_TIMEOUT_S, shield=True):
             try:
                 await self._redis.delete(part)
             except (redis.exceptions.RedisError, OSError) as exc:

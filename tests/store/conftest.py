@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio
 
 from nbos.core.ids import BlobKey
-from nbos.core.object_store import ObjectStore
 from nbos.store import LocalObjectStore, RedisObjectStore
 from tests._servers.redis_server import RedisServer, RedisUnavailableError, start_redis
-
-#: Stored chunk size of the Redis store under test: small, so that blobs of a few hundred
-#: KiB already span several chunks.
-REDIS_CHUNK_BYTES = 256 << 10
+from tests.store._harness import REDIS_CHUNK_BYTES, Harness
 
 
 @pytest.fixture
@@ -46,18 +41,6 @@ async def redis_raw(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Re
         yield client
     finally:
         await client.aclose()
-
-
-@dataclass
-class Harness:
-    """A store under test plus the backend-specific ways to inspect and damage it."""
-
-    kind: str
-    store: ObjectStore
-    #: Change one byte of the stored content of ``key`` (its size stays the same).
-    corrupt: Callable[[BlobKey], Awaitable[None]]
-    #: Traces of unfinished writes (part files or part hashes); empty when clean.
-    leftovers: Callable[[], Awaitable[list[str]]]
 
 
 @pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])

@@ -18,7 +18,7 @@ from nbos.core.errors import (
 )
 from nbos.core.ids import BlobKey
 from nbos.core.object_store import ObjectStore
-from tests.store.conftest import REDIS_CHUNK_BYTES, Harness
+from tests.store._harness import REDIS_CHUNK_BYTES, Harness
 
 pytestmark = pytest.mark.anyio
 
