@@ -1,12 +1,14 @@
 """Stateful property test of GPU accounting: host pools and the gateway's view over them.
 
 The gateway's view is a dict of host -> :class:`GpuPool`, with every kernel having a
-replica on every host. A plain reference model records what each reservation
-should be; hypothesis drives random pre-commits, commits (after a pre-commit and
-direct), releases (with and without lazy residency), clock advances with expiry,
-kernel deaths and agent restarts, and after every step checks that no device is
-bound twice, no count is negative, ``idle + precommitted + committed == total``
-and the pools agree with the model. When every kernel has died nothing is left held.
+replica on every host; cells pick their executor with ``choose_executor`` over a
+``ClusterView`` built from the pools and pre-commit where it says. A plain
+reference model records what each reservation should be; hypothesis drives random
+pre-commits, commits (after a pre-commit and direct), releases (with and without
+lazy residency), clock advances with expiry, kernel deaths and agent restarts, and
+after every step checks that no device is bound twice, no count is negative,
+``idle + precommitted + committed == total`` and the pools agree with the model.
+When every kernel has died nothing is left held.
 
 Sizes: ``NBOS_PROPERTY_EXAMPLES`` (default 60) and ``NBOS_PROPERTY_STEPS`` (default 40).
 """
@@ -22,8 +24,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from nbos.core.errors import InsufficientGpusError, UnknownReservationError
-from nbos.core.ids import KernelId
+from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import ClusterView, HostView
 from nbos.gpu import GpuPool
+from nbos.scaling import Execute, Wait, choose_executor
 
 HOSTS = ("h0", "h1", "h2")
 KERNELS = tuple(KernelId(f"k{i}") for i in range(4))
@@ -116,6 +120,37 @@ class GpuAccounting(RuleBasedStateMachine):
     )
     def commit_direct(self, host: str, kernel: KernelId, n: int) -> str:
         return self._take(host, kernel, n, committed=True)
+
+    @rule(
+        target=reservations,
+        kernel=st.sampled_from(KERNELS),
+        last=st.sampled_from((None, *HOSTS)),
+        n=st.integers(0, 6),
+    )
+    def cell_arrives(self, kernel: KernelId, last: str | None, n: int) -> str:
+        """The gateway picks an executor from its view of the pools, then pre-commits there."""
+        view = ClusterView(
+            [
+                HostView(HostId(h), p.counts().total, p.counts().total - p.counts().idle, 0, 0)
+                for h, p in self.pools.items()
+            ]
+        )
+        replicas = [HostId(h) for h in HOSTS]
+        try:
+            choice = choose_executor(HostId(last) if last else None, replicas, view, n)
+        except InsufficientGpusError:
+            assert n > max(len(d) for d in DEVICES.values())
+            return self._new_id()
+        if isinstance(choice, Execute):
+            if choice.reason == "last-executor":
+                assert choice.host == last
+            rid = self._take(choice.host, kernel, n, committed=False)
+            assert self.model[rid].state == "precommitted"
+            return rid
+        # Every host holds a replica, so there is nowhere to migrate: the cell waits.
+        assert isinstance(choice, Wait)
+        assert all(p.counts().idle < n for p in self.pools.values())
+        return self._new_id()
 
     @rule(rid=reservations)
     def commit(self, rid: str) -> None:
