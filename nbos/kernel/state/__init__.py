@@ -1,0 +1,30 @@
+"""State capture and apply: a cell's changes to the user namespace, carried to replicas.
+
+On the executor, after each cell::
+
+    delta = await capture.capture(namespace, exec_index)   # a StateDelta log entry
+
+on every other replica, in log order::
+
+    await apply(namespace, delta, store)
+
+``namespace_digest`` compares namespaces across processes; ``dump_namespace`` and
+``load_namespace`` turn a whole namespace into a snapshot image and back.
+"""
+
+from nbos.kernel.state._apply import apply
+from nbos.kernel.state._buffers import LARGE
+from nbos.kernel.state._capture import StateCapture
+from nbos.kernel.state._digest import namespace_digest
+from nbos.kernel.state._names import is_user_name
+from nbos.kernel.state._snapshot import dump_namespace, load_namespace
+
+__all__ = [
+    "LARGE",
+    "StateCapture",
+    "apply",
+    "dump_namespace",
+    "is_user_name",
+    "load_namespace",
+    "namespace_digest",
+]

@@ -1,0 +1,167 @@
+"""Large out-of-band buffers as content-addressed blobs, written once.
+
+A pickle's out-of-band buffers of ``threshold`` bytes or more become blobs keyed by
+the SHA-256 of their bytes (the object store's own addressing, so a key computed
+here is the key the store files it under). Knowing a buffer's key means hashing it,
+which for a 1 GB array costs about half a second; :class:`BufferKeys` avoids that for
+buffers no one wrote to since the previous capture:
+
+* with Linux soft-dirty page bits (:mod:`._pages`), a buffer at the same address
+  and size, whose owner is still alive and none of whose pages were written since
+  the previous capture, has the same bytes, hence the same key: reading its page
+  flags costs about 2 ms per GB. Any write, through any alias, sets the bits.
+* without them every large buffer is hashed on every capture: slower, never wrong.
+
+No version counter is used for torch tensors: ``tensor.data.add_()`` and writes
+through ``tensor.numpy()`` do not bump ``tensor._version``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import weakref
+from collections.abc import AsyncIterator, Callable
+
+import anyio.to_thread
+
+from nbos.core.errors import StoreError
+from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
+from nbos.core.object_store import ObjectStore
+from nbos.kernel.state._pages import SoftDirtyPages
+
+log = logging.getLogger(__name__)
+
+#: Buffers (and pickles) of this many bytes or more go to the object store.
+LARGE = 1 << 20
+_CHUNK = 1 << 20
+
+
+class BufferCollector:
+    """A ``buffer_callback`` that keeps large buffers out of band and small ones in band."""
+
+    def __init__(self, threshold: int) -> None:
+        self._threshold = threshold
+        self.buffers: list[pickle.PickleBuffer] = []
+
+    def __call__(self, buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < self._threshold:
+            return True
+        self.buffers.append(buffer)
+        return False
+
+
+class _Known:
+    """The key of the bytes at one address, valid while ``owner`` lives and no page is written."""
+
+    __slots__ = ("key", "owner")
+
+    def __init__(self, owner: Callable[[], object], key: BlobKey) -> None:
+        self.owner = owner
+        self.key = key
+
+
+class BufferKeys:
+    """Blob keys of large buffers, with the cheap unchanged-buffer check described above.
+
+    One instance serves one executor: :meth:`keys` must be called once per capture
+    with every large buffer of that capture, since it resets the page bits.
+    """
+
+    def __init__(self, pages: SoftDirtyPages | None) -> None:
+        self._pages = pages
+        self._known: dict[tuple[int, int], _Known] = {}
+        self.hashed_bytes = 0  # for tests and measurements: how much the last call hashed
+
+    async def keys(
+        self, buffers: list[pickle.PickleBuffer], owners: dict[int, object]
+    ) -> dict[tuple[int, int], BlobKey]:
+        """Map each buffer's ``(address, nbytes)`` to its key.
+
+        ``owners`` maps ``id(exporter)`` to the object that owns an exporter's memory
+        when the exporter is a temporary (a tensor's numpy view).
+        """
+        views = {_place(view): view for view in (b.raw() for b in buffers)}
+        clean = {place for place in views if self._unwritten(place)}
+        if self._pages is not None:
+            # Read every buffer's bits before clearing: a write after the clear is seen
+            # by the next capture, never lost.
+            self._pages.clear()
+        found: dict[tuple[int, int], BlobKey] = {}
+        known: dict[tuple[int, int], _Known] = {}
+        self.hashed_bytes = 0
+        for place, view in views.items():
+            if place in clean:
+                entry = self._known[place]
+            else:
+                key = await hash_key(view)
+                self.hashed_bytes += view.nbytes
+                entry = _Known(_weak_owner(view, owners), key)
+            found[place] = entry.key
+            if entry.owner() is not None and place[0]:
+                known[place] = entry
+        self._known = known  # forget buffers that left the namespace: frees their owners' refs
+        return found
+
+    def _unwritten(self, place: tuple[int, int]) -> bool:
+        entry = self._known.get(place)
+        if entry is None or entry.owner() is None or self._pages is None:
+            return False
+        return not self._pages.written(*place)
+
+
+def place_of(buffer: pickle.PickleBuffer) -> tuple[int, int]:
+    """``(address, nbytes)`` of a buffer, address 0 when it cannot be told."""
+    return _place(buffer.raw())
+
+
+def _place(view: memoryview) -> tuple[int, int]:
+    interface = getattr(view.obj, "__array_interface__", None)
+    address = interface["data"][0] if isinstance(interface, dict) else 0
+    return address, view.nbytes
+
+
+def _weak_owner(view: memoryview, owners: dict[int, object]) -> Callable[[], object]:
+    owner = owners.get(id(view.obj), view.obj)
+    try:
+        return weakref.ref(owner)
+    except TypeError:  # not weak-referenceable: never trusted across captures
+        return _dead
+
+
+def _dead() -> None:
+    return None
+
+
+async def hash_key(view: memoryview) -> BlobKey:
+    """The blob key of ``view``'s bytes, hashed off the event loop (hashlib drops the GIL)."""
+    return await anyio.to_thread.run_sync(_sha256_key, view)
+
+
+def _sha256_key(view: memoryview) -> BlobKey:
+    return BlobKey(BLOB_KEY_PREFIX + hashlib.sha256(view).hexdigest())
+
+
+async def upload(store: ObjectStore, view: memoryview, key: BlobKey) -> None:
+    """Write ``view`` under ``key`` unless the store has it; checks the store agrees on the key."""
+    if await store.contains(key):
+        return
+    stored = await store.put_stream(_chunks(view))
+    if stored != key:
+        # The buffer changed while it was written (a concurrent writer), or the store is broken.
+        log.error("object store filed a buffer under %s, expected %s", stored, key)
+        raise StoreError(f"buffer expected under {key} was stored under {stored}")
+
+
+async def _chunks(view: memoryview) -> AsyncIterator[bytes]:
+    for start in range(0, view.nbytes, _CHUNK):
+        yield bytes(view[start : start + _CHUNK])
+
+
+async def fetch(store: ObjectStore, key: BlobKey) -> bytearray:
+    """The blob under ``key`` as a writable buffer (arrays rebuilt on it stay writable)."""
+    out = bytearray()
+    async for chunk in store.get_stream(key):
+        out += chunk
+    return out

@@ -1,0 +1,129 @@
+"""Values to (pickle, blob keys) and back: the encoding shared by deltas and snapshots."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import types
+from collections.abc import MutableMapping
+from typing import Any
+
+import msgspec
+
+from nbos.core.errors import KernelError
+from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
+from nbos.core.object_store import ObjectStore
+from nbos.kernel.state import _buffers
+from nbos.kernel.state._pickler import NamespacePickler, NamespaceUnpickler, is_user_defined
+
+# Values whose identity no program can rely on: sharing them does not tie two names.
+_VALUE_TYPES = (
+    str, bytes, int, float, complex, bool, type(None), tuple, frozenset, range, slice,
+    types.ModuleType, types.BuiltinFunctionType, types.MethodWrapperType,
+)  # fmt: skip
+
+
+class Pickled(msgspec.Struct):
+    """One pickle and what it referenced.
+
+    ``identities`` maps ``id(obj)`` to the object's memo index for every object in
+    the pickle whose identity matters (mutable containers, instances, tensors,
+    functions and classes pickled by value); ``memo`` keeps those objects alive, so
+    ids stay unique while the caller compares pickles.
+    """
+
+    data: bytes
+    buffers: list[pickle.PickleBuffer]
+    owners: dict[int, object]
+    identities: dict[int, int]
+    memo: dict[int, tuple[int, object]]
+
+
+def pickle_value(value: object, threshold: int) -> Pickled:
+    """Pickle ``value``; buffers of ``threshold`` bytes or more stay out of band."""
+    collector = _buffers.BufferCollector(threshold)
+    out = io.BytesIO()
+    pickler = NamespacePickler(out, collector)
+    pickler.dump(value)
+    memo: dict[int, tuple[int, object]] = pickler.memo.copy()
+    identities = {key: index for key, (index, obj) in memo.items() if _has_identity(obj)}
+    return Pickled(out.getvalue(), collector.buffers, pickler.buffer_owners, identities, memo)
+
+
+def _has_identity(obj: object) -> bool:
+    if isinstance(obj, type | types.FunctionType):
+        return is_user_defined(obj)
+    if isinstance(obj, _VALUE_TYPES):
+        return False
+    return not _is_numpy_dtype(obj)
+
+
+def _is_numpy_dtype(obj: object) -> bool:
+    # Arrays of one dtype share a dtype object; that must not tie their names together.
+    module = type(obj).__module__
+    return module.startswith("numpy") and type(obj).__name__.endswith("DType")
+
+
+class Encoded(msgspec.Struct):
+    """A pickle ready for a log entry: inline bytes or a blob key, and its buffers' keys."""
+
+    inline: bytes
+    blob: str | None
+    buffers: list[str]
+
+
+async def encode(
+    values: dict[str, object],
+    store: ObjectStore,
+    keys: dict[tuple[int, int], BlobKey],
+    threshold: int,
+) -> Encoded:
+    """Pickle ``values`` as one pickle and store what is large.
+
+    ``keys`` holds buffer keys the caller already knows by ``(address, nbytes)``;
+    other buffers are hashed here. Blobs already in the store are not written again.
+    """
+    pickled = pickle_value(values, threshold)
+    buffer_keys: list[str] = []
+    for buffer in pickled.buffers:
+        view = buffer.raw()
+        key = keys.get(_buffers.place_of(buffer)) or await _buffers.hash_key(view)
+        await _buffers.upload(store, view, key)
+        buffer_keys.append(key)
+    if len(pickled.data) >= threshold:
+        return Encoded(b"", await store.put(pickled.data), buffer_keys)
+    return Encoded(pickled.data, None, buffer_keys)
+
+
+async def decode(
+    encoded: Encoded, namespace: MutableMapping[str, Any], store: ObjectStore
+) -> dict[str, object]:
+    """The values :func:`encode` stored; cell-defined functions get ``namespace`` as globals."""
+    data = encoded.inline if encoded.blob is None else await store.get(BlobKey(encoded.blob))
+    buffers = [await _buffers.fetch(store, _checked_key(key)) for key in encoded.buffers]
+    try:
+        values = _load(data, namespace, buffers)
+    except Exception as exc:
+        raise KernelError(f"cannot unpickle namespace values: {exc!r}") from exc
+    if not isinstance(values, dict):
+        raise KernelError(f"namespace pickle holds a {type(values).__name__}, not a dict")
+    return values
+
+
+def _load(data: bytes, namespace: MutableMapping[str, Any], buffers: list[bytearray]) -> Any:
+    return NamespaceUnpickler(io.BytesIO(data), namespace, buffers).load()
+
+
+def _checked_key(key: str) -> BlobKey:
+    if not key.startswith(BLOB_KEY_PREFIX):
+        raise KernelError(f"bad blob key {key!r} in a state entry")
+    return BlobKey(key)
+
+
+def content_hash(pickled: Pickled, keys: list[str]) -> bytes:
+    """A digest of a pickle and its buffers' keys: equal iff the pickled content is."""
+    h = hashlib.blake2b(pickled.data, digest_size=16)
+    for key in keys:
+        h.update(key.encode())
+    return h.digest()

@@ -1,0 +1,28 @@
+"""Which names of a user namespace are user state, and which are IPython's bookkeeping."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+
+# IPython and the interpreter put these in user_ns; each replica has its own and they
+# must neither travel nor count in a digest.
+_BOOKKEEPING = frozenset(
+    {"_", "__", "___", "_oh", "_ih", "_dh", "_sh", "In", "Out", "get_ipython", "exit", "quit"}
+)
+# _i, _ii, _iii, _i<N> (input history) and _<N> (output history); a user's `_items` is state.
+_HISTORY = re.compile(r"_i{1,3}|_i\d+|_\d+")
+
+
+def is_user_name(name: str) -> bool:
+    """Whether ``name`` in a user namespace holds user state that replicas must share."""
+    if name in _BOOKKEEPING or _HISTORY.fullmatch(name):
+        return False
+    return not (name.startswith("__") and name.endswith("__"))
+
+
+def user_items(namespace: Mapping[str, object]) -> Iterator[tuple[str, object]]:
+    """The user-state entries of ``namespace``, in its order."""
+    for name, value in namespace.items():
+        if is_user_name(name):
+            yield name, value

@@ -1,0 +1,81 @@
+"""Linux soft-dirty page bits: which memory was written since a point in time.
+
+Writing ``4`` to ``/proc/self/clear_refs`` clears the soft-dirty bit of every page of
+the process; the kernel sets it again on the first write to a page, whoever writes
+(numpy, torch, C extensions, views, ``.data``). Bit 55 of a page's 64-bit entry in
+``/proc/self/pagemap`` reads it. This is what lets an untouched 1 GB array be
+recognised as unchanged by reading 2 MB of page flags instead of hashing 1 GB.
+
+It needs a kernel built with ``CONFIG_MEM_SOFT_DIRTY`` (most distribution kernels;
+not every VM kernel): :func:`probe` checks that the bits really work and returns
+``None`` otherwise, and callers then fall back to hashing.
+
+Known limits, all of them false alarms except the last: a clear write-protects every
+page, so the first write to a page after a capture takes a minor fault; pages that
+share a buffer's first or last page with other data may read as written; a region
+unmapped with ``MADV_DONTNEED`` after a clear reads as clean though it now reads as
+zeros (no Python code path in numpy or torch does this to a live buffer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import struct
+
+log = logging.getLogger(__name__)
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_PAGEMAP = "/proc/self/pagemap"
+_ENTRY = struct.Struct("<Q")
+_DIRTY_BYTE = 55 // 8
+_TOP_BIT = bytes(1 if byte & 0x80 else 0 for byte in range(256))
+
+
+class SoftDirtyPages:
+    """Reads and clears the soft-dirty bits of this process's pages."""
+
+    def __init__(self) -> None:
+        self._page = mmap.PAGESIZE
+
+    def clear(self) -> None:
+        """Mark every page of the process clean."""
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("4")
+
+    def written(self, address: int, nbytes: int) -> bool:
+        """Whether any page of ``[address, address + nbytes)`` was written since :meth:`clear`."""
+        if nbytes <= 0:
+            return False
+        first = address // self._page
+        count = (address + nbytes - 1) // self._page - first + 1
+        with open(_PAGEMAP, "rb", buffering=0) as f:
+            f.seek(first * _ENTRY.size)
+            entries = f.read(count * _ENTRY.size)
+        if len(entries) != count * _ENTRY.size:
+            return True
+        # Bit 55 is the top bit of byte 6 of each little-endian entry: slice those bytes
+        # out and look for a set top bit, all in C (a 1 GB buffer has 262144 entries).
+        return b"\x01" in entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
+
+
+def probe() -> SoftDirtyPages | None:
+    """A working :class:`SoftDirtyPages`, or ``None`` if this kernel lacks the bits."""
+    try:
+        pages = SoftDirtyPages()
+        region = ctypes.create_string_buffer(mmap.PAGESIZE * 2)
+        # The page that lies wholly inside the buffer, so nothing else writes to it.
+        address = -(-ctypes.addressof(region) // mmap.PAGESIZE) * mmap.PAGESIZE
+        offset = address - ctypes.addressof(region)
+        pages.clear()
+        clean = not pages.written(address, 1)
+        region[offset] = b"x"
+        works = clean and pages.written(address, 1)
+    except OSError as exc:
+        log.info("soft-dirty page bits unavailable (%s); large buffers are hashed", exc)
+        return None
+    if not works:
+        log.info("this kernel does not keep soft-dirty page bits; large buffers are hashed")
+        return None
+    return pages

@@ -1,0 +1,66 @@
+"""A whole namespace as one image, for Raft snapshots and catching up new replicas."""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Mapping
+
+import msgspec
+
+from nbos.core.errors import KernelError
+from nbos.core.object_store import ObjectStore
+from nbos.kernel.state import _codec
+from nbos.kernel.state._apply import import_module
+from nbos.kernel.state._buffers import LARGE
+from nbos.kernel.state._names import user_items
+
+log = logging.getLogger(__name__)
+
+
+class _Image(msgspec.Struct, forbid_unknown_fields=True):
+    values: _codec.Encoded
+    imports: list[tuple[str, str]]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Image)
+
+
+async def dump_namespace(
+    namespace: Mapping[str, object], store: ObjectStore, *, threshold: int = LARGE
+) -> bytes:
+    """The user state of ``namespace`` as bytes; large buffers go to ``store``.
+
+    Values that cannot be pickled are left out (and logged), as they are from deltas.
+    """
+    imports: list[tuple[str, str]] = []
+    values: dict[str, object] = {}
+    for name, value in user_items(namespace):
+        if isinstance(value, types.ModuleType):
+            imports.append((name, value.__name__))
+            continue
+        try:
+            _codec.pickle_value(value, threshold)
+        except Exception as exc:
+            log.info("snapshot leaves out %s: %s: %s", name, type(exc).__name__, exc)
+            continue
+        values[name] = value
+    encoded = await _codec.encode(values, store, {}, threshold)
+    return _encoder.encode(_Image(encoded, imports))
+
+
+async def load_namespace(image: bytes, store: ObjectStore) -> dict[str, object]:
+    """A fresh namespace holding what :func:`dump_namespace` saved.
+
+    Raises :class:`~nbos.core.errors.KernelError` for an image that does not decode.
+    """
+    try:
+        decoded = _decoder.decode(image)
+    except msgspec.MsgspecError as exc:
+        log.error("namespace image does not decode: %s", exc)  # noqa: TRY400
+        raise KernelError(f"namespace image does not decode: {exc}") from exc
+    namespace: dict[str, object] = {}
+    namespace.update(await _codec.decode(decoded.values, namespace, store))
+    namespace.update({alias: import_module(module, -1) for alias, module in decoded.imports})
+    return namespace
