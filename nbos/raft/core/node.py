@@ -98,6 +98,8 @@ class RaftNode:
         self.transferee: int | None = None
         self._pending_conf_index = 0
         self._commit_dirty = False
+        #: followers to send an append to even if it carries no entries
+        self._nudge: set[int] = set()
         self._read_only = ReadOnlyQueue()
         self._reads_before_commit: list[tuple[bytes, int | None]] = []
         self._become_follower(self.term, None)
@@ -288,6 +290,7 @@ class RaftNode:
         self.transferee = None
         self._votes = {}
         self.progress = {}
+        self._nudge = set()
         self._read_only.clear()
         self._reads_before_commit = []
         self._commit_dirty = False
@@ -535,6 +538,10 @@ class RaftNode:
                 pr.inflights.free_first()  # lets a lost append be detected by the next one
             if pr.state is ProgressState.SNAPSHOT:
                 self._send_chunk(msg.src, pr)
+            elif pr.match < self.log.last_index():
+                # appends may have been lost with nothing left to send: an empty one
+                # at `next` gets rejected if so, and the rejection starts a probe
+                self._nudge.add(msg.src)
             if msg.ctx:
                 for ctx, index, origin in self._read_only.ack(msg.ctx, msg.src, self.conf.voters):
                     self._answer_read(ctx, index, origin)
@@ -589,10 +596,11 @@ class RaftNode:
         for member, pr in self.progress.items():
             if member == self.id:
                 continue
-            send_empty = self._commit_dirty
+            send_empty = self._commit_dirty or member in self._nudge
             while self._send_append(member, pr, send_empty=send_empty):
                 send_empty = False
         self._commit_dirty = False
+        self._nudge.clear()
 
     def _send_append(self, to: int, pr: Progress, *, send_empty: bool) -> bool:
         if pr.paused():
