@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ def config() -> RaftConfig:
 def make_cluster(config: RaftConfig) -> MakeCluster:
     """``make_cluster(n, seed=0, **config_overrides)``: a bootstrapped group of nodes 1..n."""
 
-    def make(n: int = 3, seed: int = 0, **overrides: object) -> SimCluster:
+    def make(n: int = 3, seed: int = 0, **overrides: Any) -> SimCluster:
         cfg = dataclasses.replace(config, **overrides)
         return SimCluster.bootstrapped(list(range(1, n + 1)), cfg, seed)
 
