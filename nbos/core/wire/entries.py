@@ -1,4 +1,15 @@
-"""Entries of a kernel's replicated log (the path of one cell, steps 4 to 6)."""
+"""Entries of a kernel's replicated log (the path of one cell, steps 4 to 6).
+
+Every replica applies the same entries in the same order, so each rule below
+holds on all of them alike:
+
+* the first committed :class:`Claim` for an index names the only replica that runs it;
+* :class:`~nbos.core.wire.state.StateDelta` entries count only for a claimed index whose
+  ``Done`` has not committed yet; they take effect when the claim winner's ``Done``
+  commits with status ``ok`` or ``error``, and are dropped otherwise;
+* the first committed :class:`Done` for an index counts; a later one is ignored;
+* :class:`CommEntry` carries a widget (comm) message from a client to every replica.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +28,11 @@ class Claim(Message):
 
 
 class Done(Message):
-    """Cell ``exec_index`` finished; the first committed ``Done`` for an index counts."""
+    """Cell ``exec_index`` finished; the first committed ``Done`` for an index counts.
+
+    ``execution_count`` is the shell's prompt counter after the cell; a ``lost`` cell
+    leaves the counter where it was.
+    """
 
     exec_index: int
     replica: int
@@ -25,4 +40,16 @@ class Done(Message):
     status: CellStatus
 
 
-KernelEntry = Claim | Done
+class CommEntry(Message):
+    """A client's comm message (``comm_open``, ``comm_msg``, ``comm_close``) for every replica.
+
+    ``message`` is the JSON of the Jupyter message's header, metadata and content;
+    ``buffers`` are its binary buffers.
+    """
+
+    replica: int
+    message: bytes
+    buffers: list[bytes] = []
+
+
+KernelEntry = Claim | Done | CommEntry

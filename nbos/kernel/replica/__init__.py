@@ -1,0 +1,26 @@
+"""The replica kernel process: an ipykernel joined to its kernel's Raft group.
+
+Launched as ``python -m nbos.kernel.replica`` (see :class:`ReplicaApp`). The front
+talks to it over the Jupyter protocol, with two additions: the ``execute_request``
+metadata keys :data:`EXEC_INDEX_KEY` and :data:`DEVICES_KEY`, and the control
+requests ``nbos_lost_request`` (commit ``Done(index, lost)``) and
+``nbos_digest_request`` (namespace digest once a cell has applied).
+"""
+
+from nbos.kernel.replica._app import ReplicaApp, parse_peers
+from nbos.kernel.replica._kernel import DEVICES_KEY, EXEC_INDEX_KEY, ReplicaKernel
+from nbos.kernel.replica._machine import KernelStateMachine, Outcome
+from nbos.kernel.replica._raftnode import PeerAddress, RaftNode, peer_id
+
+__all__ = [
+    "DEVICES_KEY",
+    "EXEC_INDEX_KEY",
+    "KernelStateMachine",
+    "Outcome",
+    "PeerAddress",
+    "RaftNode",
+    "ReplicaApp",
+    "ReplicaKernel",
+    "parse_peers",
+    "peer_id",
+]

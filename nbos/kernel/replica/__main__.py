@@ -1,0 +1,5 @@
+"""``python -m nbos.kernel.replica``: one replica kernel process."""
+
+from nbos.kernel.replica._app import main
+
+main()

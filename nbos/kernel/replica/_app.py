@@ -1,0 +1,83 @@
+"""The replica kernel process: an ``IPKernelApp`` that joins its kernel's Raft group.
+
+Run as ``python -m nbos.kernel.replica --connection-file F --kernel-id K --node-id N
+--raft-peers JSON --store DIR [--data-dir DIR]``. ``--raft-peers`` maps every
+node id of the group to ``[raft address, forwarder address]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from ipykernel.kernelapp import IPKernelApp, kernel_aliases
+from traitlets import Dict, Int, Type, Unicode
+
+from nbos.core.config import Settings
+from nbos.core.errors import ConfigError
+from nbos.core.ids import KernelId, NodeId
+from nbos.kernel.replica._kernel import ReplicaKernel
+from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
+from nbos.store.local import LocalObjectStore
+
+log = logging.getLogger(__name__)
+
+
+def parse_peers(text: str) -> dict[NodeId, PeerAddress]:
+    """Decode ``--raft-peers``; raises :class:`ConfigError` for anything malformed."""
+    try:
+        raw = msgspec.json.decode(text, type=dict[int, tuple[str, str]])
+    except msgspec.MsgspecError as exc:
+        raise ConfigError("raft-peers", text, f"JSON {{node: [raft, forward]}} ({exc})") from exc
+    if not raw:
+        raise ConfigError("raft-peers", text, "at least one peer")
+    return {NodeId(n): PeerAddress(raft, fwd) for n, (raft, fwd) in raw.items()}
+
+
+class ReplicaApp(IPKernelApp):
+    """``IPKernelApp`` running a :class:`ReplicaKernel` joined to the kernel's log."""
+
+    name = "nbos-replica"
+    kernel_class = Type(ReplicaKernel, klass=ReplicaKernel)
+    kernel_id = Unicode("", help="The replicated kernel's id.").tag(config=True)
+    node_id = Int(0, help="This replica's Raft node id.").tag(config=True)
+    raft_peers = Unicode("", help="JSON {node id: [raft address, forwarder address]}.").tag(
+        config=True
+    )
+    store = Unicode("", help="Directory of the local object store.").tag(config=True)
+    data_dir = Unicode("", help="Directory of this replica's Raft log (empty: in memory).").tag(
+        config=True
+    )
+    aliases = Dict(
+        {
+            **kernel_aliases,
+            "connection-file": "ReplicaApp.connection_file",
+            "kernel-id": "ReplicaApp.kernel_id",
+            "node-id": "ReplicaApp.node_id",
+            "raft-peers": "ReplicaApp.raft_peers",
+            "store": "ReplicaApp.store",
+            "data-dir": "ReplicaApp.data_dir",
+        }
+    )
+
+    def init_kernel(self) -> None:
+        super().init_kernel()  # type: ignore[no-untyped-call]
+        if not self.kernel_id or not self.store:
+            raise ConfigError("kernel-id/store", None, "both given")
+        kernel: ReplicaKernel = self.kernel
+        raft = RaftNode(
+            kernel_id=KernelId(self.kernel_id),
+            node_id=NodeId(self.node_id),
+            peers=parse_peers(self.raft_peers),
+            data_dir=Path(self.data_dir) if self.data_dir else None,
+            machine=kernel.machine(),
+            settings=Settings.load().raft,
+        )
+        kernel.attach(raft, LocalObjectStore(Path(self.store)))
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Entry point of ``python -m nbos.kernel.replica``."""
+    ReplicaApp.launch_instance(argv=argv)

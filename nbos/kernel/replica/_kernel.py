@@ -1,0 +1,402 @@
+"""The replica kernel: an ipykernel that runs a cell only when the kernel's log says so.
+
+The path of one cell on this replica (design: "One cell, end to end"):
+
+1. ``execute_request`` arrives from the front with ``nbos_exec_index`` (and the
+   GPU device ids) in its metadata; the replica proposes ``Claim(index, me)``.
+2. If another replica's claim committed first, it replies ``aborted`` with
+   ``nbos.claim_lost_to`` in the metadata and runs nothing.
+3. The winner waits until it has applied ``Done(index - 1)``, runs the cell,
+   captures what changed, commits the ``StateDelta`` and then ``Done``, and only
+   then lets the reply go.
+
+Every replica applies committed cells of the others on its main thread (the
+applier), in log order, and keeps ``execution_count`` in step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import attrs
+from ipykernel.ipkernel import IPythonKernel
+
+from nbos.core.errors import CellLostError, KernelError, NbosError
+from nbos.core.object_store import ObjectStore
+from nbos.core.wire import decode
+from nbos.core.wire.entries import CellStatus, Claim, CommEntry, Done
+from nbos.core.wire.state import StateDelta
+from nbos.kernel.replica._machine import (
+    CellCommitted,
+    CommDelivered,
+    Event,
+    KernelStateMachine,
+    Restored,
+)
+from nbos.kernel.replica._raftnode import RaftNode
+from nbos.kernel.replica._sync import NamespaceSync, digest
+
+log = logging.getLogger(__name__)
+
+#: Keys the front puts in an ``execute_request``'s metadata.
+EXEC_INDEX_KEY = "nbos_exec_index"
+DEVICES_KEY = "nbos_devices"
+_COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
+
+
+@attrs.define
+class _Cell:
+    index: int
+    devices: tuple[int, ...]
+    wait_s: float
+    started: float = 0.0
+    run_s: float = 0.0
+    status: str = ""
+
+
+def cell_request(metadata: Any) -> tuple[int, tuple[int, ...]]:
+    """The exec index and device ids of a front's request; ``KernelError`` if absent or bad."""
+    if not isinstance(metadata, dict):
+        raise KernelError("execute_request without metadata")
+    index, devices = metadata.get(EXEC_INDEX_KEY), metadata.get(DEVICES_KEY, [])
+    if not isinstance(index, int) or isinstance(index, bool) or index < 1:
+        raise KernelError(f"execute_request needs a positive int {EXEC_INDEX_KEY}, got {index!r}")
+    if not isinstance(devices, list) or not all(isinstance(d, int) for d in devices):
+        raise KernelError(f"{DEVICES_KEY} must be a list of ints, got {devices!r}")
+    return index, tuple(devices)
+
+
+class ReplicaKernel(IPythonKernel):
+    """An ``IPythonKernel`` whose cells are ordered and replicated by the kernel's log.
+
+    :meth:`attach` must be called (by :class:`~nbos.kernel.replica.ReplicaApp`)
+    before the kernel starts.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        self.control_handlers["nbos_lost_request"] = self._lost_request
+        self.control_handlers["nbos_digest_request"] = self._digest_request
+        self._comm_handlers = {t: self.shell_handlers[t] for t in _COMM_TYPES}
+        for msg_type in _COMM_TYPES:
+            self.shell_handlers[msg_type] = self._comm_through_log
+        self._raft: RaftNode | None = None
+        self._sync: NamespaceSync | None = None
+        self._main_loop: asyncio.AbstractEventLoop | None = None
+        self._events: asyncio.Queue[Event] | None = None
+        self._applied_done = 0
+        self._applied_changed = asyncio.Event()
+        self._cell: _Cell | None = None
+        self._diverged = False
+        self._warned: set[str] = set()
+
+    # --- wiring ------------------------------------------------------------------
+
+    def machine(self) -> KernelStateMachine:
+        """The state machine to give the Raft log; its events land on this kernel's loop."""
+        return KernelStateMachine(self._post_event)
+
+    def attach(self, raft: RaftNode, store: ObjectStore) -> None:
+        self._raft, self._sync = raft, NamespaceSync(store)
+
+    @property
+    def _shell(self) -> Any:
+        assert self.shell is not None
+        return self.shell
+
+    @property
+    def _session(self) -> Any:
+        assert self.session is not None
+        return self.session
+
+    @property
+    def node(self) -> int:
+        assert self._raft is not None
+        return int(self._raft.node_id)
+
+    def start(self) -> None:
+        super().start()  # type: ignore[no-untyped-call]
+        self._main_loop = asyncio.get_event_loop()
+        self._events = asyncio.Queue()
+        self._main_loop.create_task(self._apply_events())
+        assert self._raft is not None
+        self._raft.start()
+
+    def _post_event(self, event: Event) -> None:
+        # Called on the Raft thread: hand the event to the kernel's own loop.
+        assert self._main_loop is not None and self._events is not None
+        self._main_loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    # --- the executor's path -------------------------------------------------------
+
+    async def execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        try:
+            index, devices = cell_request(parent.get("metadata"))
+        except KernelError as exc:
+            log.warning("execute_request refused: %s", exc)
+            self._reply_error(stream, ident, parent, exc)
+            return
+        begun = time.monotonic()
+        try:
+            claim = await self._propose_claim(index)
+        except NbosError as exc:
+            log.warning("claim of cell %d failed: %s", index, exc)
+            self._reply_error(stream, ident, parent, exc)
+            return
+        if claim != self.node:
+            self._reply_aborted(stream, ident, parent, {"claim_lost_to": claim})
+            return
+        await self._wait_done(index - 1)
+        if self._applied_done >= index:
+            # A survivor declared this cell lost while we waited: it must not run.
+            self._reply_error(stream, ident, parent, CellLostError(index, self.node))
+            return
+        self._cell = _Cell(index, devices, wait_s=time.monotonic() - begun)
+        try:
+            await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
+        finally:
+            self._cell = None
+        if self._diverged:
+            log.error("cell %d was declared lost while it ran here; leaving the group", index)
+            os._exit(3)
+
+    async def _propose_claim(self, index: int) -> int:
+        assert self._raft is not None
+        outcome = await self._raft.propose(Claim(index, self.node))
+        return outcome.winner
+
+    async def do_execute(
+        self,
+        code: str,
+        silent: bool,
+        store_history: bool = True,
+        user_expressions: dict[str, Any] | None = None,
+        allow_stdin: bool = False,
+        *,
+        cell_meta: dict[str, Any] | None = None,
+        cell_id: str | None = None,
+    ) -> dict[str, Any]:
+        cell = self._cell
+        if cell is None:
+            raise KernelError("do_execute outside a claimed cell")
+        cell.started = time.monotonic()
+        reply: dict[str, Any] = await super().do_execute(  # type: ignore[no-untyped-call]
+            code,
+            silent,
+            store_history,
+            user_expressions,
+            allow_stdin,
+            cell_meta=cell_meta,
+            cell_id=cell_id,
+        )
+        cell.run_s = time.monotonic() - cell.started
+        cell.status = "ok" if reply.get("status") == "ok" else "error"
+        try:
+            await self._commit(cell)
+        except NbosError as exc:
+            log.warning("cell %d could not be committed: %s", cell.index, exc)
+            return _error_content(exc, self.execution_count)
+        if self._diverged:
+            return _error_content(CellLostError(cell.index, self.node), self.execution_count)
+        return reply
+
+    async def _commit(self, cell: _Cell) -> None:
+        assert self._raft is not None and self._sync is not None
+        delta = await self._sync.capture(self._user_state(), cell.index)
+        self._tell_unpicklable(delta)
+        await self._raft.propose(delta)
+        status: CellStatus = "ok" if cell.status == "ok" else "error"
+        done = Done(cell.index, self.node, int(self._shell.execution_count), status)
+        outcome = await self._raft.propose(done)
+        if not outcome.accepted:
+            self._diverged = True
+        await self._wait_done(cell.index)
+
+    def _tell_unpicklable(self, delta: StateDelta) -> None:
+        fresh = [(name, why) for name, why in delta.unpicklable if name not in self._warned]
+        if not fresh:
+            return
+        self._warned.update(name for name, _ in fresh)
+        lines = "".join(f"  {name}: {why}\n" for name, why in fresh)
+        sys.stderr.write(
+            "nbos: these names cannot be replicated and stay on this replica only "
+            f"(lost if it fails):\n{lines}"
+        )
+        sys.stderr.flush()
+
+    def finish_metadata(
+        self, parent: dict[str, Any], metadata: dict[str, Any], reply_content: dict[str, Any]
+    ) -> dict[str, Any]:
+        metadata = super().finish_metadata(parent, metadata, reply_content)  # type: ignore[no-untyped-call]
+        cell = self._cell
+        if cell is not None:
+            metadata["nbos"] = {
+                "exec_index": cell.index,
+                "replica": self.node,
+                "devices": list(cell.devices),
+                "wait_s": cell.wait_s,
+                "run_s": cell.run_s,
+            }
+        return metadata
+
+    def _reply_aborted(
+        self, stream: Any, ident: Any, parent: dict[str, Any], info: dict[str, Any]
+    ) -> None:
+        content = {"status": "aborted", "execution_count": self.execution_count}
+        self._session.send(
+            stream, "execute_reply", content, parent, metadata={"nbos": info}, ident=ident
+        )
+
+    def _reply_error(
+        self, stream: Any, ident: Any, parent: dict[str, Any], exc: Exception
+    ) -> None:
+        content = _error_content(exc, self.execution_count)
+        self._session.send(stream, "execute_reply", content, parent, ident=ident)
+
+    # --- every replica's path ---------------------------------------------------------
+
+    async def _wait_done(self, index: int) -> None:
+        while self._applied_done < index:
+            changed = self._applied_changed
+            await changed.wait()
+
+    async def _apply_events(self) -> None:
+        assert self._events is not None
+        while True:
+            event = await self._events.get()
+            try:
+                await self._apply_event(event)
+            except Exception:
+                # A delta that cannot apply must not stop the applier: later cells still
+                # need their Done to be seen. The namespace digest shows the divergence.
+                log.exception("applying %s failed", type(event).__name__)
+            if isinstance(event, CellCommitted | Restored):
+                self._applied_done = (
+                    event.exec_index if isinstance(event, CellCommitted) else event.last_done
+                )
+                self._applied_changed.set()
+                self._applied_changed = asyncio.Event()
+
+    async def _apply_event(self, event: Event) -> None:
+        assert self._sync is not None
+        user_ns = self._shell.user_ns
+        if isinstance(event, CellCommitted):
+            mine = event.replica == self.node
+            if event.status == "lost" and self._cell is not None:
+                self._diverged = self._cell.index == event.exec_index and self._cell.started > 0
+            if not mine:
+                for data in event.deltas:
+                    await self._sync.apply(user_ns, _as_delta(data))
+            self._shell.execution_count = event.execution_count
+        elif isinstance(event, Restored):
+            await self._sync.restore(user_ns, event.namespace)
+            for data in event.deltas:
+                await self._sync.apply(user_ns, _as_delta(data))
+            self._shell.execution_count = event.execution_count
+        else:
+            self._dispatch_comm(event)
+
+    # --- comms: state, so they go through the log ------------------------------------
+
+    async def _comm_through_log(self, stream: Any, ident: Any, msg: dict[str, Any]) -> None:
+        assert self._raft is not None
+        message = {k: msg.get(k, {}) for k in ("header", "parent_header", "metadata", "content")}
+        buffers = [bytes(b) for b in msg.get("buffers", [])]
+        entry = CommEntry(self.node, json.dumps(message, default=str).encode(), buffers)
+        try:
+            await self._raft.propose(entry)
+        except NbosError as exc:
+            log.warning("comm message not replicated: %s", exc)
+
+    def _dispatch_comm(self, event: CommDelivered) -> None:
+        try:
+            msg = json.loads(event.message)
+            handler = self._comm_handlers[msg["header"]["msg_type"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("bad comm entry ignored: %s", exc)
+            return
+        msg["buffers"] = [memoryview(b) for b in event.buffers]
+        handler(self.shell_stream, [], msg)
+
+    # --- control requests from the front -------------------------------------------
+
+    async def _lost_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """Commit ``Done(index, lost)`` for a cell whose executor died; reply what counts."""
+        assert self._raft is not None
+        content: dict[str, Any]
+        try:
+            index = int(parent["content"]["exec_index"])
+            done = Done(index, self.node, int(self._shell.execution_count), "lost")
+            outcome = await self._raft.propose(done)
+            content = {
+                "status": "ok",
+                "cell_status": outcome.status,
+                "execution_count": outcome.execution_count,
+            }
+        except (KeyError, TypeError, ValueError, NbosError) as exc:
+            log.warning("nbos_lost_request failed: %s", exc)
+            content = _error_content(exc, self.execution_count)
+        self._session.send(stream, "nbos_lost_reply", content, parent, ident=ident)
+
+    async def _digest_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """Reply the namespace digest once the cell ``after`` (default: none) has applied."""
+        assert self._main_loop is not None
+        after = parent["content"].get("after", 0)
+        future = asyncio.run_coroutine_threadsafe(self._digest_after(int(after)), self._main_loop)
+        digest, done = await asyncio.wrap_future(future)
+        content = {"status": "ok", "digest": digest, "applied_done": done}
+        self._session.send(stream, "nbos_digest_reply", content, parent, ident=ident)
+
+    async def _digest_after(self, index: int) -> tuple[str, int]:
+        await self._wait_done(index)
+        return digest(self._user_state()), self._applied_done
+
+    def _user_state(self) -> dict[str, Any]:
+        # IPython seeds user_ns with helpers of its own (``open``, ``exit`` ...) and lists
+        # them in user_ns_hidden: each replica has its own, so they are not user state.
+        hidden = self._shell.user_ns_hidden
+        return {
+            k: v
+            for k, v in self._shell.user_ns.items()
+            if k not in hidden or hidden[k] is not v
+        }
+
+    # --- process ---------------------------------------------------------------------
+
+    def _send_interrupt_children(self) -> None:
+        # Interrupt this process only: the base class signals the whole process group,
+        # which on a shared host would reach the other replicas too.
+        os.kill(os.getpid(), signal.SIGINT)
+
+    async def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        if self._raft is not None:
+            self._raft.stop()
+        result: dict[str, Any] = await super().do_shutdown(restart)  # type: ignore[no-untyped-call]
+        return result
+
+
+def _as_delta(data: bytes) -> StateDelta:
+    entry = decode(data)
+    if not isinstance(entry, StateDelta):
+        raise KernelError(f"expected a StateDelta, got {type(entry).__name__}")
+    return entry
+
+
+def _error_content(exc: Exception, execution_count: int) -> dict[str, Any]:
+    name = type(exc).__name__
+    return {
+        "status": "error",
+        "ename": name,
+        "evalue": str(exc),
+        "traceback": [f"{name}: {exc}"],
+        "execution_count": execution_count,
+    }
+
+

@@ -1,0 +1,206 @@
+"""The kernel's Raft state machine: claims, cell state and ``Done`` bookkeeping.
+
+``apply`` runs on the Raft thread, synchronously and deterministically: it decides
+which entries count (see :mod:`nbos.core.wire.entries`) and hands the ones that
+change the namespace to ``on_event`` as :class:`CellCommitted`, :class:`CommDelivered`
+or :class:`Restored`. Those are applied to the user namespace later, in the same
+order, by the replica's applier on the kernel's own thread (namespace changes may
+need blob fetches, which are async).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import attrs
+import msgspec
+
+from nbos.core.errors import DecodeError
+from nbos.core.wire import decode
+from nbos.core.wire.entries import CellStatus, Claim, CommEntry, Done
+from nbos.core.wire.state import StateDelta
+
+log = logging.getLogger(__name__)
+
+#: How many finished cells' outcomes are remembered for late proposers.
+_RECENT = 64
+
+
+class Outcome(msgspec.Struct, array_like=True, frozen=True):
+    """What ``apply`` hands back to an entry's proposer.
+
+    ``winner`` is the claim winner of the cell (``-1`` when none); ``status`` and
+    ``execution_count`` describe the cell's committed ``Done`` (``""`` while none).
+    """
+
+    index: int
+    accepted: bool
+    winner: int = -1
+    status: str = ""
+    execution_count: int = 0
+
+
+@attrs.frozen
+class CellCommitted:
+    """Cell ``exec_index``'s ``Done`` committed; ``deltas`` are its encoded ``StateDelta``s."""
+
+    exec_index: int
+    replica: int
+    status: CellStatus
+    execution_count: int
+    deltas: tuple[bytes, ...]
+
+
+@attrs.frozen
+class CommDelivered:
+    """A client comm message committed; every replica dispatches it."""
+
+    replica: int
+    message: bytes
+    buffers: tuple[bytes, ...]
+
+
+@attrs.frozen
+class Restored:
+    """The state was replaced by a snapshot: load ``namespace``, then apply ``deltas``."""
+
+    namespace: bytes
+    deltas: tuple[bytes, ...]
+    last_done: int
+    execution_count: int
+
+
+Event = CellCommitted | CommDelivered | Restored
+
+
+class _Image(msgspec.Struct, frozen=True):
+    last_done: int
+    execution_count: int
+    claims: dict[int, int]
+    pending: dict[int, list[bytes]]
+    recent: dict[int, tuple[str, int]]
+    namespace: bytes
+    replay: list[bytes]
+
+
+_outcome_codec = msgspec.msgpack.Encoder()
+_outcome_decoder = msgspec.msgpack.Decoder(Outcome)
+_image_decoder = msgspec.msgpack.Decoder(_Image)
+
+
+def decode_outcome(data: bytes) -> Outcome:
+    """Decode an ``apply`` result; raises :class:`DecodeError` for anything else."""
+    try:
+        return _outcome_decoder.decode(data)
+    except msgspec.MsgspecError as exc:
+        raise DecodeError(f"bad kernel log outcome: {exc}") from exc
+
+
+class KernelStateMachine:
+    """Deterministic bookkeeping of one kernel's log (implements ``StateMachine``).
+
+    The snapshot image holds the counters and every committed delta since the base
+    namespace image, so a replica restored from it rebuilds the same namespace.
+    """
+
+    def __init__(self, on_event: Callable[[Event], None]) -> None:
+        self._on_event = on_event
+        self.last_done = 0
+        self.execution_count = 1
+        self._claims: dict[int, int] = {}
+        self._pending: dict[int, list[bytes]] = {}
+        self._recent: dict[int, tuple[str, int]] = {}
+        self._namespace = b""
+        self._replay: list[bytes] = []
+
+    def apply(self, index: int, data: bytes) -> bytes:
+        try:
+            entry = decode(data)
+        except DecodeError as exc:
+            log.warning("kernel log entry %d ignored: %s", index, exc)
+            return self._outcome(index, accepted=False)
+        if isinstance(entry, Claim):
+            return self._claim(index, entry)
+        if isinstance(entry, StateDelta):
+            return self._state(index, entry.exec_index, data)
+        if isinstance(entry, Done):
+            return self._done(index, entry)
+        if isinstance(entry, CommEntry):
+            self._on_event(CommDelivered(entry.replica, entry.message, tuple(entry.buffers)))
+            return self._outcome(index, accepted=True)
+        log.warning("kernel log entry %d ignored: %s is not a kernel entry", index, type(entry))
+        return self._outcome(index, accepted=False)
+
+    def _claim(self, index: int, claim: Claim) -> bytes:
+        cell = claim.exec_index
+        accepted = cell > self.last_done and cell not in self._claims
+        if accepted:
+            self._claims[cell] = claim.replica
+        return self._outcome(index, accepted=accepted, cell=cell)
+
+    def _state(self, index: int, cell: int, data: bytes) -> bytes:
+        accepted = cell > self.last_done and cell in self._claims
+        if accepted:
+            self._pending.setdefault(cell, []).append(data)
+        return self._outcome(index, accepted=accepted, cell=cell)
+
+    def _done(self, index: int, done: Done) -> bytes:
+        cell = done.exec_index
+        if cell <= self.last_done:
+            return self._outcome(index, accepted=False, cell=cell)
+        winner = self._claims.get(cell)
+        deltas = self._pending.pop(cell, [])
+        counts = done.status in ("ok", "error") and winner == done.replica
+        if not counts:
+            deltas = []
+        if done.status != "lost":
+            self.execution_count = done.execution_count
+        self.last_done = cell
+        self._replay.extend(deltas)
+        self._recent[cell] = (done.status, self.execution_count)
+        for old in [c for c in self._recent if c <= cell - _RECENT]:
+            del self._recent[old]
+        for old in [c for c in (*self._claims, *self._pending) if c <= cell]:
+            self._claims.pop(old, None)
+            self._pending.pop(old, None)
+        self._on_event(
+            CellCommitted(cell, done.replica, done.status, self.execution_count, tuple(deltas))
+        )
+        return self._outcome(index, accepted=True, cell=cell)
+
+    def _outcome(self, index: int, *, accepted: bool, cell: int | None = None) -> bytes:
+        winner = self._claims.get(cell, -1) if cell is not None else -1
+        status, count = self._recent.get(cell, ("", self.execution_count)) if cell else ("", 0)
+        return _outcome_codec.encode(Outcome(index, accepted, winner, status, count))
+
+    def snapshot(self) -> bytes:
+        image = _Image(
+            self.last_done,
+            self.execution_count,
+            dict(self._claims),
+            {k: list(v) for k, v in self._pending.items()},
+            dict(self._recent),
+            self._namespace,
+            list(self._replay),
+        )
+        return _outcome_codec.encode(image)
+
+    def restore(self, image: bytes) -> None:
+        try:
+            state = _image_decoder.decode(image)
+        except msgspec.MsgspecError as exc:
+            # A snapshot the log verified but we cannot read is a version skew; keep going
+            # with the state we have rather than crash the replica.
+            log.warning("kernel snapshot ignored: %s", exc)
+            return
+        self.last_done = state.last_done
+        self.execution_count = state.execution_count
+        self._claims = dict(state.claims)
+        self._pending = {k: list(v) for k, v in state.pending.items()}
+        self._recent = {k: (s, c) for k, (s, c) in state.recent.items()}
+        self._namespace = state.namespace
+        self._replay = list(state.replay)
+        self._on_event(
+            Restored(state.namespace, tuple(state.replay), state.last_done, state.execution_count)
+        )

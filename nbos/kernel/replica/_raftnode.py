@@ -1,0 +1,260 @@
+"""The replica's Raft member, on its own thread and event loop.
+
+A cell runs on the kernel's main thread and may hold it for minutes; Raft must
+keep answering heartbeats meanwhile, so the member lives on a thread of its own
+(an anyio blocking portal). Proposals from the kernel's threads cross over with
+:meth:`RaftNode.propose`, which any asyncio loop can await.
+
+Only the leader accepts proposals. A follower forwards its proposal to the
+leader's *forwarder*, a small ZeroMQ request socket every replica binds next to
+its Raft transport, then waits until it has applied the entry itself, so
+``propose`` always returns after the entry applied on this node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import struct
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import attrs
+import zmq
+import zmq.asyncio
+
+from nbos.core.config import RaftSettings
+from nbos.core.errors import (
+    DecodeError,
+    LogClosedError,
+    NotLeaderError,
+    ProposalTimeoutError,
+    ReplicationError,
+)
+from nbos.core.ids import KernelId, NodeId, PeerId
+from nbos.core.replicated_log import ReplicatedLog, StateMachine
+from nbos.core.wire import encode
+from nbos.core.wire.entries import KernelEntry
+from nbos.core.wire.state import StateDelta
+from nbos.kernel.replica._machine import Outcome, decode_outcome
+from nbos.raft import open_raft_log
+from nbos.transport import ZmqTransport
+
+log = logging.getLogger(__name__)
+
+_RETRY_S = 0.02
+_FORWARD_TIMEOUT_S = 2.0
+_OK, _REFUSED = b"1", b"0"
+
+
+@attrs.frozen
+class PeerAddress:
+    """Where one replica's Raft transport and proposal forwarder listen."""
+
+    raft: str
+    forward: str
+
+
+def peer_id(kernel_id: KernelId, node: NodeId) -> PeerId:
+    """The transport peer id of ``node`` in ``kernel_id``'s Raft group."""
+    return PeerId(f"{kernel_id}/raft/{node}")
+
+
+class RaftNode:
+    """One kernel replica's Raft member; :meth:`start` it, then :meth:`propose`."""
+
+    def __init__(
+        self,
+        *,
+        kernel_id: KernelId,
+        node_id: NodeId,
+        peers: Mapping[NodeId, PeerAddress],
+        data_dir: Path | None,
+        machine: StateMachine,
+        settings: RaftSettings,
+    ) -> None:
+        if node_id not in peers:
+            raise ReplicationError(f"node {node_id} is not among the peers {sorted(peers)}")
+        self._kernel_id = kernel_id
+        self._node_id = node_id
+        self._peers = dict(peers)
+        self._data_dir = data_dir
+        self._machine = machine
+        self._settings = settings
+        self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._serving: Future[None] | None = None
+        self._log: ReplicatedLog | None = None
+        self._forwarder: _Forwarder | None = None
+        # A process-unique client id lets the log drop a retried proposal's duplicate.
+        self._client_id = f"{kernel_id}/{node_id}/{os.getpid()}"
+        self._seq = itertools.count(1)
+
+    @property
+    def node_id(self) -> NodeId:
+        return self._node_id
+
+    def start(self) -> None:
+        """Start the member's thread; returns once the log is open."""
+        self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        self._serving, _ = self._portal.start_task(self._serve, name="raft-node")
+
+    def stop(self) -> None:
+        """Stop the member and its thread; pending proposals fail with ``LogClosedError``."""
+        if self._serving is not None:
+            self._serving.cancel()
+        if self._portal_cm is not None:
+            self._portal_cm.__exit__(None, None, None)
+        self._portal_cm = self._portal = self._serving = None
+
+    async def propose(self, entry: KernelEntry | StateDelta, *, timeout: float = 30.0) -> Outcome:
+        """Commit ``entry``; returns its outcome once it has applied on this node."""
+        if self._portal is None:
+            raise LogClosedError("the replica's Raft member is not running")
+        data = encode(entry)
+        future = self._portal.start_task_soon(self._propose, data, next(self._seq), timeout)
+        return await asyncio.wrap_future(future)
+
+    async def _serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        me = self._peers[self._node_id]
+        members = {n: peer_id(self._kernel_id, n) for n in self._peers}
+        async with await ZmqTransport.open(members[self._node_id], me.raft) as transport:
+            for node, address in self._peers.items():
+                if node != self._node_id:
+                    transport.add_peer(members[node], address.raft)
+            async with (
+                open_raft_log(
+                    node_id=self._node_id,
+                    members=members,
+                    transport=transport,
+                    data_dir=self._data_dir,
+                    state_machine=self._machine,
+                    settings=self._settings,
+                ) as raft_log,
+                _Forwarder.open(raft_log, me.forward, self._peers) as forwarder,
+            ):
+                self._log, self._forwarder = raft_log, forwarder
+                task_status.started()
+                await anyio.sleep_forever()
+
+    async def _propose(self, data: bytes, seq: int, timeout: float) -> Outcome:
+        assert self._log is not None and self._forwarder is not None
+        with anyio.move_on_after(timeout):
+            while True:
+                try:
+                    result = await self._log.propose(data, client_id=self._client_id, seq=seq)
+                    return decode_outcome(result)
+                except NotLeaderError as exc:
+                    leader = exc.leader_hint
+                if leader is not None and leader != self._node_id:
+                    forwarded = await self._forwarder.ask(
+                        NodeId(leader), self._client_id, seq, data
+                    )
+                    if forwarded is not None:
+                        await self._log.wait_applied(forwarded.index)
+                        return forwarded
+                # No leader yet (an election is running) or it refused: try again shortly.
+                await anyio.sleep(_RETRY_S)
+        raise ProposalTimeoutError(f"kernel log entry not committed within {timeout} s")
+
+
+class _Forwarder:
+    """Accepts proposals from follower replicas and forwards ours to the leader.
+
+    Request frames: ``[request id, client id, seq, data]``; reply frames:
+    ``[request id, ok flag, outcome]``.
+    """
+
+    def __init__(self, raft_log: ReplicatedLog, ctx: zmq.asyncio.Context) -> None:
+        self._log = raft_log
+        self._ctx = ctx
+        self._dealers: dict[NodeId, zmq.asyncio.Socket] = {}
+        self._waiting: dict[bytes, asyncio.Future[Outcome | None]] = {}
+        self._ids = itertools.count(1)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, raft_log: ReplicatedLog, bind: str, peers: Mapping[NodeId, PeerAddress]
+    ) -> AsyncIterator[_Forwarder]:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(bind)
+        forwarder = cls(raft_log, ctx)
+        try:
+            async with anyio.create_task_group() as tg:
+                for node, address in peers.items():
+                    dealer = ctx.socket(zmq.DEALER)
+                    dealer.setsockopt(zmq.LINGER, 0)
+                    dealer.connect(address.forward)
+                    forwarder._dealers[node] = dealer
+                    tg.start_soon(forwarder._read_replies, dealer)
+                tg.start_soon(forwarder._serve, router, tg)
+                yield forwarder
+                tg.cancel_scope.cancel()
+        finally:
+            for sock in (router, *forwarder._dealers.values()):
+                sock.close(0)
+            ctx.term()
+
+    async def ask(self, leader: NodeId, client_id: str, seq: int, data: bytes) -> Outcome | None:
+        """Have ``leader`` propose ``data``; ``None`` if it refused or did not answer in time."""
+        dealer = self._dealers.get(leader)
+        if dealer is None:
+            return None
+        request_id = struct.pack(">Q", next(self._ids))
+        waiter: asyncio.Future[Outcome | None] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiter
+        try:
+            await dealer.send_multipart(
+                [request_id, client_id.encode(), struct.pack(">Q", seq), data], copy=False
+            )
+            with anyio.move_on_after(_FORWARD_TIMEOUT_S):
+                return await waiter
+            return None
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def _read_replies(self, dealer: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await dealer.recv_multipart()
+            waiter = self._waiting.get(frames[0]) if len(frames) == 3 else None
+            if waiter is None or waiter.done():
+                continue
+            try:
+                waiter.set_result(decode_outcome(frames[2]) if frames[1] == _OK else None)
+            except DecodeError as exc:
+                log.warning("bad forwarded outcome: %s", exc)
+                waiter.set_result(None)
+
+    async def _serve(self, router: zmq.asyncio.Socket, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 5:
+                log.warning("forwarded proposal with %d frames dropped", len(frames))
+                continue
+            tg.start_soon(self._answer, router, frames)
+
+    async def _answer(self, router: zmq.asyncio.Socket, frames: list[Any]) -> None:
+        ident, request_id, client_id, seq, data = frames
+        try:
+            result = await self._log.propose(
+                bytes(data),
+                client_id=bytes(client_id).decode(),
+                seq=struct.unpack(">Q", seq)[0],
+                timeout=_FORWARD_TIMEOUT_S,
+            )
+            reply = [ident, request_id, _OK, result]
+        except (ReplicationError, UnicodeDecodeError, struct.error) as exc:
+            log.debug("forwarded proposal refused: %s", exc)
+            reply = [ident, request_id, _REFUSED, b""]
+        await router.send_multipart(reply)

@@ -1,0 +1,51 @@
+"""The replica's use of :mod:`nbos.kernel.state`: capture, apply, restore, digest.
+
+One narrow seam, so the kernel does not depend on how the state module uploads
+large values or lays out its images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+from nbos.core.object_store import ObjectStore
+from nbos.core.wire.state import StateDelta
+from nbos.kernel import state
+
+
+class NamespaceSync:
+    """Moves one replica's user namespace to and from the kernel's log.
+
+    Capture is stateful (it remembers what the previous capture sent), so one
+    instance lives as long as the replica. After other replicas' cells applied here
+    it sends more than strictly changed, never less.
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self._store = store
+        self._capture = state.StateCapture(store)
+
+    async def capture(self, user_ns: MutableMapping[str, Any], index: int) -> StateDelta:
+        """What cell ``index``, which just ran here, changed in ``user_ns``."""
+        return await self._capture.capture(user_ns, index)
+
+    async def apply(self, user_ns: MutableMapping[str, Any], delta: StateDelta) -> None:
+        """Apply another replica's committed delta to ``user_ns``."""
+        await state.apply(user_ns, delta, self._store)
+
+    async def restore(self, user_ns: MutableMapping[str, Any], image: bytes) -> None:
+        """Replace the user state of ``user_ns`` by a snapshot image (empty: none)."""
+        loaded = await state.load_namespace(image, self._store) if image else {}
+        for name in [n for n in user_ns if state.is_user_name(n)]:
+            del user_ns[name]
+        user_ns.update(loaded)
+
+    async def image(self, user_ns: MutableMapping[str, Any]) -> bytes:
+        """The user state of ``user_ns`` as a snapshot image."""
+        return await state.dump_namespace(user_ns, self._store)
+
+
+def digest(user_ns: MutableMapping[str, Any]) -> str:
+    """Canonical digest of the user state, equal on replicas that applied the same cells."""
+    return state.namespace_digest(user_ns)
