@@ -1,0 +1,202 @@
+"""The anyio Raft driver over the in-memory network: proposals, reads, failover, membership."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from nbos.core.config import RaftSettings
+from nbos.core.errors import LogClosedError, NotLeaderError, ProposalTimeoutError
+from nbos.core.ids import NodeId, PeerId
+from nbos.raft import RaftReplicatedLog, open_raft_log
+from nbos.raft.kv import KeyValueStateMachine, encode_command
+from nbos.transport import MemoryNetwork
+
+pytestmark = pytest.mark.anyio
+
+SETTINGS = RaftSettings(tick_ms=5, election_ticks=10, heartbeat_ticks=2, snapshot_every=50)
+
+
+def peer(node: int) -> PeerId:
+    return PeerId(f"raft/{node}")
+
+
+class Group:
+    """A Raft group of driver-run nodes on one in-memory network."""
+
+    def __init__(self, network: MemoryNetwork, tmp: Path | None) -> None:
+        self.network = network
+        self.tmp = tmp
+        self.nodes: dict[int, RaftReplicatedLog] = {}
+        self.machines: dict[int, KeyValueStateMachine] = {}
+        self.stops: dict[int, Callable[[], object]] = {}
+
+    async def start(
+        self, tg: anyio.abc.TaskGroup, node: int, members: list[int], join: bool = False
+    ) -> None:
+        started = anyio.Event()
+        scope = anyio.CancelScope()
+        machine = KeyValueStateMachine()
+        self.machines[node] = machine
+
+        async def run() -> None:
+            with scope:
+                transport = self.network.endpoint(peer(node))
+                try:
+                    for m in members:
+                        if m != node:
+                            transport.add_peer(peer(m), f"mem://{peer(m)}")
+                    async with open_raft_log(
+                        node_id=NodeId(node),
+                        members={NodeId(m): peer(m) for m in members},
+                        transport=transport,
+                        data_dir=None if self.tmp is None else self.tmp / str(node),
+                        state_machine=machine,
+                        settings=SETTINGS,
+                        join=join,
+                        seed=node,
+                    ) as raft:
+                        self.nodes[node] = raft
+                        started.set()
+                        await anyio.sleep_forever()
+                finally:
+                    self.nodes.pop(node, None)
+                    await transport.aclose()
+
+        tg.start_soon(run)
+        self.stops[node] = scope.cancel
+        await started.wait()
+
+    def stop(self, node: int) -> None:
+        self.stops.pop(node)()
+
+    async def leader(self, timeout: float = 5.0) -> RaftReplicatedLog:
+        with anyio.fail_after(timeout):
+            while True:
+                for raft in self.nodes.values():
+                    if raft.leader_id == raft.node_id:
+                        return raft
+                await anyio.sleep(0.01)
+
+    async def put(self, key: str, value: str, **kw: object) -> bytes:
+        for _ in range(50):
+            leader = await self.leader()
+            try:
+                return await leader.propose(encode_command("put", key, value), timeout=2.0, **kw)  # type: ignore[arg-type]
+            except (NotLeaderError, ProposalTimeoutError, LogClosedError):
+                await anyio.sleep(0.02)
+        raise AssertionError("no leader accepted the proposal")
+
+    async def converged(self, nodes: list[int], timeout: float = 5.0) -> None:
+        with anyio.fail_after(timeout):
+            while True:
+                images = [self.machines[n].data for n in nodes]
+                indexes = {self.nodes[n].applied_index for n in nodes if n in self.nodes}
+                if all(i == images[0] for i in images) and len(indexes) == 1:
+                    return
+                await anyio.sleep(0.01)
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():  # noqa: ASYNC110 - polling a plain attribute
+            await anyio.sleep(0.01)
+
+
+@asynccontextmanager
+async def group(members: list[int], tmp: Path | None = None, **net: object) -> AsyncIterator[Group]:
+    g = Group(MemoryNetwork(seed=1, **net), tmp)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        for node in members:
+            await g.start(tg, node, members)
+        yield g
+        tg.cancel_scope.cancel()
+
+
+async def test_proposals_commit_and_apply_everywhere() -> None:
+    async with group([1, 2, 3]) as g:
+        for i in range(20):
+            assert await g.put(f"k{i % 5}", str(i)) == str(i).encode()
+        await g.converged([1, 2, 3])
+        assert g.machines[1].data == {f"k{i}": str(15 + i) for i in range(5)}
+
+
+async def test_follower_refuses_with_leader_hint() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        follower = next(r for n, r in g.nodes.items() if n != leader.node_id)
+        await eventually(lambda: follower.leader_id == leader.node_id)
+        with pytest.raises(NotLeaderError) as info:
+            await follower.propose(encode_command("put", "a", "1"))
+        assert info.value.leader_hint == leader.node_id
+
+
+async def test_retried_proposal_applies_once() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        data = encode_command("append", "log", "x")
+        first = await leader.propose(data, client_id="c", seq=1)
+        again = await leader.propose(data, client_id="c", seq=1)
+        assert first == again == b"x"
+        assert await leader.propose(data, client_id="c", seq=2) == b"xx"
+        await g.converged([1, 2, 3])
+        assert g.machines[2].data["log"] == "xx"
+
+
+async def test_read_index_sees_every_acknowledged_write() -> None:
+    async with group([1, 2, 3]) as g:
+        await g.put("k", "v")
+        leader = await g.leader()
+        index = await leader.read_index()
+        assert leader.applied_index >= index
+        assert g.machines[int(leader.node_id)].data["k"] == "v"
+
+
+async def test_leader_failure_elects_a_new_leader_without_losing_writes() -> None:
+    async with group([1, 2, 3]) as g:
+        for i in range(5):
+            await g.put("k", str(i))
+        old = await g.leader()
+        g.stop(int(old.node_id))
+        await g.put("after", "failover")
+        new = await g.leader()
+        assert new.node_id != old.node_id
+        survivors = [n for n in (1, 2, 3) if n != old.node_id]
+        await g.converged(survivors)
+        assert g.machines[survivors[0]].data == {"k": "4", "after": "failover"}
+
+
+async def test_learner_catches_up_from_snapshot_and_is_promoted() -> None:
+    async with group([1, 2, 3]) as g, anyio.create_task_group() as tg:
+        for i in range(120):  # past snapshot_every, so the learner needs the snapshot
+            await g.put(f"k{i % 7}", str(i))
+        await g.start(tg, 4, [1, 2, 3], join=True)
+        leader = await g.leader()
+        await leader.add_learner(NodeId(4), peer(4), f"mem://{peer(4)}")
+        await g.converged([1, 2, 3, 4])
+        await leader.promote(NodeId(4))
+        assert NodeId(4) in leader.voters()
+        old = int(leader.node_id)
+        await leader.remove(NodeId(old))
+        assert NodeId(old) not in (await g.leader()).voters()
+        await g.put("with", "four")
+        await g.converged([n for n in (1, 2, 3, 4) if n != old])
+        tg.cancel_scope.cancel()
+
+
+async def test_restart_from_disk_keeps_state(tmp_path: Path) -> None:
+    async with group([1, 2, 3], tmp=tmp_path) as g, anyio.create_task_group() as tg:
+        for i in range(70):
+            await g.put("k", str(i))
+        await g.converged([1, 2, 3])
+        g.stop(3)
+        await anyio.sleep(0.05)
+        await g.start(tg, 3, [1, 2, 3])
+        await g.put("k", "last")
+        await g.converged([1, 2, 3])
+        assert g.machines[3].data["k"] == "last"
+        tg.cancel_scope.cancel()
