@@ -64,7 +64,6 @@ class DockerProcessHandle:
         #: The container's name (unique per backend instance).
         self.name = name
         self._returncode: int | None = None
-        self._paused = False
 
     def __repr__(self) -> str:
         return f"<DockerProcessHandle host={self._host} name={self.name} rc={self._returncode}>"
@@ -99,10 +98,8 @@ class DockerProcessHandle:
         try:
             if signum == signal.SIGSTOP:
                 await self._container.pause()
-                self._paused = True
-            elif signum == signal.SIGCONT and self._paused:
+            elif signum == signal.SIGCONT and await self._is_paused():
                 await self._container.unpause()
-                self._paused = False
             else:
                 await self._container.kill(signal=str(int(signum)))
         except (aiodocker.DockerError, aiohttp.ClientError) as exc:
@@ -113,6 +110,11 @@ class DockerProcessHandle:
 
     async def terminate(self, grace: float = 5.0) -> int:
         return await terminate_with_grace(self, grace)
+
+    async def _is_paused(self) -> bool:
+        # Asked each time: the engine unpauses a container by itself when it kills it.
+        state = await self._container.show()
+        return bool(state["State"]["Paused"])
 
 
 class DockerBackend:

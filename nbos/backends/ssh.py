@@ -60,6 +60,10 @@ echo $$
 exec "$@" </dev/null >>"$log" 2>&1"""
 
 
+def _expand_user(path: str | None) -> str | None:
+    return None if path is None else os.path.expanduser(path)
+
+
 @attrs.frozen(kw_only=True)
 class SshHost:
     """How to reach one host.
@@ -72,12 +76,8 @@ class SshHost:
     address: str
     port: int = 22
     user: str | None = None
-    key_file: str | None = attrs.field(
-        default=None, converter=attrs.converters.optional(os.path.expanduser)
-    )
-    known_hosts: str | None = attrs.field(
-        default="~/.ssh/known_hosts", converter=attrs.converters.optional(os.path.expanduser)
-    )
+    key_file: str | None = attrs.field(default=None, converter=_expand_user)
+    known_hosts: str | None = attrs.field(default="~/.ssh/known_hosts", converter=_expand_user)
 
 
 class SshProcessHandle:

@@ -1,0 +1,122 @@
+"""Fixtures for the backend tests: real sshd and dockerd, and one ``Case`` per backend."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from nbos.backends import LocalProcessBackend
+from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
+from nbos.core.ids import HostId
+from tests._servers.dockerd import (
+    DockerDaemon,
+    DockerdUnavailableError,
+    import_empty_image,
+    start_dockerd,
+)
+from tests._servers.sshd import SshdUnavailableError, SshServer, start_sshd
+from tests.backends._procs import MARKER_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+HOSTS = (HostId("h1"), HostId("h2"))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # aiodocker and asyncssh run on asyncio only.
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
+    try:
+        server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    except SshdUnavailableError as exc:
+        pytest.skip(f"needs a real sshd: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerDaemon]:
+    # A short path: the daemon's unix socket path must stay under 108 bytes.
+    try:
+        daemon = start_dockerd(tmp_path_factory.mktemp("dockerd"))
+    except DockerdUnavailableError as exc:
+        pytest.skip(f"needs a Docker engine: {exc}")
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_image(docker_daemon: DockerDaemon) -> str:
+    return import_empty_image(docker_daemon)
+
+
+def docker_mounts(*writable: Path) -> list[str]:
+    """Read-only host system dirs, this interpreter and the repository; ``writable`` read-write."""
+    system = [p for p in ("/usr", "/lib", "/lib64", "/bin", "/etc") if Path(p).exists()]
+    read_only = [*system, sys.base_prefix, str(REPO)]
+    return [f"{p}:{p}:ro" for p in read_only] + [f"{p}:{p}" for p in writable]
+
+
+@dataclass
+class Case:
+    """A backend under test, its hosts, and a directory its processes can write to."""
+
+    kind: str
+    backend: ComputeBackend
+    workdir: Path
+    marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def host(self) -> HostId:
+        return HOSTS[0]
+
+    def spec(self, argv: list[str], **env: str) -> ProcessSpec:
+        return ProcessSpec(argv=argv, env={MARKER_ENV: self.marker, **env}, label="test")
+
+    async def start(self, argv: list[str], host: HostId | None = None, **env: str) -> ProcessHandle:
+        return await self.backend.start(host or self.host, self.spec(argv, **env))
+
+
+def make_backend(kind: str, request: pytest.FixtureRequest, workdir: Path) -> ComputeBackend:
+    if kind == "local":
+        return LocalProcessBackend(HOSTS, run_dir=workdir / "run")
+    if kind == "docker":
+        from nbos.backends.docker import DockerBackend
+
+        daemon: DockerDaemon = request.getfixturevalue("docker_daemon")
+        image: str = request.getfixturevalue("docker_image")
+        return DockerBackend(
+            {h: daemon.url for h in HOSTS}, image=image, mounts=docker_mounts(workdir)
+        )
+    from nbos.backends.ssh import SshBackend, SshHost
+
+    server: SshServer = request.getfixturevalue("sshd_server")
+    target = SshHost(
+        address="127.0.0.1",
+        port=server.port,
+        user=server.user,
+        key_file=str(server.client_key),
+        known_hosts=str(server.known_hosts),
+    )
+    return SshBackend({h: target for h in HOSTS}, remote_log_dir=str(workdir / "remote-logs"))
+
+
+@pytest.fixture(params=["local", "docker", "ssh"])
+async def case(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Case]:
+    made = Case(request.param, make_backend(request.param, request, tmp_path), tmp_path)
+    try:
+        yield made
+    finally:
+        await made.backend.aclose()
