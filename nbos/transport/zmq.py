@@ -18,12 +18,14 @@ Design
   routing id before the old connection is noticed dead, and must take it over
   rather than be ignored.
 * Sockets are plain (blocking-API) pyzmq sockets used only with ``NOBLOCK``,
-  and ``receive`` waits with :func:`anyio.wait_readable` on the ROUTER's
-  ``ZMQ_FD``. Unlike a ``zmq.asyncio`` future, which can complete with a message
-  and then be cancelled before its task resumes, a message here is taken off
-  the socket only in synchronous code that returns it: cancelling ``receive``
-  never loses one. It also saves a future per message on the hot path and works
-  under any anyio backend (except CURVE, below, which needs asyncio).
+  and ``receive`` waits on the ROUTER's ``ZMQ_FD`` through one asyncio reader
+  kept for the endpoint's lifetime (:class:`_Readiness`). Unlike a
+  ``zmq.asyncio`` future, which can complete with a message and then be
+  cancelled before its task resumes, a message here is taken off the socket
+  only in synchronous code that returns it: cancelling ``receive`` never loses
+  one. It also costs less per message than ``zmq.asyncio`` (see
+  ``bench/transport.py``). It needs anyio's asyncio backend and must be used
+  from the event loop that opened it.
 * Payloads of :data:`ZERO_COPY_THRESHOLD` bytes or more are sent without a copy.
 
 CURVE
@@ -41,8 +43,10 @@ can claim any routing id.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
+from typing import cast
 
 import anyio
 import anyio.lowlevel
@@ -123,6 +127,47 @@ class _KeyRing:
         return False
 
 
+class _Readiness:
+    """Wakes receivers when the ROUTER has input, through one long-lived loop reader.
+
+    ``ZMQ_FD`` is edge-like: it turns readable when ZeroMQ has news and is reset
+    when ZeroMQ processes them (on a recv or a read of ``EVENTS``). The reader
+    reads ``EVENTS`` on every wake-up, which both tells whether a message waits
+    and resets the descriptor, so an unread message cannot spin the loop.
+    Keeping the reader registered saves two ``epoll_ctl`` calls per wait.
+    """
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self._socket = socket
+        self._fd = int(socket.getsockopt(zmq.FD))
+        self._loop = asyncio.get_running_loop()
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._loop.add_reader(self._fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        if cast(int, self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            for waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Return when a message may be waiting; cancelling this takes nothing."""
+        waiter = self._loop.create_future()
+        self._waiters.add(waiter)
+        try:
+            # The last failed recv reset the descriptor: news since then wake us.
+            await waiter
+        finally:
+            self._waiters.discard(waiter)
+
+    def close(self) -> None:
+        """Stop watching; waiters wake up and see the transport closed."""
+        self._loop.remove_reader(self._fd)
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
 class ZmqTransport:
     """A ZeroMQ endpoint; create it with :meth:`open` (see the module docstring)."""
 
@@ -148,7 +193,6 @@ class ZmqTransport:
         self._dropped = 0
         self._rejected = 0
         self._closed = False
-        self._wait_lock = anyio.Lock()
         try:
             if curve is not None:
                 self._start_auth(curve)
@@ -156,7 +200,7 @@ class ZmqTransport:
         except BaseException:
             self._teardown()
             raise
-        self._fd = int(self._router.getsockopt(zmq.FD))
+        self._readiness = _Readiness(self._router)
         self._address = bytes(self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()
 
     @classmethod
@@ -270,15 +314,7 @@ class ZmqTransport:
             await anyio.lowlevel.cancel_shielded_checkpoint()
             return message
         while True:
-            async with self._wait_lock:
-                # Another receiver may have consumed the wake-up; look before waiting.
-                message = self._receive_nowait()
-                if message is not None:
-                    return message
-                try:
-                    await anyio.wait_readable(self._fd)
-                except anyio.ClosedResourceError:
-                    raise TransportClosedError(f"transport {self._local!r} is closed") from None
+            await self._readiness.wait()
             message = self._receive_nowait()
             if message is not None:
                 return message
@@ -287,9 +323,7 @@ class ZmqTransport:
         if self._closed:
             return
         self._closed = True
-        anyio.notify_closing(self._fd)
-        # Let a blocked receive see the notification before the descriptor goes away.
-        await anyio.lowlevel.cancel_shielded_checkpoint()
+        self._readiness.close()
         self._teardown()
 
     # --- internals ---------------------------------------------------------------
@@ -297,9 +331,11 @@ class ZmqTransport:
     def _receive_nowait(self) -> tuple[PeerId, bytes] | None:
         """Take the next well-formed message off the ROUTER, or ``None``."""
         self._check_open()
-        while True:
+        router = self._router
+        # Asking EVENTS first is cheaper than the zmq.Again exception of an empty recv.
+        while cast(int, router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return None
             if len(frames) == 2 and frames[0][:1] != b"\x00":
@@ -314,6 +350,7 @@ class ZmqTransport:
                 len(frames),
                 frames[0][:64],
             )
+        return None
 
     def _check_open(self) -> None:
         if self._closed:
