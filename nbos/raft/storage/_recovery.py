@@ -55,6 +55,8 @@ class Replay:
         self._marker_seen = meta
 
     def _term_matches(self, index: int, term: int) -> bool:
+        if index == 0:  # the start of every log
+            return term == 0
         if not self._entries or not self._entries[0].index <= index <= self._entries[-1].index:
             return False
         return self._entries[index - self._entries[0].index].term == term
