@@ -180,18 +180,15 @@ class SshBackend:
             raise BackendError("the ssh backend is closed")
         check_host(host, self._targets, self.name)
         check_spec(spec, self.name)
-        connection = await self._connection(host)
         log_path = (
             f"{self._remote_log_dir}/{safe_file_part(host)}/{log_name(next(self._seq), spec)}"
         )
-        process: asyncssh.SSHClientProcess[str] | None = None
+        connection, process = await self._create_process(host, _command(host, spec, log_path))
         try:
-            process = await connection.create_process(_command(host, spec, log_path))
             pid = await _read_pid(host, spec, process)
         except BaseException:
-            if process is not None:
-                with anyio.CancelScope(shield=True):
-                    await _abandon(host, connection, process)
+            with anyio.CancelScope(shield=True):
+                await _abandon(host, connection, process)
             raise
         handle = SshProcessHandle(host, connection, process, pid, log_path)
         self._handles.append(handle)
@@ -215,6 +212,24 @@ class SshBackend:
             for connection in self._connections.values():
                 await connection.wait_closed()
         self._connections.clear()
+
+    async def _create_process(
+        self, host: HostId, command: str
+    ) -> tuple[asyncssh.SSHClientConnection, asyncssh.SSHClientProcess[str]]:
+        # A connection found dead only now (the host restarted sshd, say) gets one retry.
+        retried = False
+        while True:
+            connection = await self._connection(host)
+            try:
+                return connection, await connection.create_process(command)
+            except (OSError, asyncssh.Error) as exc:
+                if not connection.is_closed():
+                    logger.warning("%s refused a session: %s", host, exc)
+                    raise BackendError(f"{host} refused an SSH session: {exc}") from exc
+                if retried:
+                    raise HostUnreachableError(host, f"connection lost: {exc}") from exc
+                retried = True
+                logger.info("connection to %s was lost; reconnecting", host)
 
     async def _connection(self, host: HostId) -> asyncssh.SSHClientConnection:
         async with self._connect_locks[host]:
