@@ -8,7 +8,7 @@ requests ``nbos_lost_request`` (commit ``Done(index, lost)``) and
 """
 
 from nbos.kernel.replica._app import ReplicaApp, parse_peers
-from nbos.kernel.replica._kernel import DEVICES_KEY, EXEC_INDEX_KEY, ReplicaKernel
+from nbos.kernel.replica._kernel import DEVICES_KEY, EXEC_INDEX_KEY, ReplicaKernel, error_content
 from nbos.kernel.replica._machine import KernelStateMachine, Outcome
 from nbos.kernel.replica._raftnode import PeerAddress, RaftNode, peer_id
 
@@ -21,6 +21,7 @@ __all__ = [
     "RaftNode",
     "ReplicaApp",
     "ReplicaKernel",
+    "error_content",
     "parse_peers",
     "peer_id",
 ]

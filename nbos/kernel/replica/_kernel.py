@@ -202,16 +202,17 @@ class ReplicaKernel(IPythonKernel):
             await self._commit(cell)
         except NbosError as exc:
             log.warning("cell %d could not be committed: %s", cell.index, exc)
-            return _error_content(exc, self.execution_count)
+            return error_content(exc, self.execution_count)
         if self._diverged:
-            return _error_content(CellLostError(cell.index, self.node), self.execution_count)
+            return error_content(CellLostError(cell.index, self.node), self.execution_count)
         return reply
 
     async def _commit(self, cell: _Cell) -> None:
         assert self._raft is not None and self._sync is not None
         delta = await self._sync.capture(self._user_state(), cell.index)
         self._tell_unpicklable(delta)
-        await self._raft.propose(delta)
+        if _changes_anything(delta):
+            await self._raft.propose(delta)
         status: CellStatus = "ok" if cell.status == "ok" else "error"
         done = Done(cell.index, self.node, int(self._shell.execution_count), status)
         outcome = await self._raft.propose(done)
@@ -257,7 +258,7 @@ class ReplicaKernel(IPythonKernel):
     def _reply_error(
         self, stream: Any, ident: Any, parent: dict[str, Any], exc: Exception
     ) -> None:
-        content = _error_content(exc, self.execution_count)
+        content = error_content(exc, self.execution_count)
         self._session.send(stream, "execute_reply", content, parent, ident=ident)
 
     # --- every replica's path ---------------------------------------------------------
@@ -342,7 +343,7 @@ class ReplicaKernel(IPythonKernel):
             }
         except (KeyError, TypeError, ValueError, NbosError) as exc:
             log.warning("nbos_lost_request failed: %s", exc)
-            content = _error_content(exc, self.execution_count)
+            content = error_content(exc, self.execution_count)
         self._session.send(stream, "nbos_lost_reply", content, parent, ident=ident)
 
     async def _digest_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
@@ -382,6 +383,12 @@ class ReplicaKernel(IPythonKernel):
         return result
 
 
+def _changes_anything(delta: StateDelta) -> bool:
+    return bool(
+        delta.set or delta.set_blob or delta.deleted or delta.imports or delta.unpicklable
+    )
+
+
 def _as_delta(data: bytes) -> StateDelta:
     entry = decode(data)
     if not isinstance(entry, StateDelta):
@@ -389,7 +396,8 @@ def _as_delta(data: bytes) -> StateDelta:
     return entry
 
 
-def _error_content(exc: Exception, execution_count: int) -> dict[str, Any]:
+def error_content(exc: Exception, execution_count: int) -> dict[str, Any]:
+    """The content of an error reply for ``exc`` (``ename`` is its class name)."""
     name = type(exc).__name__
     return {
         "status": "error",

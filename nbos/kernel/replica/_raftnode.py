@@ -96,6 +96,9 @@ class RaftNode:
         # A process-unique client id lets the log drop a retried proposal's duplicate.
         self._client_id = f"{kernel_id}/{node_id}/{os.getpid()}"
         self._seq = itertools.count(1)
+        # The log keeps one session per client id and drops an entry whose seq is below
+        # the last applied one, so this client's proposals must commit in seq order.
+        self._order: anyio.Lock | None = None
 
     @property
     def node_id(self) -> NodeId:
@@ -120,7 +123,8 @@ class RaftNode:
         if self._portal is None:
             raise LogClosedError("the replica's Raft member is not running")
         data = encode(entry)
-        future = self._portal.start_task_soon(self._propose, data, next(self._seq), timeout)
+        # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
+        future = self._portal.start_task_soon(self._propose, data, timeout)
         return await asyncio.wrap_future(future)
 
     async def _serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -142,10 +146,16 @@ class RaftNode:
                 _Forwarder.open(raft_log, me.forward, self._peers) as forwarder,
             ):
                 self._log, self._forwarder = raft_log, forwarder
+                self._order = anyio.Lock()
                 task_status.started()
                 await anyio.sleep_forever()
 
-    async def _propose(self, data: bytes, seq: int, timeout: float) -> Outcome:
+    async def _propose(self, data: bytes, timeout: float) -> Outcome:
+        assert self._order is not None
+        async with self._order:
+            return await self._propose_in_order(data, next(self._seq), timeout)
+
+    async def _propose_in_order(self, data: bytes, seq: int, timeout: float) -> Outcome:
         assert self._log is not None and self._forwarder is not None
         with anyio.move_on_after(timeout):
             while True:

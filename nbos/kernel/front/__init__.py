@@ -1,0 +1,22 @@
+"""The kernel front: one Jupyter kernel in front of a kernel's replicas.
+
+See :class:`KernelFront`; :class:`ExecutorChooser` is where GPU-aware scheduling plugs in.
+"""
+
+from nbos.kernel.front._chooser import (
+    CellPlan,
+    ChoiceRequest,
+    ExecutorChooser,
+    LastExecutorChooser,
+)
+from nbos.kernel.front._front import KernelFront
+from nbos.kernel.front._upstream import ReplicaEndpoint
+
+__all__ = [
+    "CellPlan",
+    "ChoiceRequest",
+    "ExecutorChooser",
+    "KernelFront",
+    "LastExecutorChooser",
+    "ReplicaEndpoint",
+]

@@ -1,0 +1,543 @@
+"""The kernel front: one Jupyter kernel in front of a kernel's replicas.
+
+Clients connect to the front's five sockets, signed with the front's own key. The
+front connects to each replica as a client (each replica has its own key) and
+relays, re-signing every message both ways:
+
+* shell requests are handled one at a time, like ipykernel does. An
+  ``execute_request`` gets the next ``exec_index`` and goes to the executor the
+  :class:`ExecutorChooser` picks; everything else goes to one live replica
+  (comm messages too: the replica puts them through the log to all replicas);
+* only the replica a request went to is heard on IOPub, and only for that
+  request; replicas' own ``status`` messages are dropped and the front publishes
+  exactly one ``busy``/``idle`` pair per request, ``idle`` after the replica's
+  own ``idle`` (so all of its output has been relayed);
+* stdin is relayed between the client and the executor, interrupts go to the
+  executor, ``shutdown_request`` to every replica;
+* if the executor dies mid-cell, a survivor commits ``Done(index, lost)`` and the
+  client gets a ``CellLostError`` reply; nothing is re-run.
+
+Every message to clients carries the front's session id. A client message that
+is unsigned, wrongly signed or malformed is refused with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+import zmq
+import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from nbos.core.errors import (
+    AuthenticationError,
+    CellLostError,
+    DecodeError,
+    KernelError,
+    NbosError,
+    QuorumLostError,
+)
+from nbos.kernel.front import _wire
+from nbos.kernel.front._chooser import (
+    CellPlan,
+    ChoiceRequest,
+    ExecutorChooser,
+    LastExecutorChooser,
+)
+from nbos.kernel.front._upstream import Channel, ReplicaEndpoint, Upstream
+from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, error_content
+
+log = logging.getLogger(__name__)
+
+#: After a replica's reply, how long to wait for its ``idle`` before going on without it.
+IDLE_GRACE_S = 2.0
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 2.0
+HEARTBEAT_MISSES = 3
+_READY_TIMEOUT_S = 60.0
+_LOST_TIMEOUT_S = 30.0
+_SHUTDOWN_TIMEOUT_S = 5.0
+
+_Incoming = tuple[list[bytes], _wire.Msg]
+
+
+@attrs.define(eq=False)
+class _Pending:
+    """A request relayed to one replica, until its reply and its ``idle`` came back."""
+
+    msg_id: str
+    target: int
+    idents: list[bytes]
+    expects_reply: bool
+    grace: float
+    reply: _wire.Msg | None = None
+    idle: bool = False
+    lost: bool = False
+    done: anyio.Event = attrs.Factory(anyio.Event)
+
+    def check(self, tg: anyio.abc.TaskGroup) -> None:
+        if self.idle and (self.reply is not None or not self.expects_reply):
+            self.done.set()
+        elif self.reply is not None:
+            tg.start_soon(self._give_up_on_idle)
+
+    async def _give_up_on_idle(self) -> None:
+        await anyio.sleep(self.grace)
+        self.done.set()
+
+
+class KernelFront:
+    """One Jupyter kernel in front of ``replicas``; run it with :meth:`serve`.
+
+    ``connection_info`` is valid from construction (the sockets are bound then).
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaEndpoint],
+        *,
+        kernel_id: str = "",
+        ip: str = "127.0.0.1",
+        chooser: ExecutorChooser | None = None,
+    ) -> None:
+        if not replicas:
+            raise KernelError("a kernel front needs at least one replica")
+        self._kernel_id = kernel_id
+        self._ip = ip
+        self._key = secrets.token_hex(32)
+        self._session = _wire.session_for({"key": self._key}, username="nbos")
+        self._chooser: ExecutorChooser = chooser or LastExecutorChooser()
+        self._ctx = zmq.asyncio.Context()
+        self._shell = self._bind(zmq.ROUTER)
+        self._control = self._bind(zmq.ROUTER)
+        self._stdin = self._bind(zmq.ROUTER)
+        self._iopub = self._bind(zmq.PUB)
+        self._hb = self._bind(zmq.ROUTER)
+        self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
+        self._pending: dict[str, _Pending] = {}
+        self._active: _Pending | None = None
+        self._next_index = 1
+        self._last_executor: int | None = None
+        self._refused = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+        #: Set once a client asked the kernel to shut down (every replica was asked too).
+        self.shutdown_requested = anyio.Event()
+
+    def _bind(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{self._ip}:0")
+        return sock
+
+    # --- public -------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        """The one session id clients see on every message."""
+        return str(self._session.session)
+
+    @property
+    def connection_info(self) -> dict[str, Any]:
+        """What a Jupyter client needs to connect (the content of a connection file)."""
+
+        def port(sock: zmq.asyncio.Socket) -> int:
+            endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(endpoint, bytes)
+            return int(endpoint.decode().rsplit(":", 1)[1])
+
+        return {
+            "transport": "tcp",
+            "ip": self._ip,
+            "shell_port": port(self._shell),
+            "iopub_port": port(self._iopub),
+            "stdin_port": port(self._stdin),
+            "control_port": port(self._control),
+            "hb_port": port(self._hb),
+            "key": self._key,
+            "signature_scheme": "hmac-sha256",
+            "kernel_name": "nbos",
+        }
+
+    @property
+    def alive(self) -> tuple[int, ...]:
+        """Node ids of the replicas the front believes alive, ascending."""
+        return tuple(sorted(r for r, up in self._upstreams.items() if up.alive))
+
+    @property
+    def refused(self) -> int:
+        """How many client messages were refused (unsigned, wrongly signed, malformed)."""
+        return self._refused
+
+    @property
+    def last_executor(self) -> int | None:
+        return self._last_executor
+
+    def mark_dead(self, replica: int, reason: str) -> None:
+        """Stop using ``replica``; requests in flight there end as lost."""
+        up = self._upstreams.get(replica)
+        if up is None or not up.mark_dead():
+            return
+        log.warning("kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)
+        for pending in list(self._pending.values()):
+            if pending.target == replica:
+                pending.lost = True
+                pending.done.set()
+
+    async def control_request(
+        self, replica: int, msg_type: str, content: Mapping[str, Any], *, timeout: float
+    ) -> _wire.Msg | None:
+        """Send a control request of the front's own to ``replica``; its reply or ``None``."""
+        up = self._upstreams[replica]
+        msg = _wire.new_message(up.session, msg_type, dict(content))
+        with anyio.move_on_after(timeout):
+            pending = await self._roundtrip(replica, "control", msg, [], grace=0.0)
+            return pending.reply
+        return None
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve clients until cancelled; ``task_status.started()`` once every replica answered."""
+        shell_tx, shell_rx = anyio.create_memory_object_stream[_Incoming](100)
+        control_tx, control_rx = anyio.create_memory_object_stream[_Incoming](100)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                for up in self._upstreams.values():
+                    for channel in ("shell", "control"):
+                        tg.start_soon(self._read_replies, up, channel)
+                    tg.start_soon(self._read_iopub, up)
+                    tg.start_soon(self._read_input_requests, up)
+                await self._wait_ready()
+                tg.start_soon(self._read_client, self._shell, shell_tx)
+                tg.start_soon(self._read_client, self._control, control_tx)
+                tg.start_soon(self._read_client_stdin)
+                tg.start_soon(self._echo_heartbeats)
+                tg.start_soon(self._shell_worker, shell_rx)
+                tg.start_soon(self._control_worker, control_rx)
+                for up in self._upstreams.values():
+                    tg.start_soon(self._watch_heartbeat, up)
+                task_status.started()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for up in self._upstreams.values():
+            up.close()
+        for sock in (self._shell, self._control, self._stdin, self._iopub, self._hb):
+            sock.close(0)
+        self._ctx.term()
+
+    # --- start-up -------------------------------------------------------------------
+
+    async def _wait_ready(self) -> None:
+        # A reply proves the replica's shell works; its idle proves our IOPub
+        # subscription reached it (SUB sockets miss what is published before that).
+        with anyio.fail_after(_READY_TIMEOUT_S):
+            for replica, up in self._upstreams.items():
+                while True:
+                    probe = _wire.new_message(up.session, "kernel_info_request", {})
+                    pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
+                    if pending.reply is not None and pending.idle:
+                        break
+
+    # --- clients --------------------------------------------------------------------
+
+    async def _read_client(
+        self, sock: zmq.asyncio.Socket, tx: MemoryObjectSendStream[_Incoming]
+    ) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            incoming = self._parse_client(frames)
+            if incoming is not None:
+                await tx.send(incoming)
+
+    def _parse_client(self, frames: list[bytes]) -> _Incoming | None:
+        try:
+            return _wire.parse(self._session, frames, content=True)
+        except (AuthenticationError, DecodeError) as exc:
+            self._refused += 1
+            log.warning("kernel %s: client message refused: %s", self._kernel_id, exc)
+            return None
+
+    async def _to_client(
+        self, sock: zmq.asyncio.Socket, msg: _wire.Msg, idents: Sequence[bytes]
+    ) -> None:
+        await _wire.send(self._session, sock, msg, idents, session_id=self.session_id)
+
+    async def _publish(self, msg: _wire.Msg) -> None:
+        topic = f"kernel.{self._kernel_id}.{msg['header']['msg_type']}".encode()
+        await self._to_client(self._iopub, msg, [topic])
+
+    async def _publish_status(self, state: str, parent: _wire.Msg) -> None:
+        msg = _wire.new_message(self._session, "status", {"execution_state": state}, parent)
+        await self._publish(msg)
+
+    async def _reply(
+        self, idents: list[bytes], parent: _wire.Msg, msg_type: str, content: dict[str, Any]
+    ) -> None:
+        await self._to_client(
+            self._shell, _wire.new_message(self._session, msg_type, content, parent), idents
+        )
+
+    async def _echo_heartbeats(self) -> None:
+        while True:
+            await self._hb.send_multipart(await self._hb.recv_multipart())
+
+    # --- shell ----------------------------------------------------------------------
+
+    async def _shell_worker(self, rx: MemoryObjectReceiveStream[_Incoming]) -> None:
+        async for idents, msg in rx:
+            msg_type = msg["header"]["msg_type"]
+            await self._publish_status("busy", msg)
+            try:
+                if msg_type == "execute_request":
+                    await self._execute(idents, msg)
+                else:
+                    await self._relay(idents, msg, "shell", self._shell)
+            finally:
+                await self._publish_status("idle", msg)
+
+    async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> None:
+        index = self._next_index
+        self._next_index += 1
+        try:
+            plan = await self._chooser.choose(
+                ChoiceRequest(index, self._last_executor, self.alive)
+            )
+        except NbosError as exc:
+            log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
+            await self._reply(idents, msg, "execute_reply", error_content(exc, 0))
+            return
+        try:
+            await self._execute_on(idents, msg, index, plan)
+        finally:
+            await self._chooser.release(plan)
+
+    async def _execute_on(
+        self, idents: list[bytes], msg: _wire.Msg, index: int, plan: CellPlan
+    ) -> None:
+        metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
+        pending = await self._roundtrip(
+            plan.replica, "shell", {**msg, "metadata": metadata}, idents, grace=IDLE_GRACE_S
+        )
+        if pending.reply is not None:
+            self._last_executor = plan.replica
+            await self._to_client(self._shell, pending.reply, idents)
+        else:
+            await self._cell_lost(idents, msg, index, plan.replica)
+
+    async def _cell_lost(
+        self, idents: list[bytes], msg: _wire.Msg, index: int, executor: int
+    ) -> None:
+        """The executor died before replying: have a survivor settle the cell, tell the client."""
+        self._last_executor = None
+        settled: dict[str, Any] | None = None
+        for survivor in self.alive:
+            reply = await self.control_request(
+                survivor, "nbos_lost_request", {"exec_index": index}, timeout=_LOST_TIMEOUT_S
+            )
+            if reply is not None and reply["content"].get("status") == "ok":
+                settled = reply["content"]
+                break
+        if settled is None:
+            exc: NbosError = QuorumLostError(f"no live replica could settle cell {index}")
+            content = error_content(exc, 0)
+        elif settled.get("cell_status") == "lost":
+            content = error_content(
+                CellLostError(index, executor), int(settled.get("execution_count", 0))
+            )
+        else:
+            # The executor committed the cell and died before its reply reached us.
+            content = {
+                "status": settled.get("cell_status", "ok"),
+                "execution_count": int(settled.get("execution_count", 1)) - 1,
+                "user_expressions": {},
+                "payload": [],
+            }
+            if content["status"] == "error":
+                content.update(error_content(KernelError(f"cell {index} failed"), 0))
+        log.warning("kernel %s: cell %d settled as %s", self._kernel_id, index, content["status"])
+        if content["status"] == "error":
+            error = {k: content[k] for k in ("ename", "evalue", "traceback")}
+            await self._publish(_wire.new_message(self._session, "error", error, msg))
+        await self._reply(idents, msg, "execute_reply", content)
+
+    async def _relay(
+        self, idents: list[bytes], msg: _wire.Msg, channel: Channel, sock: zmq.asyncio.Socket
+    ) -> None:
+        """Relay a request to a live replica (the last executor first) and its reply back."""
+        expects_reply = msg["header"]["msg_type"].endswith("_request")
+        preferred = [self._last_executor] if self._last_executor in self.alive else []
+        for target in [*preferred, *self.alive]:
+            assert target is not None
+            pending = await self._roundtrip(target, channel, msg, idents, grace=IDLE_GRACE_S)
+            if not pending.lost:
+                if pending.reply is not None:
+                    await self._to_client(sock, pending.reply, idents)
+                return
+            if not expects_reply:
+                return  # a comm message may have reached the log; never send it twice
+        log.warning("kernel %s: no live replica for %s", self._kernel_id, msg["msg_type"])
+
+    async def _roundtrip(
+        self,
+        target: int,
+        channel: Channel,
+        msg: _wire.Msg,
+        idents: list[bytes],
+        *,
+        grace: float,
+    ) -> _Pending:
+        header = msg["header"]
+        pending = _Pending(
+            header["msg_id"], target, idents, header["msg_type"].endswith("_request"), grace
+        )
+        up = self._upstreams[target]
+        if not up.alive:
+            pending.lost = True
+            return pending
+        self._pending[pending.msg_id] = pending
+        if channel == "shell":
+            self._active = pending
+        try:
+            await up.send(channel, msg)
+            await pending.done.wait()
+        finally:
+            self._pending.pop(pending.msg_id, None)
+            if self._active is pending:
+                self._active = None
+        return pending
+
+    # --- control --------------------------------------------------------------------
+
+    async def _control_worker(self, rx: MemoryObjectReceiveStream[_Incoming]) -> None:
+        async for idents, msg in rx:
+            msg_type = msg["header"]["msg_type"]
+            await self._publish_status("busy", msg)
+            try:
+                if msg_type == "shutdown_request":
+                    await self._shutdown(idents, msg)
+                elif msg_type.startswith("nbos_"):
+                    log.warning("kernel %s: client sent internal %s", self._kernel_id, msg_type)
+                elif msg_type == "interrupt_request":
+                    await self._interrupt(idents, msg)
+                else:
+                    await self._relay(idents, msg, "control", self._control)
+            finally:
+                await self._publish_status("idle", msg)
+
+    async def _interrupt(self, idents: list[bytes], msg: _wire.Msg) -> None:
+        active = self._active
+        target = active.target if active is not None else self._last_executor
+        if target is None or target not in self.alive:
+            target = self.alive[0] if self.alive else None
+        if target is None:
+            return
+        pending = await self._roundtrip(target, "control", msg, idents, grace=IDLE_GRACE_S)
+        content = {"status": "ok"} if pending.reply is None else pending.reply["content"]
+        reply = _wire.new_message(self._session, "interrupt_reply", content, msg)
+        await self._to_client(self._control, reply, idents)
+
+    async def _shutdown(self, idents: list[bytes], msg: _wire.Msg) -> None:
+        restart = bool(msg["content"].get("restart", False))
+        with anyio.move_on_after(_SHUTDOWN_TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                for replica in self.alive:
+                    tg.start_soon(self._shutdown_one, replica)
+        content = {"status": "ok", "restart": restart}
+        reply = _wire.new_message(self._session, "shutdown_reply", content, msg)
+        await self._to_client(self._control, reply, idents)
+        await self._publish(_wire.new_message(self._session, "shutdown_reply", content, msg))
+        self.shutdown_requested.set()
+
+    async def _shutdown_one(self, replica: int) -> None:
+        await self.control_request(
+            replica, "shutdown_request", {"restart": False}, timeout=_SHUTDOWN_TIMEOUT_S
+        )
+
+    # --- replicas -------------------------------------------------------------------
+
+    async def _read_replies(self, up: Upstream, channel: Channel) -> None:
+        sock = up.sockets[channel]
+        while True:
+            frames = await sock.recv_multipart()
+            parsed = self._parse_upstream(up, frames, content=True)
+            if parsed is None:
+                continue
+            pending = self._pending.get(parsed[1]["parent_header"].get("msg_id", ""))
+            if pending is not None and pending.target == up.replica and pending.reply is None:
+                pending.reply = parsed[1]
+                assert self._tg is not None
+                pending.check(self._tg)
+
+    async def _read_iopub(self, up: Upstream) -> None:
+        while True:
+            frames = await up.iopub.recv_multipart()
+            parsed = self._parse_upstream(up, frames, content=True)
+            if parsed is None:
+                continue
+            msg = parsed[1]
+            pending = self._pending.get(msg["parent_header"].get("msg_id", ""))
+            if pending is None or pending.target != up.replica:
+                continue  # output of no request in flight here, or of another replica
+            if msg["header"]["msg_type"] != "status":
+                await self._publish(msg)
+            elif msg["content"].get("execution_state") == "idle":
+                pending.idle = True
+                assert self._tg is not None
+                pending.check(self._tg)
+
+    async def _read_input_requests(self, up: Upstream) -> None:
+        sock = up.sockets["stdin"]
+        while True:
+            frames = await sock.recv_multipart()
+            parsed = self._parse_upstream(up, frames, content=True)
+            active = self._active
+            if parsed is None or active is None or active.target != up.replica:
+                continue
+            await self._to_client(self._stdin, parsed[1], active.idents)
+
+    async def _read_client_stdin(self) -> None:
+        while True:
+            incoming = self._parse_client(await self._stdin.recv_multipart())
+            active = self._active
+            if incoming is None:
+                continue
+            if active is None or not self._upstreams[active.target].alive:
+                log.warning("kernel %s: input_reply with no cell waiting", self._kernel_id)
+                continue
+            await self._upstreams[active.target].send("stdin", incoming[1])
+
+    def _parse_upstream(
+        self, up: Upstream, frames: list[bytes], *, content: bool
+    ) -> _Incoming | None:
+        try:
+            return _wire.parse(up.session, frames, content=content)
+        except (AuthenticationError, DecodeError) as exc:
+            log.warning(
+                "kernel %s: replica %d sent a bad message: %s", self._kernel_id, up.replica, exc
+            )
+            return None
+
+    async def _watch_heartbeat(self, up: Upstream) -> None:
+        misses = 0
+        while up.alive:
+            await anyio.sleep(HEARTBEAT_INTERVAL_S)
+            with anyio.move_on_after(HEARTBEAT_TIMEOUT_S):
+                await up.heartbeat.send(b"ping")
+                await up.heartbeat.recv()
+                misses = 0
+                continue
+            misses += 1
+            up.heartbeat.close(0)
+            up.heartbeat = up.new_heartbeat()
+            if misses >= HEARTBEAT_MISSES:
+                self.mark_dead(up.replica, f"{misses} heartbeats missed")
+

@@ -1,0 +1,86 @@
+"""The front's connection to one replica: client sockets on the replica's five channels."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import anyio
+import attrs
+import zmq
+import zmq.asyncio
+
+from nbos.kernel.front import _wire
+
+log = logging.getLogger(__name__)
+
+Channel = Literal["shell", "control", "stdin"]
+
+
+@attrs.frozen
+class ReplicaEndpoint:
+    """One replica as the front sees it: its node id and its Jupyter connection info."""
+
+    replica: int
+    connection: Mapping[str, Any]
+
+
+class Upstream:
+    """Sockets to one replica, signed with that replica's own key.
+
+    The shell and stdin sockets share one identity: ipykernel sends ``input_request``
+    to the identity the ``execute_request`` came from.
+    """
+
+    def __init__(self, endpoint: ReplicaEndpoint, ctx: zmq.asyncio.Context) -> None:
+        self.replica = endpoint.replica
+        self.session = _wire.session_for(endpoint.connection, username="nbos-front")
+        self.alive = True
+        self.died = anyio.Event()
+        self._ctx = ctx
+        self._connection = dict(endpoint.connection)
+        identity = f"nbos-front-{uuid.uuid4().hex}".encode()
+        self.sockets: dict[Channel, zmq.asyncio.Socket] = {
+            "shell": self._connect(zmq.DEALER, "shell_port", identity),
+            "control": self._connect(zmq.DEALER, "control_port"),
+            "stdin": self._connect(zmq.DEALER, "stdin_port", identity),
+        }
+        self.iopub = self._connect(zmq.SUB, "iopub_port")
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.heartbeat = self.new_heartbeat()
+
+    def _url(self, port_key: str) -> str:
+        c = self._connection
+        return f"{c.get('transport', 'tcp')}://{c.get('ip', '127.0.0.1')}:{c[port_key]}"
+
+    def _connect(
+        self, kind: int, port_key: str, identity: bytes | None = None
+    ) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(self._url(port_key))
+        return sock
+
+    def new_heartbeat(self) -> zmq.asyncio.Socket:
+        """A fresh REQ socket to the replica's heartbeat (a REQ that timed out is stuck)."""
+        return self._connect(zmq.REQ, "hb_port")
+
+    async def send(self, channel: Channel, msg: _wire.Msg) -> None:
+        """Re-sign ``msg`` with this replica's key and send it on ``channel``."""
+        await _wire.send(self.session, self.sockets[channel], msg)
+
+    def mark_dead(self) -> bool:
+        """Record the replica as dead; ``True`` the first time."""
+        if not self.alive:
+            return False
+        self.alive = False
+        self.died.set()
+        return True
+
+    def close(self) -> None:
+        for sock in (*self.sockets.values(), self.iopub, self.heartbeat):
+            sock.close(0)
