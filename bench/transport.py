@@ -6,6 +6,8 @@ client here, so both sides of every mode pay the same costs:
 * ``nbos``: two ZmqTransport endpoints (ROUTER in, DEALER per peer out).
 * ``raw-asyncio`` (the anchor): a zmq.asyncio DEALER against a zmq.asyncio
   ROUTER that echoes, the plain pyzmq way to do this under asyncio.
+* ``raw-reader``: nbos's socket topology and wake-up scheme written inline on
+  raw sockets: what the nbos layer itself costs is the gap to it.
 * ``raw-sync``: the same with blocking sockets and no event loop, for reference
   (a floor no asyncio library reaches).
 
@@ -27,6 +29,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -40,7 +43,7 @@ WINDOW = int(os.environ.get("NBOS_BENCH_WINDOW", "64"))
 ROUNDS = int(os.environ.get("NBOS_BENCH_ROUNDS", "40"))
 WARMUP = 500
 PAYLOAD = b"x" * 64
-MODES = ("nbos", "raw-asyncio", "raw-sync")
+MODES = ("nbos", "raw-asyncio", "raw-reader", "raw-sync")
 
 # --- servers (run in a child process) ---------------------------------------------
 
@@ -63,6 +66,51 @@ async def serve_raw_asyncio() -> None:
         await router.send_multipart(await router.recv_multipart())
 
 
+class LoopReader:
+    """A raw socket read through one long-lived asyncio reader: the asyncio floor."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.waiter: asyncio.Future[None] | None = None
+        self.fd = cast(int, sock.getsockopt(zmq.FD))
+        self.loop.add_reader(self.fd, self.wake)
+
+    def wake(self) -> None:
+        if self.has_input() and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def has_input(self) -> bool:
+        return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    async def recv_multipart(self) -> list[bytes]:
+        while not self.has_input():
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.sock.recv_multipart(zmq.NOBLOCK)
+
+
+def reader_pair(
+    ctx: zmq.Context[zmq.Socket[bytes]], peer_address: str
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """nbos's topology without nbos: a bound ROUTER to read, a DEALER to the peer to send."""
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, b"raw")
+    if peer_address != "-":
+        dealer.connect(peer_address)
+    return router, dealer
+
+
+async def serve_raw_reader(client_address: str) -> None:
+    router, dealer = reader_pair(zmq.Context(), client_address)
+    print(router.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    reader = LoopReader(router)
+    while True:
+        dealer.send((await reader.recv_multipart())[1], zmq.NOBLOCK)
+
+
 def serve_raw_sync() -> None:
     router = zmq.Context().socket(zmq.ROUTER)
     router.bind("tcp://127.0.0.1:*")
@@ -76,6 +124,8 @@ def serve(mode: str, client_address: str) -> None:
         asyncio.run(serve_nbos(client_address))
     elif mode == "raw-asyncio":
         asyncio.run(serve_raw_asyncio())
+    elif mode == "raw-reader":
+        asyncio.run(serve_raw_reader(client_address))
     else:
         serve_raw_sync()
 
@@ -148,6 +198,20 @@ async def open_raw_asyncio(stack: AsyncExitStack) -> Client:
     return Client(send, dealer.recv)
 
 
+async def open_raw_reader(stack: AsyncExitStack) -> Client:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    stack.callback(ctx.destroy, linger=0)
+    router, dealer = reader_pair(ctx, "-")
+    dealer.connect(start_server(stack, "raw-reader", router.getsockopt_string(zmq.LAST_ENDPOINT)))
+    reader = LoopReader(router)
+    stack.callback(reader.loop.remove_reader, reader.fd)
+
+    async def send() -> None:
+        dealer.send(PAYLOAD, zmq.NOBLOCK)
+
+    return Client(send, reader.recv_multipart)
+
+
 async def open_raw_sync(stack: AsyncExitStack) -> Client:
     ctx = zmq.Context()
     stack.callback(ctx.destroy, linger=0)
@@ -164,7 +228,12 @@ async def open_raw_sync(stack: AsyncExitStack) -> Client:
     return Client(send, recv)
 
 
-OPENERS = {"nbos": open_nbos, "raw-asyncio": open_raw_asyncio, "raw-sync": open_raw_sync}
+OPENERS = {
+    "nbos": open_nbos,
+    "raw-asyncio": open_raw_asyncio,
+    "raw-reader": open_raw_reader,
+    "raw-sync": open_raw_sync,
+}
 
 
 async def measure() -> tuple[dict[str, list[int]], dict[str, list[float]]]:
@@ -199,10 +268,8 @@ def main() -> None:
         p99 = percentile(samples[mode], 0.99)
         print(f"{mode:<12} {p50[mode]:8.1f} {p99:8.1f} {statistics.median(rates[mode]):11.0f}")
     ratio = p50["nbos"] / p50["raw-asyncio"]
-    print(
-        f"p50 nbos / raw-asyncio: {ratio:.2f}x; "
-        f"nbos / raw-sync: {p50['nbos'] / p50['raw-sync']:.2f}x"
-    )
+    others = ", ".join(f"{m}: {p50['nbos'] / p50[m]:.2f}x" for m in MODES[1:])
+    print(f"p50 of nbos over {others}")
     summary = {
         "bench": "transport",
         "metric": "p50 round-trip latency, 64 B, loopback",

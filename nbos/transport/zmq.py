@@ -68,6 +68,9 @@ _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
 _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 3000
+# A receive that finds a message ready returns it at once, but every this many in
+# a row it yields to the event loop, so a flood cannot starve the other tasks.
+_YIELD_EVERY = 32
 
 
 @attrs.frozen
@@ -192,6 +195,7 @@ class ZmqTransport:
         self._dealers: dict[PeerId, tuple[zmq.Socket[bytes], str, bytes | None]] = {}
         self._dropped = 0
         self._rejected = 0
+        self._unyielded = 0
         self._closed = False
         try:
             if curve is not None:
@@ -310,9 +314,13 @@ class ZmqTransport:
     async def receive(self) -> tuple[PeerId, bytes]:
         message = self._receive_nowait()
         if message is not None:
-            # Give others a turn without a cancellation point: the message is taken.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            self._unyielded += 1
+            if self._unyielded >= _YIELD_EVERY:
+                # Give others a turn without a cancellation point: the message is taken.
+                self._unyielded = 0
+                await anyio.lowlevel.cancel_shielded_checkpoint()
             return message
+        self._unyielded = 0
         while True:
             await self._readiness.wait()
             message = self._receive_nowait()

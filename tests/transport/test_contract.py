@@ -193,3 +193,25 @@ async def test_restarted_peer_is_reached_again(harness: Harness) -> None:
                 break
     await b2.send(a.local, b"back")
     assert await receive_n(a, 1) == [("b", b"back")]
+
+
+async def test_receiving_a_backlog_still_lets_other_tasks_run(harness: Harness) -> None:
+    a, b = await harness.mesh("a", "b")
+    for i in range(500):
+        await a.send(b.local, i.to_bytes(2, "big"))
+    await anyio.sleep(0.2)  # let the whole backlog reach b
+    turns = 0
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_task)
+        await anyio.sleep(0)
+        before = turns
+        await receive_n(b, 500)
+        assert turns - before >= 5, "receive starved the other task"
+        tg.cancel_scope.cancel()
