@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nbos.core.errors import ReplicationError
+from nbos.core.errors import ConfigError, ReplicationError
 from nbos.core.wire.raft import ConfState, Entry, HardState, SnapshotMeta
 from nbos.raft.storage import (
     DiskStorage,
@@ -221,7 +221,7 @@ def test_snapshot_streams_in_and_out_in_chunks(store: Store) -> None:
         chunks = list(s.snapshot_chunks(chunk_bytes=333))
         assert all(0 < len(c) <= 333 for c in chunks)
         assert b"".join(chunks) == image
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ConfigError, match="positive"):
         next(store.s.snapshot_chunks(chunk_bytes=0))
 
 

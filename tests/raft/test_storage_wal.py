@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nbos.core.errors import StorageCorruptError
+from nbos.core.errors import ConfigError, StorageCorruptError
 from nbos.core.wire.raft import Entry, HardState
 from nbos.raft.storage import DEFAULT_SEGMENT_BYTES, DiskStorage, StorageIOError
 
@@ -275,3 +275,14 @@ def test_a_failed_write_is_cut_back_and_the_store_refuses_more(tmp_path: Path) -
     s = DiskStorage.open(tmp_path)  # no partial frame was left: opens cleanly
     assert s.entries(1, s.last_index() + 1) == [Entry(term=1, index=1, data=b"kept")]
     s.close()
+
+
+@pytest.mark.parametrize(
+    ("key", "kwargs"), [("segment_bytes", {"segment_bytes": 0}), ("fsync", {"fsync": "sometimes"})]
+)
+def test_bad_settings_are_config_errors(
+    tmp_path: Path, key: str, kwargs: dict[str, object]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        DiskStorage.open(tmp_path, **kwargs)  # type: ignore[arg-type]
+    assert info.value.key == key

@@ -42,10 +42,10 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 from nbos.core.config import FsyncPolicy
-from nbos.core.errors import StorageCorruptError
+from nbos.core.errors import ConfigError, StorageCorruptError
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
 from nbos.raft.storage import _snapfile
 from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, InitialState, SnapshotSink
@@ -121,7 +121,9 @@ class DiskStorage:
         another process or cannot be read.
         """
         if segment_bytes <= 0:
-            raise ValueError(f"segment_bytes must be positive, not {segment_bytes}")
+            raise ConfigError("segment_bytes", segment_bytes, "a positive number of bytes")
+        if fsync not in get_args(FsyncPolicy):
+            raise ConfigError("fsync", fsync, " | ".join(get_args(FsyncPolicy)))
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)

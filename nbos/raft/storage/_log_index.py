@@ -7,6 +7,7 @@ with :meth:`LogIndex.check_save`, makes it durable, then applies it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -17,6 +18,8 @@ from nbos.raft.storage._errors import (
     LogUnavailableError,
     SnapshotOutOfDateError,
 )
+
+log = logging.getLogger(__name__)
 
 # Rough per-entry overhead (msgpack tags and ints) for ``max_bytes`` accounting.
 _ENTRY_OVERHEAD = 24
@@ -82,20 +85,20 @@ class LogIndex:
             return fresh
         for prev, cur in pairwise(fresh):
             if cur.index != prev.index + 1:
-                raise InvalidLogWriteError(
+                raise _refused(
                     f"entries are not consecutive: index {cur.index} follows {prev.index}"
                 )
             if cur.term < prev.term:
-                raise InvalidLogWriteError(
+                raise _refused(
                     f"term goes back from {prev.term} to {cur.term} at index {cur.index}"
                 )
         first = fresh[0]
         if first.index > self.last_index() + 1:
-            raise InvalidLogWriteError(
+            raise _refused(
                 f"gap: first new entry is {first.index}, the log ends at {self.last_index()}"
             )
         if first.term < self.term(first.index - 1):
-            raise InvalidLogWriteError(
+            raise _refused(
                 f"entry {first.index} has term {first.term}, "
                 f"below the term {self.term(first.index - 1)} of the entry before it"
             )
@@ -134,9 +137,14 @@ def must_sync(old: HardState, new: HardState | None, entries: Sequence[Entry]) -
 
 def _check_hard_state(old: HardState, new: HardState) -> None:
     if new.term < old.term:
-        raise InvalidLogWriteError(f"hard state term goes back from {old.term} to {new.term}")
+        raise _refused(f"hard state term goes back from {old.term} to {new.term}")
     if new.term == old.term and old.vote is not None and new.vote != old.vote:
-        raise InvalidLogWriteError(f"vote in term {new.term} changes from {old.vote} to {new.vote}")
+        raise _refused(f"vote in term {new.term} changes from {old.vote} to {new.vote}")
+
+
+def _refused(reason: str) -> InvalidLogWriteError:
+    log.warning("refused log write: %s", reason)
+    return InvalidLogWriteError(reason)
 
 
 def _limit_size(entries: list[Entry], max_bytes: int) -> list[Entry]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from nbos.core.errors import ConfigError
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
 from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, InitialState, SnapshotSink
 from nbos.raft.storage._errors import InvalidLogWriteError, NoSnapshotError
@@ -81,7 +82,7 @@ class MemoryStorage:
 
     def snapshot_chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk size must be positive, not {chunk_bytes}")
+            raise ConfigError("chunk_bytes", chunk_bytes, "a positive number of bytes")
         for chunk in self._chunks():
             view = memoryview(chunk)
             for start in range(0, len(view), chunk_bytes):

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from nbos.core.errors import StorageCorruptError
+from nbos.core.errors import ConfigError, StorageCorruptError
 from nbos.core.wire.raft import SnapshotMeta
 from nbos.raft.storage._fsutil import fsync_dir, write_all
 
@@ -123,7 +123,7 @@ def verify(path: Path) -> SnapshotMeta:
 def iter_image(path: Path, chunk_bytes: int) -> Iterator[bytes]:
     """The image in chunks; the checksum is checked before the last chunk is yielded."""
     if chunk_bytes <= 0:
-        raise ValueError(f"chunk size must be positive, not {chunk_bytes}")
+        raise ConfigError("chunk_bytes", chunk_bytes, "a positive number of bytes")
     with path.open("rb") as f:
         header, _ = _read_header(f, path)
         image_len = os.fstat(f.fileno()).st_size - len(header) - _TRAILER.size
