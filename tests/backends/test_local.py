@@ -1,0 +1,61 @@
+"""Local-backend specifics: log files, run directory, config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from nbos.backends import LocalProcessBackend
+from nbos.core.compute_backend import ProcessSpec
+from nbos.core.errors import BackendError, ConfigError
+from nbos.core.ids import HostId
+from tests.backends._procs import python
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+H1 = HostId("h1")
+TALK = "import sys; print('to out', flush=True); print('to err', file=sys.stderr)"
+
+
+async def test_output_goes_to_a_log_file_per_process(tmp_path: Path) -> None:
+    backend = LocalProcessBackend([H1], run_dir=tmp_path)
+    try:
+        first = await backend.start(H1, ProcessSpec(python(TALK), label="talker/1"))
+        second = await backend.start(H1, ProcessSpec(python("print('second')")))
+        assert await first.wait() == 0
+        assert await second.wait() == 0
+    finally:
+        await backend.aclose()
+    assert first.log_path.parent == tmp_path / "h1"
+    assert first.log_path.name == "0000-talker_1.log"
+    assert (await anyio.Path(first.log_path).read_text()).splitlines() == ["to out", "to err"]
+    assert (await anyio.Path(second.log_path).read_text()) == "second\n"
+
+
+async def test_without_run_dir_logs_go_to_a_fresh_temporary_directory() -> None:
+    backend = LocalProcessBackend([H1])
+    assert LocalProcessBackend([H1]).run_dir is None  # made on the first start
+    try:
+        handle = await backend.start(H1, ProcessSpec(python("print('hi')")))
+        assert await handle.wait() == 0
+    finally:
+        await backend.aclose()
+    assert backend.run_dir is not None
+    assert handle.log_path.is_relative_to(backend.run_dir)
+    assert handle.log_path.read_text() == "hi\n"
+
+
+async def test_unwritable_run_dir_is_a_backend_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    backend = LocalProcessBackend([H1], run_dir=blocker)
+    with pytest.raises(BackendError, match="log file"):
+        await backend.start(H1, ProcessSpec(python("pass")))
+
+
+@pytest.mark.parametrize("hosts", [[], ["a", "a"], "ab"])
+def test_bad_hosts_are_refused(hosts: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        LocalProcessBackend(hosts)
