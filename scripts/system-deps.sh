@@ -5,7 +5,7 @@ set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
-command -v dockerd >/dev/null || need+=(docker.io)
+command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || need+=(docker.io)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then
   echo "missing ${need[*]}: install them (apt-get install ${need[*]}) or run as root" >&2
