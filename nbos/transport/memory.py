@@ -356,6 +356,7 @@ class MemoryTransport:
         return self._dropped
 
     def add_peer(self, peer: PeerId, address: str) -> None:
+        self._check_open()
         if not address.startswith(ADDRESS_SCHEME) or len(address) == len(ADDRESS_SCHEME):
             log.warning("refusing address %r for peer %r: not a memory address", address, peer)
             raise TransportError(f"not a memory transport address: {address!r}")

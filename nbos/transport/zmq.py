@@ -141,9 +141,12 @@ class _Readiness:
     """
 
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise TransportError("ZmqTransport runs on an asyncio event loop only") from None
         self._socket = socket
         self._fd = int(socket.getsockopt(zmq.FD))
-        self._loop = asyncio.get_running_loop()
         self._waiters: set[asyncio.Future[None]] = set()
         self._loop.add_reader(self._fd, self._on_readable)
 
@@ -185,8 +188,11 @@ class ZmqTransport:
     ) -> None:
         if queue_size < 1:
             raise ConfigError("queue_size", queue_size, "a positive number of messages")
-        self._local = local
         self._identity = local.encode()
+        # ZeroMQ routing ids: 1 to 255 bytes; a leading zero byte is reserved for its own.
+        if not 0 < len(self._identity) < 256 or local.startswith("\0"):
+            raise ConfigError("local", local, "a peer id of 1 to 255 UTF-8 bytes, not starting NUL")
+        self._local = local
         self._queue_size = queue_size
         self._curve = curve
         self._max_message_size = max_message_size
@@ -201,10 +207,10 @@ class ZmqTransport:
             if curve is not None:
                 self._start_auth(curve)
             self._router = self._bind(bind)
+            self._readiness = _Readiness(self._router)
         except BaseException:
             self._teardown()
             raise
-        self._readiness = _Readiness(self._router)
         self._address = bytes(self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()
 
     @classmethod

@@ -6,6 +6,7 @@ import os
 import random
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from nbos.core.errors import TransportClosedError, TransportError, UnknownPeerError
@@ -159,6 +160,8 @@ async def test_closed_transport_refuses_everything(harness: Harness) -> None:
         await a.send(b.local, b"x")
     with pytest.raises(TransportClosedError):
         await a.receive()
+    with pytest.raises(TransportClosedError):
+        a.add_peer(peer("c"), harness.dead_address())
 
 
 async def test_close_wakes_a_blocked_receive(harness: Harness) -> None:
@@ -206,11 +209,11 @@ async def test_receiving_a_backlog_still_lets_other_tasks_run(harness: Harness) 
         nonlocal turns
         while True:
             turns += 1
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(other_task)
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         before = turns
         await receive_n(b, 500)
         assert turns - before >= 5, "receive starved the other task"

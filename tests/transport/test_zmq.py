@@ -131,6 +131,16 @@ async def test_bad_bind_address_and_queue_size_are_typed_errors() -> None:
             await ZmqTransport.open("b", a.address)  # already taken
     with pytest.raises(ConfigError):
         await ZmqTransport.open("c", queue_size=0)
+    for bad_id in ("", "\0zmq-reserved", "x" * 256):
+        with pytest.raises(ConfigError):
+            await ZmqTransport.open(bad_id)
+
+
+def test_opening_outside_an_asyncio_loop_is_a_typed_error() -> None:
+    with pytest.raises(TransportError, match="asyncio"):
+        ZmqTransport(
+            PeerId("a"), bind="tcp://127.0.0.1:0", queue_size=10, curve=None, max_message_size=100
+        )
 
 
 async def test_re_adding_a_peer_keeps_or_replaces_its_connection() -> None:
