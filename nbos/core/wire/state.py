@@ -8,6 +8,7 @@ content-addressed blobs in the object store, and the entry holds their keys.
 
 from __future__ import annotations
 
+from nbos.core.ids import BlobKey
 from nbos.core.wire.base import Message
 
 
@@ -27,8 +28,8 @@ class StateDelta(Message):
 
     exec_index: int
     set: bytes = b""
-    set_blob: str | None = None
-    blobs: list[str] = []
+    set_blob: BlobKey | None = None
+    blobs: list[BlobKey] = []
     deleted: list[str] = []
     imports: list[tuple[str, str]] = []
     unpicklable: list[tuple[str, str]] = []

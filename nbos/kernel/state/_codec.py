@@ -69,8 +69,8 @@ class Encoded(msgspec.Struct):
     """A pickle ready for a log entry: inline bytes or a blob key, and its buffers' keys."""
 
     inline: bytes
-    blob: str | None
-    buffers: list[str]
+    blob: BlobKey | None
+    buffers: list[BlobKey]
 
 
 async def encode(
@@ -85,7 +85,7 @@ async def encode(
     other buffers are hashed here. Blobs already in the store are not written again.
     """
     pickled = pickle_value(values, threshold)
-    buffer_keys: list[str] = []
+    buffer_keys: list[BlobKey] = []
     for buffer in pickled.buffers:
         view = buffer.raw()
         key = keys.get(_buffers.place_of(buffer)) or await _buffers.hash_key(view)
@@ -100,7 +100,7 @@ async def decode(
     encoded: Encoded, namespace: MutableMapping[str, Any], store: ObjectStore
 ) -> dict[str, object]:
     """The values :func:`encode` stored; cell-defined functions get ``namespace`` as globals."""
-    data = encoded.inline if encoded.blob is None else await store.get(BlobKey(encoded.blob))
+    data = encoded.inline if encoded.blob is None else await store.get(_checked_key(encoded.blob))
     buffers = [await _buffers.fetch(store, _checked_key(key)) for key in encoded.buffers]
     try:
         values = _load(data, namespace, buffers)
@@ -121,7 +121,7 @@ def _checked_key(key: str) -> BlobKey:
     return BlobKey(key)
 
 
-def content_hash(pickled: Pickled, keys: list[str]) -> bytes:
+def content_hash(pickled: Pickled, keys: list[BlobKey]) -> bytes:
     """A digest of a pickle and its buffers' keys: equal iff the pickled content is."""
     h = hashlib.blake2b(pickled.data, digest_size=16)
     for key in keys:

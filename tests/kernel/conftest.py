@@ -1,0 +1,103 @@
+"""Fixtures for the state tests: a real local object store and an executor/replica pair."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from nbos.core.wire import encode
+from nbos.core.wire.state import StateDelta
+from nbos.kernel.state import StateCapture, _codec, apply, namespace_digest
+from nbos.store.local import LocalObjectStore
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def fresh_namespace() -> dict[str, Any]:
+    """What a kernel's user namespace starts with (plus IPython-like bookkeeping)."""
+    return {
+        "__name__": "__main__",
+        "__builtins__": builtins,
+        "_": None,
+        "_i": "",
+        "_i1": "x = 1",
+        "_1": 1,
+        "In": [""],
+        "Out": {},
+        "exit": None,
+    }
+
+
+@dataclass
+class Pair:
+    """An executor namespace and a replica namespace (different dicts) kept in sync."""
+
+    store: LocalObjectStore
+    capture: StateCapture
+    executor: dict[str, Any] = field(default_factory=fresh_namespace)
+    replica: dict[str, Any] = field(default_factory=fresh_namespace)
+    deltas: list[StateDelta] = field(default_factory=list)
+
+    async def cell(self, code: str) -> StateDelta:
+        """Run ``code`` on the executor, capture, apply on the replica, check digests agree."""
+        # dont_inherit: a cell does not get this module's `from __future__` flags.
+        exec(compile(textwrap.dedent(code), "<cell>", "exec", dont_inherit=True), self.executor)
+        delta = await self.capture.capture(self.executor, exec_index=len(self.deltas) + 1)
+        self.deltas.append(delta)
+        await apply(self.replica, delta, self.store)
+        assert namespace_digest(self.replica) == namespace_digest(self.executor)
+        return delta
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[LocalObjectStore]:
+    s = LocalObjectStore(tmp_path / "blobs")
+    yield s
+    await s.aclose()
+
+
+@pytest.fixture
+def pair(store: LocalObjectStore) -> Pair:
+    return Pair(store, StateCapture(store))
+
+
+async def sent_names(delta: StateDelta, store: LocalObjectStore) -> set[str]:
+    """The names whose values ``delta`` carries (decoded the way a replica would)."""
+    if not delta.set and delta.set_blob is None:
+        return set()
+    encoded = _codec.Encoded(delta.set, delta.set_blob, delta.blobs)
+    return set(await _codec.decode(encoded, {}, store))
+
+
+CHILD = Path(__file__).with_name("_replica_child.py")
+
+
+def replay_in_child(pair: Pair, probe: str, tmp_path: Path) -> dict[str, Any]:
+    """Apply ``pair``'s deltas in a fresh Python process, run ``probe`` there; its report."""
+    deltas = tmp_path / "deltas.msgpack"
+    deltas.write_bytes(msgspec.msgpack.encode([encode(d) for d in pair.deltas]))
+    probe_file = tmp_path / "probe.py"
+    probe_file.write_text(textwrap.dedent(probe))
+    done = subprocess.run(
+        [sys.executable, str(CHILD), str(pair.store.root), str(deltas), str(probe_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report

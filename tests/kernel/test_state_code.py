@@ -1,0 +1,150 @@
+"""Functions and classes defined in cells travel by value and run on the replica."""
+
+from __future__ import annotations
+
+import abc
+
+import pytest
+
+from tests.kernel.conftest import Pair, sent_names
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_functions_keep_defaults_closures_and_attributes(pair: Pair) -> None:
+    await pair.cell(
+        """
+        def fact(n: int) -> int:
+            "factorial"
+            return 1 if n < 2 else n * fact(n - 1)
+
+        def make(k):
+            later = None
+            def add(x, y=2, *, z=3):
+                return x + y + z + k
+            def uses_later():
+                return later
+            return add, uses_later
+
+        add, uses_later = make(100)
+        fact.tag = "t"
+        def kw(*, a=[1]): return a
+        square = lambda v: v * v
+        """
+    )
+    r = pair.replica
+    assert r["fact"](5) == 120
+    assert r["fact"].__doc__ == "factorial" and r["fact"].__annotations__ == {
+        "n": int,
+        "return": int,
+    }
+    assert r["fact"].tag == "t"
+    assert r["add"](1) == 106 and r["add"](1, 1, z=1) == 103
+    assert r["uses_later"]() is None
+    assert r["kw"]() == [1] and r["square"](7) == 49
+    assert r["make"].__qualname__ == "make" and r["add"].__qualname__ == "make.<locals>.add"
+
+
+async def test_functions_bind_to_the_replica_namespace(pair: Pair) -> None:
+    await pair.cell("scale = 2\ndef f(x): return x * scale")
+    assert pair.replica["f"].__globals__ is pair.replica
+    await pair.cell("scale = 3")
+    assert pair.replica["f"](2) == 6
+
+
+async def test_unassigned_closure_cell_stays_empty(pair: Pair) -> None:
+    await pair.cell(
+        """
+        def outer():
+            def inner():
+                return late
+            g = inner
+            late = 1
+            del late
+            return g
+        g = outer()
+        """
+    )
+    with pytest.raises(NameError):
+        pair.replica["g"]()
+
+
+async def test_classes_and_their_instances(pair: Pair) -> None:
+    await pair.cell(
+        """
+        class Base:
+            def __init__(self, v):
+                self.v = v
+            def describe(self):
+                return f"{type(self).__name__}({self.v})"
+
+        class Point(Base):
+            "a point"
+            count = 0
+            def __init__(self, v):
+                super().__init__(v)
+                Point.count += 1
+            def clone(self):
+                return Point(self.v)
+            @staticmethod
+            def origin():
+                return Point(0)
+            @classmethod
+            def named(cls):
+                return cls.__name__
+            @property
+            def double(self):
+                return 2 * self.v
+
+        p = Point(4)
+        q = p.clone()
+        """
+    )
+    r = pair.replica
+    assert isinstance(r["p"], r["Point"]) and isinstance(r["p"], r["Base"])
+    assert r["p"].describe() == "Point(4)" and r["p"].double == 8
+    assert r["Point"].origin().v == 0 and r["Point"].named() == "Point"
+    assert r["Point"].__doc__ == "a point" and r["Point"].__module__ == "__main__"
+    assert type(r["p"]) is type(r["q"]) is r["Point"]
+    assert r["p"].clone().v == 4  # global lookup of Point in the replica namespace
+
+
+async def test_slots_abc_and_nested_classes(pair: Pair) -> None:
+    await pair.cell(
+        """
+        import abc
+        class Slotted:
+            __slots__ = ("a", "b")
+            def __init__(self):
+                self.a, self.b = 1, 2
+        s = Slotted()
+
+        class Shape(abc.ABC):
+            @abc.abstractmethod
+            def area(self): ...
+        class Square(Shape):
+            def area(self):
+                return 4
+
+        class Outer:
+            class Inner:
+                pass
+        inner = Outer.Inner()
+        """
+    )
+    r = pair.replica
+    assert (r["s"].a, r["s"].b) == (1, 2) and not hasattr(r["s"], "__dict__")
+    assert isinstance(r["Shape"], abc.ABCMeta) and r["Square"]().area() == 4
+    with pytest.raises(TypeError):
+        r["Shape"]()
+    assert r["Outer"].Inner.__qualname__ == "Outer.Inner"
+
+
+async def test_redefined_function_is_sent_again(pair: Pair) -> None:
+    await pair.cell("def f(): return 1")
+    delta = await pair.cell("def f(): return 2")
+    assert await sent_names(delta, pair.store) == {"f"}
+    assert pair.replica["f"]() == 2
+    delta = await pair.cell("f.__defaults__ = None\nf.marker = 1")
+    assert await sent_names(delta, pair.store) == {"f"}
+    assert pair.replica["f"].marker == 1

@@ -1,0 +1,98 @@
+"""Property: after any sequence of cells, capture on the executor + apply on a replica
+leaves both namespaces with equal digests and the same aliasing between names."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nbos.kernel.state import StateCapture, apply, namespace_digest
+from nbos.store.local import LocalObjectStore
+
+NAMES = ["a", "b", "c", "d", "e"]
+EXAMPLES = int(os.environ.get("NBOS_STATE_EXAMPLES", "60"))
+
+atoms = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.binary(max_size=5),
+)
+hashables = st.one_of(st.integers(), st.text(max_size=4))
+values = st.recursive(
+    atoms,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.dictionaries(st.text(max_size=3), inner, max_size=4),
+        st.sets(hashables, max_size=4),
+    ),
+    max_leaves=12,
+)
+name = st.sampled_from(NAMES)
+operation = st.one_of(
+    st.tuples(st.just("assign"), name, values),
+    st.tuples(st.just("alias"), name, name),
+    st.tuples(st.just("inner"), name, name),
+    st.tuples(st.just("append"), name, st.one_of(name, values)),
+    st.tuples(st.just("setitem"), name, st.text(max_size=2), st.one_of(name, values)),
+    st.tuples(st.just("delete"), name),
+)
+cells = st.lists(st.lists(operation, min_size=1, max_size=3), min_size=1, max_size=6)
+
+
+def run(ns: dict[str, Any], op: tuple[Any, ...]) -> None:
+    """Apply one operation to the executor namespace, as a cell would."""
+    kind, target, *rest = op
+
+    def resolve(x: object) -> object:
+        return ns[x] if isinstance(x, str) and x in NAMES and x in ns else x
+
+    if kind == "assign":
+        ns[target] = rest[0]
+    elif kind == "alias" and rest[0] in ns:
+        ns[target] = ns[rest[0]]
+    elif kind == "inner" and isinstance(ns.get(rest[0]), list | dict) and ns[rest[0]]:
+        src = ns[rest[0]]
+        ns[target] = src[0] if isinstance(src, list) else next(iter(src.values()))
+    elif kind == "append" and isinstance(ns.get(target), list):
+        ns[target].append(resolve(rest[0]))
+    elif kind == "setitem" and isinstance(ns.get(target), dict):
+        ns[target][rest[0]] = resolve(rest[1])
+    elif kind == "delete":
+        ns.pop(target, None)
+
+
+def aliasing(ns: dict[str, Any]) -> set[tuple[str, str]]:
+    """Pairs of names bound to one mutable object (the identity of an int is not state)."""
+    present = [n for n in NAMES if isinstance(ns.get(n), list | dict | set)]
+    return {(x, y) for x in present for y in present if x < y and ns[x] is ns[y]}
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(cells)
+def test_capture_then_apply_keeps_replicas_equal(program: list[list[tuple[Any, ...]]]) -> None:
+    async def main(root: Path) -> None:
+        store = LocalObjectStore(root)
+        capture = StateCapture(store)
+        executor: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        replica: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        for index, cell in enumerate(program, start=1):
+            for op in cell:
+                run(executor, op)
+            await apply(replica, await capture.capture(executor, index), store)
+            assert namespace_digest(replica) == namespace_digest(executor)
+            assert aliasing(replica) == aliasing(executor)
+            assert set(replica) == set(executor)
+
+    with tempfile.TemporaryDirectory() as root:
+        anyio.run(main, Path(root))
