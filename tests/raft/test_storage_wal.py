@@ -116,6 +116,23 @@ def test_garbage_in_the_last_record_is_a_torn_tail(
         s.close()
 
 
+def test_a_torn_record_holding_frame_bytes_is_still_torn(
+    five: tuple[Path, list[int]], tmp_path: Path
+) -> None:
+    src, sizes = five
+    framed = segments(src)[-1].read_bytes()[sizes[1] : sizes[2]]  # a whole valid frame
+    d = tmp_path / "d"
+    s = DiskStorage.open(d)
+    s.save(None, [entry(1)])
+    before = segments(d)[-1].stat().st_size
+    s.save(None, [Entry(term=1, index=2, data=framed * 3)])
+    s.close()
+    os.truncate(segments(d)[-1], before + 100 + 2 * len(framed))  # cut after 2 embedded frames
+    s = DiskStorage.open(d)
+    assert s.last_index() == 1
+    s.close()
+
+
 def test_after_a_cut_the_log_grows_again(five: tuple[Path, list[int]], tmp_path: Path) -> None:
     src, sizes = five
     seg = damaged_copy(src, tmp_path / "d")
@@ -151,8 +168,8 @@ def test_a_checksummed_but_undecodable_tail_is_corruption(
     src, _ = five
     seg = damaged_copy(src, tmp_path / "d")
     payload = b"\xc1"  # a byte msgpack never uses
-    length = struct.pack("<I", len(payload))
-    frame = b"\xd5NbW" + length + struct.pack("<I", zlib.crc32(payload, zlib.crc32(length)))
+    prefix = b"\xd5NbW" + struct.pack("<II", len(payload), zlib.crc32(payload))
+    frame = prefix + struct.pack("<I", zlib.crc32(prefix))
     with seg.open("ab") as f:
         f.write(frame + payload)
     with pytest.raises(StorageCorruptError, match="undecodable"):

@@ -1,13 +1,18 @@
 """Record framing of WAL segments, and the scan that tells a torn tail from corruption.
 
-A frame is ``MAGIC (4) | length (u32 LE) | crc (u32 LE) | payload``. ``crc`` is
-CRC-32 (zlib's, the IEEE polynomial; CRC-32C would need a dependency and buys
-speed, not detection power here) over the length bytes and the payload, so a
-flipped length is caught too. The payload is one msgpack-encoded record.
+A frame is ``MAGIC (4) | length (u32) | payload crc (u32) | header crc (u32) |
+payload``, little-endian. Both checksums are CRC-32 (zlib's, the IEEE
+polynomial; CRC-32C would need a dependency and buys speed, not detection power
+here): the header crc covers the 12 bytes before it, the payload crc the
+payload. The payload is one msgpack-encoded record.
 
-The magic makes re-synchronisation after a bad frame cheap (``bytes.find``): a
-bad frame followed by any valid frame is corruption, while a bad frame with
-nothing valid after it is a torn tail (a write cut short by a crash).
+Telling a torn tail from corruption: a bad frame followed by any valid frame is
+corruption, while a bad frame with nothing valid after it is a torn tail (a
+write cut short by a crash). The magic makes the search for a later valid frame
+cheap (``bytes.find``). When the bad frame's header is sound its length is
+trusted and the search starts after its payload, so a torn record whose payload
+happens to contain bytes of a frame (user data can hold anything) is still seen
+as torn.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
 WalRecord = Entry | HardState | SnapshotMeta
 
 MAGIC = b"\xd5NbW"
-_HEADER = struct.Struct("<4sII")
-HEADER_SIZE = _HEADER.size
+_PREFIX = struct.Struct("<4sII")
+_HEADER_CRC = struct.Struct("<I")
+HEADER_SIZE = _PREFIX.size + _HEADER_CRC.size
 MAX_PAYLOAD = (1 << 32) - 1
-_UNDECODABLE = "undecodable record with a valid checksum"
+_UNDECODABLE = "undecodable record with valid checksums"
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +46,8 @@ def encode_frame(record: WalRecord) -> bytes:
     payload = _encoder.encode(record)
     if len(payload) > MAX_PAYLOAD:
         raise ValueError(f"record of {len(payload)} bytes exceeds the frame limit")
-    length = struct.pack("<I", len(payload))
-    return _HEADER.pack(MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
+    prefix = _PREFIX.pack(MAGIC, len(payload), zlib.crc32(payload))
+    return prefix + _HEADER_CRC.pack(zlib.crc32(prefix)) + payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,48 +62,56 @@ class ScanResult:
     """A bad frame that can only be a write cut short: nothing valid follows it."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    record: WalRecord | None
+    end: int
+    """Where the next frame starts, when the header is sound (else just past ``offset``)."""
+    reason: str = ""
+
+
 def scan(buf: bytes) -> ScanResult:
     """Decode frames from the start of ``buf`` until the end or the first bad frame."""
     records: list[WalRecord] = []
     offset = 0
     while offset < len(buf):
-        record, reason = _read_frame(buf, offset)
-        if record is None:
-            torn = reason != _UNDECODABLE and not _valid_frame_after(buf, offset)
-            return ScanResult(records, offset, offset, reason, torn)
-        records.append(record)
-        offset += HEADER_SIZE + _length_at(buf, offset)
+        frame = _read_frame(buf, offset)
+        if frame.record is None:
+            torn = frame.reason != _UNDECODABLE and not _valid_frame_from(buf, frame.end)
+            return ScanResult(records, offset, offset, frame.reason, torn)
+        records.append(frame.record)
+        offset = frame.end
     return ScanResult(records, offset, None)
 
 
-def _length_at(buf: bytes, offset: int) -> int:
-    return int(_HEADER.unpack_from(buf, offset)[1])
-
-
-def _read_frame(buf: bytes, offset: int) -> tuple[WalRecord | None, str]:
+def _read_frame(buf: bytes, offset: int) -> _Frame:
     if len(buf) - offset < HEADER_SIZE:
-        return None, "partial frame header"
-    magic, length, crc = _HEADER.unpack_from(buf, offset)
+        return _Frame(None, offset + 1, "partial frame header")
+    magic, length, payload_crc = _PREFIX.unpack_from(buf, offset)
+    (header_crc,) = _HEADER_CRC.unpack_from(buf, offset + _PREFIX.size)
     if magic != MAGIC:
-        return None, "no frame marker"
+        return _Frame(None, offset + 1, "no frame marker")
+    if zlib.crc32(buf[offset : offset + _PREFIX.size]) != header_crc:
+        return _Frame(None, offset + 1, "header checksum mismatch")
     start = offset + HEADER_SIZE
-    if start + length > len(buf):
-        return None, f"frame of {length} bytes runs past the end of the file"
-    payload = buf[start : start + length]
-    if zlib.crc32(payload, zlib.crc32(buf[offset + 4 : offset + 8])) != crc:
-        return None, "checksum mismatch"
+    end = start + length
+    if end > len(buf):
+        return _Frame(None, end, f"frame of {length} bytes runs past the end of the file")
+    payload = buf[start:end]
+    if zlib.crc32(payload) != payload_crc:
+        return _Frame(None, end, "payload checksum mismatch")
     try:
-        return _decoder.decode(payload), ""
+        return _Frame(_decoder.decode(payload), end)
     except (msgspec.MsgspecError, ValueError) as exc:
-        # A frame whose checksum holds was written like this: not a torn write.
+        # A frame whose checksums hold was written like this: not a torn write.
         log.warning("undecodable WAL record at offset %d: %s", offset, exc)
-        return None, _UNDECODABLE
+        return _Frame(None, end, _UNDECODABLE)
 
 
-def _valid_frame_after(buf: bytes, bad_offset: int) -> bool:
-    pos = buf.find(MAGIC, bad_offset + 1)
+def _valid_frame_from(buf: bytes, start: int) -> bool:
+    pos = buf.find(MAGIC, start)
     while pos != -1:
-        if _read_frame(buf, pos)[0] is not None:
+        if _read_frame(buf, pos).record is not None:
             return True
         pos = buf.find(MAGIC, pos + 1)
     return False
