@@ -221,7 +221,7 @@ class SshBackend:
         while True:
             connection = await self._connection(host)
             try:
-                return connection, await connection.create_process(command)
+                return connection, await self._open_session(host, connection, command)
             except (OSError, asyncssh.Error) as exc:
                 if not connection.is_closed():
                     logger.warning("%s refused a session: %s", host, exc)
@@ -230,6 +230,16 @@ class SshBackend:
                     raise HostUnreachableError(host, f"connection lost: {exc}") from exc
                 retried = True
                 logger.info("connection to %s was lost; reconnecting", host)
+
+    async def _open_session(
+        self, host: HostId, connection: asyncssh.SSHClientConnection, command: str
+    ) -> asyncssh.SSHClientProcess[str]:
+        # Shielded: once the exec request is out the command may run, and only the
+        # process object lets a cancelled start find and kill it (start's next await).
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self._connect_timeout):
+            process: asyncssh.SSHClientProcess[str] = await connection.create_process(command)
+            return process
+        raise HostUnreachableError(host, f"no SSH session within {self._connect_timeout}s")
 
     async def _connection(self, host: HostId) -> asyncssh.SSHClientConnection:
         async with self._connect_locks[host]:
