@@ -25,8 +25,14 @@ Design
   only in synchronous code that returns it: cancelling ``receive`` never loses
   one. It also costs less per message than ``zmq.asyncio`` (see
   ``bench/transport.py``). It needs anyio's asyncio backend and must be used
-  from the event loop that opened it.
-* Payloads of :data:`ZERO_COPY_THRESHOLD` bytes or more are sent without a copy.
+  from the event loop that opened it. A ``receive`` that finds a message ready
+  returns without a trip through the event loop, except every 32nd in a row,
+  which yields so that a backlog cannot starve other tasks.
+* Payloads of :data:`ZERO_COPY_THRESHOLD` bytes or more (``bytes`` only, since
+  they cannot change after the call) are sent without a copy.
+* Without CURVE anyone who can reach the port can send; libzmq even parses
+  legacy ZMTP/1.0 framing, so raw bytes may surface as a malformed message,
+  which is dropped like any other.
 
 CURVE
 -----
@@ -38,7 +44,9 @@ server public key of the peer it connects to: ``add_peer(..., server_key=...)``;
 by default it is the endpoint's own public key, which is the *cluster key*
 model where all members share one key pair from ``TransportSettings``. Keys
 authenticate cluster membership, not individual peer ids: an admitted member
-can claim any routing id.
+can claim any routing id. The ZAP handler is pyzmq's, which runs as its own
+asyncio task from :meth:`ZmqTransport.open` until :meth:`ZmqTransport.aclose`;
+ZAP tells it the refused key but not the remote address, so the log names the key.
 """
 
 from __future__ import annotations
