@@ -6,6 +6,7 @@ import logging
 import re
 import signal
 from collections.abc import Collection, Mapping
+from typing import TypeVar
 
 import anyio
 
@@ -14,6 +15,8 @@ from nbos.core.errors import BackendError, HostUnreachableError
 from nbos.core.ids import HostId
 
 logger = logging.getLogger(__name__)
+
+H = TypeVar("H", bound=ProcessHandle)
 
 #: The variable every started process finds its host id in.
 HOST_ID_ENV = "NBOS_HOST_ID"
@@ -67,6 +70,11 @@ def safe_file_part(text: str) -> str:
 def log_name(seq: int, spec: ProcessSpec) -> str:
     """A file name for a process's log: a sequence number and its label (or program name)."""
     return f"{seq:04d}-{safe_file_part(spec.label or spec.argv[0].rsplit('/', 1)[-1])}.log"
+
+
+def with_running(handles: list[H], new: H) -> list[H]:
+    """``handles`` less those known to have ended, plus ``new``: keeps the list bounded."""
+    return [*(h for h in handles if h.returncode is None), new]
 
 
 async def terminate_with_grace(handle: ProcessHandle, grace: float) -> int:

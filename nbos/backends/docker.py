@@ -39,6 +39,7 @@ from nbos.backends._common import (
     normalize_exit_status,
     process_env,
     terminate_with_grace,
+    with_running,
 )
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError, HostUnreachableError
@@ -176,7 +177,7 @@ class DockerBackend:
         except (aiodocker.DockerError, aiohttp.ClientError) as exc:
             raise _translate(host, f"start {spec.argv[0]!r} ({self._image})", exc) from exc
         handle = DockerProcessHandle(host, container, name)
-        self._handles.append(handle)
+        self._handles = with_running(self._handles, handle)
         logger.debug("started %r on %s: container %s", spec.label, host, name)
         return handle
 
@@ -241,6 +242,6 @@ async def _quietly(work: Awaitable[object], host: HostId) -> None:
     """Await ``work`` (a cleanup step); a 404 means done already, other errors are logged."""
     try:
         await work
-    except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+    except (aiodocker.DockerError, aiohttp.ClientError, BackendError) as exc:
         if not (isinstance(exc, aiodocker.DockerError) and exc.status == _NOT_FOUND):
             logger.warning("docker cleanup on %s failed: %s", host, exc)

@@ -30,6 +30,7 @@ from nbos.backends._common import (
     process_env,
     safe_file_part,
     terminate_with_grace,
+    with_running,
 )
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError
@@ -124,7 +125,7 @@ class LocalProcessBackend:
             # The child holds its own copy of the descriptor.
             log.close()
         handle = LocalProcessHandle(host, process, log_path)
-        self._handles.append(handle)
+        self._handles = with_running(self._handles, handle)
         logger.debug("started %r on %s: pid %d, log %s", spec.label, host, handle.pid, log_path)
         return handle
 

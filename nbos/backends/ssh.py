@@ -42,6 +42,7 @@ from nbos.backends._common import (
     process_env,
     safe_file_part,
     terminate_with_grace,
+    with_running,
 )
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError, HostUnreachableError
@@ -191,7 +192,7 @@ class SshBackend:
                 await _abandon(host, connection, process)
             raise
         handle = SshProcessHandle(host, connection, process, pid, log_path)
-        self._handles.append(handle)
+        self._handles = with_running(self._handles, handle)
         logger.debug("started %r on %s: pid %d, log %s", spec.label, host, pid, log_path)
         return handle
 
@@ -202,9 +203,7 @@ class SshBackend:
             if handle.lost:
                 logger.warning("cannot kill pid %d on %s: connection lost", handle.pid, handle.host)
             elif handle.returncode is None:
-                with anyio.move_on_after(self._connect_timeout):
-                    await handle.signal(signal.SIGKILL)
-                    await handle.wait()
+                await self._kill(handle)
         self._handles.clear()
         for connection in self._connections.values():
             connection.close()
@@ -212,6 +211,14 @@ class SshBackend:
             for connection in self._connections.values():
                 await connection.wait_closed()
         self._connections.clear()
+
+    async def _kill(self, handle: SshProcessHandle) -> None:
+        try:
+            with anyio.move_on_after(self._connect_timeout):
+                await handle.signal(signal.SIGKILL)
+                await handle.wait()
+        except HostUnreachableError as exc:
+            logger.warning("cannot kill pid %d on %s: %s", handle.pid, handle.host, exc)
 
     async def _create_process(
         self, host: HostId, command: str
