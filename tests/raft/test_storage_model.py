@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -50,6 +52,16 @@ class Model:
             return self.snap.term if self.snap else 0
         return self.log[index].term
 
+    def clone(self) -> Model:
+        twin = Model()
+        twin.hard_state, twin.snap, twin.image, twin.log = (
+            self.hard_state,
+            self.snap,
+            self.image,
+            dict(self.log),
+        )
+        return twin
+
     def save(self, hs: HardState | None, entries: list[Entry]) -> None:
         for e in entries:
             if e.index <= self.snap_index:
@@ -65,6 +77,17 @@ class Model:
         self.snap, self.image = meta, image
 
 
+@dataclass
+class LastBatch:
+    """The last save, while its bytes are still the tail of the last segment."""
+
+    before: Model
+    entries: list[Entry]
+    segment: Path
+    start: int
+    end: int
+
+
 class StorageMachine(RuleBasedStateMachine):
     disk = True
 
@@ -73,6 +96,13 @@ class StorageMachine(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="nbos-storage-model-")
         self.model = Model()
         self.store: LogStorage = self._open() if self.disk else MemoryStorage()
+        self.last_batch: LastBatch | None = None
+
+    def _tail(self) -> tuple[Path, int] | None:
+        if not self.disk:
+            return None
+        last = max(Path(self.dir).glob("wal-*.log"))
+        return last, last.stat().st_size
 
     def _open(self) -> DiskStorage:
         return DiskStorage.open(self.dir, fsync="never", segment_bytes=256)
@@ -94,11 +124,37 @@ class StorageMachine(RuleBasedStateMachine):
             keep_vote = new_term == m.hard_state.term and m.hard_state.vote is not None
             vote = m.hard_state.vote if keep_vote else data.draw(st.sampled_from([None, 1, 2, 3]))
             hs = HardState(term=new_term, vote=vote, commit=data.draw(st.integers(0, m.last)))
+        before, tail = m.clone(), self._tail()
         self.store.save(hs, entries)
         m.save(hs, entries)
+        after = self._tail()
+        self.last_batch = None
+        if tail and after and tail[0] == after[0] and after[1] > tail[1]:
+            self.last_batch = LastBatch(before, entries, tail[0], tail[1], after[1])
+
+    @precondition(lambda self: self.last_batch is not None)
+    @rule(data=st.data())
+    def crash_tearing_the_last_batch(self, data: st.DataObject) -> None:
+        """Cut the last batch anywhere: the store comes back with a prefix of it."""
+        batch = self.last_batch
+        assert batch is not None
+        cut = data.draw(st.integers(batch.start, batch.end - 1), label="cut at")
+        self.store.close()
+        os.truncate(batch.segment, cut)
+        self.store = self._open()
+        self.last_batch = None
+        candidates = [batch.before.clone() for _ in range(len(batch.entries) + 1)]
+        for n, candidate in enumerate(candidates):
+            candidate.save(None, batch.entries[:n])
+        for candidate in candidates:
+            if _same(self.store, candidate):
+                self.model = candidate
+                return
+        raise AssertionError("after a torn batch the log is not a prefix of that batch")
 
     @rule(skip=st.integers(2, 4))
     def save_with_a_gap_is_refused(self, skip: int) -> None:
+        self.last_batch = None
         bad = [Entry(term=self.model.hard_state.term + 1, index=self.model.last + skip)]
         try:
             self.store.save(None, bad)
@@ -108,6 +164,7 @@ class StorageMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), disagree=st.booleans(), chunks=st.lists(st.binary(max_size=30)))
     def snapshot(self, data: st.DataObject, disagree: bool, chunks: list[bytes]) -> None:
+        self.last_batch = None
         m = self.model
         index = data.draw(st.integers(m.snap_index, m.last + 3), label="snap index")
         term = m.term(index) if index <= m.last else m.term(m.last)
@@ -118,10 +175,12 @@ class StorageMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.snap is not None)
     @rule(data=st.data())
     def compact(self, data: st.DataObject) -> None:
+        self.last_batch = None
         self.store.compact(data.draw(st.integers(0, self.model.snap_index), label="upto"))
 
     @rule()
     def restart(self) -> None:
+        self.last_batch = None
         if isinstance(self.store, MemoryStorage):
             self.store = self.store.restarted()
         else:
@@ -146,6 +205,14 @@ class StorageMachine(RuleBasedStateMachine):
             if m.snap_index > 0:
                 _raises(LogCompactedError, lambda: s.term(m.snap_index - 1))
         _raises(LogUnavailableError, lambda: s.term(m.last + 1))
+
+
+def _same(s: LogStorage, m: Model) -> bool:
+    return (
+        s.hard_state == m.hard_state
+        and s.last_index() == m.last
+        and s.entries(s.first_index(), s.last_index() + 1) == [m.log[i] for i in sorted(m.log)]
+    )
 
 
 def _raises(kind: type[Exception], call: object) -> None:
