@@ -179,3 +179,16 @@ async def test_missing_program_fails_at_start_or_exits_127(case: Case) -> None:
     else:
         assert case.kind == "docker"
         assert await handle.wait() == 127
+
+
+async def test_concurrent_starts_on_every_host(case: Case) -> None:
+    handles: list[ProcessHandle] = []
+
+    async def start_one(host: HostId, code: int) -> None:
+        handles.append(await case.start(python(f"import sys; sys.exit({code})"), host=host))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(6):
+            tg.start_soon(start_one, HOSTS[i % 2], i)
+    statuses = sorted([await h.wait() for h in handles])
+    assert statuses == list(range(6))
