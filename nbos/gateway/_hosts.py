@@ -1,0 +1,93 @@
+"""The scheduler's model of the hosts: what each agent last reported, plus its own grants."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from nbos.core.ids import HostId, KernelId, PeerId
+from nbos.core.placement import HostView
+from nbos.core.wire.agent import AgentStatus, GpuReservation
+
+_LIVE = ("precommitted", "committed")
+
+
+@attrs.frozen
+class Grant:
+    """GPUs pre-committed for one cell: run it on ``replica`` (on ``host``) with ``devices``.
+
+    A cell asking for no GPUs gets a grant with no devices and an empty
+    ``reservation_id``; committing and releasing it are no-ops.
+    """
+
+    kernel_id: KernelId
+    exec_index: int
+    replica: int
+    host: HostId
+    devices: tuple[int, ...]
+    reservation_id: str
+
+
+@attrs.define
+class HostRecord:
+    """One host as the scheduler knows it.
+
+    ``reachable`` turns false when its agent does not answer a request or stops
+    reporting; such a host is left out of executor choice and placement until it
+    reports again. ``schedulable`` is the operator's drain switch (placement only).
+    """
+
+    host_id: HostId
+    peer: PeerId
+    address: str
+    incarnation: str
+    devices: tuple[int, ...]
+    last_seen: float
+    reported: dict[str, GpuReservation] = attrs.Factory(dict)
+    reachable: bool = True
+    schedulable: bool = True
+
+    def update(self, peer: PeerId, status: AgentStatus, now: float) -> bool:
+        """Take a status report; ``True`` if it comes from a new agent incarnation."""
+        restarted = status.incarnation != self.incarnation
+        self.peer, self.address, self.incarnation = peer, status.address, status.incarnation
+        self.devices = tuple(status.devices)
+        self.reported = {r.reservation_id: r for r in status.reservations if r.state in _LIVE}
+        self.last_seen = now
+        self.reachable = True
+        return restarted
+
+    def busy(self, own: Iterable[Grant]) -> set[int]:
+        """Devices held by the agent's live reservations or by this scheduler's grants here.
+
+        Both count: a report may predate a fresh pre-commit, and a grant may have
+        expired on the agent without the scheduler knowing yet. Erring towards busy
+        only delays a cell; the agent refuses anything it cannot honour.
+        """
+        held = {d for r in self.reported.values() for d in r.devices}
+        held.update(d for g in own if g.host == self.host_id for d in g.devices)
+        return held & set(self.devices)
+
+    def view(self, own: Iterable[Grant], subscribed: int, replicas: int) -> HostView:
+        return HostView(
+            host_id=self.host_id,
+            gpus_total=len(self.devices),
+            gpus_committed=len(self.busy(own)),
+            gpus_subscribed=subscribed,
+            replicas=replicas,
+            schedulable=self.schedulable and self.reachable,
+        )
+
+
+def subscriptions(
+    placements: Mapping[KernelId, tuple[tuple[HostId, ...], int]],
+) -> tuple[dict[HostId, int], dict[HostId, int]]:
+    """GPUs subscribed and replicas placed, per host."""
+    gpus: dict[HostId, int] = {}
+    count: dict[HostId, int] = {}
+    for hosts, n in placements.values():
+        for h in hosts:
+            gpus[h] = gpus.get(h, 0) + n
+            count[h] = count.get(h, 0) + 1
+    return gpus, count

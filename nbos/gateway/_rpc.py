@@ -1,0 +1,76 @@
+"""Request/reply over a lossy ``Transport``: numbered requests, resent until answered."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+
+import anyio
+import attrs
+
+from nbos.core.errors import HostUnreachableError, TransportError
+from nbos.core.ids import PeerId
+from nbos.core.transport import Transport
+from nbos.core.wire import encode
+from nbos.core.wire.agent import AgentReply, AgentRequest
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class _Slot:
+    done: anyio.Event = attrs.Factory(anyio.Event)
+    reply: AgentReply | None = None
+
+
+class RequestChannel:
+    """Sends agent requests and matches replies to them by ``request_id``.
+
+    A request is resent every ``retry_interval`` (the agent's handling is
+    idempotent) until a reply arrives or ``timeout`` passes, which raises
+    :class:`HostUnreachableError`. Replies nobody waits for (late, duplicated)
+    are dropped.
+    """
+
+    def __init__(self, transport: Transport, *, timeout: float, retry_interval: float) -> None:
+        self._transport = transport
+        self._timeout = timeout
+        self._retry = retry_interval
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Slot] = {}
+
+    async def call(
+        self, peer: PeerId, host: str, make: Callable[[int], AgentRequest]
+    ) -> AgentReply:
+        """Send ``make(request_id)`` to ``peer`` (the agent of ``host``) and return its reply."""
+        request_id = next(self._ids)
+        payload = encode(make(request_id))
+        slot = self._waiting[request_id] = _Slot()
+        try:
+            with anyio.move_on_after(self._timeout):
+                while True:
+                    await self._send(peer, payload)
+                    with anyio.move_on_after(self._retry):
+                        await slot.done.wait()
+                    if slot.reply is not None:
+                        return slot.reply
+        finally:
+            del self._waiting[request_id]
+        raise HostUnreachableError(host, f"no answer within {self._timeout:g} s")
+
+    def deliver(self, request_id: int, reply: AgentReply) -> bool:
+        """Hand a reply to its waiting request; ``False`` if none waits for it."""
+        slot = self._waiting.get(request_id)
+        if slot is None or slot.reply is not None:
+            return False
+        slot.reply = reply
+        slot.done.set()
+        return True
+
+    async def _send(self, peer: PeerId, payload: bytes) -> None:
+        try:
+            await self._transport.send(peer, payload)
+        except TransportError as exc:
+            # Counts as silence: the request is resent until the deadline.
+            log.debug("request to %s not sent: %s", peer, exc)

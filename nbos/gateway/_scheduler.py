@@ -1,0 +1,658 @@
+"""The gateway's GPU scheduler: placement, executor choice, pre-commit, commit and release.
+
+Design, "One cell, end to end", steps 2, 3 and 7. The scheduler keeps a model
+of every host from its agent's reports and its own grants, decides with the
+pure functions of :mod:`nbos.scaling`, and makes every reservation through the
+host's agent, which is the authority on its devices: a view that is out of
+date costs a refused pre-commit and a retry, never a device bound twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+
+from nbos.core.errors import (
+    ConfigError,
+    DecodeError,
+    GpuError,
+    HostUnreachableError,
+    InsufficientGpusError,
+    PlacementError,
+    QuorumLostError,
+    TransportClosedError,
+    UnknownReservationError,
+)
+from nbos.core.ids import HostId, KernelId, PeerId
+from nbos.core.placement import ClusterView, PlacementPolicy, PlacementRequest
+from nbos.core.transport import Transport
+from nbos.core.wire import decode
+from nbos.core.wire.agent import (
+    AgentReply,
+    AgentRequest,
+    AgentRestore,
+    AgentStatus,
+    AgentStatusRequest,
+    GpuCommit,
+    GpuFreed,
+    GpuGranted,
+    GpuPrecommit,
+    GpuRefused,
+    GpuRelease,
+    GpuReleaseKernel,
+    GpuReservation,
+)
+from nbos.gateway._hosts import Grant, HostRecord, subscriptions
+from nbos.gateway._rpc import RequestChannel
+from nbos.scaling import Execute, Migrate, choose_executor, load_policy
+
+log = logging.getLogger(__name__)
+
+#: ``on_wait(reason)``: called when a cell starts waiting for GPUs and whenever the reason changes.
+WaitCallback = Callable[[str], Awaitable[None]]
+
+#: Smoothing of the demand-to-busy ratio that admission compares subscription ratios with.
+_RATIO_ALPHA = 0.2
+#: How many dead kernels and finished reservations are remembered for late agent reports.
+_MEMORY = 4096
+
+
+@attrs.define
+class CellLease:
+    """What :meth:`GpuScheduler.cell` yields: the grant, and whether to leave tensors resident.
+
+    Set ``resident = False`` when the executor's GPU state is gone (it crashed)
+    or was evicted; the default keeps it for lazy eviction.
+    """
+
+    grant: Grant
+    resident: bool = True
+    _scheduler: GpuScheduler | None = attrs.field(default=None, repr=False, alias="scheduler")
+
+    async def committed(self) -> Grant:
+        """Tell the scheduler the cell started (:meth:`GpuScheduler.committed`)."""
+        assert self._scheduler is not None
+        self.grant = await self._scheduler.committed(self.grant)
+        return self.grant
+
+
+class GpuScheduler:
+    """Places kernels and grants GPUs to cells; build it with :meth:`serve`.
+
+    Contracts:
+
+    * a grant's devices are pre-committed on its host's agent before
+      :meth:`acquire` returns; :meth:`release` (or leaving :meth:`cell`) frees them
+      and is idempotent and safe on every path, cancellation included;
+    * cells that cannot get GPUs wait in FIFO order per set of replica hosts and
+      are woken when GPUs are released or hosts report; a cell asking for more
+      GPUs than any known host has gets :class:`InsufficientGpusError` at once;
+    * an agent that does not answer within ``rpc_timeout``, or stops reporting for
+      ``host_timeout``, is marked unreachable (logged) and left out until it
+      reports again; releases meant for it are resent then.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        policy: PlacementPolicy,
+        *,
+        rpc_timeout: float,
+        retry_interval: float,
+        host_timeout: float,
+        poll_interval: float,
+        replicas_per_kernel: int,
+    ) -> None:
+        self._transport = transport
+        self._policy = policy
+        self._rpc = RequestChannel(transport, timeout=rpc_timeout, retry_interval=retry_interval)
+        self._host_timeout = host_timeout
+        self._poll = poll_interval
+        self._replicas_per_kernel = replicas_per_kernel
+        self._hosts: dict[HostId, HostRecord] = {}
+        self._grants: dict[str, Grant] = {}
+        self._committed: set[str] = set()
+        self._placements: dict[KernelId, tuple[tuple[HostId, ...], int]] = {}
+        self._queues: dict[frozenset[HostId], deque[object]] = {}
+        self._waiting: dict[tuple[KernelId, int], str] = {}
+        self._pending_release: dict[str, tuple[HostId, bool]] = {}
+        self._gone: OrderedDict[KernelId, None] = OrderedDict()
+        self._ratio = 1.0
+        self._version = 0
+        self._changed = anyio.Event()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(
+        cls,
+        transport: Transport,
+        policy: PlacementPolicy | str = "least-loaded",
+        *,
+        rpc_timeout: float = 2.0,
+        retry_interval: float = 0.25,
+        host_timeout: float = 5.0,
+        poll_interval: float = 1.0,
+        replicas_per_kernel: int = 3,
+    ) -> AsyncIterator[GpuScheduler]:
+        """Run the scheduler on ``transport`` (the gateway's endpoint) until the block exits.
+
+        ``policy`` is a :class:`PlacementPolicy` or the name of a registered one.
+        Agents are configured with this transport's peer id and address and
+        announce themselves; the scheduler learns the hosts from them.
+        """
+        for key, value in (
+            ("rpc_timeout", rpc_timeout),
+            ("retry_interval", retry_interval),
+            ("host_timeout", host_timeout),
+            ("poll_interval", poll_interval),
+        ):
+            if not value > 0:
+                raise ConfigError(key, value, "a positive number of seconds")
+        if replicas_per_kernel < 1:
+            raise ConfigError("replicas_per_kernel", replicas_per_kernel, "at least 1")
+        chosen = load_policy(policy) if isinstance(policy, str) else policy
+        scheduler = cls(
+            transport,
+            chosen,
+            rpc_timeout=rpc_timeout,
+            retry_interval=retry_interval,
+            host_timeout=host_timeout,
+            poll_interval=poll_interval,
+            replicas_per_kernel=replicas_per_kernel,
+        )
+        async with anyio.create_task_group() as tg:
+            scheduler._tg = tg
+            tg.start_soon(scheduler._receive_loop)
+            tg.start_soon(scheduler._liveness_loop)
+            try:
+                yield scheduler
+            finally:
+                tg.cancel_scope.cancel()
+
+    # --- the cluster -----------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        """Every known host as placement sees it (unreachable hosts are unschedulable)."""
+        gpus, count = subscriptions(self._placements)
+        own = self._grants.values()
+        hosts = [
+            h.view(own, gpus.get(h.host_id, 0), count.get(h.host_id, 0))
+            for h in sorted(self._hosts.values(), key=lambda h: h.host_id)
+        ]
+        return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
+
+    def host(self, host_id: HostId) -> HostRecord:
+        """The scheduler's record of a host (``KeyError`` if none reported)."""
+        return self._hosts[host_id]
+
+    def grants(self) -> tuple[Grant, ...]:
+        """Live grants (pre-committed or committed), oldest first."""
+        return tuple(self._grants.values())
+
+    def waiting(self) -> Mapping[tuple[KernelId, int], str]:
+        """Cells waiting for GPUs now, by ``(kernel, exec_index)``, with the reason shown."""
+        return dict(self._waiting)
+
+    async def wait_for_hosts(self, n: int, timeout: float = 10.0) -> None:
+        """Return once ``n`` hosts are reachable; ``TimeoutError`` after ``timeout``."""
+        with anyio.fail_after(timeout):
+            while sum(h.reachable for h in self._hosts.values()) < n:
+                await self._wait_change(self._version)
+
+    def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
+        """Drain a host (no new replicas; cells of replicas there still run) or undrain it."""
+        self._hosts[host_id].schedulable = schedulable
+        self._notify()
+
+    # --- placement -------------------------------------------------------------------
+
+    def place(
+        self, kernel_id: KernelId, gpus: int, exclude: Iterable[HostId] = ()
+    ) -> tuple[HostId, ...]:
+        """Choose distinct hosts for a kernel's replicas and subscribe ``gpus`` on each.
+
+        Raises :class:`PlacementError` when the policy cannot place it, or when
+        it answers with anything but ``replicas_per_kernel`` distinct known hosts.
+        """
+        request = PlacementRequest(kernel_id, gpus, self._replicas_per_kernel, frozenset(exclude))
+        hosts = tuple(self._policy.place(request, self.view()))
+        if (
+            len(set(hosts)) != len(hosts)
+            or len(hosts) != request.replicas
+            or not set(hosts) <= set(self._hosts)
+        ):
+            message = f"policy {self._policy.name!r} placed kernel {kernel_id} on {list(hosts)}"
+            log.warning("%s: not %d distinct known hosts", message, request.replicas)
+            raise PlacementError(f"{message}: not {request.replicas} distinct known hosts")
+        self._placements[kernel_id] = (hosts, gpus)
+        self._gone.pop(kernel_id, None)
+        log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
+        self._notify()
+        return hosts
+
+    # --- cells -----------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        kernel_id: KernelId,
+        exec_index: int,
+        replicas: Mapping[int, HostId],
+        *,
+        last_executor: int | None,
+        gpus: int,
+        on_wait: WaitCallback | None = None,
+    ) -> Grant:
+        """Choose the executor of a cell and pre-commit its GPUs on that replica's host.
+
+        ``replicas`` maps the live replicas' ids to their hosts. The choice: the
+        last executor if its host can commit ``gpus`` now, else the replica whose
+        host has the most idle GPUs, else the cell waits (``on_wait`` gets the
+        reason; so does :meth:`waiting`). Raises :class:`InsufficientGpusError` at
+        once if no known host has ``gpus`` GPUs, :class:`GpuError` for a negative
+        count and :class:`QuorumLostError` for no replicas.
+        """
+        if gpus < 0:
+            log.warning("kernel %s cell %d asks for %d GPUs", kernel_id, exec_index, gpus)
+            raise GpuError(f"a cell cannot ask for {gpus} GPUs")
+        if not replicas:
+            raise QuorumLostError(
+                f"kernel {kernel_id} has no live replica to run cell {exec_index}"
+            )
+        if gpus == 0:
+            replica = (
+                last_executor
+                if last_executor is not None and last_executor in replicas
+                else min(replicas)
+            )
+            return Grant(kernel_id, exec_index, replica, replicas[replica], (), "")
+        largest = max((len(h.devices) for h in self._hosts.values()), default=0)
+        if gpus > largest:
+            log.info(
+                "kernel %s cell %d asks for %d GPUs; largest host has %d",
+                kernel_id,
+                exec_index,
+                gpus,
+                largest,
+            )
+            raise InsufficientGpusError(gpus, largest, "cluster (no host has that many GPUs)")
+        key = frozenset(replicas.values())
+        queue = self._queues.setdefault(key, deque())
+        ticket = object()
+        queue.append(ticket)
+        shown: str | None = None
+        try:
+            while True:
+                version = self._version
+                if queue[0] is ticket:
+                    outcome = await self._try(kernel_id, exec_index, replicas, last_executor, gpus)
+                    if isinstance(outcome, Grant):
+                        return outcome
+                else:
+                    outcome = f"waiting for {gpus} GPUs behind {queue.index(ticket)} earlier cells"
+                if outcome != shown:
+                    shown = self._waiting[(kernel_id, exec_index)] = outcome
+                    log.info("kernel %s cell %d: %s", kernel_id, exec_index, outcome)
+                    if on_wait is not None:
+                        await on_wait(outcome)
+                await self._wait_change(version)
+        finally:
+            queue.remove(ticket)
+            if not queue:
+                del self._queues[key]
+            self._waiting.pop((kernel_id, exec_index), None)
+            self._notify()
+
+    async def committed(self, grant: Grant) -> Grant:
+        """The cell of ``grant`` started: commit its reservation and return the grant.
+
+        If the agent lost the pre-commit (it expired, or the agent restarted), the
+        commit takes fresh devices and the returned grant names them. Raises
+        :class:`UnknownReservationError` for a released grant, :class:`HostUnreachableError`
+        when the agent does not answer and :class:`GpuError` (or
+        :class:`InsufficientGpusError`) when it refuses; the caller must then
+        not run the cell, and release the grant.
+        """
+        res = grant.reservation_id
+        if not res or res in self._committed:
+            return self._grants.get(res, grant)
+        if res not in self._grants:
+            raise UnknownReservationError(res, "released")
+        host = self._hosts[grant.host]
+        n = len(grant.devices)
+        reply = await self._call(host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n))
+        if isinstance(reply, GpuGranted) and reply.reservation.state == "committed":
+            devices = tuple(reply.reservation.devices)
+            if devices != grant.devices:
+                log.warning(
+                    "reservation %s re-committed on devices %s, not %s", res, devices, grant.devices
+                )
+            if res in self._grants:
+                grant = self._grants[res] = attrs.evolve(grant, devices=devices)
+                self._committed.add(res)
+            return grant
+        raise _refusal_error(reply, n, host.host_id)
+
+    async def release(self, grant: Grant, *, resident: bool = False) -> None:
+        """Free the GPUs of ``grant``; idempotent, and never raises for an unreachable agent.
+
+        ``resident`` leaves the kernel's tensors on the devices until another
+        kernel needs them (lazy eviction).
+        """
+        res = grant.reservation_id
+        if not res or self._grants.pop(res, None) is None:
+            return
+        self._committed.discard(res)
+        host = self._hosts.get(grant.host)
+        if host is None or not host.reachable:
+            self._pending_release[res] = (grant.host, resident)
+            self._notify()
+            return
+        await self._send_release(host, res, resident)
+
+    @asynccontextmanager
+    async def cell(
+        self,
+        kernel_id: KernelId,
+        exec_index: int,
+        replicas: Mapping[int, HostId],
+        *,
+        last_executor: int | None,
+        gpus: int,
+        on_wait: WaitCallback | None = None,
+    ) -> AsyncIterator[CellLease]:
+        """:meth:`acquire` a grant for the block and :meth:`release` it however the block ends.
+
+        The release runs shielded from cancellation, so an interrupted or timed-out
+        cell still returns its GPUs.
+        """
+        grant = await self.acquire(
+            kernel_id, exec_index, replicas, last_executor=last_executor, gpus=gpus, on_wait=on_wait
+        )
+        lease = CellLease(grant, scheduler=self)
+        try:
+            yield lease
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.release(lease.grant, resident=lease.resident)
+
+    async def kernel_gone(self, kernel_id: KernelId) -> None:
+        """The kernel was shut down or died: free its GPUs and residency on every host."""
+        self._gone[kernel_id] = None
+        while len(self._gone) > _MEMORY:
+            self._gone.popitem(last=False)
+        self._placements.pop(kernel_id, None)
+        for res in [r for r, g in self._grants.items() if g.kernel_id == kernel_id]:
+            del self._grants[res]
+            self._committed.discard(res)
+        async with anyio.create_task_group() as tg:
+            for host in self._hosts.values():
+                if host.reachable:
+                    tg.start_soon(self._send_release_kernel, host, kernel_id)
+        log.info("kernel %s gone: its GPUs are released", kernel_id)
+        self._notify()
+
+    # --- choosing and pre-committing -------------------------------------------------
+
+    async def _try(
+        self,
+        kernel_id: KernelId,
+        exec_index: int,
+        replicas: Mapping[int, HostId],
+        last_executor: int | None,
+        gpus: int,
+    ) -> Grant | str:
+        """One attempt over the replicas' hosts: a grant, or why the cell must wait."""
+        order = [replicas[r] for r in sorted(replicas)]
+        last_host = replicas.get(last_executor) if last_executor is not None else None
+        refused: set[HostId] = set()
+        while True:
+            view = self._exec_view(refused)
+            try:
+                choice = choose_executor(last_host, order, view, gpus)
+            except InsufficientGpusError:
+                return f"waiting for {gpus} GPUs: no reachable host has that many"
+            if isinstance(choice, Migrate):
+                return (
+                    f"waiting for {gpus} GPUs: {choice.reason} (migration is not implemented yet)"
+                )
+            if not isinstance(choice, Execute):
+                return choice.reason
+            replica = self._replica_on(choice.host, replicas, last_executor)
+            grant = await self._precommit(kernel_id, exec_index, replica, choice.host, gpus)
+            if grant is not None:
+                return grant
+            refused.add(choice.host)
+
+    def _exec_view(self, exclude: set[HostId]) -> ClusterView:
+        full = self.view()
+        hosts = [
+            h for h in full.hosts if h.host_id not in exclude and self._hosts[h.host_id].reachable
+        ]
+        return ClusterView(hosts, full.replicas_per_kernel, full.demand_to_busy_ratio)
+
+    @staticmethod
+    def _replica_on(host: HostId, replicas: Mapping[int, HostId], last: int | None) -> int:
+        if last is not None and replicas.get(last) == host:
+            return last
+        return min(r for r, h in replicas.items() if h == host)
+
+    async def _precommit(
+        self, kernel_id: KernelId, exec_index: int, replica: int, host_id: HostId, gpus: int
+    ) -> Grant | None:
+        host = self._hosts[host_id]
+        res = f"{kernel_id}/{exec_index}/{uuid.uuid4().hex[:12]}"
+        try:
+            reply = await self._call(host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus))
+        except HostUnreachableError:
+            return None
+        except BaseException:
+            # Cancelled while asking: the agent may have granted it; give it back.
+            self._spawn(self._send_release, host, res, False)
+            raise
+        if isinstance(reply, GpuGranted) and reply.reservation.state in (
+            "precommitted",
+            "committed",
+        ):
+            grant = Grant(
+                kernel_id, exec_index, replica, host_id, tuple(reply.reservation.devices), res
+            )
+            self._grants[res] = grant
+            host.reported[res] = reply.reservation
+            return grant
+        if isinstance(reply, GpuRefused):
+            log.info(
+                "host %s refused %d GPUs for kernel %s: %s", host_id, gpus, kernel_id, reply.message
+            )
+        else:
+            log.warning("host %s answered a pre-commit with %s", host_id, type(reply).__name__)
+        self._spawn(self._refresh, host)
+        return None
+
+    # --- agent conversations ---------------------------------------------------------
+
+    async def _call(self, host: HostRecord, make: Callable[[int], AgentRequest]) -> AgentReply:
+        try:
+            return await self._rpc.call(host.peer, host.host_id, make)
+        except HostUnreachableError as exc:
+            self._unreachable(host, str(exc))
+            raise
+
+    async def _send_release(self, host: HostRecord, res: str, resident: bool) -> None:
+        try:
+            await self._call(host, lambda rid: GpuRelease(rid, res, resident))
+        except HostUnreachableError:
+            self._pending_release[res] = (host.host_id, resident)
+        else:
+            self._pending_release.pop(res, None)
+            host.reported.pop(res, None)
+        self._notify()
+
+    async def _send_release_kernel(self, host: HostRecord, kernel_id: KernelId) -> None:
+        try:
+            await self._call(host, lambda rid: GpuReleaseKernel(rid, kernel_id))
+        except HostUnreachableError:
+            return
+        for res in [r for r, g in host.reported.items() if g.kernel_id == kernel_id]:
+            del host.reported[res]
+        self._notify()
+
+    async def _refresh(self, host: HostRecord) -> None:
+        try:
+            reply = await self._call(host, AgentStatusRequest)
+        except HostUnreachableError:
+            return
+        if isinstance(reply, AgentStatus):
+            self._on_status(host.peer, reply)
+
+    async def _restore(self, host: HostRecord, lost: list[GpuReservation]) -> None:
+        log.warning(
+            "agent of host %s restarted without %d committed reservations; restoring",
+            host.host_id,
+            len(lost),
+        )
+        try:
+            reply = await self._call(host, lambda rid: AgentRestore(rid, lost))
+        except HostUnreachableError:
+            return
+        if isinstance(reply, GpuRefused):
+            log.warning("host %s refused to restore reservations: %s", host.host_id, reply.message)
+        await self._refresh(host)
+
+    # --- reports ---------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                sender, data = await self._transport.receive()
+            except TransportClosedError:
+                log.info("scheduler transport closed")
+                return
+            try:
+                message = decode(data)
+            except DecodeError as exc:
+                log.warning("scheduler dropped a message from %s: %s", sender, exc)
+                continue
+            if isinstance(message, AgentStatus) and message.request_id is None:
+                self._on_status(sender, message)
+            elif isinstance(message, AgentStatus | GpuGranted | GpuRefused | GpuFreed):
+                if message.request_id is None or not self._rpc.deliver(message.request_id, message):
+                    log.debug(
+                        "late or duplicate %s from %s dropped", type(message).__name__, sender
+                    )
+            else:
+                log.warning(
+                    "scheduler dropped unexpected %s from %s", type(message).__name__, sender
+                )
+
+    def _on_status(self, sender: PeerId, status: AgentStatus) -> None:
+        host_id = HostId(status.host_id)
+        now = anyio.current_time()
+        try:
+            self._transport.add_peer(sender, status.address)
+        except Exception as exc:
+            log.warning("host %s reported a bad address %r: %s", host_id, status.address, exc)
+            return
+        host = self._hosts.get(host_id)
+        if host is None:
+            host = self._hosts[host_id] = HostRecord(
+                host_id, sender, status.address, status.incarnation, tuple(status.devices), now
+            )
+            host.update(sender, status, now)
+            log.info("host %s joined with %d GPUs", host_id, len(host.devices))
+        else:
+            was_reachable = host.reachable
+            if host.update(sender, status, now):
+                self._reconcile(host)
+            elif not was_reachable:
+                log.info("host %s is reachable again", host_id)
+        self._resend(host)
+        self._notify()
+
+    def _reconcile(self, host: HostRecord) -> None:
+        """A new agent incarnation: give it back the committed reservations it lost."""
+        lost = [
+            GpuReservation(res, g.kernel_id, list(g.devices), "committed")
+            for res, g in self._grants.items()
+            if g.host == host.host_id and res in self._committed and res not in host.reported
+        ]
+        log.info(
+            "agent of host %s (re)started; %d committed reservations to restore",
+            host.host_id,
+            len(lost),
+        )
+        if lost:
+            self._spawn(self._restore, host, lost)
+
+    def _resend(self, host: HostRecord) -> None:
+        """Retry releases that an unreachable agent missed, now that it reported them."""
+        kernels: set[KernelId] = set()
+        for res, r in list(host.reported.items()):
+            pending = self._pending_release.get(res)
+            if pending is not None:
+                self._spawn(self._send_release, host, res, pending[1])
+            elif KernelId(r.kernel_id) in self._gone:
+                kernels.add(KernelId(r.kernel_id))
+        for kernel in kernels:
+            self._spawn(self._send_release_kernel, host, kernel)
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await anyio.sleep(self._host_timeout / 4)
+            now = anyio.current_time()
+            for host in self._hosts.values():
+                if host.reachable and now - host.last_seen > self._host_timeout:
+                    self._unreachable(host, f"no report for {now - host.last_seen:.1f} s")
+
+    def _unreachable(self, host: HostRecord, why: str) -> None:
+        if host.reachable:
+            host.reachable = False
+            log.warning(
+                "host %s is unreachable (%s): not schedulable until it reports again",
+                host.host_id,
+                why,
+            )
+            self._notify()
+
+    # --- wake-ups --------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        # The ratio of GPUs kernels ask for to GPUs busy: the more subscribed GPUs
+        # sit idle, the further admission lets hosts be oversubscribed.
+        demand = sum(n for _, n in self._placements.values())
+        busy = sum(len(h.busy(self._grants.values())) for h in self._hosts.values())
+        sample = max(1.0, demand / max(busy, 1))
+        self._ratio += _RATIO_ALPHA * (sample - self._ratio)
+        self._version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _wait_change(self, version: int) -> None:
+        if self._version != version:
+            return
+        with anyio.move_on_after(self._poll):
+            await self._changed.wait()
+
+    def _spawn(self, func: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        if self._tg is not None:
+            self._tg.start_soon(func, *args)
+
+
+def _refusal_error(reply: object, n: int, host: HostId) -> GpuError:
+    if isinstance(reply, GpuRefused):
+        log.info("host %s refused a commit: %s", host, reply.message)
+        if reply.reason == "insufficient":
+            return InsufficientGpusError(n, reply.idle, f"host {host}")
+        if reply.reason in ("unknown", "expired"):
+            return UnknownReservationError(reply.message, reply.reason)
+        return GpuError(f"host {host} refused: {reply.message}")
+    log.warning("host %s answered a commit with %s", host, type(reply).__name__)
+    return GpuError(f"host {host} answered a commit with {type(reply).__name__}")
