@@ -54,6 +54,7 @@ _UNREACHABLE = 900
 _NOT_FOUND = 404
 _CONFLICT = 409
 _CLEANUP_TIMEOUT = 10.0
+_SCHEMES = ("unix", "tcp", "http", "https")
 
 
 class DockerProcessHandle:
@@ -139,8 +140,11 @@ class DockerBackend:
         workdir: str | None = None,
         user: str | None = None,
     ) -> None:
-        if not hosts or not all(isinstance(u, str) and u for u in hosts.values()):
-            raise ConfigError("hosts", hosts, "a non-empty mapping of host id to Docker engine URL")
+        if not hosts or not all(
+            isinstance(u, str) and u.partition("://")[0] in _SCHEMES for u in hosts.values()
+        ):
+            expected = f"a non-empty mapping of host id to engine URL ({'/'.join(_SCHEMES)}://...)"
+            raise ConfigError("hosts", hosts, expected)
         if not image:
             raise ConfigError("image", image, "the name of an image present on every engine")
         self._urls = {HostId(h): u for h, u in hosts.items()}

@@ -4,7 +4,7 @@ A host is only a name here: every process runs on this machine, in its own
 session and process group (so a signal reaches the whole replica, children
 included), with ``NBOS_HOST_ID`` naming its virtual host. Output goes to one log
 file per process under ``run_dir/<host>/`` instead of pipes that could fill up.
-Works on every anyio backend (asyncio and trio).
+Uses only anyio APIs (tested on asyncio).
 """
 
 from __future__ import annotations

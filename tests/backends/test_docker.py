@@ -64,5 +64,7 @@ def test_bad_config_is_refused() -> None:
         DockerBackend({}, image="x")
     with pytest.raises(ConfigError):
         DockerBackend({"h": ""}, image="x")
+    with pytest.raises(ConfigError, match="unix"):
+        DockerBackend({"h": "docker-host-1"}, image="x")
     with pytest.raises(ConfigError):
         DockerBackend({"h": "unix:///var/run/docker.sock"}, image="")
