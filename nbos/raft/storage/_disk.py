@@ -55,7 +55,7 @@ from nbos.raft.storage._errors import (
     StorageIOError,
 )
 from nbos.raft.storage._framing import WalRecord, encode_frame
-from nbos.raft.storage._fsutil import fsync_dir
+from nbos.raft.storage._fsutil import fsync_dir, fsync_file
 from nbos.raft.storage._log_index import LogIndex, must_sync
 from nbos.raft.storage._recovery import Replay
 from nbos.raft.storage._segments import (
@@ -103,6 +103,11 @@ class DiskStorage:
         self._segment_bytes = segment_bytes
         self._failure: str | None = None
         self._current: SegmentFile | None = None
+        if segments and self._durable:
+            # A previous life may have left unsynced records (commit-only ones under
+            # "batch") at its tail; once a newer segment exists a torn tail there
+            # would read as corruption.
+            self._guard(lambda: fsync_file(segments[-1].path))
         self._guard(self._start_segment)
 
     @classmethod
@@ -312,6 +317,10 @@ class DiskStorage:
     def _drop_files(self, upto_index: int) -> None:
         while len(self._segments) > 1 and self._segments[0].max_index <= upto_index:
             self._segments.pop(0).path.unlink()
+            if self._durable:
+                # One at a time: recovery needs the survivors to stay a run of
+                # consecutive segments even if the OS reorders the deletions.
+                fsync_dir(self.directory)
         for path in _snapfile.list_snapshots(self.directory):
             if path != self._snapshot_path and _snapfile.index_of(path) < upto_index:
                 path.unlink()

@@ -8,7 +8,16 @@ from pathlib import Path
 
 def fsync_dir(path: Path) -> None:
     """Make the directory's entries (created, renamed, removed files) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync_opened(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_file(path: Path) -> None:
+    """Make a file's data durable, by path."""
+    _fsync_opened(path, os.O_RDONLY)
+
+
+def _fsync_opened(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
