@@ -144,7 +144,7 @@ class SshBackend:
 
     ``hosts`` maps host ids to :class:`SshHost` (or mappings of its fields, as read
     from a config file). ``remote_log_dir`` is where logs go on each host (a relative
-    path is under the login directory); each host's logs are in a subdirectory named
+    or ``~/`` path is under the login directory); each host's logs are in a subdirectory named
     after its host id.
     """
 
@@ -160,7 +160,8 @@ class SshBackend:
         if not hosts:
             raise ConfigError("hosts", hosts, "a non-empty mapping of host id to SSH host")
         self._targets = {HostId(h): _as_ssh_host(h, t) for h, t in hosts.items()}
-        self._remote_log_dir = remote_log_dir.rstrip("/") or "/"
+        # The path is quoted on the command line, so "~/" would not expand: make it relative.
+        self._remote_log_dir = remote_log_dir.removeprefix("~/").rstrip("/") or "/"
         self._connect_timeout = connect_timeout
         self._keepalive = (keepalive_interval, keepalive_count_max)
         self._connections: dict[HostId, asyncssh.SSHClientConnection] = {}
