@@ -241,11 +241,16 @@ class KernelFront:
         # subscription reached it (SUB sockets miss what is published before that).
         with anyio.fail_after(_READY_TIMEOUT_S):
             for replica, up in self._upstreams.items():
-                while True:
+                while up.alive:
                     probe = _wire.new_message(up.session, "kernel_info_request", {})
                     pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
                     if pending.reply is not None and pending.idle:
                         break
+        if len(self.alive) * 2 <= len(self._upstreams):
+            raise QuorumLostError(
+                f"kernel {self._kernel_id}: only replicas {self.alive} of "
+                f"{sorted(self._upstreams)} started"
+            )
 
     # --- clients --------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import msgspec
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases
 from traitlets import Dict, Int, Type, Unicode
 
-from nbos.core.config import Settings
+from nbos.core.config import RaftSettings
 from nbos.core.errors import ConfigError
 from nbos.core.ids import KernelId, NodeId
 from nbos.kernel.replica._kernel import ReplicaKernel
@@ -36,6 +36,14 @@ def parse_peers(text: str) -> dict[NodeId, PeerAddress]:
     return {NodeId(n): PeerAddress(raft, fwd) for n, (raft, fwd) in raw.items()}
 
 
+def parse_raft_settings(text: str) -> RaftSettings:
+    """Decode ``--raft-settings``; raises :class:`ConfigError` for anything malformed."""
+    try:
+        return msgspec.json.decode(text, type=RaftSettings)
+    except msgspec.MsgspecError as exc:
+        raise ConfigError("raft-settings", text, f"JSON of [raft] settings ({exc})") from exc
+
+
 class ReplicaApp(IPKernelApp):
     """``IPKernelApp`` running a :class:`ReplicaKernel` joined to the kernel's log."""
 
@@ -50,6 +58,7 @@ class ReplicaApp(IPKernelApp):
     data_dir = Unicode("", help="Directory of this replica's Raft log (empty: in memory).").tag(
         config=True
     )
+    raft_settings = Unicode("{}", help="JSON of the kernel's [raft] settings.").tag(config=True)
     aliases = Dict(
         {
             **kernel_aliases,
@@ -59,6 +68,7 @@ class ReplicaApp(IPKernelApp):
             "raft-peers": "ReplicaApp.raft_peers",
             "store": "ReplicaApp.store",
             "data-dir": "ReplicaApp.data_dir",
+            "raft-settings": "ReplicaApp.raft_settings",
         }
     )
 
@@ -73,7 +83,7 @@ class ReplicaApp(IPKernelApp):
             peers=parse_peers(self.raft_peers),
             data_dir=Path(self.data_dir) if self.data_dir else None,
             machine=kernel.machine(),
-            settings=Settings.load().raft,
+            settings=parse_raft_settings(self.raft_settings),
         )
         kernel.attach(raft, LocalObjectStore(Path(self.store)))
 

@@ -211,7 +211,7 @@ class ReplicaKernel(IPythonKernel):
         assert self._raft is not None and self._sync is not None
         delta = await self._sync.capture(self._user_state(), cell.index)
         self._tell_unpicklable(delta)
-        if _changes_anything(delta):
+        if await self._sync.changes_anything(delta):
             await self._raft.propose(delta)
         status: CellStatus = "ok" if cell.status == "ok" else "error"
         done = Done(cell.index, self.node, int(self._shell.execution_count), status)
@@ -378,15 +378,9 @@ class ReplicaKernel(IPythonKernel):
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
         if self._raft is not None:
-            self._raft.stop()
-        result: dict[str, Any] = await super().do_shutdown(restart)  # type: ignore[no-untyped-call]
+            await asyncio.to_thread(self._raft.stop)
+        result: dict[str, Any] = super().do_shutdown(restart)  # type: ignore[no-untyped-call]
         return result
-
-
-def _changes_anything(delta: StateDelta) -> bool:
-    return bool(
-        delta.set or delta.set_blob or delta.deleted or delta.imports or delta.unpicklable
-    )
 
 
 def _as_delta(data: bytes) -> StateDelta:

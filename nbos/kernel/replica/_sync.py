@@ -25,10 +25,24 @@ class NamespaceSync:
     def __init__(self, store: ObjectStore) -> None:
         self._store = store
         self._capture = state.StateCapture(store)
+        self._nothing: bytes | None = None
 
     async def capture(self, user_ns: MutableMapping[str, Any], index: int) -> StateDelta:
         """What cell ``index``, which just ran here, changed in ``user_ns``."""
         return await self._capture.capture(user_ns, index)
+
+    async def changes_anything(self, delta: StateDelta) -> bool:
+        """Whether ``delta`` changes a namespace at all (an empty one need not be logged)."""
+        if self._nothing is None:
+            # What a capture sends when no value changed: the encoding of no values.
+            self._nothing = (await state.StateCapture(self._store).capture({}, 0)).set
+        return bool(
+            delta.set != self._nothing
+            or delta.set_blob
+            or delta.deleted
+            or delta.imports
+            or delta.unpicklable
+        )
 
     async def apply(self, user_ns: MutableMapping[str, Any], delta: StateDelta) -> None:
         """Apply another replica's committed delta to ``user_ns``."""

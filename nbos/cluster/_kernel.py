@@ -1,0 +1,202 @@
+"""A replicated kernel as the embedding API shows it: execute, kill a replica, shut down."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from nbos.core.compute_backend import ProcessHandle
+from nbos.core.errors import KernelError
+from nbos.core.ids import HostId, KernelId
+from nbos.kernel.front import KernelFront
+
+log = logging.getLogger(__name__)
+
+_SHUTDOWN_GRACE_S = 5.0
+
+
+@attrs.frozen
+class ReplicaInfo:
+    """One replica process of a kernel."""
+
+    node: int
+    host: HostId
+    pid: int | None
+    alive: bool
+
+
+@attrs.frozen
+class ExecuteResult:
+    """What one cell did, as a client saw it.
+
+    ``outputs`` are the IOPub messages of the cell (``{"msg_type", "content"}``), in
+    order, without ``status``; ``executor`` is the node id of the replica that ran
+    it (``None`` when it never ran); ``wait_s`` is how long it waited for the cell
+    before it, ``run_s`` how long it ran, ``round_trip_s`` the client's whole wait.
+    """
+
+    status: str
+    execution_count: int | None
+    outputs: tuple[Mapping[str, Any], ...]
+    executor: int | None
+    wait_s: float | None
+    run_s: float | None
+    round_trip_s: float
+    reply: Mapping[str, Any]
+
+    @property
+    def stdout(self) -> str:
+        """Everything the cell printed to stdout."""
+        return "".join(
+            o["content"]["text"]
+            for o in self.outputs
+            if o["msg_type"] == "stream" and o["content"].get("name") == "stdout"
+        )
+
+    @property
+    def error(self) -> tuple[str, str] | None:
+        """``(ename, evalue)`` of a failed cell, else ``None``."""
+        if self.status != "error":
+            return None
+        return str(self.reply.get("ename", "")), str(self.reply.get("evalue", ""))
+
+
+class Kernel:
+    """A running replicated kernel: its front and its replica processes.
+
+    Made by :meth:`nbos.cluster.LocalCluster.start_kernel`. ``connection_info`` is
+    what any Jupyter client needs to use the kernel.
+    """
+
+    def __init__(
+        self,
+        kernel_id: KernelId,
+        front: KernelFront,
+        processes: Mapping[int, ProcessHandle],
+        scope: anyio.CancelScope,
+    ) -> None:
+        self.kernel_id = kernel_id
+        self.front = front
+        self._processes = dict(processes)
+        self._scope = scope
+        self._client: AsyncKernelClient | None = None
+        self._lock = anyio.Lock()
+        self.closed = anyio.Event()
+
+    @property
+    def connection_info(self) -> dict[str, Any]:
+        return self.front.connection_info
+
+    @property
+    def replicas(self) -> tuple[ReplicaInfo, ...]:
+        alive = set(self.front.alive)
+        return tuple(
+            ReplicaInfo(node, h.host, getattr(h, "pid", None), node in alive)
+            for node, h in sorted(self._processes.items())
+        )
+
+    async def execute(self, code: str, *, timeout: float = 600.0) -> ExecuteResult:
+        """Run ``code`` as one cell through the front, like any Jupyter client would."""
+        async with self._lock:
+            client = await self._connected()
+            begun = time.monotonic()
+            msg_id = client.execute(code, allow_stdin=False, stop_on_error=False)
+            with anyio.fail_after(timeout):
+                outputs = await _collect_outputs(client, msg_id)
+                reply = await _reply_to(client, msg_id)
+            meta = reply.get("metadata", {}).get("nbos", {})
+            content = reply["content"]
+            return ExecuteResult(
+                status=content.get("status", "error"),
+                execution_count=content.get("execution_count"),
+                outputs=tuple(outputs),
+                executor=meta.get("replica"),
+                wait_s=meta.get("wait_s"),
+                run_s=meta.get("run_s"),
+                round_trip_s=time.monotonic() - begun,
+                reply=content,
+            )
+
+    async def digests(self, *, after: int = 0, timeout: float = 30.0) -> dict[int, str]:
+        """Each live replica's namespace digest once it applied cell ``after``."""
+        out: dict[int, str] = {}
+        for node in self.front.alive:
+            reply = await self.front.control_request(
+                node, "nbos_digest_request", {"after": after}, timeout=timeout
+            )
+            if reply is not None and reply["content"].get("status") == "ok":
+                out[node] = str(reply["content"]["digest"])
+        return out
+
+    async def kill_replica(self, node: int, signum: int = signal.SIGKILL) -> None:
+        """Kill replica ``node``'s process (SIGKILL by default) and wait until it is gone."""
+        handle = self._processes.get(node)
+        if handle is None:
+            raise KernelError(f"kernel {self.kernel_id} has no replica {node}")
+        await handle.signal(signum)
+        await handle.wait()
+        self.front.mark_dead(node, f"killed with signal {signum}")
+
+    async def shutdown(self) -> None:
+        """Stop every replica and the front; idempotent."""
+        if self.closed.is_set():
+            return
+        if self._client is not None:
+            self._client.stop_channels()
+            self._client = None
+        with anyio.CancelScope(shield=True):
+            await stop_processes(self.front, self._processes)
+        self._scope.cancel()
+        self.closed.set()
+
+    async def _connected(self) -> AsyncKernelClient:
+        if self._client is None:
+            client = AsyncKernelClient()
+            client.load_connection_info(self.connection_info)  # type: ignore[arg-type]
+            client.start_channels()
+            self._client = client
+        return self._client
+
+
+async def stop_processes(front: KernelFront, by_node: Mapping[int, ProcessHandle]) -> None:
+    """Ask live replicas to shut down, then terminate whatever is still running."""
+    with anyio.move_on_after(_SHUTDOWN_GRACE_S):
+        async with anyio.create_task_group() as tg:
+            for node in front.alive:
+                tg.start_soon(_ask_shutdown, front, node, by_node[node])
+    for handle in by_node.values():
+        if handle.returncode is None:
+            await handle.terminate(grace=1.0)
+
+
+async def _ask_shutdown(front: KernelFront, node: int, handle: ProcessHandle) -> None:
+    await front.control_request(node, "shutdown_request", {"restart": False}, timeout=2.0)
+    await handle.wait()
+
+
+async def _collect_outputs(client: AsyncKernelClient, msg_id: str) -> list[dict[str, Any]]:
+    outputs: list[dict[str, Any]] = []
+    while True:
+        msg = await client.get_iopub_msg()
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status":
+            if msg["content"]["execution_state"] == "idle":
+                return outputs
+            continue
+        outputs.append({"msg_type": msg["msg_type"], "content": msg["content"]})
+
+
+async def _reply_to(client: AsyncKernelClient, msg_id: str) -> dict[str, Any]:
+    while True:
+        reply: dict[str, Any] = await client.get_shell_msg()
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
