@@ -8,26 +8,37 @@ separate processes::
         --member 1=tcp://127.0.0.1:7001 --member 2=tcp://127.0.0.1:7002 ...
 
 A node process reads commands on stdin, one JSON object a line, and answers on
-stdout: ``{"op": "put", "key": k, "value": v, "client": c, "seq": n}``,
-``{"op": "get", "key": k}`` (a linearizable read) and ``{"op": "status"}``.
+stdout (first ``{"ready": N}``): ``{"op": "put"|"append", "key": k, "value": v,
+"client": c, "seq": n}``, ``{"op": "get", "key": k}`` (a linearizable read) and
+``{"op": "status"}``. A request may carry an ``"id"``, echoed in its answer;
+requests are served concurrently, so a client can keep many in flight.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging
+import os
+import select
+import signal
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
+from anyio.abc import Process, TaskGroup
 
 from nbos.core.config import RaftSettings
-from nbos.core.errors import NbosError
+from nbos.core.errors import LogClosedError, NbosError
 from nbos.core.ids import NodeId, PeerId
+from nbos.raft._waiters import Outcome
+
+if TYPE_CHECKING:
+    from nbos.raft.driver import RaftReplicatedLog
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +89,28 @@ def encode_command(op: str, key: str, value: str = "") -> bytes:
 # --- the node process ------------------------------------------------------------------
 
 
+class Request(msgspec.Struct, frozen=True):
+    """One line of a node process's stdin.
+
+    ``id`` (any JSON value) is echoed in the answer: a client may keep many
+    requests in flight on one node, which handles them concurrently and answers
+    in completion order. ``client``/``seq`` name a write for exactly-once retries.
+    """
+
+    op: str
+    key: str = ""
+    value: str = ""
+    client: str | None = None
+    seq: int | None = None
+    id: Any = None
+
+
+_request_decoder = msgspec.json.Decoder(Request)
+_json = msgspec.json.Encoder()
+_answer_decoder = msgspec.json.Decoder(dict[str, Any])
+_READ_CHUNK = 1 << 16
+
+
 def _peer(node: int) -> PeerId:
     return PeerId(f"kv/{node}")
 
@@ -93,34 +126,72 @@ async def _serve(args: argparse.Namespace) -> None:
         for node, address in members.items():
             if node != args.node:
                 transport.add_peer(_peer(node), address)
-        async with open_raft_log(
-            node_id=NodeId(args.node),
-            members={NodeId(n): _peer(n) for n in members},
-            transport=transport,
-            data_dir=Path(args.data_dir),
-            state_machine=machine,
-            settings=settings,
-        ) as raft:
+        async with (
+            open_raft_log(
+                node_id=NodeId(args.node),
+                members={NodeId(n): _peer(n) for n in members},
+                transport=transport,
+                data_dir=Path(args.data_dir),
+                state_machine=machine,
+                settings=settings,
+            ) as raft,
+            anyio.create_task_group() as tg,
+        ):
             _answer({"ready": args.node})
-            stdin = anyio.wrap_file(sys.stdin)
-            async for line in stdin:
-                _answer(await _handle(raft, machine, json.loads(line)))
+            async for line in _stdin_lines():
+                tg.start_soon(_answer_line, raft, machine, line)
+            tg.cancel_scope.cancel()  # stdin closed: the client is gone
+
+
+async def _stdin_lines() -> AsyncIterator[bytes]:
+    """Lines of stdin, read without a thread hop per line (many arrive at once under load)."""
+    fd = sys.stdin.fileno()
+    os.set_blocking(fd, False)
+    pending = b""
+    while True:
+        await anyio.wait_readable(fd)
+        try:
+            chunk = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+
+
+async def _answer_line(raft: RaftReplicatedLog, machine: KeyValueStateMachine, line: bytes) -> None:
+    try:
+        request = _request_decoder.decode(line)
+    except msgspec.DecodeError as exc:
+        log.warning("bad request line %r: %s", line[:200], exc)
+        _answer({"ok": False, "error": "DecodeError", "detail": str(exc)})
+        return
+    reply = await _handle(raft, machine, request)
+    if request.id is not None:
+        reply["id"] = request.id
+    _answer(reply)
 
 
 async def _handle(
-    raft: Any, machine: KeyValueStateMachine, request: dict[str, Any]
+    raft: RaftReplicatedLog, machine: KeyValueStateMachine, request: Request
 ) -> dict[str, Any]:
-    op = request.get("op")
+    op = request.op
     try:
         if op in ("put", "append"):
-            data = encode_command(op, request["key"], request["value"])
+            data = encode_command(op, request.key, request.value)
             result = await raft.propose(
-                data, client_id=request.get("client"), seq=request.get("seq"), timeout=2.0
+                data, client_id=request.client, seq=request.seq, timeout=2.0
             )
+            # An append answers only the new length: the value grows without bound.
+            if op == "append":
+                return {"ok": True, "size": len(result)}
             return {"ok": True, "value": result.decode()}
         if op == "get":
             await raft.read_index(timeout=2.0)
-            return {"ok": True, "value": machine.data.get(request["key"])}
+            return {"ok": True, "value": machine.data.get(request.key)}
         if op == "status":
             return {
                 "ok": True,
@@ -130,12 +201,155 @@ async def _handle(
             }
     except NbosError as exc:
         return {"ok": False, "error": type(exc).__name__, "leader": raft.leader_id}
-    return {"ok": False, "error": f"unknown op {op!r}"}
+    log.warning("unknown op %r", op)
+    return {"ok": False, "error": "UnknownOp", "detail": f"unknown op {op!r}"}
 
 
 def _answer(reply: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(reply) + "\n")
-    sys.stdout.flush()
+    # One write per answer, straight to the pipe: answers of concurrent requests
+    # never interleave and nothing waits in a userspace buffer.
+    data = _json.encode(reply) + b"\n"
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(1, view) :]
+        except BlockingIOError:  # a terminal shares its file with the non-blocking stdin
+            select.select([], [1], [])
+
+
+# --- a client of node processes ------------------------------------------------------
+
+
+def kv_node_argv(
+    node: int,
+    members: Mapping[int, str],
+    data_dir: Path,
+    *,
+    fsync: str = "always",
+    tick_ms: int = 10,
+    snapshot: int = 1000,
+) -> list[str]:
+    """The command line of a ``python -m nbos.raft.kv`` node process."""
+    argv = [sys.executable, "-m", "nbos.raft.kv", "--node", str(node), "--data-dir", str(data_dir)]
+    argv += ["--fsync", fsync, "--tick-ms", str(tick_ms), "--snapshot", str(snapshot)]
+    for member, address in sorted(members.items()):
+        argv += ["--member", f"{member}={address}"]
+    return argv
+
+
+class NodeProcess:
+    """One child process speaking the JSON-lines protocol above, with requests pipelined.
+
+    ``request`` never raises for the node's sake: a node that is dead, stopped or
+    slow answers ``{"ok": False, "error": "Unavailable" | "Timeout"}``, so a
+    client treats every failure alike (and, for a write, as of unknown outcome).
+    The process can be started again after it died (same argv, same data). The
+    caller kills only what it started: ``kill``/``pause``/``resume`` signal this
+    process's own PID.
+    """
+
+    def __init__(self, argv: Sequence[str], stderr_path: Path | None = None) -> None:
+        self.argv = list(argv)
+        self.stderr_path = stderr_path
+        self.process: Process | None = None
+        self._pending: dict[int, Outcome[dict[str, Any]]] = {}
+        self._next_id = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self, task_group: TaskGroup, timeout: float = 20.0) -> None:
+        """Spawn the process and wait for its first line (``{"ready": ...}``)."""
+        stderr = None if self.stderr_path is None else self.stderr_path.open("ab")
+        try:
+            self.process = await anyio.open_process(
+                self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()
+        ready: Outcome[dict[str, Any]] = Outcome()
+        task_group.start_soon(self._read_answers, self.process, ready)
+        with anyio.fail_after(timeout):
+            await ready.wait()
+
+    async def request(self, request: Mapping[str, Any], timeout: float = 3.0) -> dict[str, Any]:
+        process = self.process
+        if process is None or process.returncode is not None or process.stdin is None:
+            return {"ok": False, "error": "Unavailable"}
+        self._next_id += 1
+        rid = self._next_id
+        outcome: Outcome[dict[str, Any]] = Outcome()
+        self._pending[rid] = outcome
+        try:
+            with anyio.move_on_after(timeout):
+                await process.stdin.send(_json.encode({**request, "id": rid}) + b"\n")
+                return await outcome.wait()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return {"ok": False, "error": "Unavailable"}
+        finally:
+            self._pending.pop(rid, None)
+        return {"ok": False, "error": "Timeout"}
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    async def stop(self) -> None:
+        """Kill the process (if it runs) and reap it."""
+        process = self.process
+        if process is None:
+            return
+        self.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+        with anyio.CancelScope(shield=True):
+            await process.wait()
+            await process.aclose()
+
+    def _signal(self, signum: int) -> None:
+        if self.alive:
+            assert self.process is not None
+            # The event loop's child watcher may have reaped it a moment ago.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signum)
+
+    async def _read_answers(self, process: Process, ready: Outcome[dict[str, Any]]) -> None:
+        assert process.stdout is not None
+        pending = b""
+        try:
+            async for chunk in process.stdout:
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._dispatch(line, ready)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        finally:
+            ready.fail(LogClosedError(f"node process {process.pid} ended before it was ready"))
+            if process is self.process:
+                for outcome in self._pending.values():
+                    outcome.set({"ok": False, "error": "Unavailable"})
+
+    def _dispatch(self, line: bytes, ready: Outcome[dict[str, Any]]) -> None:
+        try:
+            answer = _answer_decoder.decode(line)
+        except msgspec.DecodeError:
+            log.warning("node process wrote a bad line %r", line[:200])
+            return
+        if "ready" in answer:
+            ready.set(answer)
+            return
+        outcome = self._pending.get(answer.get("id"))  # type: ignore[arg-type]
+        if outcome is not None:
+            outcome.set(answer)
 
 
 def _parse_member(text: str) -> tuple[int, str]:
