@@ -41,7 +41,7 @@ from nbos.core.replicated_log import StateMachine
 from nbos.core.transport import Transport
 from nbos.core.wire import decode, encode
 from nbos.core.wire.log_commands import ClientSession, DriverSnapshot, MemberAddress, Proposal
-from nbos.core.wire.raft import ConfChange, Entry, RaftPeerMessages, SnapshotMeta
+from nbos.core.wire.raft import ConfChange, Entry, RaftAppend, RaftPeerMessages, SnapshotMeta
 from nbos.raft._waiters import Outcome, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
 from nbos.raft.storage import DiskStorage, LogStorage, MemoryStorage
@@ -291,11 +291,19 @@ class RaftReplicatedLog:
             await self._maybe_snapshot()
 
     async def _handle(self, rd: Ready) -> None:
+        # A leader's appends go out before its own write (Raft thesis 10.2.1), so the
+        # followers' fsyncs overlap the leader's: safe because this loop steps no
+        # answer to them, hence commits nothing, until the Ready below is persisted.
+        # Every other message (votes, acks) must wait for the write it vouches for.
+        for append in rd.messages:
+            if isinstance(append, RaftAppend):
+                await self._send(append)
         with anyio.CancelScope(shield=True):
             # A Ready is persisted whole or the process dies: never half of it.
             await anyio.to_thread.run_sync(self._persist, rd)
         for message in rd.messages:
-            await self._send(message)
+            if not isinstance(message, RaftAppend):
+                await self._send(message)
         if rd.snapshot is not None:
             self._restore(rd.snapshot.data)
         for entry in rd.committed_entries:
