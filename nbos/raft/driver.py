@@ -423,10 +423,16 @@ class RaftReplicatedLog:
             return
         meta = SnapshotMeta(index=meta_index, term=term, conf=node.conf)
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._storage.save_snapshot, meta, image)
+            await anyio.to_thread.run_sync(self._save_snapshot, meta, image, self._last_snapshot)
         node.compact(meta_index, image)
         self._last_snapshot = meta_index
         log.debug("node %d: snapshot at %d (%d bytes)", node.id, meta_index, len(image))
+
+    def _save_snapshot(self, meta: SnapshotMeta, image: bytes, previous: int) -> None:
+        self._storage.save_snapshot(meta, image)
+        # Keep what recovery to the previous snapshot needs, as a fallback should
+        # the new snapshot file turn out damaged; free everything older.
+        self._storage.compact(previous)
 
     def _fail_all(self, error: Exception) -> None:
         for pending in self._pending.values():
