@@ -89,15 +89,21 @@ def replay_in_child(pair: Pair, probe: str, tmp_path: Path) -> dict[str, Any]:
     """Apply ``pair``'s deltas in a fresh Python process, run ``probe`` there; its report."""
     deltas = tmp_path / "deltas.msgpack"
     deltas.write_bytes(msgspec.msgpack.encode([encode(d) for d in pair.deltas]))
+    return replay_file_in_child(pair.store.root, deltas, probe, tmp_path)
+
+
+def replay_file_in_child(store: Path, deltas: Path, probe: str, tmp_path: Path) -> dict[str, Any]:
+    """Apply the encoded deltas in ``deltas`` in a fresh process, run ``probe``; its report."""
     probe_file = tmp_path / "probe.py"
     probe_file.write_text(textwrap.dedent(probe))
+    return run_json([str(CHILD), str(store), str(deltas), str(probe_file)])
+
+
+def run_json(args: list[str]) -> dict[str, Any]:
+    """Run a Python script of this directory in a fresh process; the JSON it prints."""
     done = subprocess.run(
-        [sys.executable, str(CHILD), str(pair.store.root), str(deltas), str(probe_file)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        [sys.executable, *args], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    report: dict[str, Any] = json.loads(done.stdout)
+    report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return report

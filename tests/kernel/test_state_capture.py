@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import os.path
+from typing import Any
 
 import pytest
 
@@ -91,3 +94,16 @@ async def test_delta_travels_through_the_wire_codec(pair: Pair) -> None:
     pair.executor["f"].close()
     assert decode(encode(delta)) == delta
     assert delta.unpicklable and delta.imports and delta.set
+
+
+async def test_ipythons_open_wrapper_is_not_state_but_a_users_open_is(pair: Pair) -> None:
+    @functools.wraps(io.open)
+    def ipython_open(*args: Any, **kwargs: Any) -> Any:
+        return open(*args, **kwargs)
+
+    pair.executor["open"] = pair.replica["open"] = ipython_open
+    delta = await pair.cell("v = 1")
+    assert delta.unpicklable == [] and await sent_names(delta, pair.store) == {"v"}
+    assert pair.replica["open"] is ipython_open
+    delta = await pair.cell("open = 'mine'")
+    assert await sent_names(delta, pair.store) == {"open"}

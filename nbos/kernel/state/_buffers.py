@@ -29,13 +29,15 @@ import anyio.to_thread
 from nbos.core.errors import StoreError
 from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
 from nbos.core.object_store import ObjectStore
-from nbos.kernel.state._pages import SoftDirtyPages
+from nbos.kernel.state._pages import PageWrites
 
 log = logging.getLogger(__name__)
 
 #: Buffers (and pickles) of this many bytes or more go to the object store.
 LARGE = 1 << 20
-_CHUNK = 1 << 20
+# Chunks of a blob on its way to or from the store: large enough that the per-chunk
+# thread hop of a store is noise, small enough to bound the copy held in memory.
+_CHUNK = 16 << 20
 
 
 class BufferCollector:
@@ -69,7 +71,7 @@ class BufferKeys:
     with every large buffer of that capture, since it resets the page bits.
     """
 
-    def __init__(self, pages: SoftDirtyPages | None) -> None:
+    def __init__(self, pages: PageWrites | None) -> None:
         self._pages = pages
         self._known: dict[tuple[int, int], _Known] = {}
         self.hashed_bytes = 0  # for tests and measurements: how much the last call hashed
@@ -162,6 +164,6 @@ async def _chunks(view: memoryview) -> AsyncIterator[bytes]:
 async def fetch(store: ObjectStore, key: BlobKey) -> bytearray:
     """The blob under ``key`` as a writable buffer (arrays rebuilt on it stay writable)."""
     out = bytearray()
-    async for chunk in store.get_stream(key):
+    async for chunk in store.get_stream(key, _CHUNK):
         out += chunk
     return out

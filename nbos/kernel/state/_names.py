@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Iterator, Mapping
 
@@ -22,7 +23,15 @@ def is_user_name(name: str) -> bool:
 
 
 def user_items(namespace: Mapping[str, object]) -> Iterator[tuple[str, object]]:
-    """The user-state entries of ``namespace``, in its order."""
+    """The user-state entries of ``namespace``, in its order.
+
+    Besides bookkeeping names, this leaves out IPython's own ``open`` (a wrapper of
+    ``io.open`` it puts in every user namespace); an ``open`` the user binds is state.
+    """
     for name, value in namespace.items():
-        if is_user_name(name):
+        if is_user_name(name) and not (name == "open" and _is_ipython_open(value)):
             yield name, value
+
+
+def _is_ipython_open(value: object) -> bool:
+    return value is not io.open and getattr(value, "__wrapped__", None) is io.open

@@ -23,6 +23,7 @@ import ctypes
 import logging
 import mmap
 import struct
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,18 @@ _PAGEMAP = "/proc/self/pagemap"
 _ENTRY = struct.Struct("<Q")
 _DIRTY_BYTE = 55 // 8
 _TOP_BIT = bytes(1 if byte & 0x80 else 0 for byte in range(256))
+
+
+class PageWrites(Protocol):
+    """Tells whether memory was written since the last :meth:`clear`."""
+
+    def clear(self) -> None:
+        """Start a new interval: every page counts as unwritten from now on."""
+        ...
+
+    def written(self, address: int, nbytes: int) -> bool:
+        """Whether any byte of ``[address, address + nbytes)`` may have been written."""
+        ...
 
 
 class SoftDirtyPages:

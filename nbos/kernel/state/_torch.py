@@ -28,7 +28,8 @@ def reduce(obj: object, owners: dict[int, object]) -> Any:
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
         return NotImplemented
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    owners[id(data)] = obj
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        owners[id(data)] = obj  # the view is the tensor's own memory, not a copy
     grad = tensor.grad if tensor.is_leaf else None
     meta = (
         str(tensor.dtype).removeprefix("torch."),

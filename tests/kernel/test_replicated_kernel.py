@@ -1,0 +1,204 @@
+"""The replicated kernel seen by a real Jupyter client: one kernel, state on every replica."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.session import Session
+
+import nbos
+from nbos.cluster import Kernel
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def kernel() -> AsyncIterator[Kernel]:
+    async with nbos.LocalCluster(hosts=3, durable=False) as cluster:
+        yield await cluster.start_kernel()
+
+
+@pytest.fixture
+async def client(kernel: Kernel) -> AsyncIterator[AsyncKernelClient]:
+    c = AsyncKernelClient()
+    c.load_connection_info(kernel.connection_info)
+    c.start_channels()
+    try:
+        await c.wait_for_ready(timeout=30)
+        yield c
+    finally:
+        c.stop_channels()
+
+
+async def run(
+    client: AsyncKernelClient, code: str, *, allow_stdin: bool = False, timeout: float = 30
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Execute ``code``; the reply and every IOPub message of the request, in order."""
+    msg_id = client.execute(code, allow_stdin=allow_stdin, stop_on_error=False)
+    return await collect(client, msg_id, timeout=timeout)
+
+
+async def collect(
+    client: AsyncKernelClient, msg_id: str, *, timeout: float = 30
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    messages: list[dict[str, Any]] = []
+    with anyio.fail_after(timeout):
+        while True:
+            msg = await client.get_iopub_msg()
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            messages.append(msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        while True:
+            reply = await client.get_shell_msg()
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply, messages
+
+
+def stdout(messages: list[dict[str, Any]]) -> str:
+    return "".join(
+        m["content"]["text"]
+        for m in messages
+        if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
+    )
+
+
+async def test_cells_run_once_and_state_reaches_every_replica(
+    kernel: Kernel, client: AsyncKernelClient
+) -> None:
+    cells = [
+        "xs = [1, 2]\nalias = xs\nd = {'k': 1}",
+        "def f(a):\n    return a + len(xs)\nclass P:\n    def __init__(self, v):\n        self.v = v",
+        "xs.append(3)\nd['k'] = 2\np = P(f(1))",
+        "import math\nprint(p.v, alias is xs, math.floor(2.5))",
+    ]
+    counts = []
+    for code in cells:
+        reply, messages = await run(client, code)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        counts.append(reply["content"]["execution_count"])
+        statuses = [m["content"]["execution_state"] for m in messages if m["msg_type"] == "status"]
+        assert statuses == ["busy", "idle"]
+        assert {m["header"]["session"] for m in messages} == {kernel.front.session_id}
+        assert reply["header"]["session"] == kernel.front.session_id
+    assert stdout(messages) == "4 True 2\n"
+    assert counts == sorted(counts) and len(set(counts)) == len(counts)
+    digests = await kernel.digests(after=kernel.front_index())
+    assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+
+
+async def test_execute_result_reports_executor_and_timings(kernel: Kernel) -> None:
+    result = await kernel.execute("y = 6 * 7\nprint(y)")
+    assert result.status == "ok"
+    assert result.stdout == "42\n"
+    assert result.executor in {r.node for r in kernel.replicas}
+    assert result.run_s is not None and result.wait_s is not None
+    assert result.run_s >= 0 and result.wait_s >= 0
+    failed = await kernel.execute("1 / 0")
+    assert failed.error == ("ZeroDivisionError", "division by zero")
+    assert failed.execution_count is not None and result.execution_count is not None
+    assert failed.execution_count > result.execution_count
+
+
+async def test_kernel_info_complete_inspect_is_complete_history(
+    client: AsyncKernelClient,
+) -> None:
+    await run(client, "some_long_name = 1")
+    info = await client.kernel_info(reply=True, timeout=10)
+    assert info["content"]["status"] == "ok"
+    assert info["content"]["protocol_version"] >= "5.3"
+    complete = await client.complete("some_lo", reply=True, timeout=10)
+    assert "some_long_name" in complete["content"]["matches"]
+    inspect = await client.inspect("len", reply=True, timeout=10)
+    assert inspect["content"]["found"] is True
+    is_complete = await client.is_complete("for i in x:", reply=True, timeout=10)
+    assert is_complete["content"]["status"] == "incomplete"
+    history = await client.history(hist_access_type="tail", n=5, reply=True, timeout=10)
+    assert history["content"]["status"] == "ok"
+
+
+async def test_input_reaches_the_client_and_back(client: AsyncKernelClient) -> None:
+    msg_id = client.execute("who = input('who? ')\nprint('hi', who)", allow_stdin=True)
+    with anyio.fail_after(20):
+        request = await client.get_stdin_msg()
+    assert request["msg_type"] == "input_request"
+    assert request["content"]["prompt"] == "who? "
+    client.input("ada")
+    reply, messages = await collect(client, msg_id)
+    assert reply["content"]["status"] == "ok"
+    assert stdout(messages) == "hi ada\n"
+
+
+async def test_interrupt_reaches_the_executor(client: AsyncKernelClient) -> None:
+    msg_id = client.execute("import time\ntime.sleep(60)")
+    with anyio.fail_after(20):
+        while True:  # wait until the cell runs
+            msg = await client.get_iopub_msg()
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+                break
+    await anyio.sleep(0.3)
+    interrupt = client.session.msg("interrupt_request", {})
+    client.control_channel.send(interrupt)
+    reply, _ = await collect(client, msg_id, timeout=20)
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    after, _ = await run(client, "print('still here')")
+    assert after["content"]["status"] == "ok"
+
+
+async def test_bad_messages_are_refused_and_the_kernel_keeps_serving(
+    kernel: Kernel, client: AsyncKernelClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    info = kernel.connection_info
+    wrong = Session(key=b"not-the-key")
+    unsigned = Session(key=b"")
+    right = Session(key=info["key"].encode())
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{info['ip']}:{info['shell_port']}")
+    refused_before = kernel.front.refused
+    code = {"code": "pwned = 1", "silent": False}
+    try:
+        with caplog.at_level(logging.WARNING, logger="nbos.kernel.front"):
+            for session in (wrong, unsigned):
+                await sock.send_multipart(session.serialize(session.msg("execute_request", code)))
+            good = right.serialize(right.msg("execute_request", code))
+            await sock.send_multipart([*good[:3], b"{not json", *good[4:]])  # bad header
+            await sock.send_multipart([b"garbage"])  # no delimiter at all
+            with anyio.fail_after(10):
+                while kernel.front.refused < refused_before + 4:
+                    await anyio.sleep(0.05)
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert sum("client message refused" in r.getMessage() for r in caplog.records) >= 4
+    reply, messages = await run(client, "print('pwned' in dir())")
+    assert reply["content"]["status"] == "ok"
+    assert stdout(messages) == "False\n"
+
+
+async def test_blocking_facade_runs_cells() -> None:
+    def script() -> tuple[str, int | None]:
+        with nbos.connect_blocking(hosts=3, durable=False) as cluster:
+            k = cluster.start_kernel()
+            k.execute("z = 20")
+            result = k.execute("print(z + 1)")
+            return result.stdout, result.execution_count
+
+    out, count = await anyio.to_thread.run_sync(script)
+    assert out == "21\n"
+    assert count == 2

@@ -1,0 +1,111 @@
+"""The unchanged-buffer logic of ``BufferKeys``, driven by recorded page writes.
+
+Where the kernel keeps soft-dirty bits, ``test_state_blobs`` checks the real thing;
+this machine's kernel may not, so here a recorder stands in for the page bits: the
+test tells it which memory it wrote, exactly what the kernel would have recorded.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import pickle
+import weakref
+from typing import Any
+
+import numpy as np
+import pytest
+
+from nbos.kernel.state._buffers import BufferKeys, place_of
+
+pytestmark = pytest.mark.anyio
+
+
+class RecordedWrites:
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, int]] = []
+        self.calls: list[str] = []
+
+    def wrote(self, array: np.ndarray) -> None:
+        self.writes.append((array.ctypes.data, array.nbytes))
+
+    def clear(self) -> None:
+        self.calls.append("clear")
+        self.writes.clear()
+
+    def written(self, address: int, nbytes: int) -> bool:
+        self.calls.append("read")
+        return any(a < address + nbytes and address < a + n for a, n in self.writes)
+
+
+def buffer_of(array: np.ndarray) -> pickle.PickleBuffer:
+    exporter: Any = array  # numpy's stubs do not declare the buffer protocol
+    return pickle.PickleBuffer(exporter)
+
+
+def key_of(array: np.ndarray) -> str:
+    return "sha256:" + hashlib.sha256(array.tobytes()).hexdigest()
+
+
+async def test_unwritten_buffers_are_not_hashed_again() -> None:
+    pages = RecordedWrites()
+    keys = BufferKeys(pages)
+    a, b = np.ones(1 << 16), np.zeros(1 << 16)
+    first = await keys.keys([buffer_of(a), buffer_of(b)], {})
+    assert keys.hashed_bytes == a.nbytes + b.nbytes
+    assert first[place_of(buffer_of(a))] == key_of(a)
+
+    second = await keys.keys([buffer_of(a), buffer_of(b)], {})
+    assert keys.hashed_bytes == 0 and second == first
+
+    a[100] = 5.0
+    pages.wrote(a[100:101])
+    third = await keys.keys([buffer_of(a), buffer_of(b)], {})
+    assert keys.hashed_bytes == a.nbytes
+    assert third[place_of(buffer_of(a))] == key_of(a) != first[place_of(buffer_of(a))]
+    # every read of the bits precedes the clear that starts the next interval
+    assert pages.calls[-3:] == ["read", "read", "clear"]
+
+
+class Owner:
+    """Stands for an object that owns a temporary exporter's memory (a tensor)."""
+
+
+async def test_the_owner_not_the_temporary_exporter_keeps_an_entry_valid() -> None:
+    keys = BufferKeys(RecordedWrites())
+    data = np.ones(1 << 16)
+    owner = Owner()
+    await keys.keys([buffer_of(data[:])], {})
+    gc.collect()  # the temporary view may sit in a reference cycle until then
+    await keys.keys([buffer_of(data[:])], {})
+    # an exporter that dies after each capture, with no owner named: never trusted
+    assert keys.hashed_bytes == data.nbytes
+
+    view = data[:]
+    await keys.keys([buffer_of(view)], {id(view): owner})
+    view = data[:]
+    await keys.keys([buffer_of(view)], {id(view): owner})
+    assert keys.hashed_bytes == 0
+    del owner
+    gc.collect()
+    await keys.keys([buffer_of(view)], {})
+    assert keys.hashed_bytes == data.nbytes
+
+
+async def test_buffers_that_left_are_forgotten_and_not_kept_alive() -> None:
+    keys = BufferKeys(RecordedWrites())
+    gone = np.ones(1 << 16)
+    ref = weakref.ref(gone)
+    await keys.keys([buffer_of(gone)], {})
+    await keys.keys([], {})
+    del gone
+    gc.collect()
+    assert ref() is None
+
+
+async def test_without_page_bits_everything_is_hashed() -> None:
+    keys = BufferKeys(None)
+    a = np.ones(1 << 16)
+    await keys.keys([buffer_of(a)], {})
+    await keys.keys([buffer_of(a)], {})
+    assert keys.hashed_bytes == a.nbytes
