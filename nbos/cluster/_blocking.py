@@ -42,7 +42,7 @@ class BlockingKernel:
     def execute(self, code: str, *, timeout: float = 600.0) -> ExecuteResult:
         return self._portal.call(lambda: self._kernel.execute(code, timeout=timeout))
 
-    def digests(self, *, after: int = 0) -> dict[int, str]:
+    def digests(self, *, after: int | None = None) -> dict[int, str]:
         return self._portal.call(lambda: self._kernel.digests(after=after))
 
     def kill_replica(self, node: int, signum: int = signal.SIGKILL) -> None:

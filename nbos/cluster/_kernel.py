@@ -125,8 +125,13 @@ class Kernel:
                 reply=content,
             )
 
-    async def digests(self, *, after: int = 0, timeout: float = 30.0) -> dict[int, str]:
-        """Each live replica's namespace digest once it applied cell ``after``."""
+    async def digests(self, *, after: int | None = None, timeout: float = 30.0) -> dict[int, str]:
+        """Each live replica's namespace digest once it applied cell ``after`` (default: the last).
+
+        Replicas that applied the same cells have equal digests.
+        """
+        if after is None:
+            after = self.front.last_exec_index
         out: dict[int, str] = {}
         for node in self.front.alive:
             reply = await self.front.control_request(

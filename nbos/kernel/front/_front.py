@@ -176,7 +176,13 @@ class KernelFront:
 
     @property
     def last_executor(self) -> int | None:
+        """The replica that ran the last cell (``None`` before the first, or once it died)."""
         return self._last_executor
+
+    @property
+    def last_exec_index(self) -> int:
+        """The ``exec_index`` given to the latest cell (0 before the first)."""
+        return self._next_index - 1
 
     def mark_dead(self, replica: int, reason: str) -> None:
         """Stop using ``replica``; requests in flight there end as lost."""
