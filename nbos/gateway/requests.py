@@ -82,8 +82,8 @@ def _from_metadata(metadata: Mapping[str, Any]) -> int | None:
 def _count(value: object, where: str) -> int:
     if isinstance(value, str) and value.isdecimal():
         return int(value)
-    if _is_count(value):
-        return int(value)  # type: ignore[call-overload]
+    if isinstance(value, int) and _is_count(value):
+        return value
     log.warning("%s = %r refused", where, value)
     raise GpuError(f"{where}: {value!r} is not a non-negative whole number of GPUs")
 
