@@ -192,6 +192,8 @@ class DockerBackend:
             for handle in self._handles:
                 if handle.returncode is None:
                     await _quietly(handle.signal(signal.SIGKILL), handle.host)
+                    # Learn the status before the container (and with it the status) goes.
+                    await _quietly(handle.wait(), handle.host)
             for host, client in self._clients.items():
                 await _quietly(self._remove_all(client), host)
         if scope.cancelled_caught:
