@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned, so nothing later can pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,redis,torch]'
+	$(PY) -m pip install -q -e '.[test,redis,torch,docker,ssh]'
 	touch $@
 
 system-deps:
@@ -27,6 +27,7 @@ demo: $(STAMP)
 	@echo "make demo arrives with the replicated kernel (issue 4); nothing to run yet."
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
 clean:
