@@ -180,6 +180,11 @@ class KernelFront:
         return self._last_executor
 
     @property
+    def running_on(self) -> int | None:
+        """The replica handling the shell request in flight (the executor during a cell)."""
+        return self._active.target if self._active is not None else None
+
+    @property
     def last_exec_index(self) -> int:
         """The ``exec_index`` given to the latest cell (0 before the first)."""
         return self._next_index - 1

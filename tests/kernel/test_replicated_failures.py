@@ -1,0 +1,126 @@
+"""Replica failure: the kernel goes on with two replicas; a cell lost mid-run is reported.
+
+Each test kills replicas, so each gets a kernel of its own (on one shared cluster).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+import nbos
+from nbos.cluster import Kernel, LocalCluster
+
+pytestmark = pytest.mark.anyio
+
+# Values, a function and a class defined in cells, an instance, shared references.
+STATE = [
+    "import math\nxs = [1, 2, 3]\nalias = xs\nnested = {'xs': xs}",
+    "def area(r):\n    return math.pi * r * r\n"
+    "class Point:\n    def __init__(self, x):\n        self.x = x\n"
+    "    def norm(self):\n        return abs(self.x)",
+    "p = Point(-4)\nxs.append(4)",
+]
+CHECK = (
+    "assert alias is xs and nested['xs'] is xs and xs == [1, 2, 3, 4]\n"
+    "assert isinstance(p, Point) and p.norm() == 4\n"
+    "print(round(area(1), 5))"
+)
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def cluster() -> AsyncIterator[LocalCluster]:
+    async with nbos.LocalCluster(hosts=3, durable=False) as c:
+        yield c
+
+
+@pytest.fixture
+async def kernel(cluster: LocalCluster) -> AsyncIterator[Kernel]:
+    k = await cluster.start_kernel()
+    try:
+        yield k
+    finally:
+        await k.shutdown()
+
+
+async def define_state(kernel: Kernel) -> int:
+    """Run the STATE cells; returns the executor of the last one."""
+    for code in STATE:
+        result = await kernel.execute(code)
+        assert result.status == "ok", result.reply
+    assert result.executor is not None
+    return result.executor
+
+
+async def test_kill_a_non_executor_between_cells(kernel: Kernel) -> None:
+    executor = await define_state(kernel)
+    victim = next(r.node for r in kernel.replicas if r.node != executor)
+    await kernel.kill_replica(victim)
+    assert victim not in kernel.front.alive
+    result = await kernel.execute(CHECK)
+    assert result.status == "ok", result.reply
+    assert result.stdout == "3.14159\n"
+    more = await kernel.execute("xs.append(5)\nprint(len(alias))")
+    assert more.stdout == "5\n"
+    digests = await kernel.digests()
+    assert sorted(digests) == sorted(set(kernel.front.alive))
+    assert len(set(digests.values())) == 1
+
+
+async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
+    executor = await define_state(kernel)
+    before = await kernel.digests()
+    assert len(set(before.values())) == 1
+    await kernel.kill_replica(executor)
+    result = await kernel.execute(CHECK)  # changes nothing: the namespace is the old one
+    assert result.status == "ok", result.reply
+    assert result.executor is not None and result.executor != executor
+    assert result.stdout == "3.14159\n"
+    after = await kernel.digests()
+    assert set(after) == set(before) - {executor}
+    assert set(after.values()) == set(before.values())
+
+
+async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
+    await define_state(kernel)
+    before = await kernel.digests()
+    client = AsyncKernelClient()
+    client.load_connection_info(kernel.connection_info)
+    client.start_channels()
+    try:
+        msg_id = client.execute("xs.append('lost')\nimport time\ntime.sleep(60)")
+        with anyio.fail_after(20):
+            while True:  # wait until the cell runs
+                msg = await client.get_iopub_msg()
+                mine = msg["parent_header"].get("msg_id") == msg_id
+                if mine and msg["msg_type"] == "execute_input":
+                    break
+        running = kernel.front.alive  # the executor is the replica the front chose
+        await anyio.sleep(0.2)
+        executor = kernel.front.running_on
+        assert executor is not None
+        await kernel.kill_replica(executor)
+        with anyio.fail_after(30):
+            while True:
+                reply = await client.get_shell_msg()
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    break
+    finally:
+        client.stop_channels()
+    assert len(running) == 3
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "CellLostError"
+    assert f"cell {kernel.front.last_exec_index} was lost" in reply["content"]["evalue"]
+    result = await kernel.execute(CHECK)  # the lost append is not there; nothing re-ran
+    assert result.status == "ok", result.reply
+    after = await kernel.digests()
+    assert set(after.values()) == set(before.values())
+    assert len(after) == 2
