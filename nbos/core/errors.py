@@ -213,3 +213,11 @@ class HostUnreachableError(BackendError):
     def __init__(self, host: str, reason: str) -> None:
         self.host = host
         super().__init__(f"host {host!r} is unreachable: {reason}")
+
+
+# --- scaling -------------------------------------------------------------------
+
+
+class ScalingError(NbosError):
+    """The autoscaler or the simulator got input it cannot use (time going
+    backwards, a malformed cluster view, a bad trace)."""
