@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 
 import pytest
 
@@ -148,3 +149,90 @@ async def test_redefined_function_is_sent_again(pair: Pair) -> None:
     delta = await pair.cell("f.__defaults__ = None\nf.marker = 1")
     assert await sent_names(delta, pair.store) == {"f"}
     assert pair.replica["f"].marker == 1
+
+
+async def test_dataclasses_keep_their_generated_behaviour(pair: Pair) -> None:
+    await pair.cell(
+        """
+        import dataclasses
+        @dataclasses.dataclass
+        class D:
+            x: int = 1
+            y: list = dataclasses.field(default_factory=list)
+        @dataclasses.dataclass(frozen=True, order=True)
+        class F:
+            v: int
+        d = D(2)
+        f = F(3)
+        """
+    )
+    r = pair.replica
+    fresh = r["D"]()
+    assert fresh.y == [] and fresh.x == 1  # the default-factory sentinel is the real one
+    assert r["d"] == r["D"](2) and dataclasses.replace(r["d"], x=5).x == 5
+    assert r["F"](1) < r["f"] and [fl.name for fl in dataclasses.fields(r["F"])] == ["v"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r["f"].v = 9
+
+
+async def test_enums_keep_member_identity_and_methods(pair: Pair) -> None:
+    await pair.cell(
+        """
+        import enum
+        class Base(enum.Enum):
+            def label(self):
+                return self.name.lower()
+        class Color(Base):
+            RED = 1
+            CRIMSON = 1
+            BLUE = 2
+            @property
+            def warm(self):
+                return self is Color.RED
+        class Perm(enum.Flag):
+            R = enum.auto()
+            W = enum.auto()
+        class Level(enum.IntEnum):
+            LOW = 1
+        favourite = Color.RED
+        rw = Perm.R | Perm.W
+        """
+    )
+    r = pair.replica
+    assert r["favourite"] is r["Color"].RED is r["Color"].CRIMSON
+    assert r["favourite"].warm and r["Color"].BLUE.label() == "blue"
+    assert list(r["Color"]) == [r["Color"].RED, r["Color"].BLUE]
+    assert r["Perm"].W in r["rw"] and r["Level"].LOW == 1
+
+
+async def test_tuples_typed_dicts_generics_and_caches(pair: Pair) -> None:
+    await pair.cell(
+        """
+        import collections, functools, typing
+        P = collections.namedtuple("P", "x y")
+        class Q(typing.NamedTuple):
+            a: int
+            b: str = "b"
+        class TD(typing.TypedDict):
+            k: int
+        T = typing.TypeVar("T")
+        class Box(typing.Generic[T]):
+            def __init__(self, item: T):
+                self.item = item
+        @functools.lru_cache(maxsize=None)
+        def fib(n):
+            return n if n < 2 else fib(n - 1) + fib(n - 2)
+        def add(a, b):
+            return a + b
+        inc = functools.partial(add, 1)
+        p, q, box = P(1, 2), Q(1), Box[int](5)
+        td = TD(k=1)
+        getter = box.__init__
+        """
+    )
+    r = pair.replica
+    assert r["p"]._replace(x=9) == r["P"](9, 2) and r["q"] == r["Q"](1, "b")
+    assert r["TD"].__required_keys__ == frozenset({"k"}) and r["td"] == {"k": 1}
+    assert r["Box"][int](3).item == 3 and r["T"].__name__ == "T"
+    assert r["fib"](30) == 832040 and r["fib"].cache_info().hits > 0
+    assert r["inc"](2) == 3 and r["getter"].__self__ is r["box"]

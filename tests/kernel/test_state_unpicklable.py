@@ -72,3 +72,28 @@ async def test_a_reduce_that_raises_anything_is_contained(pair: Pair) -> None:
     )
     assert delta.unpicklable == [("bad", "RuntimeError: no")]
     assert pair.replica["good"] == 1 and "Bad" in pair.replica
+
+
+async def test_a_value_whose_pickle_does_not_load_is_kept_back(pair: Pair) -> None:
+    delta = await pair.cell(
+        """
+        def explode():
+            raise ValueError("cannot rebuild")
+        class Boom:
+            def __reduce__(self):
+                return explode, ()
+        boom = Boom()
+        fine = [1]
+        """
+    )
+    assert [n for n, _ in delta.unpicklable] == ["boom"]
+    assert "does not load back" in delta.unpicklable[0][1]
+    assert pair.replica["fine"] == [1] and "boom" not in pair.replica
+    delta = await pair.cell("fine.append(2)")
+    assert delta.unpicklable == [] and pair.replica["fine"] == [1, 2]
+
+
+async def test_a_module_that_is_not_importable_by_name_stays(pair: Pair) -> None:
+    delta = await pair.cell("import types\nfake = types.ModuleType('fake')\nheld = [fake]\nok = 1")
+    assert sorted(n for n, _ in delta.unpicklable) == ["fake", "held"]
+    assert pair.replica["ok"] == 1 and "fake" not in pair.replica

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
 import types
 from collections.abc import Iterable, Mapping
 from typing import Literal
@@ -71,7 +72,7 @@ class StateCapture:
         pickled: dict[str, _codec.Pickled] = {}
         failed: dict[str, str] = {}
         for name, value in current.items():
-            if isinstance(value, types.ModuleType):
+            if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value:
                 modules[name] = value.__name__
                 continue
             try:
@@ -90,10 +91,15 @@ class StateCapture:
             fingerprints[name] = (id(current[name]), content, sharing[name])
         changed = [n for n in current if self._fingerprints.get(n) != fingerprints[n]]
         send = {member for n in changed if n in pickled for member in groups[n]}
-        values = {n: current[n] for n in current if n in send}
         encoded = _codec.Encoded(b"", None, [])
-        if values:
-            encoded = await _codec.encode(values, self._store, keys, self._threshold)
+        if send:
+            values = {n: current[n] for n in current if n in send}
+            loadable, unloadable = _codec.pickle_loadable(values, self._threshold)
+            for name, reason in unloadable.items():
+                failed[name] = reason
+                fingerprints[name] = ("unpicklable", id(current[name]))
+            if len(unloadable) < len(values):
+                encoded = await _codec.encode(loadable, self._store, keys, self._threshold)
         delta = StateDelta(
             exec_index=exec_index,
             set=encoded.inline,
@@ -101,7 +107,11 @@ class StateCapture:
             blobs=encoded.buffers,
             deleted=[n for n in self._fingerprints if n not in current],
             imports=[(n, modules[n]) for n in changed if n in modules],
-            unpicklable=[(n, failed[n]) for n in changed if n in failed],
+            unpicklable=[
+                (n, failed[n])
+                for n in current
+                if n in failed and self._fingerprints.get(n) != fingerprints[n]
+            ],
         )
         for name, reason in delta.unpicklable:
             log.info("%s stays on the executor: %s", name, reason)

@@ -73,18 +73,52 @@ class Encoded(msgspec.Struct):
     buffers: list[BlobKey]
 
 
+def pickle_loadable(values: dict[str, object], threshold: int) -> tuple[Pickled, dict[str, str]]:
+    """Pickle ``values`` as one pickle, less the values whose pickle does not load back.
+
+    A replica must never be handed an entry it cannot apply, so the pickle is loaded
+    here first (out-of-band buffers are read in place, not copied). Returns the pickle
+    and, for each value left out, why. Every value must pickle on its own.
+    """
+    pickled = pickle_value(values, threshold)
+    if _load_error(pickled) is None:
+        return pickled, {}
+    failed: dict[str, str] = {}
+    for name, value in values.items():
+        error = _load_error(pickle_value({name: value}, threshold))
+        if error is not None:
+            failed[name] = f"its pickle does not load back: {error}"
+    rest = {name: value for name, value in values.items() if name not in failed}
+    pickled = pickle_value(rest, threshold)
+    if failed and _load_error(pickled) is None:
+        return pickled, failed
+    # Each loads alone but not together: keep none of them rather than guess.
+    error = _load_error(pickle_value(values, threshold))
+    return pickle_value({}, threshold), {
+        name: f"its pickle does not load back: {error}" for name in values
+    }
+
+
+def _load_error(pickled: Pickled) -> str | None:
+    buffers: list[bytearray | memoryview] = [buffer.raw() for buffer in pickled.buffers]
+    try:
+        NamespaceUnpickler(io.BytesIO(pickled.data), {}, buffers).load()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 async def encode(
-    values: dict[str, object],
+    pickled: Pickled,
     store: ObjectStore,
     keys: dict[tuple[int, int], BlobKey],
     threshold: int,
 ) -> Encoded:
-    """Pickle ``values`` as one pickle and store what is large.
+    """Store what is large of ``pickled`` and make it ready for a log entry.
 
     ``keys`` holds buffer keys the caller already knows by ``(address, nbytes)``;
     other buffers are hashed here. Blobs already in the store are not written again.
     """
-    pickled = pickle_value(values, threshold)
     buffer_keys: list[BlobKey] = []
     for buffer in pickled.buffers:
         view = buffer.raw()
@@ -101,7 +135,9 @@ async def decode(
 ) -> dict[str, object]:
     """The values :func:`encode` stored; cell-defined functions get ``namespace`` as globals."""
     data = encoded.inline if encoded.blob is None else await store.get(_checked_key(encoded.blob))
-    buffers = [await _buffers.fetch(store, _checked_key(key)) for key in encoded.buffers]
+    buffers: list[bytearray | memoryview] = [
+        await _buffers.fetch(store, _checked_key(key)) for key in encoded.buffers
+    ]
     try:
         values = _load(data, namespace, buffers)
     except Exception as exc:
@@ -111,7 +147,9 @@ async def decode(
     return values
 
 
-def _load(data: bytes, namespace: MutableMapping[str, Any], buffers: list[bytearray]) -> Any:
+def _load(
+    data: bytes, namespace: MutableMapping[str, Any], buffers: list[bytearray | memoryview]
+) -> Any:
     return NamespaceUnpickler(io.BytesIO(data), namespace, buffers).load()
 
 

@@ -16,6 +16,8 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nbos.kernel.state._buffers import LARGE
+from nbos.kernel.state._codec import pickle_loadable
 from nbos.kernel.state._names import user_items
 from nbos.kernel.state._pickler import CLASS_SKIP, is_user_defined
 
@@ -33,14 +35,27 @@ def namespace_digest(namespace: Mapping[str, object]) -> str:
     walker = _Walker()
     total = hashlib.sha256()
     for name, value in sorted(user_items(namespace), key=lambda item: item[0]):
+        if not _replicated(name, value):
+            continue
         mark = walker.mark()
         try:
             part = walker.digest(value)
-        except Exception:  # the value does not pickle, so it is not replicated either
+        except Exception:  # a value no reduce protocol describes is not replicated either
             walker.rewind(mark)
             continue
         total.update(name.encode() + b"\0" + part)
     return total.hexdigest()
+
+
+def _replicated(name: str, value: object) -> bool:
+    """Whether capture would carry ``value`` to replicas (so both sides digest it)."""
+    if isinstance(value, types.ModuleType):
+        return sys.modules.get(value.__name__) is value
+    try:
+        _, failed = pickle_loadable({name: value}, LARGE)
+    except Exception:
+        return False
+    return not failed
 
 
 class _Walker:

@@ -20,11 +20,14 @@ Modules are pickled as an import of their name; torch tensors as raw bytes (see
 from __future__ import annotations
 
 import abc
+import enum
 import functools
 import importlib
 import marshal
 import pickle
+import sys
 import types
+import typing
 from collections.abc import Callable, MutableMapping
 from typing import IO, Any
 
@@ -35,7 +38,9 @@ USER_MODULES = frozenset({"__main__"})
 
 # Class attributes that the skeleton recreates, that cannot be set on a new class, or
 # that are caches (copyreg adds __slotnames__ the first time an instance is pickled).
-CLASS_SKIP = frozenset({"__dict__", "__weakref__", "__slots__", "_abc_impl", "__slotnames__"})
+CLASS_SKIP = frozenset(
+    {"__dict__", "__weakref__", "__slots__", "_abc_impl", "__slotnames__", "__orig_bases__"}
+)
 _DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
 
 
@@ -43,9 +48,30 @@ class _EmptyCell:
     """Stands for a closure cell that holds no value yet (pickled by reference)."""
 
 
+# Module-level sentinels compared with `is` (dataclasses' generated __init__ does):
+# pickled by reference, or a replica would get look-alikes that compare unequal.
+_SENTINELS = {
+    "dataclasses": ("MISSING", "KW_ONLY", "_HAS_DEFAULT_FACTORY", "_FIELD", "_FIELD_CLASSVAR",
+                    "_FIELD_INITVAR", "_EMPTY_METADATA"),
+}  # fmt: skip
+
+
 def is_user_defined(obj: object) -> bool:
     """Whether ``obj`` (a function or class) was defined in a cell."""
     return getattr(obj, "__module__", None) in USER_MODULES
+
+
+def by_value(obj: types.FunctionType | type) -> bool:
+    """Whether a function or class is pickled by value: defined in a cell, or not
+    importable under its module and qualified name (``namedtuple`` internals, closures
+    made by library code)."""
+    module = getattr(obj, "__module__", None)
+    if module in USER_MODULES:
+        return True
+    target: Any = sys.modules.get(module) if isinstance(module, str) else None
+    for part in obj.__qualname__.split("."):
+        target = getattr(target, part, None)
+    return target is not obj
 
 
 class NamespacePickler(pickle.Pickler):
@@ -58,15 +84,32 @@ class NamespacePickler(pickle.Pickler):
         #: ``id(exporter) -> owner`` for buffers exported by temporaries (a tensor's
         #: numpy view), so a caller can tell which long-lived object owns the memory.
         self.buffer_owners: dict[int, object] = {}
+        self._sentinels = {
+            id(getattr(sys.modules[module], name)): (sys.modules[module], name)
+            for module, names in _SENTINELS.items()
+            if module in sys.modules
+            for name in names
+            if hasattr(sys.modules[module], name)
+        }
 
     def reducer_override(self, obj: object) -> Any:
         cls = type(obj)
-        if cls is types.FunctionType and is_user_defined(obj):
+        if cls is types.FunctionType and by_value(obj):  # type: ignore[arg-type]
             return _reduce_function(obj)  # type: ignore[arg-type]
-        if isinstance(obj, type) and is_user_defined(obj):
+        if isinstance(obj, type) and by_value(obj):
             return _reduce_class(obj)
         if cls is types.ModuleType:
-            return importlib.import_module, (obj.__name__,)  # type: ignore[attr-defined]
+            return _reduce_module(obj)  # type: ignore[arg-type]
+        if id(obj) in self._sentinels:
+            return getattr, self._sentinels[id(obj)]
+        if cls is types.MappingProxyType:
+            return types.MappingProxyType, (dict(obj),)  # type: ignore[call-overload]
+        if cls is typing.TypeVar and is_user_defined(obj):
+            return _reduce_typevar(obj)  # type: ignore[arg-type]
+        if cls is functools._lru_cache_wrapper:
+            wrapped = obj.__wrapped__  # type: ignore[attr-defined]
+            params = obj.cache_parameters()  # type: ignore[attr-defined]
+            return _make_lru_cache, (wrapped, params["maxsize"], params["typed"])
         if cls in (staticmethod, classmethod):
             return cls, (obj.__func__,)  # type: ignore[attr-defined]
         if cls is property:
@@ -83,7 +126,7 @@ class NamespaceUnpickler(pickle.Unpickler):
         self,
         file: IO[bytes],
         namespace: MutableMapping[str, Any],
-        buffers: list[bytearray],
+        buffers: list[bytearray | memoryview],
     ) -> None:
         super().__init__(file, buffers=buffers)
         self._namespace = namespace
@@ -91,7 +134,37 @@ class NamespaceUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == _make_function.__name__:
             return functools.partial(_make_function, self._namespace)
+        if module in USER_MODULES:
+            # Cell-defined objects travel by value; a reference into __main__ would
+            # resolve against whatever that module holds in this process, if anything.
+            raise pickle.UnpicklingError(f"{module}.{name} was pickled by reference")
         return super().find_class(module, name)
+
+
+def _reduce_module(module: types.ModuleType) -> tuple[Any, ...]:
+    if sys.modules.get(module.__name__) is not module:
+        raise pickle.PicklingError(f"module {module.__name__!r} is not importable by name")
+    return importlib.import_module, (module.__name__,)
+
+
+def _reduce_typevar(var: typing.TypeVar) -> tuple[Any, ...]:
+    variance = (var.__covariant__, var.__contravariant__)
+    return _make_typevar, (var.__name__, var.__constraints__, var.__bound__, variance)
+
+
+def _make_typevar(
+    name: str, constraints: tuple[Any, ...], bound: Any, variance: tuple[bool, bool]
+) -> Any:
+    covariant, contravariant = variance
+    var = typing.TypeVar(  # type: ignore[misc]
+        name, *constraints, bound=bound, covariant=covariant, contravariant=contravariant
+    )
+    var.__module__ = "__main__"
+    return var
+
+
+def _make_lru_cache(func: Callable[..., Any], maxsize: int | None, typed: bool) -> Any:
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(func)
 
 
 # --- functions -------------------------------------------------------------------
@@ -99,6 +172,9 @@ class NamespaceUnpickler(pickle.Unpickler):
 
 def _reduce_function(func: types.FunctionType) -> tuple[Any, ...]:
     cells = func.__closure__ or ()
+    # A cell's function reads globals from the namespace it is applied to; any other
+    # function pickled by value carries the globals its code names.
+    own_globals = None if is_user_defined(func) else _globals_used(func)
     state = {
         "__defaults__": func.__defaults__,
         "__kwdefaults__": func.__kwdefaults__,
@@ -108,9 +184,22 @@ def _reduce_function(func: types.FunctionType) -> tuple[Any, ...]:
         "__module__": func.__module__,
         "__dict__": func.__dict__,
         "cells": tuple(_cell_value(cell) for cell in cells),
+        "globals": own_globals,
     }
-    args = (marshal.dumps(func.__code__), func.__name__, len(cells))
+    args = (marshal.dumps(func.__code__), func.__name__, len(cells), own_globals is not None)
     return _make_function, args, state, None, None, _set_function_state
+
+
+def _globals_used(func: types.FunctionType) -> dict[str, Any]:
+    names: set[str] = set()
+    codes = [func.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    found = {n: func.__globals__[n] for n in names if n in func.__globals__}
+    found["__name__"] = func.__globals__.get("__name__")
+    return found
 
 
 def _cell_value(cell: types.CellType) -> object:
@@ -121,13 +210,17 @@ def _cell_value(cell: types.CellType) -> object:
 
 
 def _make_function(
-    namespace: MutableMapping[str, Any], code: bytes, name: str, ncells: int
+    namespace: MutableMapping[str, Any], code: bytes, name: str, ncells: int, own_globals: bool
 ) -> types.FunctionType:
     closure = tuple(types.CellType() for _ in range(ncells)) or None
-    return types.FunctionType(marshal.loads(code), namespace, name, None, closure)  # type: ignore[arg-type]
+    scope = {} if own_globals else namespace
+    return types.FunctionType(marshal.loads(code), scope, name, None, closure)  # type: ignore[arg-type]
 
 
 def _set_function_state(func: types.FunctionType, state: dict[str, Any]) -> None:
+    own_globals = state.pop("globals")
+    if own_globals is not None:
+        func.__globals__.update(own_globals)
     for cell, value in zip(func.__closure__ or (), state.pop("cells"), strict=True):
         if value is not _EmptyCell:
             cell.cell_contents = value
@@ -140,6 +233,8 @@ def _set_function_state(func: types.FunctionType, state: dict[str, Any]) -> None
 
 
 def _reduce_class(cls: type) -> tuple[Any, ...]:
+    if isinstance(cls, enum.EnumMeta):
+        return _reduce_enum(cls)
     slots = cls.__dict__.get("__slots__")
     if isinstance(slots, str):
         slots = (slots,)
@@ -149,18 +244,49 @@ def _reduce_class(cls: type) -> tuple[Any, ...]:
         if key not in CLASS_SKIP and not isinstance(value, _DESCRIPTORS)
     }
     state["__qualname__"] = cls.__qualname__
-    args = (cls.__name__, cls.__bases__, type(cls), None if slots is None else tuple(slots))
+    # The bases as written (``Generic[T]``, ``TypedDict``) rebuild what __bases__ cannot;
+    # typing.NamedTuple is the exception: its class is a plain namedtuple underneath.
+    bases = cls.__dict__.get("__orig_bases__", cls.__bases__)
+    if typing.NamedTuple in bases:
+        bases = cls.__bases__
+    skeleton: dict[str, Any] = {"__module__": cls.__module__}
+    if slots is not None:
+        skeleton["__slots__"] = tuple(slots)
+    args = (cls.__name__, bases, type(cls), skeleton)
     return _make_class, args, state, None, None, _set_class_state
 
 
 def _make_class(
-    name: str, bases: tuple[type, ...], metaclass: type, slots: tuple[str, ...] | None
+    name: str, bases: tuple[Any, ...], metaclass: type, skeleton: dict[str, Any]
 ) -> type:
     def body(ns: dict[str, Any]) -> None:
-        if slots is not None:
-            ns["__slots__"] = slots
+        ns.update(skeleton)
 
     return types.new_class(name, bases, {"metaclass": metaclass}, body)
+
+
+def _reduce_enum(cls: enum.EnumMeta) -> tuple[Any, ...]:
+    # EnumMeta builds members at class creation, so the class is made by the functional
+    # API from (name, value) pairs; methods and properties are set after, as for classes.
+    listed: dict[str, Any] = dict(cls.__members__)
+    members = [(name, member._value_) for name, member in listed.items()]
+    *mixins, base = cls.__bases__
+    behaviour = (types.FunctionType, staticmethod, classmethod, property)
+    state = {
+        key: value
+        for key, value in cls.__dict__.items()
+        if key not in cls.__members__ and (isinstance(value, behaviour) or key == "__doc__")
+    }
+    state["__qualname__"] = cls.__qualname__
+    args = (base, cls.__name__, members, mixins[0] if mixins else None, cls.__module__)
+    return _make_enum, args, state, None, None, _set_class_state
+
+
+def _make_enum(
+    base: Any, name: str, members: list[tuple[str, Any]], mixin: type | None, module: str
+) -> type:
+    made: type = base(name, members, module=module, type=mixin)
+    return made
 
 
 def _set_class_state(cls: type, state: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from collections.abc import Mapping
 
@@ -37,7 +38,7 @@ async def dump_namespace(
     imports: list[tuple[str, str]] = []
     values: dict[str, object] = {}
     for name, value in user_items(namespace):
-        if isinstance(value, types.ModuleType):
+        if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value:
             imports.append((name, value.__name__))
             continue
         try:
@@ -46,7 +47,10 @@ async def dump_namespace(
             log.info("snapshot leaves out %s: %s: %s", name, type(exc).__name__, exc)
             continue
         values[name] = value
-    encoded = await _codec.encode(values, store, {}, threshold)
+    pickled, unloadable = _codec.pickle_loadable(values, threshold)
+    for name, reason in unloadable.items():
+        log.info("snapshot leaves out %s: %s", name, reason)
+    encoded = await _codec.encode(pickled, store, {}, threshold)
     return _encoder.encode(_Image(encoded, imports))
 
 
