@@ -7,6 +7,7 @@ import pickle
 import sys
 import types
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from nbos.core.ids import BlobKey
@@ -67,56 +68,66 @@ class StateCapture:
 
     async def capture(self, namespace: Mapping[str, object], exec_index: int = 0) -> StateDelta:
         """What changed in ``namespace`` since the previous call, as a log entry."""
-        current = dict(user_items(namespace))
-        modules: dict[str, str] = {}
-        pickled: dict[str, _codec.Pickled] = {}
-        failed: dict[str, str] = {}
-        for name, value in current.items():
-            if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value:
-                modules[name] = value.__name__
-                continue
-            try:
-                pickled[name] = _codec.pickle_value(value, self._threshold)
-            except Exception as exc:
-                failed[name] = f"{type(exc).__name__}: {exc}"
-        keys = await self._buffer_keys(pickled.values())
-        groups, sharing = _alias_groups(pickled)
-        fingerprints: dict[str, Fingerprint] = {}
-        for name, module in modules.items():
-            fingerprints[name] = ("module", module)
-        for name in failed:
-            fingerprints[name] = ("unpicklable", id(current[name]))
-        for name, p in pickled.items():
-            content = _codec.content_hash(p, [keys[place_of(b)] for b in p.buffers])
-            fingerprints[name] = (id(current[name]), content, sharing[name])
-        changed = [n for n in current if self._fingerprints.get(n) != fingerprints[n]]
-        send = {member for n in changed if n in pickled for member in groups[n]}
-        encoded = _codec.Encoded(b"", None, [])
-        if send:
-            values = {n: current[n] for n in current if n in send}
-            loadable, unloadable = _codec.pickle_loadable(values, self._threshold)
-            for name, reason in unloadable.items():
-                failed[name] = reason
-                fingerprints[name] = ("unpicklable", id(current[name]))
-            if len(unloadable) < len(values):
-                encoded = await _codec.encode(loadable, self._store, keys, self._threshold)
+        scan = await self._scan(namespace)
+        changed = [n for n in scan.current if self._fingerprints.get(n) != scan.fingerprints[n]]
+        send = {member for n in changed if n in scan.pickled for member in scan.groups[n]}
+        encoded = await self._encode(scan, send)
         delta = StateDelta(
             exec_index=exec_index,
             set=encoded.inline,
             set_blob=encoded.blob,
             blobs=encoded.buffers,
-            deleted=[n for n in self._fingerprints if n not in current],
-            imports=[(n, modules[n]) for n in changed if n in modules],
+            deleted=[n for n in self._fingerprints if n not in scan.current],
+            imports=[(n, scan.modules[n]) for n in changed if n in scan.modules],
             unpicklable=[
-                (n, failed[n])
-                for n in current
-                if n in failed and self._fingerprints.get(n) != fingerprints[n]
+                (n, reason)
+                for n, reason in scan.failed.items()
+                if self._fingerprints.get(n) != scan.fingerprints[n]
             ],
         )
         for name, reason in delta.unpicklable:
             log.info("%s stays on the executor: %s", name, reason)
-        self._values, self._fingerprints = current, fingerprints
+        self._values, self._fingerprints = scan.current, scan.fingerprints
         return delta
+
+    async def baseline(self, namespace: Mapping[str, object]) -> None:
+        """Take ``namespace`` as what every replica holds now, without making a delta.
+
+        For a replica that applied other replicas' deltas (or a snapshot) since its
+        own last capture: without it, its next capture resends what it applied.
+        """
+        scan = await self._scan(namespace)
+        self._values, self._fingerprints = scan.current, scan.fingerprints
+
+    async def _scan(self, namespace: Mapping[str, object]) -> _Scan:
+        scan = _Scan(current=dict(user_items(namespace)))
+        for name, value in scan.current.items():
+            if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value:
+                scan.modules[name] = value.__name__
+                scan.fingerprints[name] = ("module", value.__name__)
+                continue
+            try:
+                scan.pickled[name] = _codec.pickle_value(value, self._threshold)
+            except Exception as exc:
+                scan.fail(name, f"{type(exc).__name__}: {exc}")
+        scan.keys = await self._buffer_keys(scan.pickled.values())
+        scan.groups, sharing = _alias_groups(scan.pickled)
+        for name, p in scan.pickled.items():
+            content = _codec.content_hash(p, [scan.keys[place_of(b)] for b in p.buffers])
+            scan.fingerprints[name] = (id(scan.current[name]), content, sharing[name])
+        return scan
+
+    async def _encode(self, scan: _Scan, send: set[str]) -> _codec.Encoded:
+        """One pickle of the names in ``send``; names whose pickle does not load go to failed."""
+        if not send:
+            return _codec.Encoded(b"", None, [])
+        values = {n: v for n, v in scan.current.items() if n in send}
+        loadable, unloadable = _codec.pickle_loadable(values, self._threshold)
+        for name, reason in unloadable.items():
+            scan.fail(name, reason)
+        if len(unloadable) == len(values):
+            return _codec.Encoded(b"", None, [])
+        return await _codec.encode(loadable, self._store, scan.keys, self._threshold)
 
     async def _buffer_keys(self, pickles: Iterable[_codec.Pickled]) -> dict[_Place, BlobKey]:
         buffers: list[pickle.PickleBuffer] = []
@@ -125,6 +136,23 @@ class StateCapture:
             buffers.extend(p.buffers)
             owners.update(p.owners)
         return await self._keys.keys(buffers, owners)
+
+
+@dataclass
+class _Scan:
+    """One look at a namespace: each name's value, pickle or failure, and fingerprint."""
+
+    current: dict[str, object]
+    modules: dict[str, str] = field(default_factory=dict)
+    pickled: dict[str, _codec.Pickled] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    keys: dict[_Place, BlobKey] = field(default_factory=dict)
+    groups: dict[str, frozenset[str]] = field(default_factory=dict)
+    fingerprints: dict[str, Fingerprint] = field(default_factory=dict)
+
+    def fail(self, name: str, reason: str) -> None:
+        self.failed[name] = reason
+        self.fingerprints[name] = ("unpicklable", id(self.current[name]))
 
 
 def _alias_groups(
