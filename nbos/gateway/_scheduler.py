@@ -267,6 +267,8 @@ class GpuScheduler:
             raise QuorumLostError(
                 f"kernel {kernel_id} has no live replica to run cell {exec_index}"
             )
+        # A kernel that asks for GPUs is alive, even if an id was reused after kernel_gone.
+        self._gone.pop(kernel_id, None)
         if gpus == 0:
             replica = (
                 last_executor
@@ -599,7 +601,7 @@ class GpuScheduler:
             pending = self._pending_release.get(res)
             if pending is not None:
                 self._spawn(self._send_release, host, res, pending[1])
-            elif KernelId(r.kernel_id) in self._gone:
+            elif KernelId(r.kernel_id) in self._gone and res not in self._grants:
                 kernels.add(KernelId(r.kernel_id))
         for kernel in kernels:
             self._spawn(self._send_release_kernel, host, kernel)
@@ -654,5 +656,5 @@ def _refusal_error(reply: object, n: int, host: HostId) -> GpuError:
         if reply.reason in ("unknown", "expired"):
             return UnknownReservationError(reply.message, reply.reason)
         return GpuError(f"host {host} refused: {reply.message}")
-    log.warning("host %s answered a commit with %s", host, type(reply).__name__)
+    log.warning("host %s answered a commit with %r", host, reply)
     return GpuError(f"host {host} answered a commit with {type(reply).__name__}")

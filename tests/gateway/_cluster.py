@@ -8,7 +8,7 @@ components through their faults.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
@@ -35,6 +35,7 @@ class Cluster:
     scheduler: GpuScheduler
     tg: anyio.abc.TaskGroup
     ttl: float
+    clock: Callable[[], float]
     agents: dict[str, HostAgent] = attrs.Factory(dict)
     stops: dict[str, tuple[anyio.CancelScope, anyio.Event]] = attrs.Factory(dict)
     generations: dict[str, int] = attrs.Factory(dict)
@@ -54,7 +55,7 @@ class Cluster:
     ) -> HostAgent:
         generation = self.generations.get(host, -1) + 1
         self.generations[host] = generation
-        own = pool if pool is not None else GpuPool(devices, time.monotonic, self.ttl)
+        own = pool if pool is not None else GpuPool(devices, self.clock, self.ttl)
         agent: HostAgent = await self.tg.start(
             self._run_agent, host, generation, own, on_evict, evict_timeout, heartbeat
         )
@@ -91,6 +92,8 @@ class Cluster:
                     on_evict=on_evict,
                     evict_timeout=evict_timeout,
                     heartbeat_interval=heartbeat,
+                    clock=self.clock,
+                    expire_interval=0.02,
                 ) as agent:
                     task_status.started(agent)
                     await anyio.sleep_forever()
@@ -101,7 +104,11 @@ class Cluster:
 
 @asynccontextmanager
 async def cluster(
-    hosts: Mapping[str, Sequence[int]], *, ttl: float = 30.0, policy: str = "least-loaded"
+    hosts: Mapping[str, Sequence[int]],
+    *,
+    ttl: float = 30.0,
+    policy: str = "least-loaded",
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[Cluster]:
     """Agents for ``hosts`` (host -> device indices) and a scheduler that has heard from all."""
     network = MemoryNetwork(seed=1)
@@ -117,7 +124,7 @@ async def cluster(
         ) as scheduler,
         anyio.create_task_group() as tg,
     ):
-        c = Cluster(network, gateway, scheduler, tg, ttl)
+        c = Cluster(network, gateway, scheduler, tg, ttl, clock)
         for host, devices in hosts.items():
             await c.start_agent(host, devices)
         await scheduler.wait_for_hosts(len(hosts), timeout=5)
