@@ -40,7 +40,8 @@ class ExecuteResult:
     ``outputs`` are the IOPub messages of the cell (``{"msg_type", "content"}``), in
     order, without ``status``; ``executor`` is the node id of the replica that ran
     it (``None`` when it never ran); ``wait_s`` is how long it waited for the cell
-    before it, ``run_s`` how long it ran, ``round_trip_s`` the client's whole wait.
+    before it (its claim included), ``run_s`` how long it ran, ``commit_s`` how long
+    capturing and committing its state took, ``round_trip_s`` the client's whole wait.
     """
 
     status: str
@@ -49,6 +50,7 @@ class ExecuteResult:
     executor: int | None
     wait_s: float | None
     run_s: float | None
+    commit_s: float | None
     round_trip_s: float
     reply: Mapping[str, Any]
 
@@ -121,6 +123,7 @@ class Kernel:
                 executor=meta.get("replica"),
                 wait_s=meta.get("wait_s"),
                 run_s=meta.get("run_s"),
+                commit_s=meta.get("commit_s"),
                 round_trip_s=time.monotonic() - begun,
                 reply=content,
             )

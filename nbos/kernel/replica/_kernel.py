@@ -58,6 +58,7 @@ class _Cell:
     wait_s: float
     started: float = 0.0
     run_s: float = 0.0
+    commit_s: float = 0.0
     status: str = ""
 
 
@@ -163,6 +164,8 @@ class ReplicaKernel(IPythonKernel):
             await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
         finally:
             self._cell = None
+        assert self._raft is not None
+        self._raft.want_leadership()
         if self._diverged:
             log.error("cell %d was declared lost while it ran here; leaving the group", index)
             os._exit(3)
@@ -200,6 +203,7 @@ class ReplicaKernel(IPythonKernel):
         cell.status = "ok" if reply.get("status") == "ok" else "error"
         try:
             await self._commit(cell)
+            cell.commit_s = time.monotonic() - cell.started - cell.run_s
         except NbosError as exc:
             log.warning("cell %d could not be committed: %s", cell.index, exc)
             return error_content(exc, self.execution_count)
@@ -244,6 +248,8 @@ class ReplicaKernel(IPythonKernel):
                 "devices": list(cell.devices),
                 "wait_s": cell.wait_s,
                 "run_s": cell.run_s,
+                "commit_s": cell.commit_s,
+                "raft_leader": self._raft.leader_id if self._raft is not None else None,
             }
         return metadata
 

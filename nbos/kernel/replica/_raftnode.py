@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _RETRY_S = 0.02
 _FORWARD_TIMEOUT_S = 2.0
 _OK, _REFUSED = b"1", b"0"
+_PROPOSE, _TRANSFER = b"P", b"T"
 
 
 @attrs.frozen
@@ -104,6 +105,12 @@ class RaftNode:
     def node_id(self) -> NodeId:
         return self._node_id
 
+    @property
+    def leader_id(self) -> NodeId | None:
+        """The Raft leader this member knows of (a racy read from another thread: a hint)."""
+        raft_log = self._log
+        return raft_log.leader_id if raft_log is not None else None
+
     def start(self) -> None:
         """Start the member's thread; returns once the log is open."""
         self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
@@ -126,6 +133,18 @@ class RaftNode:
         # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
         future = self._portal.start_task_soon(self._propose, data, timeout)
         return await asyncio.wrap_future(future)
+
+    def want_leadership(self) -> None:
+        """Ask the leader, in the background, to hand leadership to this member.
+
+        The executor proposes twice per cell; as the leader it saves the hop to
+        the leader each time. A refused or lost request changes nothing.
+        """
+        leader = self.leader_id
+        if self._portal is None or self._forwarder is None or leader in (None, self._node_id):
+            return
+        assert leader is not None
+        self._portal.start_task_soon(self._forwarder.ask_leadership, leader, self._node_id)
 
     async def _serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         me = self._peers[self._node_id]
@@ -179,8 +198,9 @@ class RaftNode:
 class _Forwarder:
     """Accepts proposals from follower replicas and forwards ours to the leader.
 
-    Request frames: ``[request id, client id, seq, data]``; reply frames:
-    ``[request id, ok flag, outcome]``.
+    Request frames: ``[request id, b"P", client id, seq, data]`` (propose) or
+    ``[request id, b"T", node]`` (hand leadership to ``node``); reply frames:
+    ``[request id, ok flag, outcome]`` (no reply to a transfer).
     """
 
     def __init__(self, raft_log: ReplicatedLog, ctx: zmq.asyncio.Context) -> None:
@@ -226,13 +246,20 @@ class _Forwarder:
         self._waiting[request_id] = waiter
         try:
             await dealer.send_multipart(
-                [request_id, client_id.encode(), struct.pack(">Q", seq), data], copy=False
+                [request_id, _PROPOSE, client_id.encode(), struct.pack(">Q", seq), data],
+                copy=False,
             )
             with anyio.move_on_after(_FORWARD_TIMEOUT_S):
                 return await waiter
             return None
         finally:
             self._waiting.pop(request_id, None)
+
+    async def ask_leadership(self, leader: NodeId, node: NodeId) -> None:
+        """Ask ``leader`` to hand leadership to ``node`` (best effort, no answer)."""
+        dealer = self._dealers.get(leader)
+        if dealer is not None:
+            await dealer.send_multipart([b"", _TRANSFER, struct.pack(">Q", node)])
 
     async def _read_replies(self, dealer: zmq.asyncio.Socket) -> None:
         while True:
@@ -249,13 +276,15 @@ class _Forwarder:
     async def _serve(self, router: zmq.asyncio.Socket, tg: anyio.abc.TaskGroup) -> None:
         while True:
             frames = await router.recv_multipart()
-            if len(frames) != 5:
-                log.warning("forwarded proposal with %d frames dropped", len(frames))
-                continue
-            tg.start_soon(self._answer, router, frames)
+            if len(frames) == 6 and frames[2] == _PROPOSE:
+                tg.start_soon(self._answer, router, frames)
+            elif len(frames) == 4 and frames[2] == _TRANSFER:
+                tg.start_soon(self._transfer, frames[3])
+            else:
+                log.warning("forwarder request with %d frames dropped", len(frames))
 
     async def _answer(self, router: zmq.asyncio.Socket, frames: list[Any]) -> None:
-        ident, request_id, client_id, seq, data = frames
+        ident, request_id, _, client_id, seq, data = frames
         try:
             result = await self._log.propose(
                 bytes(data),
@@ -268,3 +297,9 @@ class _Forwarder:
             log.debug("forwarded proposal refused: %s", exc)
             reply = [ident, request_id, _REFUSED, b""]
         await router.send_multipart(reply)
+
+    async def _transfer(self, node: bytes) -> None:
+        try:
+            await self._log.transfer_leadership(NodeId(struct.unpack(">Q", node)[0]))
+        except (ReplicationError, struct.error) as exc:
+            log.debug("leadership transfer refused: %s", exc)
