@@ -29,6 +29,7 @@ from nbos.core.errors import (
     PlacementError,
     QuorumLostError,
     TransportClosedError,
+    TransportError,
     UnknownReservationError,
 )
 from nbos.core.ids import HostId, KernelId, PeerId
@@ -558,12 +559,13 @@ class GpuScheduler:
     def _on_status(self, sender: PeerId, status: AgentStatus) -> None:
         host_id = HostId(status.host_id)
         now = anyio.current_time()
-        try:
-            self._transport.add_peer(sender, status.address)
-        except Exception as exc:
-            log.warning("host %s reported a bad address %r: %s", host_id, status.address, exc)
-            return
         host = self._hosts.get(host_id)
+        if host is None or (host.peer, host.address) != (sender, status.address):
+            try:
+                self._transport.add_peer(sender, status.address)
+            except TransportError as exc:
+                log.warning("host %s reported a bad address %r: %s", host_id, status.address, exc)
+                return
         if host is None:
             host = self._hosts[host_id] = HostRecord(
                 host_id, sender, status.address, status.incarnation, tuple(status.devices), now
