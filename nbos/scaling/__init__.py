@@ -1,26 +1,54 @@
-"""Placement policies, executor choice and (later) migration, autoscaling and the simulator.
+"""Placement policies, executor choice, migration, autoscaling and the trace-driven simulator.
 
 Policies are found by name through the entry point group ``nbos.placement_policies``;
 see ``docs/placement.md`` for writing one.
 """
 
 from nbos.scaling._admission import admissible, subscription_ratio
+from nbos.scaling.autoscaler import (
+    Autoscaler,
+    AutoscalerConfig,
+    Hold,
+    ScaleDecision,
+    ScaleIn,
+    ScaleOut,
+)
 from nbos.scaling.executor import Choice, Execute, Migrate, Wait, choose_executor
+from nbos.scaling.migration import MigrationPlan, plan_migration
 from nbos.scaling.policies import BinPackingPolicy, LeastLoadedPolicy, RandomPolicy
 from nbos.scaling.registry import GROUP, available_policies, load_policy
+from nbos.scaling.simulator import SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.trace import Cell, Session, Trace, load_trace, synthetic_trace
 
 __all__ = [
     "GROUP",
+    "Autoscaler",
+    "AutoscalerConfig",
     "BinPackingPolicy",
+    "Cell",
     "Choice",
     "Execute",
+    "Hold",
     "LeastLoadedPolicy",
     "Migrate",
+    "MigrationPlan",
     "RandomPolicy",
+    "ScaleDecision",
+    "ScaleIn",
+    "ScaleOut",
+    "Session",
+    "SimConfig",
+    "SimResult",
+    "Trace",
     "Wait",
     "admissible",
     "available_policies",
     "choose_executor",
     "load_policy",
+    "load_trace",
+    "metrics_table",
+    "plan_migration",
+    "simulate",
     "subscription_ratio",
+    "synthetic_trace",
 ]

@@ -1,0 +1,112 @@
+"""``nbos simulate``: replay a session trace in nbos mode and/or the reservation baseline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+import attrs
+
+from nbos.core.errors import ConfigError
+from nbos.scaling.autoscaler import AutoscalerConfig
+from nbos.scaling.simulator import MODES, SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.trace import Trace, load_trace, synthetic_trace
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``simulate`` subcommand; its handler is set as ``func``."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="replay a notebook session trace against the scheduling policies",
+        description=(
+            "Replay a session trace (a file, or a synthetic one) on a simulated cluster, "
+            "in nbos mode (replicated kernels, GPUs bound per cell) and/or the reservation "
+            "baseline (GPUs held for a session's life), and print the metrics side by side."
+        ),
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--trace", metavar="FILE", help="a .json or .csv trace file")
+    source.add_argument(
+        "--synthetic",
+        metavar="N",
+        type=int,
+        default=59,
+        help="a synthetic trace of N sessions (default: 59)",
+    )
+    p.add_argument("--hours", type=float, default=48.0, help="synthetic trace length (48)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic trace seed (0)")
+    p.add_argument("--policy", default="least-loaded", help="placement policy name")
+    p.add_argument(
+        "--policy-arg",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="keyword argument for the policy (VALUE as JSON, else a string); repeatable",
+    )
+    p.add_argument("--hosts", type=int, default=4, help="hosts at the start (4)")
+    p.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host (8)")
+    p.add_argument("--mode", choices=[*MODES, "both"], default="both", help="(both)")
+    p.add_argument("--no-autoscale", action="store_true", help="keep the cluster at --hosts")
+    p.add_argument("--max-hosts", type=int, default=64, help="autoscaler ceiling (64)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per mode")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the simulation(s) ``args`` describe and print the results."""
+    trace = _trace(args)
+    modes = MODES if args.mode == "both" else (args.mode,)
+    autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
+    kwargs = _policy_kwargs(args.policy_arg)
+    results = [
+        simulate(
+            trace,
+            SimConfig(
+                hosts=args.hosts,
+                gpus_per_host=args.gpus_per_host,
+                mode=mode,
+                policy=args.policy,
+                policy_kwargs=kwargs,
+                autoscaler=autoscaler,
+            ),
+        )
+        for mode in modes
+    ]
+    if args.json:
+        for r in results:
+            print(json.dumps(_as_json(r)))
+    else:
+        print(metrics_table(results))
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> Trace:
+    if args.trace:
+        return load_trace(args.trace)
+    return synthetic_trace(args.synthetic, args.hours, args.seed)
+
+
+def _policy_kwargs(pairs: list[str]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.isidentifier():
+            log.warning("bad --policy-arg %r", pair)
+            raise ConfigError("--policy-arg", pair, "KEY=VALUE with KEY a Python identifier")
+        try:
+            kwargs[key] = json.loads(text)
+        except json.JSONDecodeError:
+            kwargs[key] = text
+    return kwargs
+
+
+def _as_json(result: SimResult) -> dict[str, Any]:
+    data = attrs.asdict(result)
+    data["hosts_timeline"] = [list(point) for point in result.hosts_timeline]
+    data["busy_share"] = result.busy_share
+    data["utilisation"] = result.utilisation
+    return data
