@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +138,19 @@ class KvClient:
         self.attempt_timeout = attempt_timeout
         self._target = cluster.ids[0]
 
-    async def write(self, op: str, key: str, value: str, deadline: float) -> bool:
+    async def write(self, op: str, key: str, value: str, deadline: float) -> dict[str, Any] | None:
+        """The node's answer, or None when the outcome is unknown."""
         self.seq += 1
         request = {"op": op, "key": key, "value": value, "client": self.client_id, "seq": self.seq}
-        reply = await self._call(request, deadline)
-        return reply is not None
+        return await self._call(request, deadline)
 
-    async def read(self, key: str, deadline: float) -> tuple[bool, str | None]:
-        reply = await self._call({"op": "get", "key": key}, deadline)
-        return (False, None) if reply is None else (True, reply["value"])
+    async def read(
+        self, key: str, deadline: float, via: int | None = None
+    ) -> dict[str, Any] | None:
+        """A linearizable read, first asked of node ``via`` (a follower serves it by ReadIndex)."""
+        if via is not None:
+            self._target = via
+        return await self._call({"op": "get", "key": key}, deadline)
 
     async def _call(self, request: dict[str, Any], deadline: float) -> dict[str, Any] | None:
         while anyio.current_time() < deadline:
@@ -164,6 +169,74 @@ class KvClient:
                 self._target = ids[(ids.index(self._target) + 1) % len(ids)]
                 await anyio.sleep(0.01)
         return None
+
+
+class Nemesis:
+    """One fault a round, ``load_s`` apart; the faults cycle so that every kind happens."""
+
+    def __init__(self, cluster: KvCluster, tg: TaskGroup, seed: int, load_s: float) -> None:
+        self.cluster = cluster
+        self.load_s = load_s
+        self.tg = tg
+        self.rng = random.Random(seed)
+        self.log: list[str] = []
+
+    async def run(self, rounds: int) -> None:
+        schedule: list[Callable[[], Awaitable[None]]] = [
+            self.kill_leader,
+            self.pause_follower,
+            self.kill_leader,
+            self.pause_leader,
+            self.restart_follower,
+            self.kill_minority,
+        ]
+        for r in range(rounds):
+            await anyio.sleep(self.load_s)
+            await schedule[r % len(schedule)]()
+
+    async def followers(self) -> tuple[int, list[int]]:
+        leader = await self.cluster.leader()
+        return leader, [n for n in self.cluster.ids if n != leader]
+
+    async def kill_leader(self) -> None:
+        leader = await self.cluster.leader()
+        self.log.append(f"kill -9 leader {leader}")
+        await self.cluster.kill(leader)
+        await anyio.sleep(self.rng.uniform(0.2, 0.6))
+        await self.cluster.start(self.tg, leader)
+
+    async def pause_follower(self) -> None:
+        _, followers = await self.followers()
+        node = self.rng.choice(followers)
+        self.log.append(f"SIGSTOP follower {node}")
+        self.cluster.pause(node)
+        await anyio.sleep(self.rng.uniform(0.5, 1.0))
+        self.cluster.resume(node)
+
+    async def pause_leader(self) -> None:
+        leader = await self.cluster.leader()
+        self.log.append(f"SIGSTOP leader {leader}")
+        self.cluster.pause(leader)
+        # long past the election timeout: the others elect a new leader meanwhile
+        await anyio.sleep(1.0)
+        self.cluster.resume(leader)
+
+    async def restart_follower(self) -> None:
+        _, followers = await self.followers()
+        node = self.rng.choice(followers)
+        self.log.append(f"restart follower {node}")
+        await self.cluster.restart(self.tg, node)
+
+    async def kill_minority(self) -> None:
+        """kill -9 the leader and, with 5 nodes, one follower too; restart both."""
+        leader, followers = await self.followers()
+        victims = [leader, *self.rng.sample(followers, (len(self.cluster.ids) - 1) // 2 - 1)]
+        self.log.append(f"kill -9 {victims}")
+        for node in victims:
+            await self.cluster.kill(node)
+        await anyio.sleep(self.rng.uniform(0.2, 0.6))
+        for node in victims:
+            await self.cluster.start(self.tg, node)
 
 
 @pytest.fixture

@@ -16,15 +16,12 @@ SIGSTOPs a follower and once the leader, and restarts followers. Afterwards:
 from __future__ import annotations
 
 import os
-import random
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
 import pytest
-from anyio.abc import TaskGroup
 
-from tests.chaos.conftest import KvClient, KvCluster
+from tests.chaos.conftest import KvClient, KvCluster, Nemesis
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -49,75 +46,8 @@ async def writer(client: KvClient, key: str, ledger: Ledger, stop: anyio.Event) 
         token = f"{client.client_id}-{client.seq + 1}"
         ledger.sent.add(token)
         deadline = anyio.current_time() + WRITE_DEADLINE_S
-        if await client.write("append", key, token + ";", deadline):
+        if await client.write("append", key, token + ";", deadline) is not None:
             acked.append(token)
-
-
-class Nemesis:
-    """Injects one fault a round; the faults cycle so that every kind happens."""
-
-    def __init__(self, cluster: KvCluster, tg: TaskGroup, seed: int) -> None:
-        self.cluster = cluster
-        self.tg = tg
-        self.rng = random.Random(seed)
-        self.log: list[str] = []
-
-    async def run(self, rounds: int) -> None:
-        schedule: list[Callable[[], Awaitable[None]]] = [
-            self.kill_leader,
-            self.pause_follower,
-            self.kill_leader,
-            self.pause_leader,
-            self.restart_follower,
-            self.kill_minority,
-        ]
-        for r in range(rounds):
-            await anyio.sleep(LOAD_BETWEEN_FAULTS_S)
-            await schedule[r % len(schedule)]()
-
-    async def followers(self) -> tuple[int, list[int]]:
-        leader = await self.cluster.leader()
-        return leader, [n for n in self.cluster.ids if n != leader]
-
-    async def kill_leader(self) -> None:
-        leader = await self.cluster.leader()
-        self.log.append(f"kill -9 leader {leader}")
-        await self.cluster.kill(leader)
-        await anyio.sleep(self.rng.uniform(0.2, 0.6))
-        await self.cluster.start(self.tg, leader)
-
-    async def pause_follower(self) -> None:
-        _, followers = await self.followers()
-        node = self.rng.choice(followers)
-        self.log.append(f"SIGSTOP follower {node}")
-        self.cluster.pause(node)
-        await anyio.sleep(self.rng.uniform(0.5, 1.0))
-        self.cluster.resume(node)
-
-    async def pause_leader(self) -> None:
-        leader = await self.cluster.leader()
-        self.log.append(f"SIGSTOP leader {leader}")
-        self.cluster.pause(leader)
-        # long past the election timeout: the others elect a new leader meanwhile
-        await anyio.sleep(1.0)
-        self.cluster.resume(leader)
-
-    async def restart_follower(self) -> None:
-        _, followers = await self.followers()
-        node = self.rng.choice(followers)
-        self.log.append(f"restart follower {node}")
-        await self.cluster.restart(self.tg, node)
-
-    async def kill_minority(self) -> None:
-        """kill -9 the leader and, with 5 nodes, one follower too; restart both."""
-        leader, followers = await self.followers()
-        victims = [leader, *self.rng.sample(followers, (len(self.cluster.ids) - 1) // 2 - 1)]
-        self.log.append(f"kill -9 {victims}")
-        for node in victims:
-            await self.cluster.kill(node)
-        await anyio.sleep(self.rng.uniform(0.2, 0.6))
-        for node in victims:
-            await self.cluster.start(self.tg, node)
 
 
 def check_history(data: dict[str, str], ledger: Ledger, nemesis_log: list[str]) -> None:
@@ -144,7 +74,7 @@ async def run_chaos(tmp_path: Path, kv_processes: list[tuple[int, str]], size: i
     async with anyio.create_task_group() as tg:
         try:
             await cluster.start_all(tg)
-            nemesis = Nemesis(cluster, tg, seed=size)
+            nemesis = Nemesis(cluster, tg, seed=size, load_s=LOAD_BETWEEN_FAULTS_S)
             async with anyio.create_task_group() as load:
                 for c in range(CLIENTS):
                     client = KvClient(cluster, f"c{c}")
@@ -159,7 +89,8 @@ async def run_chaos(tmp_path: Path, kv_processes: list[tuple[int, str]], size: i
                     await cluster.start(tg, node)
             barrier = KvClient(cluster, "barrier")
             deadline = anyio.current_time() + WRITE_DEADLINE_S
-            assert await barrier.write("put", "barrier", "done", deadline), "no leader after faults"
+            done = await barrier.write("put", "barrier", "done", deadline)
+            assert done is not None, "no leader after faults"
             data = await cluster.converged()
         finally:
             await cluster.stop_all()
