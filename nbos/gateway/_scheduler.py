@@ -76,11 +76,10 @@ class CellLease:
 
     grant: Grant
     resident: bool = True
-    _scheduler: GpuScheduler | None = attrs.field(default=None, repr=False, alias="scheduler")
+    _scheduler: GpuScheduler = attrs.field(kw_only=True, repr=False, alias="scheduler")
 
     async def committed(self) -> Grant:
         """Tell the scheduler the cell started (:meth:`GpuScheduler.committed`)."""
-        assert self._scheduler is not None
         self.grant = await self._scheduler.committed(self.grant)
         return self.grant
 
@@ -598,6 +597,9 @@ class GpuScheduler:
 
     def _resend(self, host: HostRecord) -> None:
         """Retry releases that an unreachable agent missed, now that it reported them."""
+        for res, (host_id, _) in list(self._pending_release.items()):
+            if host_id == host.host_id and res not in host.reported:
+                del self._pending_release[res]  # expired or lost there: nothing left to free
         kernels: set[KernelId] = set()
         for res, r in list(host.reported.items()):
             pending = self._pending_release.get(res)
