@@ -17,19 +17,28 @@ import numpy as np
 import pytest
 
 from nbos.kernel.state._buffers import BufferKeys, place_of
+from nbos.kernel.state._pages import Watcher
 
 pytestmark = pytest.mark.anyio
 
 
 class RecordedWrites:
+    """Page bits as the kernel keeps them, fed by the test's account of its own writes."""
+
     def __init__(self) -> None:
         self.writes: list[tuple[int, int]] = []
         self.calls: list[str] = []
+        self.watchers: list[Watcher] = []
 
     def wrote(self, array: np.ndarray) -> None:
         self.writes.append((array.ctypes.data, array.nbytes))
 
+    def watch(self, watcher: Watcher) -> None:
+        self.watchers.append(watcher)
+
     def clear(self) -> None:
+        for watcher in self.watchers:
+            watcher.before_clear(self)
         self.calls.append("clear")
         self.writes.clear()
 
@@ -109,3 +118,21 @@ async def test_without_page_bits_everything_is_hashed() -> None:
     await keys.keys([buffer_of(a)], {})
     await keys.keys([buffer_of(a)], {})
     assert keys.hashed_bytes == a.nbytes
+
+
+async def test_a_clear_by_another_capture_loses_no_write() -> None:
+    pages = RecordedWrites()
+    mine, other = BufferKeys(pages), BufferKeys(pages)
+    a = np.ones(1 << 16)
+    await mine.keys([buffer_of(a)], {})
+    a[0] = 7.0
+    pages.wrote(a[:1])
+    await other.keys([], {})  # clears the bits mine relied on
+    found = await mine.keys([buffer_of(a)], {})
+    assert mine.hashed_bytes == a.nbytes and found[place_of(buffer_of(a))] == key_of(a)
+
+
+def test_the_process_page_bits_are_probed_once() -> None:
+    from nbos.kernel.state._pages import probe
+
+    assert probe() is probe()

@@ -67,14 +67,25 @@ class _Known:
 class BufferKeys:
     """Blob keys of large buffers, with the cheap unchanged-buffer check described above.
 
-    One instance serves one executor: :meth:`keys` must be called once per capture
-    with every large buffer of that capture, since it resets the page bits.
+    Call :meth:`keys` once per capture with every large buffer of that capture.
+    Several instances may share one process's page bits: each drops the entries
+    whose pages were written whenever any of them clears the bits.
     """
 
     def __init__(self, pages: PageWrites | None) -> None:
         self._pages = pages
         self._known: dict[tuple[int, int], _Known] = {}
         self.hashed_bytes = 0  # for tests and measurements: how much the last call hashed
+        if pages is not None:
+            pages.watch(self)
+
+    def before_clear(self, pages: PageWrites) -> None:
+        """Keep only entries whose owner lives and whose pages were not written."""
+        self._known = {
+            place: entry
+            for place, entry in self._known.items()
+            if entry.owner() is not None and not pages.written(*place)
+        }
 
     async def keys(
         self, buffers: list[pickle.PickleBuffer], owners: dict[int, object]
@@ -85,17 +96,19 @@ class BufferKeys:
         when the exporter is a temporary (a tensor's numpy view).
         """
         views = {_place(view): view for view in (b.raw() for b in buffers)}
-        clean = {place for place in views if self._unwritten(place)}
-        if self._pages is not None:
-            # Read every buffer's bits before clearing: a write after the clear is seen
-            # by the next capture, never lost.
+        if self._pages is None:
+            self._known.clear()
+        else:
+            # The clear first has every watcher, this one included, drop entries whose
+            # pages were written; writes after it are seen by the next capture.
             self._pages.clear()
         found: dict[tuple[int, int], BlobKey] = {}
         known: dict[tuple[int, int], _Known] = {}
         self.hashed_bytes = 0
         for place, view in views.items():
-            if place in clean:
-                entry = self._known[place]
+            entry_or_none = self._known.get(place)
+            if entry_or_none is not None and entry_or_none.owner() is not None:
+                entry = entry_or_none
             else:
                 key = await hash_key(view)
                 self.hashed_bytes += view.nbytes
@@ -105,12 +118,6 @@ class BufferKeys:
                 known[place] = entry
         self._known = known  # forget buffers that left the namespace: frees their owners' refs
         return found
-
-    def _unwritten(self, place: tuple[int, int]) -> bool:
-        entry = self._known.get(place)
-        if entry is None or entry.owner() is None or self._pages is None:
-            return False
-        return not self._pages.written(*place)
 
 
 def place_of(buffer: pickle.PickleBuffer) -> tuple[int, int]:

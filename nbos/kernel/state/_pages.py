@@ -23,6 +23,7 @@ import ctypes
 import logging
 import mmap
 import struct
+import weakref
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,24 @@ _DIRTY_BYTE = 55 // 8
 _TOP_BIT = bytes(1 if byte & 0x80 else 0 for byte in range(256))
 
 
+class Watcher(Protocol):
+    """Something that trusts page bits between clears (a :class:`BufferKeys`)."""
+
+    def before_clear(self, pages: PageWrites) -> None:
+        """Read the bits you rely on now: they are about to be cleared."""
+        ...
+
+
 class PageWrites(Protocol):
-    """Tells whether memory was written since the last :meth:`clear`."""
+    """Tells whether memory was written since the last :meth:`clear`.
+
+    The bits are process-wide, so every clear must first let each watcher read
+    what it relies on: then no clear, by whichever capture, loses a write.
+    """
+
+    def watch(self, watcher: Watcher) -> None:
+        """Call ``watcher.before_clear`` before every clear, while ``watcher`` lives."""
+        ...
 
     def clear(self) -> None:
         """Start a new interval: every page counts as unwritten from now on."""
@@ -47,13 +64,20 @@ class PageWrites(Protocol):
 
 
 class SoftDirtyPages:
-    """Reads and clears the soft-dirty bits of this process's pages."""
+    """Reads and clears the soft-dirty bits of this process's pages (one per process)."""
 
     def __init__(self) -> None:
         self._page = mmap.PAGESIZE
+        self._watchers: weakref.WeakSet[Watcher] = weakref.WeakSet()
+
+    def watch(self, watcher: Watcher) -> None:
+        """Call ``watcher.before_clear`` before every clear, while ``watcher`` lives."""
+        self._watchers.add(watcher)
 
     def clear(self) -> None:
-        """Mark every page of the process clean."""
+        """Mark every page of the process clean, after the watchers read their bits."""
+        for watcher in list(self._watchers):
+            watcher.before_clear(self)
         with open(_CLEAR_REFS, "w") as f:
             f.write("4")
 
@@ -73,8 +97,21 @@ class SoftDirtyPages:
         return b"\x01" in entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
 
 
+_probed: list[SoftDirtyPages | None] = []
+
+
 def probe() -> SoftDirtyPages | None:
-    """A working :class:`SoftDirtyPages`, or ``None`` if this kernel lacks the bits."""
+    """This process's :class:`SoftDirtyPages`, or ``None`` if its kernel lacks the bits.
+
+    Probed once per process: the probe clears the bits, which is only harmless
+    before anyone relies on them.
+    """
+    if not _probed:
+        _probed.append(_probe())
+    return _probed[0]
+
+
+def _probe() -> SoftDirtyPages | None:
     try:
         pages = SoftDirtyPages()
         region = ctypes.create_string_buffer(mmap.PAGESIZE * 2)
