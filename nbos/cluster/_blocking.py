@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any
 
 import anyio.from_thread
+from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.cluster._kernel import ExecuteResult, Kernel, ReplicaInfo
 from nbos.cluster._local import LocalCluster
@@ -32,7 +33,7 @@ class BlockingKernel:
         return self._kernel.kernel_id
 
     @property
-    def connection_info(self) -> dict[str, Any]:
+    def connection_info(self) -> KernelConnectionInfo:
         return self._kernel.connection_info
 
     @property

@@ -12,6 +12,7 @@ import anyio
 import anyio.abc
 import attrs
 from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError
@@ -94,7 +95,7 @@ class Kernel:
         self.closed = anyio.Event()
 
     @property
-    def connection_info(self) -> dict[str, Any]:
+    def connection_info(self) -> KernelConnectionInfo:
         return self.front.connection_info
 
     @property
@@ -168,7 +169,7 @@ class Kernel:
     async def _connected(self) -> AsyncKernelClient:
         if self._client is None:
             client = AsyncKernelClient()
-            client.load_connection_info(self.connection_info)  # type: ignore[arg-type]
+            client.load_connection_info(self.connection_info)
             client.start_channels()
             self._client = client
         return self._client

@@ -34,6 +34,7 @@ import attrs
 import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.errors import (
     AuthenticationError,
@@ -143,7 +144,7 @@ class KernelFront:
         return str(self._session.session)
 
     @property
-    def connection_info(self) -> dict[str, Any]:
+    def connection_info(self) -> KernelConnectionInfo:
         """What a Jupyter client needs to connect (the content of a connection file)."""
 
         def port(sock: zmq.asyncio.Socket) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 from ipykernel.ipkernel import IPythonKernel
+from traitlets import Int
 
 from nbos.core.errors import CellLostError, KernelError, NbosError
 from nbos.core.object_store import ObjectStore
@@ -81,6 +82,10 @@ class ReplicaKernel(IPythonKernel):
     before the kernel starts.
     """
 
+    rebase_bytes = Int(
+        1 << 20, help="Image the namespace for snapshots once this many delta bytes piled up."
+    ).tag(config=True)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         self.control_handlers["nbos_lost_request"] = self._lost_request
@@ -90,6 +95,9 @@ class ReplicaKernel(IPythonKernel):
             self.shell_handlers[msg_type] = self._comm_through_log
         self._raft: RaftNode | None = None
         self._sync: NamespaceSync | None = None
+        self._machine: KernelStateMachine | None = None
+        # Held while a cell runs and while the namespace is imaged for a snapshot.
+        self._namespace_lock = asyncio.Lock()
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._events: asyncio.Queue[Event] | None = None
         self._applied_done = 0
@@ -102,7 +110,8 @@ class ReplicaKernel(IPythonKernel):
 
     def machine(self) -> KernelStateMachine:
         """The state machine to give the Raft log; its events land on this kernel's loop."""
-        return KernelStateMachine(self._post_event)
+        self._machine = KernelStateMachine(self._post_event)
+        return self._machine
 
     def attach(self, raft: RaftNode, store: ObjectStore) -> None:
         self._raft, self._sync = raft, NamespaceSync(store)
@@ -161,7 +170,8 @@ class ReplicaKernel(IPythonKernel):
             return
         self._cell = _Cell(index, devices, wait_s=time.monotonic() - begun)
         try:
-            await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
+            async with self._namespace_lock:
+                await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
         finally:
             self._cell = None
         assert self._raft is not None
@@ -290,6 +300,21 @@ class ReplicaKernel(IPythonKernel):
                 )
                 self._applied_changed.set()
                 self._applied_changed = asyncio.Event()
+                await self._maybe_rebase()
+
+    async def _maybe_rebase(self) -> None:
+        """Image the namespace for Raft snapshots once enough deltas piled up on the last one."""
+        assert self._machine is not None and self._sync is not None and self._events is not None
+        if not self._events.empty() or self._machine.replay_bytes < self.rebase_bytes:
+            return
+        async with self._namespace_lock:
+            cell = self._applied_done
+            try:
+                image = await self._sync.image(self._user_state())
+            except NbosError as exc:
+                log.warning("namespace image for snapshots failed: %s", exc)
+                return
+        self._machine.rebase(cell, image)
 
     async def _apply_event(self, event: Event) -> None:
         assert self._sync is not None

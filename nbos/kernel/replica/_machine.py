@@ -11,6 +11,7 @@ need blob fetches, which are async).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import attrs
@@ -81,7 +82,8 @@ class _Image(msgspec.Struct, frozen=True):
     pending: dict[int, list[bytes]]
     recent: dict[int, tuple[str, int]]
     namespace: bytes
-    replay: list[bytes]
+    namespace_cell: int
+    replay: list[tuple[int, bytes]]
 
 
 _outcome_codec = msgspec.msgpack.Encoder()
@@ -100,21 +102,44 @@ def decode_outcome(data: bytes) -> Outcome:
 class KernelStateMachine:
     """Deterministic bookkeeping of one kernel's log (implements ``StateMachine``).
 
-    The snapshot image holds the counters and every committed delta since the base
-    namespace image, so a replica restored from it rebuilds the same namespace.
+    The snapshot image holds the counters, a namespace image as of some cell's
+    ``Done`` and the deltas committed after it, so a replica restored from it
+    rebuilds the same namespace. The kernel hands in fresher namespace images with
+    :meth:`rebase` (from its own thread), which keeps the replayed tail short.
     """
 
     def __init__(self, on_event: Callable[[Event], None]) -> None:
         self._on_event = on_event
+        # apply/snapshot/restore run on the Raft thread, rebase on the kernel's thread.
+        self._lock = threading.Lock()
         self.last_done = 0
         self.execution_count = 1
         self._claims: dict[int, int] = {}
         self._pending: dict[int, list[bytes]] = {}
         self._recent: dict[int, tuple[str, int]] = {}
         self._namespace = b""
-        self._replay: list[bytes] = []
+        self._namespace_cell = 0
+        self._replay: list[tuple[int, bytes]] = []
+
+    @property
+    def replay_bytes(self) -> int:
+        """Size of the deltas a snapshot would replay on top of its namespace image."""
+        with self._lock:
+            return sum(len(d) for _, d in self._replay)
+
+    def rebase(self, cell: int, namespace: bytes) -> None:
+        """``namespace`` is the image of the namespace once cell ``cell``'s ``Done`` applied."""
+        with self._lock:
+            if cell < self._namespace_cell or cell > self.last_done:
+                return
+            self._namespace, self._namespace_cell = namespace, cell
+            self._replay = [(c, d) for c, d in self._replay if c > cell]
 
     def apply(self, index: int, data: bytes) -> bytes:
+        with self._lock:
+            return self._apply(index, data)
+
+    def _apply(self, index: int, data: bytes) -> bytes:
         try:
             entry = decode(data)
         except DecodeError as exc:
@@ -157,7 +182,7 @@ class KernelStateMachine:
         if done.status != "lost":
             self.execution_count = done.execution_count
         self.last_done = cell
-        self._replay.extend(deltas)
+        self._replay.extend((cell, d) for d in deltas)
         self._recent[cell] = (done.status, self.execution_count)
         for old in [c for c in self._recent if c <= cell - _RECENT]:
             del self._recent[old]
@@ -175,18 +200,24 @@ class KernelStateMachine:
         return _outcome_codec.encode(Outcome(index, accepted, winner, status, count))
 
     def snapshot(self) -> bytes:
-        image = _Image(
-            self.last_done,
-            self.execution_count,
-            dict(self._claims),
-            {k: list(v) for k, v in self._pending.items()},
-            dict(self._recent),
-            self._namespace,
-            list(self._replay),
-        )
-        return _outcome_codec.encode(image)
+        with self._lock:
+            image = _Image(
+                self.last_done,
+                self.execution_count,
+                self._claims,
+                self._pending,
+                self._recent,
+                self._namespace,
+                self._namespace_cell,
+                self._replay,
+            )
+            return _outcome_codec.encode(image)
 
     def restore(self, image: bytes) -> None:
+        with self._lock:
+            self._restore(image)
+
+    def _restore(self, image: bytes) -> None:
         try:
             state = _image_decoder.decode(image)
         except msgspec.MsgspecError as exc:
@@ -199,8 +230,7 @@ class KernelStateMachine:
         self._claims = dict(state.claims)
         self._pending = {k: list(v) for k, v in state.pending.items()}
         self._recent = {k: (s, c) for k, (s, c) in state.recent.items()}
-        self._namespace = state.namespace
-        self._replay = list(state.replay)
-        self._on_event(
-            Restored(state.namespace, tuple(state.replay), state.last_done, state.execution_count)
-        )
+        self._namespace, self._namespace_cell = state.namespace, state.namespace_cell
+        self._replay = [(c, d) for c, d in state.replay]
+        deltas = tuple(d for _, d in self._replay)
+        self._on_event(Restored(state.namespace, deltas, state.last_done, state.execution_count))
