@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,6 +47,9 @@ operation = st.one_of(
     st.tuples(st.just("append"), name, st.one_of(name, values)),
     st.tuples(st.just("setitem"), name, st.text(max_size=2), st.one_of(name, values)),
     st.tuples(st.just("delete"), name),
+    st.tuples(st.just("array"), name, st.integers(0, 64)),
+    st.tuples(st.just("poke"), name, st.integers(0, 63), st.floats(allow_nan=False)),
+    st.tuples(st.just("view"), name, name),
 )
 cells = st.lists(st.lists(operation, min_size=1, max_size=3), min_size=1, max_size=6)
 
@@ -70,6 +74,12 @@ def run(ns: dict[str, Any], op: tuple[Any, ...]) -> None:
         ns[target][rest[0]] = resolve(rest[1])
     elif kind == "delete":
         ns.pop(target, None)
+    elif kind == "array":
+        ns[target] = np.arange(rest[0], dtype=np.float64)
+    elif kind == "poke" and isinstance(ns.get(target), np.ndarray) and ns[target].size:
+        ns[target][rest[0] % ns[target].size] = rest[1]
+    elif kind == "view" and isinstance(ns.get(rest[0]), np.ndarray):
+        ns[target] = ns[rest[0]][1:]  # shares memory with the array it views
 
 
 def aliasing(ns: dict[str, Any]) -> set[tuple[str, str]]:
@@ -83,7 +93,8 @@ def aliasing(ns: dict[str, Any]) -> set[tuple[str, str]]:
 def test_capture_then_apply_keeps_replicas_equal(program: list[list[tuple[Any, ...]]]) -> None:
     async def main(root: Path) -> None:
         store = LocalObjectStore(root)
-        capture = StateCapture(store)
+        # A tiny threshold sends even these small arrays through the blob path.
+        capture = StateCapture(store, threshold=64)
         executor: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         replica: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         for index, cell in enumerate(program, start=1):
