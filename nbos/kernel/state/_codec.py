@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import sys
 import types
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import msgspec
@@ -15,7 +16,7 @@ from nbos.core.errors import KernelError
 from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
 from nbos.core.object_store import ObjectStore
 from nbos.kernel.state import _buffers
-from nbos.kernel.state._pickler import NamespacePickler, NamespaceUnpickler, is_user_defined
+from nbos.kernel.state._pickler import NamespacePickler, NamespaceUnpickler, by_value
 
 # Values whose identity no program can rely on: sharing them does not tie two names.
 _VALUE_TYPES = (
@@ -53,16 +54,12 @@ def pickle_value(value: object, threshold: int) -> Pickled:
 
 def _has_identity(obj: object) -> bool:
     if isinstance(obj, type | types.FunctionType):
-        return is_user_defined(obj)
+        return by_value(obj)  # one imported by name is the same object everywhere
     if isinstance(obj, _VALUE_TYPES):
         return False
-    return not _is_numpy_dtype(obj)
-
-
-def _is_numpy_dtype(obj: object) -> bool:
     # Arrays of one dtype share a dtype object; that must not tie their names together.
-    module = type(obj).__module__
-    return module.startswith("numpy") and type(obj).__name__.endswith("DType")
+    numpy = sys.modules.get("numpy")
+    return numpy is None or not isinstance(obj, numpy.dtype)
 
 
 class Encoded(msgspec.Struct):
@@ -78,34 +75,34 @@ def pickle_loadable(values: dict[str, object], threshold: int) -> tuple[Pickled,
 
     A replica must never be handed an entry it cannot apply, so the pickle is loaded
     here first (out-of-band buffers are read in place, not copied). Returns the pickle
-    and, for each value left out, why. Every value must pickle on its own.
+    and, for each value left out, why. Never raises for a value's sake.
     """
-    pickled = pickle_value(values, threshold)
-    if _load_error(pickled) is None:
+    pickled, error = _attempt(values, threshold)
+    if pickled is not None:
         return pickled, {}
     failed: dict[str, str] = {}
     for name, value in values.items():
-        error = _load_error(pickle_value({name: value}, threshold))
-        if error is not None:
-            failed[name] = f"its pickle does not load back: {error}"
-    rest = {name: value for name, value in values.items() if name not in failed}
-    pickled = pickle_value(rest, threshold)
-    if failed and _load_error(pickled) is None:
-        return pickled, failed
+        _, own_error = _attempt({name: value}, threshold)
+        if own_error is not None:
+            failed[name] = own_error
+    rest, _ = _attempt({n: v for n, v in values.items() if n not in failed}, threshold)
+    if failed and rest is not None:
+        return rest, failed
     # Each loads alone but not together: keep none of them rather than guess.
-    error = _load_error(pickle_value(values, threshold))
-    return pickle_value({}, threshold), {
-        name: f"its pickle does not load back: {error}" for name in values
-    }
+    return pickle_value({}, threshold), {name: str(error) for name in values}
 
 
-def _load_error(pickled: Pickled) -> str | None:
-    buffers: list[bytearray | memoryview] = [buffer.raw() for buffer in pickled.buffers]
+def _attempt(values: dict[str, object], threshold: int) -> tuple[Pickled | None, str | None]:
+    """The pickle of ``values`` if it pickles and loads back, else why not."""
     try:
-        NamespaceUnpickler(io.BytesIO(pickled.data), {}, buffers).load()
+        pickled = pickle_value(values, threshold)
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        return None, f"{type(exc).__name__}: {exc}"
+    try:
+        _load(pickled.data, {}, [buffer.raw() for buffer in pickled.buffers])
+    except Exception as exc:
+        return None, f"its pickle does not load back: {type(exc).__name__}: {exc}"
+    return pickled, None
 
 
 async def encode(
@@ -148,7 +145,7 @@ async def decode(
 
 
 def _load(
-    data: bytes, namespace: MutableMapping[str, Any], buffers: list[bytearray | memoryview]
+    data: bytes, namespace: MutableMapping[str, Any], buffers: Sequence[bytearray | memoryview]
 ) -> Any:
     return NamespaceUnpickler(io.BytesIO(data), namespace, buffers).load()
 

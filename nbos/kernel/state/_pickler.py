@@ -8,13 +8,23 @@ which the other replicas cannot import them from, so they travel by value:
   cells, names, annotations, doc and ``__dict__``. Its globals are not shipped: the
   unpickler binds it to the target namespace, where global names are looked up at
   call time exactly as on the executor;
-* a class as its name, bases, metaclass and ``__slots__`` (the skeleton), then its
-  attributes, so that methods referring to the class (``super()``'s ``__class__``
-  cell) resolve through the memo.
+* a class as its name, bases (as written, so ``Generic[T]`` works), metaclass and
+  ``__slots__`` (the skeleton), then its attributes, so that methods referring to
+  the class (``super()``'s ``__class__`` cell) resolve through the memo. Enums are
+  rebuilt through their functional API, since members exist only from creation.
 
-Modules are pickled as an import of their name; torch tensors as raw bytes (see
-:mod:`._torch`). Everything else uses the standard protocol 5 machinery, whose
-``PickleBuffer`` objects the caller can take out of band.
+Functions and classes that are not importable where they claim to live (the
+internals of a ``namedtuple``, closures made by library code) also go by value; such
+a function carries the globals its code names. Modules are pickled as an import of
+their name (and refused if not importable by it); dataclasses' sentinels by
+reference; mappingproxies, ``TypeVar``s and ``lru_cache`` wrappers from cells by
+what rebuilds them; torch tensors as raw bytes (see :mod:`._torch`). Everything else
+uses the standard protocol 5 machinery, whose ``PickleBuffer`` objects the caller
+can take out of band.
+
+Unpickling runs code named by the pickle: only entries from the kernel's own
+replicas (its Raft log) may be applied. All replicas must run the same Python
+minor version, since code objects travel marshalled.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import pickle
 import sys
 import types
 import typing
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import IO, Any
 
 from nbos.kernel.state import _torch
@@ -126,7 +136,7 @@ class NamespaceUnpickler(pickle.Unpickler):
         self,
         file: IO[bytes],
         namespace: MutableMapping[str, Any],
-        buffers: list[bytearray | memoryview],
+        buffers: Sequence[bytearray | memoryview],
     ) -> None:
         super().__init__(file, buffers=buffers)
         self._namespace = namespace
