@@ -10,7 +10,9 @@ import anyio
 import pytest
 
 from nbos.core.errors import GpuError, InsufficientGpusError, QuorumLostError
-from nbos.core.ids import HostId, KernelId
+from nbos.core.ids import HostId, KernelId, PeerId
+from nbos.core.wire import encode
+from nbos.core.wire.agent import GpuFreed, GpuPrecommit
 from nbos.gateway import Grant
 from nbos.gpu import GpuPool
 from tests.gateway._cluster import Cluster, cluster, kernel, replicas
@@ -317,3 +319,16 @@ async def test_failed_eviction_refuses_and_the_cell_waits() -> None:
         assert reasons and "waiting" in reasons[0]
         assert b.host == "h0"
         await c.scheduler.release(b)
+
+
+async def test_scheduler_drops_garbage_and_stray_messages() -> None:
+    async with cluster(THREE) as c:
+        rogue = c.network.endpoint("rogue")
+        rogue.add_peer(PeerId("gateway"), c.gateway.address)
+        await rogue.send(PeerId("gateway"), b"\x00garbage")
+        await rogue.send(PeerId("gateway"), encode(GpuPrecommit(1, "r", "k", 1)))
+        await rogue.send(PeerId("gateway"), encode(GpuFreed(424242)))
+        g = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=1)
+        assert g.host == "h0"
+        await c.scheduler.release(g)
+        await rogue.aclose()
