@@ -29,8 +29,9 @@ _Place = tuple[int, int]
 class StateCapture:
     """Computes, after each cell, the :class:`StateDelta` that brings replicas level.
 
-    One instance per executor process; it remembers each name's fingerprint from
-    the previous capture. Contract:
+    One instance per replica process, living as long as the replica; it remembers
+    each name's fingerprint from the previous capture (or :meth:`baseline`).
+    Captures must not run concurrently. Contract:
 
     * a name whose value is new, rebound, mutated in place, deleted, or whose sharing
       of objects with other names changed, is in the delta;
@@ -39,8 +40,15 @@ class StateCapture:
     * buffers of ``threshold`` bytes or more are written to ``store`` as blobs; one
       that is unchanged since the last capture is neither hashed (where the kernel
       keeps soft-dirty page bits, see :mod:`._pages`) nor written again;
-    * a value that cannot be pickled is reported once per value in
-      ``delta.unpicklable`` and stays on the executor; other names still sync.
+    * a value that cannot be pickled, or whose pickle does not load back, is reported
+      once per value in ``delta.unpicklable`` and stays on the executor; other names
+      still sync;
+    * a failing store raises :class:`~nbos.core.errors.StoreError` and nothing is
+      remembered, so the next capture sends the same changes again.
+
+    Cost per capture: every user value is pickled (buffers of ``threshold`` bytes or
+    more by reference, not copied) and hashed with BLAKE2b; large buffers cost a
+    page-bit read (about 2 ms per GB) or, without soft-dirty bits, a SHA-256 pass.
 
     ``page_tracking``: ``"auto"`` uses soft-dirty bits when the kernel has them,
     ``"off"`` always hashes large buffers.
