@@ -246,7 +246,9 @@ class _Simulation:
             self._schedule_session(s)
         self._at(0.0, _TICK, self._tick)
         while self._events:
-            when, _, _, action = heapq.heappop(self._events)
+            when, order, _, action = heapq.heappop(self._events)
+            if order == _TICK and not self._unfinished:
+                continue  # the run ends with its last session, not a tick later
             self._advance(when)
             action()
             self._update_ratio()

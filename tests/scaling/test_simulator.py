@@ -1,0 +1,280 @@
+"""The simulator on small traces with outcomes worked out by hand, the trace formats and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from nbos.cli import simulate as simulate_cli
+from nbos.core.errors import ConfigError, ScalingError
+from nbos.scaling import (
+    AutoscalerConfig,
+    Cell,
+    Session,
+    SimConfig,
+    Trace,
+    load_trace,
+    simulate,
+    synthetic_trace,
+)
+from nbos.scaling.trace import dump_csv, dump_json, parse_csv, parse_json
+
+from .test_user_policy import installed  # noqa: F401 - the fixture, reused
+
+
+def fixed(mode: str = "nbos", hosts: int = 3, gpus: int = 1, **kw: object) -> SimConfig:
+    """A cluster that never scales."""
+    return SimConfig(hosts=hosts, gpus_per_host=gpus, mode=mode, autoscaler=None, **kw)  # type: ignore[arg-type]
+
+
+# Two 1-GPU sessions alive from 0 to 1000 s whose cells never overlap.
+TAKING_TURNS = Trace(
+    (
+        Session("a", 0, 1000, 1, (Cell(10, 100), Cell(300, 100))),
+        Session("b", 0, 1000, 1, (Cell(150, 100), Cell(500, 100))),
+    )
+)
+
+
+def test_sessions_taking_turns_share_one_gpu_in_nbos_but_hold_two_when_reserving() -> None:
+    nbos = simulate(TAKING_TURNS, fixed("nbos"))
+    reserving = simulate(TAKING_TURNS, fixed("reservation"))
+    assert nbos.peak_gpus_committed == 1
+    assert reserving.peak_gpus_committed == 2
+    # 4 cells of 100 s on 1 GPU: busy 400 GPU-s either way.
+    assert nbos.gpu_hours_busy == reserving.gpu_hours_busy == pytest.approx(400 / 3600)
+    # nbos commits only while cells run; the baseline holds 2 GPUs for 1000 s.
+    assert nbos.gpu_hours_reserved == pytest.approx(400 / 3600)
+    assert reserving.gpu_hours_reserved == pytest.approx(2000 / 3600)
+    assert nbos.busy_share == pytest.approx(1.0)
+    assert reserving.busy_share == pytest.approx(0.2)
+    for r in (nbos, reserving):
+        assert (r.delay_p50, r.delay_p99, r.interactive_share) == (0.0, 0.0, 1.0)
+        assert r.gpu_hours_provisioned == pytest.approx(3 * 1000 / 3600)
+        assert r.hosts_timeline == ((0.0, 3),)
+
+
+def test_a_reservation_waits_for_a_gpu_and_so_do_its_cells() -> None:
+    # One 1-GPU host: b's session gets the GPU when a's ends at 100; its cell was ready at 10.
+    trace = Trace(
+        (
+            Session("a", 0, 100, 1, (Cell(5, 50),)),
+            Session("b", 0, 200, 1, (Cell(10, 5),)),
+        )
+    )
+    r = simulate(trace, fixed("reservation", hosts=1))
+    assert sorted([r.delay_p50, r.delay_p99]) == [pytest.approx(45.0), pytest.approx(89.1)]
+    assert r.interactive_share == 0.5
+    assert r.gpu_hours_reserved == pytest.approx((100 + 100) / 3600)
+
+
+def test_cells_of_one_kernel_run_one_after_another() -> None:
+    # The second cell is submitted while the first runs: it is ready at 110, not delayed.
+    trace = Trace((Session("a", 0, 500, 1, (Cell(10, 100), Cell(50, 10))),))
+    r = simulate(trace, fixed("nbos"))
+    assert (r.delay_p50, r.delay_p99) == (0.0, 0.0)
+    assert r.hours == pytest.approx(500 / 3600)
+
+
+def migration_trace() -> Trace:
+    """Kernels a, b, c keep all three hosts' GPUs busy from ~10 s to ~10010 s; k's cell at 20 s
+    finds its replicas' hosts full."""
+    long_cells = [
+        Session(name, start, 20000, 1, (Cell(10 + start, 10000),))
+        for start, name in enumerate("abc")
+    ]
+    return Trace((*long_cells, Session("k", 3, 20000, 1, (Cell(20, 30),))))
+
+
+def test_a_cell_whose_replica_hosts_are_full_migrates_to_a_new_host_which_is_later_removed() -> (
+    None
+):
+    config = SimConfig(hosts=3, gpus_per_host=1, autoscaler=AutoscalerConfig())
+    r = simulate(migration_trace(), config)
+    # t=20: k waits (no other host). Tick t=60: scale out by one (placement failed).
+    # t=120: the host joins, k's replica on the busiest host moves there and the cell
+    # starts after the 10 s migration: delay 130 - 20 = 110 s.
+    assert (r.scale_outs, r.migrations) == (1, 1)
+    # Delays 0, 0, 0, 110; percentiles interpolate between ranks: p99 = 0.97 * 110.
+    assert r.delay_p50 == 0.0
+    assert r.delay_p99 == pytest.approx(106.7)
+    assert r.interactive_share == 0.75
+    # k's cell ends at 160; a, b, c's at 10010-10012. Tick 10020: load 0, the new host has
+    # been idle > 600 s: it is drained (k's replica moves back) and removed. No thrashing.
+    assert r.hosts_timeline == ((0.0, 3), (120.0, 4), (10020.0, 3))
+    assert (r.scale_ins, r.drain_moves) == (1, 1)
+    assert r.hosts_max == 4
+
+
+def test_without_a_spare_host_the_cell_waits_for_a_gpu() -> None:
+    r = simulate(migration_trace(), fixed("nbos"))
+    # k's cell waits from 20 s until a's cell ends at 10010 s: delays 0, 0, 0, 9990.
+    assert r.migrations == 0
+    assert r.hosts_timeline == ((0.0, 3),)
+    assert r.delay_p50 == 0.0
+    assert r.delay_p99 == pytest.approx(0.97 * 9990)
+
+
+def test_runs_are_deterministic() -> None:
+    trace = synthetic_trace(8, 6.0, seed=3)
+    config = SimConfig(hosts=3, policy="random", policy_kwargs={"seed": 5})
+    assert simulate(trace, config) == simulate(trace, config)
+    assert synthetic_trace(8, 6.0, seed=3) == trace
+    assert synthetic_trace(8, 6.0, seed=4) != trace
+
+
+def test_the_default_synthetic_trace_matches_the_papers_summary() -> None:
+    trace = synthetic_trace()
+    assert len(trace.sessions) == 59
+    assert trace.end <= 48 * 3600
+    assert 4000 < trace.gpu_hours_reserved() < 6500  # paper: 5,070
+    assert 0.22 < trace.gpu_hours_busy() / trace.gpu_hours_reserved() < 0.30  # paper: 0.26
+
+
+def test_nbos_needs_fewer_gpu_hours_than_reservation_on_a_synthetic_trace() -> None:
+    trace = synthetic_trace(12, 8.0, seed=1)
+    nbos = simulate(trace, SimConfig(mode="nbos"))
+    reserving = simulate(trace, SimConfig(mode="reservation"))
+    assert nbos.gpu_hours_busy == pytest.approx(reserving.gpu_hours_busy)
+    assert nbos.gpu_hours_reserved < reserving.gpu_hours_reserved
+    assert nbos.gpu_hours_provisioned < reserving.gpu_hours_provisioned
+    assert nbos.cells_unserved == reserving.cells_unserved == 0
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def test_a_session_larger_than_a_host_is_refused() -> None:
+    trace = Trace((Session("big", 0, 10, 16),))
+    with pytest.raises(ScalingError, match="more than the 8 GPUs"):
+        simulate(trace, SimConfig())
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"mode": "cloud"}, {"gpus_per_host": 0}, {"tick": 0.0}, {"hosts": -1}]
+)
+def test_bad_config_is_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        SimConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "session",
+    [
+        Session("s", 10, 5, 1),  # stops before it starts
+        Session("s", 0, 10, 1, (Cell(11, 1),)),  # cell after the stop
+        Session("s", 0, 10, 1, (Cell(1, -1),)),  # negative duration
+        Session("s", 0, 10, 1, (Cell(1, 1, 2),)),  # more GPUs than the session
+    ],
+)
+def test_malformed_sessions_are_refused(session: Session) -> None:
+    with pytest.raises(ScalingError):
+        simulate(Trace((session,)), SimConfig())
+
+
+def test_duplicate_session_ids_are_refused() -> None:
+    with pytest.raises(ScalingError, match="twice"):
+        simulate(Trace((Session("s", 0, 1, 1), Session("s", 0, 1, 1))), SimConfig())
+
+
+# --- trace files -------------------------------------------------------------------------
+
+
+def test_json_and_csv_round_trip(tmp_path: Path) -> None:
+    trace = Trace((Session("a", 0, 100, 2, (Cell(5, 10), Cell(20, 5, 1))), Session("b", 1, 2, 0)))
+    (tmp_path / "t.json").write_bytes(dump_json(trace))
+    (tmp_path / "t.csv").write_text(dump_csv(trace))
+    assert load_trace(tmp_path / "t.json") == trace
+    assert load_trace(tmp_path / "t.csv") == trace
+
+
+def test_loaders_sort_cells_by_submit_time() -> None:
+    text = "session,event,time,duration,gpus\ns,start,0,,1\ns,cell,9,1,\ns,cell,3,1,\ns,stop,10,,\n"
+    assert [c.start for c in parse_csv(text).sessions[0].cells] == [3.0, 9.0]
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("session,event,time\n", "header"),
+        ("session,event,time,duration,gpus\ns,start,0,,1\n", "without both"),
+        ("session,event,time,duration,gpus\ns,start,0,,1\ns,stop,x,,\n", "not a number"),
+        ("session,event,time,duration,gpus\ns,begin,0,,1\n", "not start, stop or cell"),
+        ("session,event,time,duration,gpus\ns,start,0,,1\ns,start,1,,1\n", "second start"),
+        ("session,event,time,duration,gpus\ns,start,0,,one\ns,stop,1,,\n", "not an integer"),
+        ("session,event,time,duration,gpus\ns,start,0,,1\ns,stop,inf,,\n", "not finite"),
+    ],
+)
+def test_bad_csv_is_refused_with_the_reason(text: str, why: str) -> None:
+    with pytest.raises(ScalingError, match=why):
+        parse_csv(text)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"{",
+        b'{"sessions": [{"id": "s", "start": 0}]}',
+        b'{"sessions": [], "extra": 1}',
+        b'{"sessions": [{"id": "s", "start": 0, "stop": 1, "gpus": -1}]}',
+    ],
+)
+def test_bad_json_is_refused(data: bytes) -> None:
+    with pytest.raises(ScalingError):
+        parse_json(data)
+
+
+def test_unknown_suffix_and_missing_file_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "t.yaml").write_text("sessions: []")
+    with pytest.raises(ScalingError, match="unknown format"):
+        load_trace(tmp_path / "t.yaml")
+    with pytest.raises(ScalingError, match="cannot read"):
+        load_trace(tmp_path / "missing.json")
+
+
+# --- CLI and user policies ---------------------------------------------------------------
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    simulate_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def test_cli_prints_both_modes_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "t.json").write_bytes(dump_json(TAKING_TURNS))
+    argv = ["--trace", str(tmp_path / "t.json"), "--hosts", "3", "--gpus-per-host", "1"]
+    assert run_cli([*argv, "--no-autoscale"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["metric", "nbos", "reservation"]
+    assert any(line.split()[:3] == ["peak", "GPUs", "committed"] and line.split()[3:] == ["1", "2"]
+               for line in lines)  # fmt: skip
+    assert run_cli([*argv, "--mode", "nbos", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (row["mode"], row["peak_gpus_committed"], row["busy_share"]) == ("nbos", 1, 1.0)
+
+
+def test_cli_refuses_a_malformed_policy_argument() -> None:
+    with pytest.raises(ConfigError):
+        run_cli(["--synthetic", "1", "--hours", "1", "--policy-arg", "no-equals-sign"])
+
+
+def test_a_user_policy_from_an_entry_point_runs_in_the_simulator(
+    installed: Path,  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(installed))
+    trace = synthetic_trace(6, 4.0, seed=2)
+    config = SimConfig(hosts=4, policy="spread-by-name", policy_kwargs={"salt": "x"})
+    result = simulate(trace, config)
+    assert result.policy == "spread-by-name"
+    assert result.cells_unserved == 0
+    assert result.gpu_hours_busy == pytest.approx(trace.gpu_hours_busy())
+    assert simulate(trace, config) == result  # the user policy replays too
