@@ -19,7 +19,7 @@ from typing import Any
 from nbos.kernel.state._buffers import LARGE
 from nbos.kernel.state._codec import pickle_loadable
 from nbos.kernel.state._names import user_items
-from nbos.kernel.state._pickler import CLASS_SKIP, is_user_defined
+from nbos.kernel.state._pickler import CLASS_SKIP, DESCRIPTORS, by_value
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
 _CODE_FIELDS = (
@@ -27,7 +27,6 @@ _CODE_FIELDS = (
     "co_consts", "co_names", "co_varnames", "co_freevars", "co_cellvars", "co_name",
     "co_qualname",
 )  # fmt: skip
-_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
 
 
 def namespace_digest(namespace: Mapping[str, object]) -> str:
@@ -51,10 +50,7 @@ def _replicated(name: str, value: object) -> bool:
     """Whether capture would carry ``value`` to replicas (so both sides digest it)."""
     if isinstance(value, types.ModuleType):
         return sys.modules.get(value.__name__) is value
-    try:
-        _, failed = pickle_loadable({name: value}, LARGE)
-    except Exception:
-        return False
+    _, failed = pickle_loadable({name: value}, LARGE)
     return not failed
 
 
@@ -100,9 +96,9 @@ class _Walker:
             special(self, h, obj)
         elif isinstance(obj, types.ModuleType):
             h.update(obj.__name__.encode())
-        elif isinstance(obj, type) and is_user_defined(obj):
+        elif isinstance(obj, type) and by_value(obj):
             self._class(h, obj)
-        elif isinstance(obj, types.FunctionType) and is_user_defined(obj):
+        elif isinstance(obj, types.FunctionType) and by_value(obj):
             self._function(h, obj)
         elif isinstance(obj, type | types.FunctionType | types.BuiltinFunctionType):
             h.update(f"{obj.__module__}.{obj.__qualname__}".encode())
@@ -146,7 +142,7 @@ class _Walker:
         self._items(h, (cls.__name__, cls.__qualname__, cls.__bases__, type(cls)))
         for key in sorted(cls.__dict__):
             value = cls.__dict__[key]
-            if key not in CLASS_SKIP and not isinstance(value, _DESCRIPTORS):
+            if key not in CLASS_SKIP and not isinstance(value, DESCRIPTORS):
                 self._feed(h, key)
                 self._feed(h, _unwrap(value))
 

@@ -51,7 +51,7 @@ USER_MODULES = frozenset({"__main__"})
 CLASS_SKIP = frozenset(
     {"__dict__", "__weakref__", "__slots__", "_abc_impl", "__slotnames__", "__orig_bases__"}
 )
-_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
+DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
 
 
 class _EmptyCell:
@@ -251,7 +251,7 @@ def _reduce_class(cls: type) -> tuple[Any, ...]:
     state = {
         key: value
         for key, value in cls.__dict__.items()
-        if key not in CLASS_SKIP and not isinstance(value, _DESCRIPTORS)
+        if key not in CLASS_SKIP and not isinstance(value, DESCRIPTORS)
     }
     state["__qualname__"] = cls.__qualname__
     # The bases as written (``Generic[T]``, ``TypedDict``) rebuild what __bases__ cannot;
