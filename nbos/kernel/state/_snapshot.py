@@ -40,15 +40,10 @@ async def dump_namespace(
     for name, value in user_items(namespace):
         if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value:
             imports.append((name, value.__name__))
-            continue
-        try:
-            _codec.pickle_value(value, threshold)
-        except Exception as exc:
-            log.info("snapshot leaves out %s: %s: %s", name, type(exc).__name__, exc)
-            continue
-        values[name] = value
-    pickled, unloadable = _codec.pickle_loadable(values, threshold)
-    for name, reason in unloadable.items():
+        else:
+            values[name] = value
+    pickled, failed = _codec.pickle_loadable(values, threshold)
+    for name, reason in failed.items():
         log.info("snapshot leaves out %s: %s", name, reason)
     encoded = await _codec.encode(pickled, store, {}, threshold)
     return _encoder.encode(_Image(encoded, imports))
