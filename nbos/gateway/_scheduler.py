@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -62,8 +62,6 @@ WaitCallback = Callable[[str], Awaitable[None]]
 
 #: Smoothing of the demand-to-busy ratio that admission compares subscription ratios with.
 _RATIO_ALPHA = 0.2
-#: How many dead kernels and finished reservations are remembered for late agent reports.
-_MEMORY = 4096
 
 
 @attrs.define
@@ -124,7 +122,8 @@ class GpuScheduler:
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
         self._pending_release: dict[str, tuple[HostId, bool]] = {}
-        self._gone: OrderedDict[KernelId, None] = OrderedDict()
+        # (host, kernel) whose ReleaseKernel the host has not confirmed yet.
+        self._owed: set[tuple[HostId, KernelId]] = set()
         self._ratio = 1.0
         self._version = 0
         self._changed = anyio.Event()
@@ -234,7 +233,7 @@ class GpuScheduler:
             log.warning("%s: not %d distinct known hosts", message, request.replicas)
             raise PlacementError(f"{message}: not {request.replicas} distinct known hosts")
         self._placements[kernel_id] = (hosts, gpus)
-        self._gone.pop(kernel_id, None)
+        self._owed -= {(h, kernel_id) for h in hosts}
         log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
         self._notify()
         return hosts
@@ -267,8 +266,8 @@ class GpuScheduler:
             raise QuorumLostError(
                 f"kernel {kernel_id} has no live replica to run cell {exec_index}"
             )
-        # A kernel that asks for GPUs is alive, even if an id was reused after kernel_gone.
-        self._gone.pop(kernel_id, None)
+        # The kernel has live replicas on these hosts: nothing is owed for it there.
+        self._owed -= {(h, kernel_id) for h in replicas.values()}
         if gpus == 0:
             replica = (
                 last_executor
@@ -388,18 +387,29 @@ class GpuScheduler:
 
     async def kernel_gone(self, kernel_id: KernelId) -> None:
         """The kernel was shut down or died: free its GPUs and residency on every host."""
-        self._gone[kernel_id] = None
-        while len(self._gone) > _MEMORY:
-            self._gone.popitem(last=False)
         self._placements.pop(kernel_id, None)
-        for res in [r for r, g in self._grants.items() if g.kernel_id == kernel_id]:
+        async with anyio.create_task_group() as tg:
+            for host_id in list(self._hosts):
+                tg.start_soon(self.replica_gone, kernel_id, host_id)
+        log.info("kernel %s gone: its GPUs are released", kernel_id)
+
+    async def replica_gone(self, kernel_id: KernelId, host_id: HostId) -> None:
+        """The kernel's replica on ``host_id`` died or was removed: free what it held there.
+
+        Its grants there are dropped and the agent frees its reservations and
+        resident marks (the tensors died with the process), so no later
+        allocation waits for an eviction that nobody can do. An unreachable
+        agent is told when it reports again.
+        """
+        for res in [
+            r for r, g in self._grants.items() if g.kernel_id == kernel_id and g.host == host_id
+        ]:
             del self._grants[res]
             self._committed.discard(res)
-        async with anyio.create_task_group() as tg:
-            for host in self._hosts.values():
-                if host.reachable:
-                    tg.start_soon(self._send_release_kernel, host, kernel_id)
-        log.info("kernel %s gone: its GPUs are released", kernel_id)
+        self._owed.add((host_id, kernel_id))
+        host = self._hosts.get(host_id)
+        if host is not None and host.reachable:
+            await self._send_release_kernel(host, kernel_id)
         self._notify()
 
     # --- choosing and pre-committing -------------------------------------------------
@@ -503,6 +513,7 @@ class GpuScheduler:
             await self._call(host, lambda rid: GpuReleaseKernel(rid, kernel_id))
         except HostUnreachableError:
             return
+        self._owed.discard((host.host_id, kernel_id))
         for res in [r for r, g in host.reported.items() if g.kernel_id == kernel_id]:
             del host.reported[res]
         self._notify()
@@ -600,15 +611,13 @@ class GpuScheduler:
         for res, (host_id, _) in list(self._pending_release.items()):
             if host_id == host.host_id and res not in host.reported:
                 del self._pending_release[res]  # expired or lost there: nothing left to free
-        kernels: set[KernelId] = set()
-        for res, r in list(host.reported.items()):
+        for res in host.reported:
             pending = self._pending_release.get(res)
             if pending is not None:
                 self._spawn(self._send_release, host, res, pending[1])
-            elif KernelId(r.kernel_id) in self._gone and res not in self._grants:
-                kernels.add(KernelId(r.kernel_id))
-        for kernel in kernels:
-            self._spawn(self._send_release_kernel, host, kernel)
+        for host_id, kernel in list(self._owed):
+            if host_id == host.host_id:
+                self._spawn(self._send_release_kernel, host, kernel)
 
     async def _liveness_loop(self) -> None:
         while True:

@@ -332,3 +332,28 @@ async def test_scheduler_drops_garbage_and_stray_messages() -> None:
         assert g.host == "h0"
         await c.scheduler.release(g)
         await rogue.aclose()
+
+
+async def test_replica_gone_frees_its_host_and_its_resident_tensors() -> None:
+    async with cluster(THREE) as c:
+        a0 = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=1)
+        await c.scheduler.release(a0, resident=True)
+        a1 = await c.scheduler.acquire(kernel("a"), 2, ALL, last_executor=1, gpus=1)
+        assert c.pool("h0").resident() == {0: "a"}
+        await c.scheduler.replica_gone(kernel("a"), HostId("h0"))
+        assert c.pool("h0").resident() == {}
+        # The replica on h1 lives on: its grant is untouched.
+        assert [g.reservation_id for g in c.scheduler.grants()] == [a1.reservation_id]
+        assert held(c)["h1"] == 1
+
+
+async def test_kernel_gone_reaches_an_unreachable_host_when_it_is_back() -> None:
+    async with cluster(THREE) as c:
+        g = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=1)
+        await c.scheduler.committed(g)
+        c.network.partition(["gateway"], ["h0/agent"])
+        await eventually(lambda: not c.scheduler.host(HostId("h0")).reachable)
+        await c.scheduler.kernel_gone(kernel("a"))
+        assert held(c)["h0"] == 1
+        c.network.heal()
+        await eventually(lambda: held(c)["h0"] == 0)

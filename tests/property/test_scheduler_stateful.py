@@ -4,7 +4,7 @@ Three agents with virtual GPUs and a real :class:`GpuScheduler` run over the
 in-memory network inside a blocking portal; hypothesis drives random acquires
 (some of which must wait and are given up), commits, releases (with and
 without lazy residency), pre-commit expiry (the pools' clock is advanced by
-hand), kernel deaths and agent restarts (a new agent with an empty pool, which
+hand), replica and kernel deaths and agent restarts (a new agent with an empty pool, which
 the scheduler must give back its committed reservations). After every step:
 
 * no device is bound to two committed cells, on the scheduler's side or the agents';
@@ -134,6 +134,15 @@ class SchedulerAccounting(RuleBasedStateMachine):
             self.committed.discard(grant.reservation_id)
         self.call(self.c.scheduler.kernel_gone, kernel)
         assert all(g.kernel_id != kernel for g in self.c.scheduler.grants())
+
+    @rule(kernel=kernels, host=st.sampled_from(sorted(HOSTS)))
+    def replica_dies(self, kernel: KernelId, host: str) -> None:
+        grant = self.grants.get(kernel)
+        if grant is not None and grant.host == host:
+            del self.grants[kernel]
+            self.committed.discard(grant.reservation_id)
+        self.call(self.c.scheduler.replica_gone, kernel, HostId(host))
+        assert kernel not in self.c.pool(host).resident().values()
 
     @rule()
     def precommits_expire(self) -> None:
