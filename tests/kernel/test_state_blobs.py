@@ -99,3 +99,23 @@ async def test_soft_dirty_bits_spare_hashing_untouched_buffers(pair: Pair) -> No
     delta = await pair.cell("view[5] = 3.0")  # written through a view: the pages tell
     assert pair.capture.hashed_bytes > 0 and delta.blobs
     assert pair.replica["big"][15] == 3.0
+
+
+async def test_large_buffers_without_an_address_are_kept_apart(pair: Pair) -> None:
+    # a bytearray exported out of band: not a numpy array, so no address to key it by
+    delta = await pair.cell(
+        f"""
+        import pickle
+        class Blob:
+            def __init__(self, data):
+                self.data = bytearray(data)
+            def __reduce_ex__(self, protocol):
+                return Blob, (pickle.PickleBuffer(self.data),)
+        x = Blob(b"x" * {2 * LARGE})
+        y = Blob(b"y" * {2 * LARGE})
+        """
+    )
+    assert len(set(delta.blobs)) == 2
+    assert pair.replica["x"].data[:1] == b"x" and pair.replica["y"].data[:1] == b"y"
+    delta = await pair.cell("y.data[0] = ord('z')")
+    assert pair.replica["y"].data[:2] == b"zy"

@@ -114,21 +114,27 @@ class BufferKeys:
                 self.hashed_bytes += view.nbytes
                 entry = _Known(_weak_owner(view, owners), key)
             found[place] = entry.key
-            if entry.owner() is not None and place[0]:
+            if entry.owner() is not None and place[0] > 0:
                 known[place] = entry
         self._known = known  # forget buffers that left the namespace: frees their owners' refs
         return found
 
 
 def place_of(buffer: pickle.PickleBuffer) -> tuple[int, int]:
-    """``(address, nbytes)`` of a buffer, address 0 when it cannot be told."""
+    """Where a buffer lies: ``(address, nbytes)``.
+
+    An exporter that does not tell its address (not a numpy array) gets the negative
+    of its ``id()`` instead: distinct from every other live buffer, and never trusted
+    across captures.
+    """
     return _place(buffer.raw())
 
 
 def _place(view: memoryview) -> tuple[int, int]:
     interface = getattr(view.obj, "__array_interface__", None)
-    address = interface["data"][0] if isinstance(interface, dict) else 0
-    return address, view.nbytes
+    if isinstance(interface, dict) and interface.get("data"):
+        return interface["data"][0], view.nbytes
+    return -id(view.obj), view.nbytes
 
 
 def _weak_owner(view: memoryview, owners: dict[int, object]) -> Callable[[], object]:

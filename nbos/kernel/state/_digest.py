@@ -11,6 +11,7 @@ left out of replication.
 from __future__ import annotations
 
 import hashlib
+import pickle
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -104,6 +105,8 @@ class _Walker:
             h.update(f"{obj.__module__}.{obj.__qualname__}".encode())
         elif _array_like(obj):
             self._array(h, obj)
+        elif isinstance(obj, pickle.PickleBuffer):
+            h.update(obj.raw())
         else:
             self._reduced(h, obj)
 
