@@ -14,8 +14,12 @@ addresses and the application image together form the Raft snapshot.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
 import random
+import time
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -59,10 +63,18 @@ _encoder = msgspec.msgpack.Encoder()
 class _Pending:
     """A proposal waiting for its entry to be applied."""
 
-    def __init__(self, client_id: str, seq: int) -> None:
+    def __init__(self, client_id: str, seq: int, timeout: float = math.inf) -> None:
         self.client_id = client_id
         self.seq = seq
+        self.timeout = timeout
         self.outcome: Outcome[bytes] = Outcome()
+
+    def expire(self) -> None:
+        self.outcome.fail(
+            ProposalTimeoutError(
+                f"proposal {self.client_id}/{self.seq} not applied within {self.timeout}s"
+            )
+        )
 
 
 class RaftReplicatedLog:
@@ -90,6 +102,9 @@ class RaftReplicatedLog:
         self._addresses: dict[int, MemberAddress] = {}
         self._sessions: dict[str, ClientSession] = {}
         self._pending: dict[int, _Pending] = {}
+        # (deadline, tiebreak, proposal): the tick loop fails the overdue ones
+        self._deadlines: list[tuple[float, int, _Pending]] = []
+        self._tiebreak = itertools.count()
         self._reads: dict[bytes, Outcome[int]] = {}
         self._applied = Watermark(node.applied_index)
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Callable[[], None]](
@@ -205,17 +220,39 @@ class RaftReplicatedLog:
         return await outcome.wait()
 
     async def _replicate(self, payload: bytes, pending: _Pending, timeout: float) -> bytes:
-        def append() -> None:
-            self._pending[self._node.propose(payload)] = pending
+        """Append on the node loop and wait for the entry to apply, in one trip.
 
+        This is the hot path under load, so it avoids a cancel scope and timer per
+        proposal: the deadline goes on a heap that the tick loop sweeps (so it is
+        kept to within a tick), and a refusal by the node fails the same outcome
+        that the apply sets.
+        """
+
+        def append() -> None:
+            try:
+                self._pending[self._node.propose(payload)] = pending
+            except Exception as exc:
+                pending.outcome.fail(exc)
+
+        if self._closed:
+            raise LogClosedError("the replicated log was closed")
+        pending.timeout = timeout
+        deadline = time.monotonic() + timeout
+        heapq.heappush(self._deadlines, (deadline, next(self._tiebreak), pending))
         try:
-            with anyio.fail_after(timeout):
-                await self._call(append)
-                return await pending.outcome.wait()
-        except TimeoutError:
-            raise ProposalTimeoutError(
-                f"proposal {pending.client_id}/{pending.seq} not applied within {timeout}s"
-            ) from None
+            try:
+                self._inbox_send.send_nowait(append)
+            except anyio.WouldBlock:
+                await self._inbox_send.send(append)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise LogClosedError("the replicated log was closed") from None
+        return await pending.outcome.wait()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        heap = self._deadlines
+        while heap and (heap[0][0] <= now or heap[0][2].outcome.done):
+            heapq.heappop(heap)[2].expire()
 
     async def _replicate_command(self, command: MemberAddress) -> None:
         self._seq += 1
@@ -245,6 +282,7 @@ class RaftReplicatedLog:
         interval = self._settings.tick_ms / 1000
         while True:
             await anyio.sleep(interval)
+            self._expire()
             try:
                 self._inbox_send.send_nowait(self._node.tick)
             except anyio.WouldBlock:
@@ -437,6 +475,9 @@ class RaftReplicatedLog:
     def _fail_all(self, error: Exception) -> None:
         for pending in self._pending.values():
             pending.outcome.fail(error)
+        for _, _, pending in self._deadlines:  # some may not have reached the node loop
+            pending.outcome.fail(error)
+        self._deadlines.clear()
         for outcome in self._reads.values():
             outcome.fail(error)
         self._pending.clear()
