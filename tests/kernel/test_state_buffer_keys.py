@@ -136,3 +136,15 @@ def test_the_process_page_bits_are_probed_once() -> None:
     from nbos.kernel.state._pages import probe
 
     assert probe() is probe()
+
+
+async def test_without_page_bits_chunk_digests_tell_changes_in_any_chunk() -> None:
+    keys = BufferKeys(None)
+    a = np.zeros(20 << 17)  # 20 MiB: three 8 MiB chunks
+    first = (await keys.keys([buffer_of(a)], {}))[place_of(buffer_of(a))]
+    for index in (0, a.size // 2, a.size - 1):
+        a[index] = 1.0
+        changed = (await keys.keys([buffer_of(a)], {}))[place_of(buffer_of(a))]
+        assert changed == key_of(a) != first
+        a[index] = 0.0
+        assert (await keys.keys([buffer_of(a)], {}))[place_of(buffer_of(a))] == first
