@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ log = logging.getLogger(__name__)
 
 #: Each subcommand module exposes ``register(subparsers)``; it sets ``func`` on its parser.
 Handler = Callable[[argparse.Namespace], int]
+
+_COMMANDS = ("run", "kernelspec")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="log level for nbos's own messages (default: WARNING)",
     )
     parser.add_argument("--config", help="TOML settings file (NBOS_* variables override it)")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in _COMMANDS:
+        importlib.import_module(f"nbos.cli.{module}").register(subparsers)
     return parser
 
 

@@ -1,0 +1,25 @@
+"""``nbos kernelspec install``: make the ``nbos`` kernel known to Jupyter."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from nbos.jupyter import install
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("kernelspec", help="manage the nbos Jupyter kernelspec")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    inst = actions.add_parser("install", help="install the nbos kernelspec")
+    where = inst.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="for the current user only")
+    where.add_argument("--prefix", help="under this prefix (e.g. sys.prefix of a venv)")
+    inst.add_argument("--gpus", type=int, default=0, help="the kernel's default GPUs per cell")
+    inst.set_defaults(func=install_command)
+
+
+def install_command(args: argparse.Namespace) -> int:
+    path = install(user=args.user, prefix=args.prefix, gpus=args.gpus)
+    print(f"installed the nbos kernelspec in {path}")
+    return 0

@@ -1,0 +1,42 @@
+"""The ``nbos`` kernelspec: how Jupyter finds and starts a replicated kernel."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager
+
+KERNEL_NAME = "nbos"
+PROVISIONER_NAME = "nbos-provisioner"
+
+
+def kernel_json(python: str = sys.executable, gpus: int = 0) -> dict[str, Any]:
+    """The kernelspec's ``kernel.json``. ``gpus`` is the kernel's default GPUs per cell."""
+    return {
+        "argv": [python, "-m", "nbos.jupyter.host", "-f", "{connection_file}"],
+        "display_name": "nbos (replicated Python)",
+        "language": "python",
+        "interrupt_mode": "message",
+        "metadata": {
+            "debugger": False,
+            "kernel_provisioner": {"provisioner_name": PROVISIONER_NAME, "config": {}},
+            "nbos": {"gpus": gpus},
+        },
+    }
+
+
+def install(
+    *, user: bool = False, prefix: str | None = None, python: str = sys.executable, gpus: int = 0
+) -> str:
+    """Install the kernelspec; returns the directory it went to."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "kernel.json").write_text(json.dumps(kernel_json(python, gpus), indent=1))
+        return str(
+            KernelSpecManager().install_kernel_spec(
+                tmp, kernel_name=KERNEL_NAME, user=user, prefix=prefix
+            )
+        )

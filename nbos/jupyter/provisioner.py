@@ -1,0 +1,67 @@
+"""A jupyter_client kernel provisioner that starts a replicated nbos kernel.
+
+Registered as ``nbos-provisioner`` in the ``jupyter_client.kernel_provisioners``
+entry point group and named by the ``nbos`` kernelspec, so ``jupyter console
+--kernel nbos``, nbclient, papermill and JupyterLab use it unchanged. It runs the
+kernel host process (:mod:`nbos.jupyter.host`) like a local kernel and answers
+with the connection info of the kernel front that the host wrote. ``poll()``
+reports the kernel alive while the host lives, and the host lives while a
+quorum of replicas does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+from nbos.core.errors import KernelError
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0
+
+
+class NbosProvisioner(LocalProvisioner):
+    """Starts ``python -m nbos.jupyter.host`` and waits for the front's connection info."""
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        await super().launch_kernel(cmd, **kwargs)
+        if self.parent is None:
+            raise KernelError("the nbos provisioner runs only under a kernel manager")
+        info = await self._front_info(Path(self.parent.connection_file))
+        info["key"] = info["key"].encode()
+        self.connection_info = cast(KernelConnectionInfo, info)
+        return self.connection_info
+
+    async def _front_info(self, path: Path) -> dict[str, Any]:
+        with anyio.move_on_after(START_TIMEOUT_S):
+            while True:
+                status = await self.poll()
+                if status is not None:
+                    raise KernelError(f"the nbos kernel host exited with status {status}")
+                info = _read_front_info(path)
+                if info is not None:
+                    return info
+                await anyio.sleep(0.05)
+        await self.kill()
+        raise KernelError(f"the nbos kernel host did not start within {START_TIMEOUT_S:.0f}s")
+
+    def get_stable_start_time(self, recommended: float = 10.0) -> float:
+        # Three replica processes and their Raft group take longer than one kernel.
+        return max(recommended, 30.0)
+
+
+def _read_front_info(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # not there yet, or caught mid-write by a non-atomic writer
+    if not isinstance(data, dict) or "nbos" not in data:
+        return None
+    return {k: v for k, v in data.items() if k != "nbos"}
