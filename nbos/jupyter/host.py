@@ -3,8 +3,9 @@
 Jupyter launches ``python -m nbos.jupyter.host -f CONNECTION_FILE`` through the
 ``nbos`` kernelspec and its provisioner. The process starts a
 :class:`~nbos.cluster.LocalCluster`, starts one kernel on it, and writes the
-kernel front's connection info over ``CONNECTION_FILE`` (atomically, with an
-``"nbos"`` key that tells the provisioner the file is the front's). It lives as
+kernel front's connection info, atomically, to :func:`front_info_path` beside
+``CONNECTION_FILE``; the provisioner hands it to the kernel manager, which
+rewrites the connection file with it. It lives as
 long as the kernel does: it exits 0 once a client shut the kernel down, and 3
 when fewer than a quorum of replicas are alive, so a process poll tells Jupyter
 whether the kernel lives.
@@ -35,6 +36,11 @@ QUORUM_LOST = 3
 _POLL_S = 0.5
 
 
+def front_info_path(connection_file: Path) -> Path:
+    """Where the host writes the front's connection info for ``connection_file``."""
+    return connection_file.with_name(connection_file.name + ".front")
+
+
 def write_connection_file(path: Path, info: dict[str, Any], kernel: Kernel) -> None:
     """Replace ``path`` atomically with the front's connection info."""
     data = dict(info)
@@ -56,7 +62,8 @@ def has_quorum(kernel: Kernel) -> bool:
 async def serve(connection_file: Path, settings: Settings) -> int:
     async with LocalCluster(hosts=settings.cluster.hosts, settings=settings) as cluster:
         kernel = await cluster.start_kernel()
-        write_connection_file(connection_file, dict(kernel.connection_info), kernel)
+        info_file = front_info_path(connection_file)
+        write_connection_file(info_file, dict(kernel.connection_info), kernel)
         log.info("kernel %s serving at %s", kernel.kernel_id, connection_file)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, kernel)
@@ -67,7 +74,8 @@ async def serve(connection_file: Path, settings: Settings) -> int:
 
 async def _until_closed_or_quorum_lost(kernel: Kernel) -> int:
     while not kernel.closed.is_set():
-        if not has_quorum(kernel):
+        # Replicas exiting because a client asked for shutdown are not a lost quorum.
+        if not has_quorum(kernel) and not kernel.front.shutdown_requested.is_set():
             log.error("kernel %s lost its quorum: %s", kernel.kernel_id, kernel.replicas)
             await kernel.shutdown()
             return QUORUM_LOST

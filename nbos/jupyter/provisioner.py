@@ -4,7 +4,8 @@ Registered as ``nbos-provisioner`` in the ``jupyter_client.kernel_provisioners``
 entry point group and named by the ``nbos`` kernelspec, so ``jupyter console
 --kernel nbos``, nbclient, papermill and JupyterLab use it unchanged. It runs the
 kernel host process (:mod:`nbos.jupyter.host`) like a local kernel and answers
-with the connection info of the kernel front that the host wrote. ``poll()``
+with the connection info of the kernel front that the host wrote; the kernel
+manager then rewrites its connection file with it. ``poll()``
 reports the kernel alive while the host lives, and the host lives while a
 quorum of replicas does.
 """
@@ -21,6 +22,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
 from nbos.core.errors import KernelError
+from nbos.jupyter.host import front_info_path
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class NbosProvisioner(LocalProvisioner):
         await super().launch_kernel(cmd, **kwargs)
         if self.parent is None:
             raise KernelError("the nbos provisioner runs only under a kernel manager")
-        info = await self._front_info(Path(self.parent.connection_file))
+        info = await self._front_info(front_info_path(Path(self.parent.connection_file)))
         info["key"] = info["key"].encode()
         self.connection_info = cast(KernelConnectionInfo, info)
         return self.connection_info
@@ -51,6 +53,11 @@ class NbosProvisioner(LocalProvisioner):
                 await anyio.sleep(0.05)
         await self.kill()
         raise KernelError(f"the nbos kernel host did not start within {START_TIMEOUT_S:.0f}s")
+
+    async def cleanup(self, restart: bool = False) -> None:
+        if self.parent is not None:
+            front_info_path(Path(self.parent.connection_file)).unlink(missing_ok=True)
+        await super().cleanup(restart=restart)
 
     def get_stable_start_time(self, recommended: float = 10.0) -> float:
         # Three replica processes and their Raft group take longer than one kernel.
