@@ -50,6 +50,9 @@ operation = st.one_of(
     st.tuples(st.just("array"), name, st.integers(0, 64)),
     st.tuples(st.just("poke"), name, st.integers(0, 63), st.floats(allow_nan=False)),
     st.tuples(st.just("view"), name, name),
+    st.tuples(st.just("def"), name, atoms),
+    st.tuples(st.just("class"), name, atoms),
+    st.tuples(st.just("make"), name, name),
 )
 cells = st.lists(st.lists(operation, min_size=1, max_size=3), min_size=1, max_size=6)
 
@@ -80,11 +83,22 @@ def run(ns: dict[str, Any], op: tuple[Any, ...]) -> None:
         ns[target][rest[0] % ns[target].size] = rest[1]
     elif kind == "view" and isinstance(ns.get(rest[0]), np.ndarray):
         ns[target] = ns[rest[0]][1:]  # shares memory with the array it views
+    elif kind == "def":  # a cell-defined function, with a default and a global lookup
+        exec(f"def {target}(v={rest[0]!r}):\n    return (v, {target})", ns)
+    elif kind == "class":
+        exec(f"class {target}:\n    v = {rest[0]!r}\n    def me(self):\n        return self", ns)
+    elif kind == "make" and isinstance(ns.get(rest[0]), type):
+        ns[target] = ns[rest[0]]()
 
 
 def aliasing(ns: dict[str, Any]) -> set[tuple[str, str]]:
     """Pairs of names bound to one mutable object (the identity of an int is not state)."""
-    present = [n for n in NAMES if isinstance(ns.get(n), list | dict | set)]
+    present = [
+        n
+        for n in NAMES
+        if isinstance(ns.get(n), list | dict | set | np.ndarray | type)
+        or type(ns.get(n)).__module__ == "__main__"
+    ]
     return {(x, y) for x in present for y in present if x < y and ns[x] is ns[y]}
 
 
