@@ -22,6 +22,7 @@ from nbos.kernel.front import KernelFront
 log = logging.getLogger(__name__)
 
 _SHUTDOWN_GRACE_S = 5.0
+_EXIT_GRACE_S = 1.0
 
 
 @attrs.frozen
@@ -187,8 +188,11 @@ async def stop_processes(front: KernelFront, by_node: Mapping[int, ProcessHandle
 
 
 async def _ask_shutdown(front: KernelFront, node: int, handle: ProcessHandle) -> None:
+    # A replica replies once its Raft member has stopped; what is left is interpreter
+    # teardown, which can take seconds (torch) and is safe to cut short.
     await front.control_request(node, "shutdown_request", {"restart": False}, timeout=2.0)
-    await handle.wait()
+    with anyio.move_on_after(_EXIT_GRACE_S):
+        await handle.wait()
 
 
 async def _collect_outputs(client: AsyncKernelClient, msg_id: str) -> list[dict[str, Any]]:

@@ -16,9 +16,11 @@ from nbos.cluster import Kernel, LocalCluster
 
 pytestmark = pytest.mark.anyio
 
-# Values, a function and a class defined in cells, an instance, shared references.
+# Values, a function and a class defined in cells, an instance, shared references,
+# a large array (a blob in the object store).
 STATE = [
-    "import math\nxs = [1, 2, 3]\nalias = xs\nnested = {'xs': xs}",
+    "import math\nimport numpy as np\nxs = [1, 2, 3]\nalias = xs\nnested = {'xs': xs}\n"
+    "big = np.arange(300_000, dtype=np.float64)\nview = {'big': big}",
     "def area(r):\n    return math.pi * r * r\n"
     "class Point:\n    def __init__(self, x):\n        self.x = x\n"
     "    def norm(self):\n        return abs(self.x)",
@@ -26,6 +28,7 @@ STATE = [
 ]
 CHECK = (
     "assert alias is xs and nested['xs'] is xs and xs == [1, 2, 3, 4]\n"
+    "assert view['big'] is big and big.sum() == 299_999 * 300_000 / 2\n"
     "assert isinstance(p, Point) and p.norm() == 4\n"
     "print(round(area(1), 5))"
 )
@@ -77,10 +80,20 @@ async def test_kill_a_non_executor_between_cells(kernel: Kernel) -> None:
 
 async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
     executor = await define_state(kernel)
+    model = await kernel.execute(
+        "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "loss = model(torch.ones(3, 8)).sum()\nloss.backward()\nopt.step()\n"
+        "weights = model.weight.detach().clone()"
+    )
+    assert model.status == "ok", model.reply
+    executor = model.executor or executor
     before = await kernel.digests()
     assert len(set(before.values())) == 1
     await kernel.kill_replica(executor)
-    result = await kernel.execute(CHECK)  # changes nothing: the namespace is the old one
+    result = await kernel.execute(  # changes nothing: the namespace is the old one
+        CHECK + "\nassert torch.equal(model.weight, weights) and model.weight.grad is not None"
+    )
     assert result.status == "ok", result.reply
     assert result.executor is not None and result.executor != executor
     assert result.stdout == "3.14159\n"

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -193,14 +196,68 @@ async def test_bad_messages_are_refused_and_the_kernel_keeps_serving(
     assert stdout(messages) == "False\n"
 
 
-async def test_blocking_facade_runs_cells() -> None:
-    def script() -> tuple[str, int | None]:
-        with nbos.connect_blocking(hosts=3, durable=False) as cluster:
-            k = cluster.start_kernel()
-            k.execute("z = 20")
-            result = k.execute("print(z + 1)")
-            return result.stdout, result.execution_count
+def docs_examples() -> list[str]:
+    text = (Path(__file__).parents[2] / "docs" / "kernel.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)[:2]
 
-    out, count = await anyio.to_thread.run_sync(script)
-    assert out == "21\n"
-    assert count == 2
+
+async def test_docs_examples_run(tmp_path: Path) -> None:
+    """The embedding example (async) and the blocking facade example of docs/kernel.md."""
+    outputs = []
+    for i, code in enumerate(docs_examples()):
+        script = tmp_path / f"example{i}.py"
+        script.write_text(code)
+        done = await anyio.run_process(
+            [sys.executable, str(script)], check=False, cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        outputs.append(done.stdout.decode())
+    first, blocking = outputs
+    lines = first.splitlines()
+    assert lines[0].startswith("ok 1 ") and lines[0].endswith(" 2")
+    assert lines[1].isdigit()
+    assert lines[2] == "1"
+    assert "'1024'" in blocking
+
+
+async def test_unpicklable_names_are_named_once_and_sync_goes_on(
+    kernel: Kernel, client: AsyncKernelClient
+) -> None:
+    reply, messages = await run(client, "import threading\nlock = threading.Lock()\nok = 1")
+    assert reply["content"]["status"] == "ok"
+    told = "".join(
+        m["content"]["text"]
+        for m in messages
+        if m["msg_type"] == "stream" and m["content"]["name"] == "stderr"
+    )
+    assert "lock" in told and "ok" not in told.replace("cannot", "")
+    again, messages = await run(client, "ok += 1")
+    assert again["content"]["status"] == "ok"
+    assert not [m for m in messages if m["msg_type"] == "stream"]
+    digests = await kernel.digests()
+    assert len(set(digests.values())) == 1
+
+
+async def test_comm_messages_reach_the_kernel_through_the_log(client: AsyncKernelClient) -> None:
+    register = (
+        "seen = []\n"
+        "def on_open(comm, msg):\n"
+        "    seen.append(msg['content']['data'])\n"
+        "    comm.send({'echo': msg['content']['data']})\n"
+        "get_ipython().kernel.comm_manager.register_target('nbos-test', on_open)"
+    )
+    reply, _ = await run(client, register)
+    assert reply["content"]["status"] == "ok"
+    comm_open = client.session.msg(
+        "comm_open", {"comm_id": "c-1", "target_name": "nbos-test", "data": {"n": 7}}
+    )
+    client.shell_channel.send(comm_open)
+    with anyio.fail_after(20):
+        while True:
+            msg = await client.get_iopub_msg()
+            mine = msg["parent_header"].get("msg_id") == comm_open["header"]["msg_id"]
+            if mine and msg["msg_type"] == "comm_msg":
+                break
+    assert msg["content"]["data"] == {"echo": {"n": 7}}
+    _, messages = await run(client, "print(seen)")
+    assert stdout(messages) == "[{'n': 7}]\n"

@@ -101,7 +101,7 @@ def test_garbage_and_comm_entries() -> None:
     (bad,) = r.feed(b"\x00not an entry")
     assert not bad.accepted
     r.feed(CommEntry(2, b'{"header": {}}', [b"buf"]))
-    assert r.events == [CommDelivered(2, b'{"header": {}}', (b"buf",))]
+    assert r.events == [CommDelivered(2, 2, b'{"header": {}}', (b"buf",))]
 
 
 def test_replicas_fed_the_same_log_agree_even_with_duplicates() -> None:

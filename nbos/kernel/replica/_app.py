@@ -8,6 +8,7 @@ node id of the group to ``[raft address, forwarder address]``.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,5 +90,15 @@ class ReplicaApp(IPKernelApp):
 
 
 def main(argv: list[str] | None = None) -> Any:
-    """Entry point of ``python -m nbos.kernel.replica``."""
+    """Entry point of ``python -m nbos.kernel.replica``.
+
+    nbos's log records go to the process's own stderr (its log file): ipykernel
+    turns ``sys.stderr`` into cell output, where they do not belong.
+    """
+    handler = logging.StreamHandler(sys.__stderr__)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    nbos_log = logging.getLogger("nbos")
+    nbos_log.addHandler(handler)
+    nbos_log.setLevel(logging.INFO)
+    nbos_log.propagate = False
     ReplicaApp.launch_instance(argv=argv)

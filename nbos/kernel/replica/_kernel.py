@@ -101,6 +101,7 @@ class ReplicaKernel(IPythonKernel):
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._events: asyncio.Queue[Event] | None = None
         self._applied_done = 0
+        self._applied_comm = 0
         self._applied_changed = asyncio.Event()
         self._cell: _Cell | None = None
         self._diverged = False
@@ -281,8 +282,7 @@ class ReplicaKernel(IPythonKernel):
 
     async def _wait_done(self, index: int) -> None:
         while self._applied_done < index:
-            changed = self._applied_changed
-            await changed.wait()
+            await self._applied_changed.wait()
 
     async def _apply_events(self) -> None:
         assert self._events is not None
@@ -294,12 +294,16 @@ class ReplicaKernel(IPythonKernel):
                 # A delta that cannot apply must not stop the applier: later cells still
                 # need their Done to be seen. The namespace digest shows the divergence.
                 log.exception("applying %s failed", type(event).__name__)
-            if isinstance(event, CellCommitted | Restored):
+            if isinstance(event, CommDelivered):
+                self._applied_comm = event.index
+            else:
                 self._applied_done = (
                     event.exec_index if isinstance(event, CellCommitted) else event.last_done
                 )
-                self._applied_changed.set()
-                self._applied_changed = asyncio.Event()
+            # Wake every waiter; each re-checks its own watermark.
+            self._applied_changed.set()
+            self._applied_changed = asyncio.Event()
+            if not isinstance(event, CommDelivered):
                 await self._maybe_rebase()
 
     async def _maybe_rebase(self) -> None:
@@ -343,9 +347,14 @@ class ReplicaKernel(IPythonKernel):
         buffers = [bytes(b) for b in msg.get("buffers", [])]
         entry = CommEntry(self.node, json.dumps(message, default=str).encode(), buffers)
         try:
-            await self._raft.propose(entry)
+            outcome = await self._raft.propose(entry)
         except NbosError as exc:
             log.warning("comm message not replicated: %s", exc)
+            return
+        # Handle it here before this request's idle goes out: the front relays the
+        # handler's output only while the request is in flight.
+        while self._applied_comm < outcome.index:
+            await self._applied_changed.wait()
 
     def _dispatch_comm(self, event: CommDelivered) -> None:
         try:
@@ -355,6 +364,8 @@ class ReplicaKernel(IPythonKernel):
             log.warning("bad comm entry ignored: %s", exc)
             return
         msg["buffers"] = [memoryview(b) for b in event.buffers]
+        # What the handler sends (comm.send) names the client's message as its parent.
+        self.set_parent([], msg, channel="shell")  # type: ignore[no-untyped-call]
         handler(self.shell_stream, [], msg)
 
     # --- control requests from the front -------------------------------------------

@@ -55,8 +55,9 @@ class CellCommitted:
 
 @attrs.frozen
 class CommDelivered:
-    """A client comm message committed; every replica dispatches it."""
+    """A client comm message committed at log ``index``; every replica dispatches it."""
 
+    index: int
     replica: int
     message: bytes
     buffers: tuple[bytes, ...]
@@ -152,7 +153,9 @@ class KernelStateMachine:
         if isinstance(entry, Done):
             return self._done(index, entry)
         if isinstance(entry, CommEntry):
-            self._on_event(CommDelivered(entry.replica, entry.message, tuple(entry.buffers)))
+            self._on_event(
+                CommDelivered(index, entry.replica, entry.message, tuple(entry.buffers))
+            )
             return self._outcome(index, accepted=True)
         log.warning("kernel log entry %d ignored: %s is not a kernel entry", index, type(entry))
         return self._outcome(index, accepted=False)

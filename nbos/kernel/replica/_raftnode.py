@@ -187,6 +187,7 @@ class RaftNode:
                     forwarded = await self._forwarder.ask(
                         NodeId(leader), self._client_id, seq, data
                     )
+                    log.debug("proposal %d forwarded to node %s: %s", seq, leader, forwarded)
                     if forwarded is not None:
                         await self._log.wait_applied(forwarded.index)
                         return forwarded
