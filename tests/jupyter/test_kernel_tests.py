@@ -1,4 +1,4 @@
-"""jupyter_kernel_test's conformance suite against the ``nbos`` kernelspec (a real kernel manager)."""
+"""jupyter_kernel_test's conformance suite against the ``nbos`` kernelspec (real kernel manager)."""
 
 from __future__ import annotations
 
