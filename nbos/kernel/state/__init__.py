@@ -3,13 +3,16 @@
 On the executor, after each cell::
 
     delta = await capture.capture(namespace, exec_index)   # a StateDelta log entry
+    for name, reason in delta.unpicklable: ...             # tell the user, once
 
 on every other replica, in log order::
 
     await apply(namespace, delta, store)
+    await capture.baseline(namespace)   # before this replica next runs a cell
 
 ``namespace_digest`` compares namespaces across processes; ``dump_namespace`` and
-``load_namespace`` turn a whole namespace into a snapshot image and back.
+``load_namespace`` turn a whole namespace into a snapshot image and back. Values
+and images hold pickles: apply only entries from the kernel's own replicas.
 """
 
 from nbos.kernel.state._apply import apply
