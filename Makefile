@@ -24,7 +24,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy --strict nbos
 
 demo: $(STAMP)
-	@echo "make demo arrives with the replicated kernel (issue 4); nothing to run yet."
+	mkdir -p .nbos-run
+	$(PY) -m nbos run examples/demo.ipynb -o .nbos-run/demo.ipynb
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
