@@ -182,9 +182,10 @@ class _Kernel:
     kernel_id: KernelId
     hosts: list[HostId] = attrs.field(factory=list)
     last: HostId | None = None
-    queue: deque[Cell] = attrs.field(factory=deque)
-    #: When the head of ``queue`` could first have run (submitted, previous cell done).
-    ready_since: float = 0.0
+    #: Submitted cells not finished, each with when it would start on an unlimited cluster.
+    queue: deque[tuple[Cell, float]] = attrs.field(factory=deque)
+    #: When the last submitted cell would end on an unlimited cluster.
+    ideal_end: float = 0.0
     executing_on: HostId | None = None
     stop_requested: bool = False
     finished: bool = False
@@ -341,19 +342,20 @@ class _Simulation:
     # --- cells ---------------------------------------------------------------------
 
     def _submit(self, kernel: _Kernel, cell: Cell) -> None:
-        if not kernel.queue and kernel.executing_on is None:
-            kernel.ready_since = self._now
-        kernel.queue.append(cell)
+        # Cells of one kernel run one after another, so on an unlimited cluster a cell
+        # starts when it is submitted or when the previous one ends, whichever is later.
+        ideal_start = max(self._now, kernel.ideal_end)
+        kernel.ideal_end = ideal_start + cell.duration
+        kernel.queue.append((cell, ideal_start))
         self._try_run(kernel)
 
     def _try_run(self, kernel: _Kernel) -> bool:
         """Start the kernel's next cell if it can start now; True if it did."""
         if not kernel.placed or kernel.executing_on is not None or not kernel.queue:
             return False
-        cell = kernel.queue[0]
-        gpus = kernel.session.cell_gpus(cell)
+        gpus = kernel.session.cell_gpus(kernel.queue[0][0])
         if self._cfg.mode == "reservation":
-            self._begin(kernel, cell, kernel.hosts[0], self._now, None)
+            self._begin(kernel, kernel.hosts[0], self._now, None)
             return True
         view = self._view()
         try:
@@ -362,7 +364,7 @@ class _Simulation:
             choice = None  # only while no host is up; hosts are all large enough
         if isinstance(choice, Execute):
             reservation = self._commit(choice.host, kernel, gpus, kernel.next_reservation())
-            self._begin(kernel, cell, choice.host, self._now, reservation)
+            self._begin(kernel, choice.host, self._now, reservation)
             return True
         if isinstance(choice, Migrate):
             request = PlacementRequest(kernel.kernel_id, gpus, self._cfg.replicas_per_kernel)
@@ -372,19 +374,18 @@ class _Simulation:
                 self._n.migrations += 1
                 reservation = self._commit(plan.target, kernel, gpus, kernel.next_reservation())
                 ready = self._now + self._cfg.migration_time
-                self._begin(kernel, cell, plan.target, ready, reservation)
+                self._begin(kernel, plan.target, ready, reservation)
                 return True
         self._waiting.setdefault(kernel.kernel_id, kernel)
         return False
 
-    def _begin(
-        self, kernel: _Kernel, cell: Cell, host: HostId, at: float, reservation: str | None
-    ) -> None:
+    def _begin(self, kernel: _Kernel, host: HostId, at: float, reservation: str | None) -> None:
+        """Run the kernel's head cell on ``host`` from ``at`` (later than now after a migration)."""
         self._waiting.pop(kernel.kernel_id, None)
         kernel.executing_on = host
-        self._n.delays.append(at - kernel.ready_since)
-        gpus = kernel.session.cell_gpus(cell)
-        self._n.busy_gpu_seconds += gpus * cell.duration
+        cell, ideal_start = kernel.queue[0]
+        self._n.delays.append(at - ideal_start)
+        self._n.busy_gpu_seconds += kernel.session.cell_gpus(cell) * cell.duration
         self._at(at + cell.duration, _END, lambda: self._end(kernel, host, reservation))
 
     def _end(self, kernel: _Kernel, host: HostId, reservation: str | None) -> None:
@@ -392,7 +393,6 @@ class _Simulation:
             self._release(host, reservation, resident=True)
         kernel.last, kernel.executing_on = host, None
         kernel.queue.popleft()
-        kernel.ready_since = self._now
         self._retry()
         self._try_run(kernel)
         self._maybe_finish(kernel)
