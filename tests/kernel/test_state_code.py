@@ -236,3 +236,10 @@ async def test_tuples_typed_dicts_generics_and_caches(pair: Pair) -> None:
     assert r["Box"][int](3).item == 3 and r["T"].__name__ == "T"
     assert r["fib"](30) == 832040 and r["fib"].cache_info().hits > 0
     assert r["inc"](2) == 3 and r["getter"].__self__ is r["box"]
+
+
+async def test_an_unchanged_function_is_not_sent_again(pair: Pair) -> None:
+    await pair.cell("def f():\n    return (1.5, 'abc def', (2.5, 3.5))")
+    keep = list(pair.executor["f"].__code__.co_consts)  # changes what marshal writes
+    delta = await pair.cell("x = 1")
+    assert await sent_names(delta, pair.store) == {"x"} and keep

@@ -38,6 +38,7 @@ import pickle
 import sys
 import types
 import typing
+import weakref
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import IO, Any
 
@@ -196,8 +197,20 @@ def _reduce_function(func: types.FunctionType) -> tuple[Any, ...]:
         "cells": tuple(_cell_value(cell) for cell in cells),
         "globals": own_globals,
     }
-    args = (marshal.dumps(func.__code__), func.__name__, len(cells), own_globals is not None)
+    args = (_marshalled(func.__code__), func.__name__, len(cells), own_globals is not None)
     return _make_function, args, state, None, None, _set_function_state
+
+
+# marshal's output for one code object varies with the reference counts of its
+# constants; an unchanged function must pickle to the same bytes every capture.
+_MARSHALLED: weakref.WeakKeyDictionary[types.CodeType, bytes] = weakref.WeakKeyDictionary()
+
+
+def _marshalled(code: types.CodeType) -> bytes:
+    data = _MARSHALLED.get(code)
+    if data is None:
+        data = _MARSHALLED[code] = marshal.dumps(code)
+    return data
 
 
 def _globals_used(func: types.FunctionType) -> dict[str, Any]:
