@@ -97,3 +97,11 @@ async def test_a_module_that_is_not_importable_by_name_stays(pair: Pair) -> None
     delta = await pair.cell("import types\nfake = types.ModuleType('fake')\nheld = [fake]\nok = 1")
     assert sorted(n for n, _ in delta.unpicklable) == ["fake", "held"]
     assert pair.replica["ok"] == 1 and "fake" not in pair.replica
+
+
+async def test_a_value_that_becomes_unpicklable_in_place_and_back(pair: Pair) -> None:
+    await pair.cell("import threading\nlst = [1]")
+    delta = await pair.cell("lst.append(threading.Lock())")
+    assert [n for n, _ in delta.unpicklable] == ["lst"] and "lst" not in pair.replica
+    delta = await pair.cell("lst.pop()")
+    assert delta.unpicklable == [] and pair.replica["lst"] == [1]
