@@ -201,6 +201,9 @@ class LocalCluster:
             json.dumps(peers),
             "--store",
             str(self.run_dir / "store"),
+            # Each replica keeps its own input history (filled from the log), not a
+            # shared sqlite file that three processes would write at once.
+            "--HistoryManager.hist_file=:memory:",
         ]
         if self._durable:
             argv += ["--data-dir", str(kernel_dir / f"raft-{node}")]

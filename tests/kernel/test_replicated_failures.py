@@ -100,6 +100,16 @@ async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
     after = await kernel.digests()
     assert set(after) == set(before) - {executor}
     assert set(after.values()) == set(before.values())
+    # The input history came through the log too: the new executor has every cell.
+    client = AsyncKernelClient()
+    client.load_connection_info(kernel.connection_info)
+    client.start_channels()
+    try:
+        history = await client.history(hist_access_type="tail", n=10, reply=True, timeout=10)
+    finally:
+        client.stop_channels()
+    codes = [entry[2] for entry in history["content"]["history"]]
+    assert codes[: len(STATE)] == STATE
 
 
 async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:

@@ -31,13 +31,15 @@ class Done(Message):
     """Cell ``exec_index`` finished; the first committed ``Done`` for an index counts.
 
     ``execution_count`` is the shell's prompt counter after the cell; a ``lost`` cell
-    leaves the counter where it was.
+    leaves the counter where it was. ``code`` is the cell's source when it goes into
+    the input history (empty otherwise), so every replica can answer history requests.
     """
 
     exec_index: int
     replica: int
     execution_count: int
     status: CellStatus
+    code: str = ""
 
 
 class CommEntry(Message):

@@ -61,6 +61,7 @@ class _Cell:
     run_s: float = 0.0
     commit_s: float = 0.0
     status: str = ""
+    code: str = ""
 
 
 def cell_request(metadata: Any) -> tuple[int, tuple[int, ...]]:
@@ -212,6 +213,7 @@ class ReplicaKernel(IPythonKernel):
         )
         cell.run_s = time.monotonic() - cell.started
         cell.status = "ok" if reply.get("status") == "ok" else "error"
+        cell.code = code if store_history and not silent else ""
         try:
             await self._commit(cell)
             cell.commit_s = time.monotonic() - cell.started - cell.run_s
@@ -229,7 +231,7 @@ class ReplicaKernel(IPythonKernel):
         if await self._sync.changes_anything(delta):
             await self._raft.propose(delta)
         status: CellStatus = "ok" if cell.status == "ok" else "error"
-        done = Done(cell.index, self.node, int(self._shell.execution_count), status)
+        done = Done(cell.index, self.node, int(self._shell.execution_count), status, cell.code)
         outcome = await self._raft.propose(done)
         if not outcome.accepted:
             self._diverged = True
@@ -330,6 +332,10 @@ class ReplicaKernel(IPythonKernel):
             if not mine:
                 for data in event.deltas:
                     await self._sync.apply(user_ns, _as_delta(data))
+                if event.code:
+                    # The cell's number is the one before the counter it left behind.
+                    history = self._shell.history_manager
+                    history.store_inputs(event.execution_count - 1, event.code)
             self._shell.execution_count = event.execution_count
         elif isinstance(event, Restored):
             await self._sync.restore(user_ns, event.namespace)

@@ -51,6 +51,7 @@ class CellCommitted:
     status: CellStatus
     execution_count: int
     deltas: tuple[bytes, ...]
+    code: str = ""
 
 
 @attrs.frozen
@@ -192,8 +193,11 @@ class KernelStateMachine:
         for old in [c for c in (*self._claims, *self._pending) if c <= cell]:
             self._claims.pop(old, None)
             self._pending.pop(old, None)
+        code = done.code if counts else ""
         self._on_event(
-            CellCommitted(cell, done.replica, done.status, self.execution_count, tuple(deltas))
+            CellCommitted(
+                cell, done.replica, done.status, self.execution_count, tuple(deltas), code
+            )
         )
         return self._outcome(index, accepted=True, cell=cell)
 
