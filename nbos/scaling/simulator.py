@@ -90,7 +90,7 @@ class SimConfig:
     mode: Mode = attrs.field(default="nbos", validator=_check_mode)
     policy: str = "least-loaded"
     #: Keyword arguments for the policy's factory (e.g. ``{"seed": 1}`` for ``random``).
-    policy_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    policy_kwargs: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     replicas_per_kernel: int = attrs.field(default=3, validator=_check_config)
     #: ``None``: a fixed cluster of ``hosts`` hosts.
     autoscaler: AutoscalerConfig | None = attrs.field(factory=AutoscalerConfig)

@@ -118,6 +118,15 @@ def test_without_a_spare_host_the_cell_waits_for_a_gpu() -> None:
     assert r.delay_p99 == pytest.approx(0.97 * 9990)
 
 
+def test_work_that_can_never_be_placed_ends_the_run_as_unserved() -> None:
+    # Two hosts cannot hold 3 replicas and nothing scales: the kernel never starts.
+    trace = Trace((Session("a", 0, 100, 1, (Cell(10, 5), Cell(50, 5))),))
+    r = simulate(trace, fixed("nbos", hosts=2, overrun_limit=600.0))
+    assert (r.cells, r.cells_unserved, r.interactive_share) == (2, 2, 0.0)
+    assert r.hours * 3600 <= 100 + 600 + 60  # ticks stopped after the overrun limit
+    assert hash(fixed()) == hash(fixed())
+
+
 def test_runs_are_deterministic() -> None:
     trace = synthetic_trace(8, 6.0, seed=3)
     config = SimConfig(hosts=3, policy="random", policy_kwargs={"seed": 5})
