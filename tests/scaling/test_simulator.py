@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -275,11 +277,21 @@ def test_cli_refuses_a_malformed_policy_argument() -> None:
         run_cli(["--synthetic", "1", "--hours", "1", "--policy-arg", "no-equals-sign"])
 
 
-def test_a_user_policy_from_an_entry_point_runs_in_the_simulator(
+@pytest.fixture
+def example_policy(
     installed: Path,  # noqa: F811 - the fixture imported above
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> Iterator[None]:
+    """The example package on sys.path for one test, and forgotten after it, so that
+    test_user_policy imports its own copy."""
     monkeypatch.syspath_prepend(str(installed))
+    yield
+    for name in [m for m in sys.modules if m.partition(".")[0] == "nbos_example_policy"]:
+        del sys.modules[name]
+
+
+@pytest.mark.usefixtures("example_policy")
+def test_a_user_policy_from_an_entry_point_runs_in_the_simulator() -> None:
     trace = synthetic_trace(6, 4.0, seed=2)
     config = SimConfig(hosts=4, policy="spread-by-name", policy_kwargs={"salt": "x"})
     result = simulate(trace, config)
