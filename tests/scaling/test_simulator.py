@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nbos.cli import simulate as simulate_cli
+from nbos.cli.main import main
 from nbos.core.errors import ConfigError, ScalingError
 from nbos.scaling import (
     AutoscalerConfig,
@@ -270,6 +271,17 @@ def test_cli_prints_both_modes_side_by_side(
     assert run_cli([*argv, "--mode", "nbos", "--json"]) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (row["mode"], row["peak_gpus_committed"], row["busy_share"]) == ("nbos", 1, 1.0)
+
+
+def test_nbos_simulate_through_the_main_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--synthetic", "2", "--hours", "1", "--mode", "nbos", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (row["mode"], row["sessions"]) == ("nbos", 2)
+    (tmp_path / "bad.csv").write_text("session,event\n")
+    assert main(["simulate", "--trace", str(tmp_path / "bad.csv")]) == 1
+    assert "header must name" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_malformed_policy_argument() -> None:
