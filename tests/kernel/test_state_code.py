@@ -243,3 +243,19 @@ async def test_an_unchanged_function_is_not_sent_again(pair: Pair) -> None:
     keep = list(pair.executor["f"].__code__.co_consts)  # changes what marshal writes
     delta = await pair.cell("x = 1")
     assert await sent_names(delta, pair.store) == {"x"} and keep
+
+
+async def test_equal_code_under_another_qualified_name_keeps_its_own(pair: Pair) -> None:
+    # code objects compare equal whatever their co_qualname
+    await pair.cell(
+        """
+        class A:
+            def me(self):
+                return 1
+        class B:
+            def me(self):
+                return 1
+        """
+    )
+    assert pair.replica["A"].me.__code__.co_qualname == "A.me"
+    assert pair.replica["B"].me.__code__.co_qualname == "B.me"

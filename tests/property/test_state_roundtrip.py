@@ -83,10 +83,14 @@ def run(ns: dict[str, Any], op: tuple[Any, ...]) -> None:
         ns[target][rest[0] % ns[target].size] = rest[1]
     elif kind == "view" and isinstance(ns.get(rest[0]), np.ndarray):
         ns[target] = ns[rest[0]][1:]  # shares memory with the array it views
-    elif kind == "def":  # a cell-defined function, with a default and a global lookup
-        exec(f"def {target}(v={rest[0]!r}):\n    return (v, {target})", ns)
-    elif kind == "class":
-        exec(f"class {target}:\n    v = {rest[0]!r}\n    def me(self):\n        return self", ns)
+    elif kind in ("def", "class"):
+        # the atom reaches the cell through a global: not every repr is a literal (inf)
+        ns["atom_"] = rest[0]
+        if kind == "def":  # a cell-defined function, with a default and a global lookup
+            exec(f"def {target}(v=atom_):\n    return (v, {target})", ns)
+        else:
+            exec(f"class {target}:\n    v = atom_\n    def me(self):\n        return self", ns)
+        del ns["atom_"]
     elif kind == "make" and isinstance(ns.get(rest[0]), type):
         ns[target] = ns[rest[0]]()
 

@@ -202,14 +202,18 @@ def _reduce_function(func: types.FunctionType) -> tuple[Any, ...]:
 
 
 # marshal's output for one code object varies with the reference counts of its
-# constants; an unchanged function must pickle to the same bytes every capture.
-_MARSHALLED: weakref.WeakKeyDictionary[types.CodeType, bytes] = weakref.WeakKeyDictionary()
+# constants; an unchanged function must pickle to the same bytes every capture. Keyed
+# by identity: equal code objects may differ in what equality ignores (co_qualname).
+_MARSHALLED: dict[int, tuple[weakref.ref[types.CodeType], bytes]] = {}
 
 
 def _marshalled(code: types.CodeType) -> bytes:
-    data = _MARSHALLED.get(code)
-    if data is None:
-        data = _MARSHALLED[code] = marshal.dumps(code)
+    known = _MARSHALLED.get(id(code))
+    if known is not None and known[0]() is code:
+        return known[1]
+    key = id(code)
+    data = marshal.dumps(code)
+    _MARSHALLED[key] = (weakref.ref(code, lambda _: _MARSHALLED.pop(key, None)), data)
     return data
 
 
