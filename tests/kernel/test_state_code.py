@@ -246,16 +246,9 @@ async def test_an_unchanged_function_is_not_sent_again(pair: Pair) -> None:
 
 
 async def test_equal_code_under_another_qualified_name_keeps_its_own(pair: Pair) -> None:
-    # code objects compare equal whatever their co_qualname
-    await pair.cell(
-        """
-        class A:
-            def me(self):
-                return 1
-        class B:
-            def me(self):
-                return 1
-        """
-    )
+    # same source lines in two cells: code objects equal whatever their co_qualname
+    await pair.cell("class A:\n    def me(self):\n        return 1")
+    await pair.cell("class B:\n    def me(self):\n        return 1")
+    assert pair.executor["A"].me.__code__ == pair.executor["B"].me.__code__
     assert pair.replica["A"].me.__code__.co_qualname == "A.me"
     assert pair.replica["B"].me.__code__.co_qualname == "B.me"
