@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbos.core.wire import decode, encode
+from nbos.core.wire import encode
 from nbos.core.wire.entries import Claim, CommEntry, Done
 from nbos.core.wire.state import StateDelta
 from nbos.kernel.replica import KernelStateMachine
@@ -15,6 +15,8 @@ from nbos.kernel.replica._machine import (
     decode_outcome,
 )
 
+Entry = Claim | Done | CommEntry | bytes
+
 
 class Replica:
     """A state machine fed log entries, recording what it hands to the kernel."""
@@ -24,7 +26,7 @@ class Replica:
         self.machine = KernelStateMachine(self.events.append)
         self.index = 0
 
-    def feed(self, *entries: Claim | Done | CommEntry | StateDelta | bytes) -> list[Outcome]:
+    def feed(self, *entries: Entry) -> list[Outcome]:
         outcomes = []
         for entry in entries:
             self.index += 1
@@ -36,8 +38,13 @@ class Replica:
         return [e for e in self.events if isinstance(e, CellCommitted)]
 
 
-def delta(cell: int, payload: bytes = b"v") -> StateDelta:
+def state(cell: int, payload: bytes = b"v") -> StateDelta:
     return StateDelta(exec_index=cell, set=payload)
+
+
+def done(cell: int, replica: int, count: int, status: str = "ok", payload: bytes = b"") -> Done:
+    delta = state(cell, payload) if payload else None
+    return Done(cell, replica, count, status, f"cell {cell}", delta)  # type: ignore[arg-type]
 
 
 def test_the_first_committed_claim_wins() -> None:
@@ -47,53 +54,40 @@ def test_the_first_committed_claim_wins() -> None:
     assert not second.accepted and second.winner == 2
 
 
-def test_state_takes_effect_with_the_winners_done() -> None:
+def test_the_winners_done_carries_the_state_and_the_count() -> None:
     r = Replica()
-    r.feed(Claim(1, 2), delta(1, b"a"), delta(1, b"b"))
-    assert r.committed() == []
-    r.feed(Done(1, 2, 2, "ok"))
+    r.feed(Claim(1, 2), done(1, 2, 2, payload=b"a"))
     (cell,) = r.committed()
     assert (cell.exec_index, cell.replica, cell.status, cell.execution_count) == (1, 2, "ok", 2)
-    assert [set_of(d) for d in cell.deltas] == [b"a", b"b"]
+    assert cell.state is not None and cell.state.set == b"a"
+    assert cell.code == "cell 1"
+    assert r.machine.execution_count == 2
 
 
-def set_of(data: bytes) -> bytes:
-    entry = decode(data)
-    assert isinstance(entry, StateDelta)
-    return entry.set
-
-
-def test_a_lost_done_drops_the_cells_state_and_keeps_the_count() -> None:
+def test_a_lost_done_keeps_the_count_and_carries_nothing() -> None:
     r = Replica()
-    r.feed(Claim(1, 1), Done(1, 1, 2, "ok"), Claim(2, 1), delta(2))
-    (outcome,) = r.feed(Done(2, 3, 99, "lost"))
+    r.feed(Claim(1, 1), done(1, 1, 2), Claim(2, 1))
+    (outcome,) = r.feed(done(2, 3, 99, "lost", payload=b"x"))
     assert outcome.accepted and outcome.status == "lost"
     lost = r.committed()[-1]
-    assert lost.status == "lost" and lost.deltas == () and lost.execution_count == 2
+    assert (lost.status, lost.state, lost.code, lost.execution_count) == ("lost", None, "", 2)
 
 
-def test_late_state_and_done_after_a_done_are_ignored() -> None:
+def test_a_late_done_after_a_done_is_ignored() -> None:
     r = Replica()
-    r.feed(Claim(1, 1), Done(1, 2, 1, "lost"))
-    state, done, claim = r.feed(delta(1), Done(1, 1, 2, "ok"), Claim(1, 3))
-    assert not state.accepted and not done.accepted and not claim.accepted
-    assert done.status == "lost"
+    r.feed(Claim(1, 1), done(1, 2, 1, "lost"))
+    late, claim = r.feed(done(1, 1, 2, payload=b"late"), Claim(1, 3))
+    assert not late.accepted and not claim.accepted
+    assert late.status == "lost"
     assert len(r.committed()) == 1
     assert r.machine.execution_count == 1
 
 
-def test_state_for_an_unclaimed_cell_is_ignored() -> None:
-    r = Replica()
-    (state,) = r.feed(delta(5))
-    assert not state.accepted
-    r.feed(Claim(5, 1), Done(5, 1, 2, "ok"))
-    assert r.committed()[0].deltas == ()
-
-
 def test_a_done_from_a_replica_that_did_not_win_carries_no_state() -> None:
     r = Replica()
-    r.feed(Claim(1, 1), delta(1), Done(1, 2, 5, "ok"))
-    assert r.committed()[0].deltas == ()
+    r.feed(Claim(1, 1), done(1, 2, 5, payload=b"intruder"))
+    (cell,) = r.committed()
+    assert cell.state is None and cell.code == ""
 
 
 def test_garbage_and_comm_entries() -> None:
@@ -105,40 +99,46 @@ def test_garbage_and_comm_entries() -> None:
 
 
 def test_replicas_fed_the_same_log_agree_even_with_duplicates() -> None:
-    log: list[Claim | Done | CommEntry | StateDelta | bytes] = [
-        Claim(1, 1), delta(1), Claim(1, 2), Done(1, 1, 2, "ok"), Done(1, 2, 2, "ok"),
-        Claim(2, 2), delta(2), Done(2, 3, 2, "lost"), delta(2), Claim(3, 3), Done(3, 3, 3, "error"),
+    log: list[Entry] = [
+        Claim(1, 1), Claim(1, 2), done(1, 1, 2, payload=b"a"), done(1, 2, 2, payload=b"b"),
+        Claim(2, 2), done(2, 3, 2, "lost"), done(2, 2, 3, payload=b"c"),
+        Claim(3, 3), done(3, 3, 3, "error"),
     ]  # fmt: skip
     a, b = Replica(), Replica()
     assert a.feed(*log) == b.feed(*log)
     assert a.events == b.events
     assert a.machine.snapshot() == b.machine.snapshot()
-    assert [c.exec_index for c in a.committed()] == [1, 2, 3]
+    assert [(c.exec_index, c.status) for c in a.committed()] == [
+        (1, "ok"),
+        (2, "lost"),
+        (3, "error"),
+    ]
 
 
 def test_snapshot_restores_counters_image_and_replay() -> None:
     a = Replica()
-    a.feed(Claim(1, 1), delta(1, b"one"), Done(1, 1, 2, "ok"))
+    a.feed(Claim(1, 1), done(1, 1, 2, payload=b"one"))
     a.machine.rebase(1, b"image-after-1")
-    a.feed(Claim(2, 2), delta(2, b"two"), Done(2, 2, 3, "ok"), Claim(3, 1), delta(3, b"three"))
+    a.feed(Claim(2, 2), done(2, 2, 3, payload=b"two"), Claim(3, 1))
     b = Replica()
     b.machine.restore(a.machine.snapshot())
     (restored,) = b.events
     assert isinstance(restored, Restored)
     assert restored.namespace == b"image-after-1"
-    assert [set_of(d) for d in restored.deltas] == [b"two"]
+    assert [d.set for d in restored.deltas] == [b"two"]
     assert (restored.last_done, restored.execution_count) == (2, 3)
-    # The pending state of cell 3 survives the snapshot and counts when its Done commits.
-    b.feed(Done(3, 1, 4, "ok"))
-    assert [set_of(d) for d in b.committed()[-1].deltas] == [b"three"]
+    # The claim of cell 3 survives the snapshot: its winner's Done still counts.
+    b.feed(done(3, 1, 4, payload=b"three"))
+    last = b.committed()[-1]
+    assert last.state is not None and last.state.set == b"three"
 
 
 def test_rebase_ignores_stale_or_future_images() -> None:
     r = Replica()
-    r.feed(Claim(1, 1), delta(1), Done(1, 1, 2, "ok"), Claim(2, 1), delta(2), Done(2, 1, 3, "ok"))
-    size = r.machine.replay_bytes
+    r.feed(Claim(1, 1), done(1, 1, 2, payload=b"a"), Claim(2, 1), done(2, 1, 3, payload=b"b"))
+    assert r.machine.replay_bytes == 2
     r.machine.rebase(5, b"future")  # cell 5 has not committed
-    assert r.machine.replay_bytes == size
+    assert r.machine.replay_bytes == 2
     r.machine.rebase(2, b"now")
     assert r.machine.replay_bytes == 0
     r.machine.rebase(1, b"older")  # never goes back
@@ -150,6 +150,6 @@ def test_rebase_ignores_stale_or_future_images() -> None:
 
 def test_a_snapshot_that_does_not_decode_is_ignored() -> None:
     r = Replica()
-    r.feed(Claim(1, 1), Done(1, 1, 2, "ok"))
+    r.feed(Claim(1, 1), done(1, 1, 2))
     r.machine.restore(b"garbage")
     assert r.machine.last_done == 1 and r.machine.execution_count == 2

@@ -4,10 +4,10 @@ Every replica applies the same entries in the same order, so each rule below
 holds on all of them alike:
 
 * the first committed :class:`Claim` for an index names the only replica that runs it;
-* :class:`~nbos.core.wire.state.StateDelta` entries count only for a claimed index whose
-  ``Done`` has not committed yet; they take effect when the claim winner's ``Done``
-  commits with status ``ok`` or ``error``, and are dropped otherwise;
 * the first committed :class:`Done` for an index counts; a later one is ignored;
+* the cell's state (a :class:`~nbos.core.wire.state.StateDelta`) rides in its ``Done`` and
+  takes effect only when that ``Done`` counts, comes from the claim winner and has
+  status ``ok`` or ``error``;
 * :class:`CommEntry` carries a widget (comm) message from a client to every replica.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 from nbos.core.wire.base import Message
+from nbos.core.wire.state import StateDelta
 
 CellStatus = Literal["ok", "error", "aborted", "lost"]
 
@@ -33,6 +34,9 @@ class Done(Message):
     ``execution_count`` is the shell's prompt counter after the cell; a ``lost`` cell
     leaves the counter where it was. ``code`` is the cell's source when it goes into
     the input history (empty otherwise), so every replica can answer history requests.
+    ``state`` is what the cell changed (``None``: nothing). It rides in the ``Done``
+    rather than in an entry of its own so a cell costs two consensus rounds (claim,
+    done), not three; large values are object-store pointers, so the entry stays small.
     """
 
     exec_index: int
@@ -40,6 +44,7 @@ class Done(Message):
     execution_count: int
     status: CellStatus
     code: str = ""
+    state: StateDelta | None = None
 
 
 class CommEntry(Message):

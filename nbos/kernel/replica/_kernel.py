@@ -7,8 +7,8 @@ The path of one cell on this replica (design: "One cell, end to end"):
 2. If another replica's claim committed first, it replies ``aborted`` with
    ``nbos.claim_lost_to`` in the metadata and runs nothing.
 3. The winner waits until it has applied ``Done(index - 1)``, runs the cell,
-   captures what changed, commits the ``StateDelta`` and then ``Done``, and only
-   then lets the reply go.
+   captures what changed and commits ``Done`` with that ``StateDelta`` in it, and
+   only then lets the reply go.
 
 Every replica applies committed cells of the others on its main thread (the
 applier), in log order, and keeps ``execution_count`` in step.
@@ -31,7 +31,6 @@ from traitlets import Int
 
 from nbos.core.errors import CellLostError, KernelError, NbosError
 from nbos.core.object_store import ObjectStore
-from nbos.core.wire import decode
 from nbos.core.wire.entries import CellStatus, Claim, CommEntry, Done
 from nbos.core.wire.state import StateDelta
 from nbos.kernel.replica._machine import (
@@ -228,10 +227,10 @@ class ReplicaKernel(IPythonKernel):
         assert self._raft is not None and self._sync is not None
         delta = await self._sync.capture(self._user_state(), cell.index)
         self._tell_unpicklable(delta)
-        if await self._sync.changes_anything(delta):
-            await self._raft.propose(delta)
+        state = delta if await self._sync.changes_anything(delta) else None
         status: CellStatus = "ok" if cell.status == "ok" else "error"
-        done = Done(cell.index, self.node, int(self._shell.execution_count), status, cell.code)
+        count = int(self._shell.execution_count)
+        done = Done(cell.index, self.node, count, status, cell.code, state)
         outcome = await self._raft.propose(done)
         if not outcome.accepted:
             self._diverged = True
@@ -329,18 +328,16 @@ class ReplicaKernel(IPythonKernel):
             mine = event.replica == self.node
             if event.status == "lost" and self._cell is not None:
                 self._diverged = self._cell.index == event.exec_index and self._cell.started > 0
-            if not mine:
-                for data in event.deltas:
-                    await self._sync.apply(user_ns, _as_delta(data))
-                if event.code:
-                    # The cell's number is the one before the counter it left behind.
-                    history = self._shell.history_manager
-                    history.store_inputs(event.execution_count - 1, event.code)
+            if not mine and event.state is not None:
+                await self._sync.apply(user_ns, event.state)
+            if not mine and event.code:
+                # The cell's number is the one before the counter it left behind.
+                self._shell.history_manager.store_inputs(event.execution_count - 1, event.code)
             self._shell.execution_count = event.execution_count
         elif isinstance(event, Restored):
             await self._sync.restore(user_ns, event.namespace)
-            for data in event.deltas:
-                await self._sync.apply(user_ns, _as_delta(data))
+            for delta in event.deltas:
+                await self._sync.apply(user_ns, delta)
             self._shell.execution_count = event.execution_count
         else:
             self._dispatch_comm(event)
@@ -429,13 +426,6 @@ class ReplicaKernel(IPythonKernel):
             await asyncio.to_thread(self._raft.stop)
         result: dict[str, Any] = super().do_shutdown(restart)  # type: ignore[no-untyped-call]
         return result
-
-
-def _as_delta(data: bytes) -> StateDelta:
-    entry = decode(data)
-    if not isinstance(entry, StateDelta):
-        raise KernelError(f"expected a StateDelta, got {type(entry).__name__}")
-    return entry
 
 
 def error_content(exc: Exception, execution_count: int) -> dict[str, Any]:

@@ -44,13 +44,13 @@ class Outcome(msgspec.Struct, array_like=True, frozen=True):
 
 @attrs.frozen
 class CellCommitted:
-    """Cell ``exec_index``'s ``Done`` committed; ``deltas`` are its encoded ``StateDelta``s."""
+    """Cell ``exec_index``'s ``Done`` committed; ``state`` is what it changed, if it counts."""
 
     exec_index: int
     replica: int
     status: CellStatus
     execution_count: int
-    deltas: tuple[bytes, ...]
+    state: StateDelta | None = None
     code: str = ""
 
 
@@ -69,7 +69,7 @@ class Restored:
     """The state was replaced by a snapshot: load ``namespace``, then apply ``deltas``."""
 
     namespace: bytes
-    deltas: tuple[bytes, ...]
+    deltas: tuple[StateDelta, ...]
     last_done: int
     execution_count: int
 
@@ -81,11 +81,10 @@ class _Image(msgspec.Struct, frozen=True):
     last_done: int
     execution_count: int
     claims: dict[int, int]
-    pending: dict[int, list[bytes]]
     recent: dict[int, tuple[str, int]]
     namespace: bytes
     namespace_cell: int
-    replay: list[tuple[int, bytes]]
+    replay: list[StateDelta]
 
 
 _outcome_codec = msgspec.msgpack.Encoder()
@@ -117,17 +116,17 @@ class KernelStateMachine:
         self.last_done = 0
         self.execution_count = 1
         self._claims: dict[int, int] = {}
-        self._pending: dict[int, list[bytes]] = {}
         self._recent: dict[int, tuple[str, int]] = {}
         self._namespace = b""
         self._namespace_cell = 0
-        self._replay: list[tuple[int, bytes]] = []
+        self._replay: list[StateDelta] = []
+        self._replay_bytes = 0
 
     @property
     def replay_bytes(self) -> int:
-        """Size of the deltas a snapshot would replay on top of its namespace image."""
+        """Inline bytes of the deltas a snapshot would replay on top of its namespace image."""
         with self._lock:
-            return sum(len(d) for _, d in self._replay)
+            return self._replay_bytes
 
     def rebase(self, cell: int, namespace: bytes) -> None:
         """``namespace`` is the image of the namespace once cell ``cell``'s ``Done`` applied."""
@@ -135,7 +134,8 @@ class KernelStateMachine:
             if cell < self._namespace_cell or cell > self.last_done:
                 return
             self._namespace, self._namespace_cell = namespace, cell
-            self._replay = [(c, d) for c, d in self._replay if c > cell]
+            self._replay = [d for d in self._replay if d.exec_index > cell]
+            self._replay_bytes = sum(len(d.set) for d in self._replay)
 
     def apply(self, index: int, data: bytes) -> bytes:
         with self._lock:
@@ -149,8 +149,6 @@ class KernelStateMachine:
             return self._outcome(index, accepted=False)
         if isinstance(entry, Claim):
             return self._claim(index, entry)
-        if isinstance(entry, StateDelta):
-            return self._state(index, entry.exec_index, data)
         if isinstance(entry, Done):
             return self._done(index, entry)
         if isinstance(entry, CommEntry):
@@ -168,36 +166,26 @@ class KernelStateMachine:
             self._claims[cell] = claim.replica
         return self._outcome(index, accepted=accepted, cell=cell)
 
-    def _state(self, index: int, cell: int, data: bytes) -> bytes:
-        accepted = cell > self.last_done and cell in self._claims
-        if accepted:
-            self._pending.setdefault(cell, []).append(data)
-        return self._outcome(index, accepted=accepted, cell=cell)
-
     def _done(self, index: int, done: Done) -> bytes:
         cell = done.exec_index
         if cell <= self.last_done:
             return self._outcome(index, accepted=False, cell=cell)
-        winner = self._claims.get(cell)
-        deltas = self._pending.pop(cell, [])
-        counts = done.status in ("ok", "error") and winner == done.replica
-        if not counts:
-            deltas = []
+        counts = done.status in ("ok", "error") and self._claims.get(cell) == done.replica
+        state = done.state if counts else None
         if done.status != "lost":
             self.execution_count = done.execution_count
         self.last_done = cell
-        self._replay.extend((cell, d) for d in deltas)
+        if state is not None:
+            self._replay.append(state)
+            self._replay_bytes += len(state.set)
         self._recent[cell] = (done.status, self.execution_count)
         for old in [c for c in self._recent if c <= cell - _RECENT]:
             del self._recent[old]
-        for old in [c for c in (*self._claims, *self._pending) if c <= cell]:
-            self._claims.pop(old, None)
-            self._pending.pop(old, None)
+        for old in [c for c in self._claims if c <= cell]:
+            del self._claims[old]
         code = done.code if counts else ""
         self._on_event(
-            CellCommitted(
-                cell, done.replica, done.status, self.execution_count, tuple(deltas), code
-            )
+            CellCommitted(cell, done.replica, done.status, self.execution_count, state, code)
         )
         return self._outcome(index, accepted=True, cell=cell)
 
@@ -212,7 +200,6 @@ class KernelStateMachine:
                 self.last_done,
                 self.execution_count,
                 self._claims,
-                self._pending,
                 self._recent,
                 self._namespace,
                 self._namespace_cell,
@@ -235,9 +222,10 @@ class KernelStateMachine:
         self.last_done = state.last_done
         self.execution_count = state.execution_count
         self._claims = dict(state.claims)
-        self._pending = {k: list(v) for k, v in state.pending.items()}
         self._recent = {k: (s, c) for k, (s, c) in state.recent.items()}
         self._namespace, self._namespace_cell = state.namespace, state.namespace_cell
-        self._replay = [(c, d) for c, d in state.replay]
-        deltas = tuple(d for _, d in self._replay)
-        self._on_event(Restored(state.namespace, deltas, state.last_done, state.execution_count))
+        self._replay = list(state.replay)
+        self._replay_bytes = sum(len(d.set) for d in self._replay)
+        self._on_event(
+            Restored(state.namespace, tuple(self._replay), state.last_done, state.execution_count)
+        )

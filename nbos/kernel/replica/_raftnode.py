@@ -42,7 +42,6 @@ from nbos.core.ids import KernelId, NodeId, PeerId
 from nbos.core.replicated_log import ReplicatedLog, StateMachine
 from nbos.core.wire import encode
 from nbos.core.wire.entries import KernelEntry
-from nbos.core.wire.state import StateDelta
 from nbos.kernel.replica._machine import Outcome, decode_outcome
 from nbos.raft import open_raft_log
 from nbos.transport import ZmqTransport
@@ -125,7 +124,7 @@ class RaftNode:
             self._portal_cm.__exit__(None, None, None)
         self._portal_cm = self._portal = self._serving = None
 
-    async def propose(self, entry: KernelEntry | StateDelta, *, timeout: float = 30.0) -> Outcome:
+    async def propose(self, entry: KernelEntry, *, timeout: float = 30.0) -> Outcome:
         """Commit ``entry``; returns its outcome once it has applied on this node."""
         if self._portal is None:
             raise LogClosedError("the replica's Raft member is not running")
