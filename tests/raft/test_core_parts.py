@@ -45,6 +45,13 @@ def test_log_truncates_a_conflicting_suffix_but_never_a_committed_entry() -> Non
     assert log.maybe_append(3, 2, 3, []) is None
 
 
+def test_log_from_storage_skips_entries_under_the_snapshot_and_refuses_gaps() -> None:
+    log = RaftLog(2, 1, [Entry(term=1, index=i) for i in (1, 2, 3, 4)])
+    assert (log.first_index(), log.last_index(), log.stable) == (3, 4, 4)
+    with pytest.raises(ReplicationError):
+        RaftLog(0, 0, [Entry(term=1, index=1), Entry(term=1, index=3)])
+
+
 def test_log_conflict_hint_skips_whole_terms() -> None:
     log = _log(1, 1, 2, 2, 2, 2)
     assert log.find_conflict_by_term(6, 1) == 2

@@ -34,7 +34,9 @@ class RaftLog:
         self.offset = offset
         self.offset_term = offset_term
         self.entries: list[Entry] = []
-        for expected, entry in enumerate(entries, start=offset + 1):
+        # storage may still hold entries the snapshot covers: they are not needed
+        kept = [e for e in entries if e.index > offset]
+        for expected, entry in enumerate(kept, start=offset + 1):
             if entry.index != expected:
                 raise ReplicationError(f"log gap: entry {entry.index} where {expected} was due")
             self.entries.append(entry)
