@@ -17,7 +17,8 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.session import Session
 
 import nbos
-from nbos.cluster import Kernel
+from nbos.cluster import Kernel, LocalCluster
+from nbos.kernel.front import CellPlan, ChoiceRequest
 
 pytestmark = pytest.mark.anyio
 
@@ -28,9 +29,14 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-async def kernel() -> AsyncIterator[Kernel]:
-    async with nbos.LocalCluster(hosts=3, durable=False) as cluster:
-        yield await cluster.start_kernel()
+async def cluster() -> AsyncIterator[LocalCluster]:
+    async with nbos.LocalCluster(hosts=3, durable=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+async def kernel(cluster: LocalCluster) -> Kernel:
+    return await cluster.start_kernel()
 
 
 @pytest.fixture
@@ -261,3 +267,38 @@ async def test_comm_messages_reach_the_kernel_through_the_log(client: AsyncKerne
     assert msg["content"]["data"] == {"echo": {"n": 7}}
     _, messages = await run(client, "print(seen)")
     assert stdout(messages) == "[{'n': 7}]\n"
+
+
+class DeviceChooser:
+    """Hands out the device ids of ``plans`` in turn and records what it released."""
+
+    def __init__(self, plans: list[tuple[int, ...]]) -> None:
+        self.plans = plans
+        self.released: list[CellPlan] = []
+
+    async def choose(self, request: ChoiceRequest) -> CellPlan:
+        return CellPlan(request.alive[0], self.plans.pop(0))
+
+    async def release(self, plan: CellPlan) -> None:
+        self.released.append(plan)
+
+
+async def test_chooser_devices_reach_the_cell_and_every_plan_is_released(
+    cluster: LocalCluster,
+) -> None:
+    chooser = DeviceChooser([(3,), (), (), (0,), ()])
+    k = await cluster.start_kernel(chooser=chooser)
+    try:
+        show = "from nbos.gpu import devices\nprint(devices())"
+        assert (await k.execute(show)).stdout == "(3,)\n"
+        assert (await k.execute(show)).stdout == "()\n"
+        made = await k.execute("import torch\nt = torch.ones(2)\nprint(torch.cuda.is_available())")
+        bound = await k.execute("print(t.device)")
+        if made.stdout == "False\n":
+            # No CUDA here: moving t onto GPU 0 fails, the cell does not run, the kernel goes on.
+            assert bound.error is not None and bound.error[0] == "GpuError"
+        after = await k.execute("print(t.sum().item())")
+        assert after.stdout == "2.0\n"
+        assert [p.devices for p in chooser.released] == [(3,), (), (), (0,), ()]
+    finally:
+        await k.shutdown()

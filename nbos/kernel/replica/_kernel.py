@@ -23,16 +23,18 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import attrs
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Int
 
-from nbos.core.errors import CellLostError, KernelError, NbosError
+from nbos.core.errors import CellLostError, GpuError, KernelError, NbosError
 from nbos.core.object_store import ObjectStore
 from nbos.core.wire.entries import CellStatus, Claim, CommEntry, Done
 from nbos.core.wire.state import StateDelta
+from nbos.gpu import TorchGpuBinder
 from nbos.kernel.replica._machine import (
     CellCommitted,
     CommDelivered,
@@ -90,6 +92,7 @@ class ReplicaKernel(IPythonKernel):
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         self.control_handlers["nbos_lost_request"] = self._lost_request
         self.control_handlers["nbos_digest_request"] = self._digest_request
+        self.control_handlers["nbos_evict_request"] = self._evict_request
         self._comm_handlers = {t: self.shell_handlers[t] for t in _COMM_TYPES}
         for msg_type in _COMM_TYPES:
             self.shell_handlers[msg_type] = self._comm_through_log
@@ -106,6 +109,7 @@ class ReplicaKernel(IPythonKernel):
         self._cell: _Cell | None = None
         self._diverged = False
         self._warned: set[str] = set()
+        self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
 
     # --- wiring ------------------------------------------------------------------
 
@@ -201,27 +205,49 @@ class ReplicaKernel(IPythonKernel):
         if cell is None:
             raise KernelError("do_execute outside a claimed cell")
         cell.started = time.monotonic()
-        reply: dict[str, Any] = await super().do_execute(  # type: ignore[no-untyped-call]
-            code,
-            silent,
-            store_history,
-            user_expressions,
-            allow_stdin,
-            cell_meta=cell_meta,
-            cell_id=cell_id,
-        )
-        cell.run_s = time.monotonic() - cell.started
-        cell.status = "ok" if reply.get("status") == "ok" else "error"
-        cell.code = code if store_history and not silent else ""
         try:
-            await self._commit(cell)
-            cell.commit_s = time.monotonic() - cell.started - cell.run_s
-        except NbosError as exc:
-            log.warning("cell %d could not be committed: %s", cell.index, exc)
-            return error_content(exc, self.execution_count)
+            reply = await self._run_bound(
+                cell,
+                super().do_execute(  # type: ignore[no-untyped-call]
+                    code,
+                    silent,
+                    store_history,
+                    user_expressions,
+                    allow_stdin,
+                    cell_meta=cell_meta,
+                    cell_id=cell_id,
+                ),
+            )
+            cell.run_s = time.monotonic() - cell.started
+            cell.status = "ok" if reply.get("status") == "ok" else "error"
+            cell.code = code if store_history and not silent else ""
+            try:
+                await self._commit(cell)
+                cell.commit_s = time.monotonic() - cell.started - cell.run_s
+            except NbosError as exc:
+                log.warning("cell %d could not be committed: %s", cell.index, exc)
+                return error_content(exc, self.execution_count)
+        finally:
+            # Lazy eviction: tensors stay on the devices until the host needs them
+            # (nbos_evict_request), so a kernel that runs there again pays nothing.
+            await self._binder.release(evict=False)
         if self._diverged:
             return error_content(CellLostError(cell.index, self.node), self.execution_count)
         return reply
+
+    async def _run_bound(
+        self, cell: _Cell, run: Coroutine[Any, Any, dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Bind the cell's GPUs (bringing resident tensors onto them), then ``run`` it."""
+        try:
+            await self._binder.bind(cell.devices)
+        except Exception as exc:
+            run.close()
+            # A failed bind leaves nothing bound (GpuBinder contract); the cell does not
+            # run, and its Done (status error) still commits so later cells go on.
+            log.exception("binding GPUs %s for cell %d failed", cell.devices, cell.index)
+            return error_content(GpuError(f"cannot bind GPUs {list(cell.devices)}: {exc}"), 0)
+        return await run
 
     async def _commit(self, cell: _Cell) -> None:
         assert self._raft is not None and self._sync is not None
@@ -413,6 +439,23 @@ class ReplicaKernel(IPythonKernel):
             for k, v in self._shell.user_ns.items()
             if k not in hidden or hidden[k] is not v
         }
+
+    async def _evict_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """Move tensors left resident on GPUs to host memory (the host needs the devices)."""
+        assert self._main_loop is not None
+        future = asyncio.run_coroutine_threadsafe(self._evict(), self._main_loop)
+        content: dict[str, Any] = {"status": "ok"}
+        try:
+            await asyncio.wrap_future(future)
+        except Exception as exc:
+            log.exception("eviction failed")
+            content = error_content(exc, self.execution_count)
+        self._session.send(stream, "nbos_evict_reply", content, parent, ident=ident)
+
+    async def _evict(self) -> None:
+        # Not while a cell uses the devices: the namespace lock is held during cells.
+        async with self._namespace_lock:
+            await self._binder.evict()
 
     # --- process ---------------------------------------------------------------------
 
