@@ -12,6 +12,7 @@ from nbos.scaling.autoscaler import (
     ScaleDecision,
     ScaleIn,
     ScaleOut,
+    smoothed_demand_ratio,
 )
 from nbos.scaling.executor import Choice, Execute, Migrate, Wait, choose_executor
 from nbos.scaling.migration import MigrationPlan, plan_migration
@@ -49,6 +50,7 @@ __all__ = [
     "metrics_table",
     "plan_migration",
     "simulate",
+    "smoothed_demand_ratio",
     "subscription_ratio",
     "synthetic_trace",
 ]

@@ -302,6 +302,25 @@ class Autoscaler:
         self._last_now = now
 
 
+#: Weight of each new sample in :func:`smoothed_demand_ratio`.
+RATIO_ALPHA = 0.2
+
+
+def smoothed_demand_ratio(
+    previous: float, demanded: int, busy: int, alpha: float = RATIO_ALPHA
+) -> float:
+    """The next ``ClusterView.demand_to_busy_ratio`` after a change in the cluster.
+
+    An exponential moving average, updated on every change, of GPUs demanded (each
+    placed kernel's GPU count once) over GPUs committed, with the sample floored at
+    1 and ``busy`` counted as at least 1: the more subscribed GPUs sit idle, the
+    further admission lets hosts be oversubscribed, and the scale-in check lets
+    hosts go. The simulator uses it; the gateway's scheduler computes the same.
+    """
+    sample = max(1.0, demanded / max(busy, 1))
+    return previous + alpha * (sample - previous)
+
+
 def _figures(view: ClusterView) -> _Load:
     schedulable = tuple(h for h in view.hosts if h.schedulable)
     return _Load(

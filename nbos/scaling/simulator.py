@@ -42,7 +42,13 @@ from nbos.core.errors import ConfigError, InsufficientGpusError, PlacementError,
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
 from nbos.gpu.pool import GpuPool
-from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, ScaleOut
+from nbos.scaling.autoscaler import (
+    Autoscaler,
+    AutoscalerConfig,
+    ScaleIn,
+    ScaleOut,
+    smoothed_demand_ratio,
+)
 from nbos.scaling.executor import Execute, Migrate, choose_executor
 from nbos.scaling.migration import plan_migration
 from nbos.scaling.registry import load_policy
@@ -52,9 +58,6 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["nbos", "reservation"]
 MODES: tuple[Mode, ...] = ("nbos", "reservation")
-
-#: Smoothing of the demand-to-busy ratio per event, as the gateway's scheduler does.
-RATIO_ALPHA = 0.2
 
 # Order of simultaneous events: what frees GPUs first, what looks at the result last.
 _END, _HOST, _START, _SUBMIT, _STOP, _TICK = range(6)
@@ -507,8 +510,7 @@ class _Simulation:
         if self._cfg.mode != "nbos":
             return
         demand = sum(k.session.gpus for k in self._kernels.values() if k.placed)
-        sample = max(1.0, demand / max(self._committed, 1))
-        self._ratio += RATIO_ALPHA * (sample - self._ratio)
+        self._ratio = smoothed_demand_ratio(self._ratio, demand, self._committed)
 
     def _view(self) -> ClusterView:
         hosts = []

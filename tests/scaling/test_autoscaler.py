@@ -9,7 +9,14 @@ import pytest
 from nbos.core.errors import ConfigError, ScalingError
 from nbos.core.ids import HostId
 from nbos.core.placement import ClusterView, HostView
-from nbos.scaling import Autoscaler, AutoscalerConfig, Hold, ScaleIn, ScaleOut
+from nbos.scaling import (
+    Autoscaler,
+    AutoscalerConfig,
+    Hold,
+    ScaleIn,
+    ScaleOut,
+    smoothed_demand_ratio,
+)
 
 
 def hv(
@@ -215,3 +222,15 @@ def test_bad_input_raises_scaling_error() -> None:
         scaler.decide(idle_cluster(3), 30, provisioning=-1)
     with pytest.raises(ScalingError):
         scaler.decide(idle_cluster(3), float("nan"))
+
+
+def test_the_demand_ratio_moves_a_fifth_of_the_way_to_each_sample() -> None:
+    # 12 GPUs demanded, 3 busy: sample 4; from 1.0 a fifth of the way is 1.6.
+    assert smoothed_demand_ratio(1.0, 12, 3) == pytest.approx(1.6)
+    # Nothing busy counts as 1 busy GPU; the sample never falls below 1.
+    assert smoothed_demand_ratio(1.0, 5, 0) == pytest.approx(1.8)
+    assert smoothed_demand_ratio(2.0, 1, 4) == pytest.approx(1.8)
+    ratio = 1.0
+    for _ in range(200):
+        ratio = smoothed_demand_ratio(ratio, 30, 10)
+    assert ratio == pytest.approx(3.0)
