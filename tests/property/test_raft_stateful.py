@@ -92,21 +92,36 @@ class RaftCluster(RuleBasedStateMachine):
     )
     def run_chaotic(self, rounds: int, loss: float, bounce: float) -> None:
         """Time passes over a network that reorders and loses messages, while nodes
-        crash and come straight back (losing all they did not persist) at random."""
-        for _ in range(rounds):
-            self.cluster.tick()
-            for _ in range(2000):
-                if not self.cluster.network:
-                    break
-                if self.rng.random() < bounce:
-                    victim = self.rng.choice(self.cluster.alive())
-                    self.cluster.crash(victim)
-                    self.cluster.restart(victim)
-                position = self.rng.randrange(len(self.cluster.network))
-                if self.rng.random() < loss:
-                    del self.cluster.network[position]
-                else:
-                    self.cluster.deliver(position)
+        take their time to persist and crash (losing all they did not persist) and
+        come straight back, at random."""
+        cluster = self.cluster
+        cluster.auto_process = False
+        try:
+            for _ in range(rounds):
+                cluster.tick()
+                for _ in range(3000):
+                    if not cluster.network:
+                        for nid in cluster.alive():
+                            cluster.process(nid)
+                        if not cluster.network:
+                            break
+                    roll = self.rng.random()
+                    if roll < bounce:
+                        victim = self.rng.choice(cluster.alive())
+                        cluster.crash(victim)
+                        cluster.restart(victim)
+                    elif roll < 0.3:
+                        cluster.process(self.rng.choice(cluster.alive()), limit=1)
+                    else:
+                        position = self.rng.randrange(len(cluster.network))
+                        if self.rng.random() < loss:
+                            del cluster.network[position]
+                        else:
+                            cluster.deliver(position)
+        finally:
+            cluster.auto_process = True
+            for nid in cluster.alive():
+                cluster.process(nid)
 
     @rule(node=st.integers(0, 9))
     def tick_one(self, node: int) -> None:

@@ -96,6 +96,9 @@ class SimCluster:
         self.blocked: set[frozenset[int]] = set()
         #: when a list, every message delivered is also appended to it
         self.trace: list[RaftPeerMessages] | None = None
+        #: run Ready/advance right after every input; when False the caller runs
+        #: :meth:`process` itself, and a crash loses the inputs not yet processed
+        self.auto_process = True
         self.leaders: dict[int, int] = {}
         #: index -> the entry committed there, as first applied anywhere
         self.committed: dict[int, Entry] = {}
@@ -164,7 +167,8 @@ class SimCluster:
         if self.trace is not None:
             self.trace.append(msg)
         member.node.step(msg)
-        self.process(msg.dst)
+        if self.auto_process:
+            self.process(msg.dst)
 
     def deliver_where(
         self, wanted: Callable[[RaftPeerMessages], bool], limit: int = 10_000
@@ -188,7 +192,8 @@ class SimCluster:
     def tick(self, nids: list[int] | None = None) -> None:
         for nid in self.alive() if nids is None else nids:
             self.node(nid).tick()
-            self.process(nid)
+            if self.auto_process:
+                self.process(nid)
 
     def run(self, ticks: int) -> None:
         """``ticks`` rounds of: every live node ticks, then the network drains."""
@@ -223,12 +228,14 @@ class SimCluster:
 
     # --- the driver loop ----------------------------------------------------------------
 
-    def process(self, nid: int) -> None:
-        """Run Ready/advance for ``nid`` until it has nothing left to do."""
+    def process(self, nid: int, limit: int | None = None) -> None:
+        """Run Ready/advance for ``nid`` until it has nothing left to do (or ``limit`` times)."""
         member = self.members[nid]
         node = member.node
         assert node is not None
-        while (rd := node.ready()) is not None:
+        done = 0
+        while (limit is None or done < limit) and (rd := node.ready()) is not None:
+            done += 1
             member.durable.persist(rd)
             self.network.extend(rd.messages)
             if rd.snapshot is not None:
