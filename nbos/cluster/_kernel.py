@@ -148,12 +148,23 @@ class Kernel:
 
     async def kill_replica(self, node: int, signum: int = signal.SIGKILL) -> None:
         """Kill replica ``node``'s process (SIGKILL by default) and wait until it is gone."""
+        await self.signal_replica(node, signum)
+        await self.wait_replica(node)
+        self.front.mark_dead(node, f"killed with signal {signum}")
+
+    async def signal_replica(self, node: int, signum: int) -> None:
+        """Send ``signum`` to replica ``node``'s process (SIGSTOP, SIGCONT, ...)."""
+        await self._process(node).signal(signum)
+
+    async def wait_replica(self, node: int) -> int:
+        """Wait until replica ``node``'s process ended; its exit status."""
+        return await self._process(node).wait()
+
+    def _process(self, node: int) -> ProcessHandle:
         handle = self._processes.get(node)
         if handle is None:
             raise KernelError(f"kernel {self.kernel_id} has no replica {node}")
-        await handle.signal(signum)
-        await handle.wait()
-        self.front.mark_dead(node, f"killed with signal {signum}")
+        return handle
 
     async def shutdown(self) -> None:
         """Stop every replica and the front; idempotent."""

@@ -32,7 +32,7 @@ from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import BackendError, ConfigError, KernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
-from nbos.kernel.front import ExecutorChooser, KernelFront, ReplicaEndpoint
+from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy, KernelFront, ReplicaEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class LocalCluster:
     An async context manager: leaving it shuts every kernel down and removes the
     run directory (logs, object store, Raft logs) unless ``run_dir`` was given.
     ``durable=False`` keeps Raft logs in memory (faster; a replica that restarts
-    cannot recover from its own disk then).
+    cannot recover from its own disk then). ``heartbeat`` tunes how fast a kernel's
+    front gives up on a replica that stopped answering.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class LocalCluster:
         run_dir: str | os.PathLike[str] | None = None,
         durable: bool = True,
         settings: Settings | None = None,
+        heartbeat: HeartbeatPolicy | None = None,
         python: str = sys.executable,
     ) -> None:
         if hosts < replicas or replicas < 1:
@@ -66,6 +68,7 @@ class LocalCluster:
         self._given_run_dir = Path(run_dir) if run_dir is not None else None
         self._durable = durable
         self._settings = settings or Settings()
+        self._heartbeat = heartbeat
         self._python = python
         self._run_dir: Path | None = None
         self._backend: LocalProcessBackend | None = None
@@ -140,7 +143,9 @@ class LocalCluster:
                 ReplicaEndpoint(node, await _wait_connection_file(files[node], handles[node]))
                 for node in nodes
             ]
-            front = KernelFront(endpoints, kernel_id=kernel_id, chooser=chooser)
+            front = KernelFront(
+                endpoints, kernel_id=kernel_id, chooser=chooser, heartbeat=self._heartbeat
+            )
             kernel: Kernel = await self._tg.start(self._run_kernel, kernel_id, front, handles)
         except BaseException:
             with anyio.CancelScope(shield=True):

@@ -5,7 +5,9 @@ Each test kills replicas, so each gets a kernel of its own (on one shared cluste
 
 from __future__ import annotations
 
+import signal
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -13,6 +15,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 import nbos
 from nbos.cluster import Kernel, LocalCluster
+from nbos.kernel.front import HeartbeatPolicy
 
 pytestmark = pytest.mark.anyio
 
@@ -41,7 +44,10 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def cluster() -> AsyncIterator[LocalCluster]:
-    async with nbos.LocalCluster(hosts=3, durable=False) as c:
+    # Heartbeats a little faster than the default, so a frozen replica is noticed in
+    # about 3 s, yet slow enough that a busy test machine does not drop a live one.
+    heartbeat = HeartbeatPolicy(interval_s=0.25, timeout_s=1.0, misses=3)
+    async with nbos.LocalCluster(hosts=3, durable=False, heartbeat=heartbeat) as c:
         yield c
 
 
@@ -119,26 +125,13 @@ async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
     client.load_connection_info(kernel.connection_info)
     client.start_channels()
     try:
-        msg_id = client.execute("xs.append('lost')\nimport time\ntime.sleep(60)")
-        with anyio.fail_after(20):
-            while True:  # wait until the cell runs
-                msg = await client.get_iopub_msg()
-                mine = msg["parent_header"].get("msg_id") == msg_id
-                if mine and msg["msg_type"] == "execute_input":
-                    break
-        running = kernel.front.alive  # the executor is the replica the front chose
-        await anyio.sleep(0.2)
+        msg_id = await start_cell(client, "xs.append('lost')\nimport time\ntime.sleep(60)")
         executor = kernel.front.running_on
         assert executor is not None
         await kernel.kill_replica(executor)
-        with anyio.fail_after(30):
-            while True:
-                reply = await client.get_shell_msg()
-                if reply["parent_header"].get("msg_id") == msg_id:
-                    break
+        reply = await reply_to(client, msg_id)
     finally:
         client.stop_channels()
-    assert len(running) == 3
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "CellLostError"
     assert f"cell {kernel.front.last_exec_index} was lost" in reply["content"]["evalue"]
@@ -147,3 +140,48 @@ async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
     after = await kernel.digests()
     assert set(after.values()) == set(before.values())
     assert len(after) == 2
+
+
+async def start_cell(client: AsyncKernelClient, code: str) -> str:
+    """Send ``code``; returns its msg_id once the cell is running."""
+    msg_id: str = client.execute(code)
+    with anyio.fail_after(20):
+        while True:
+            msg = await client.get_iopub_msg()
+            mine = msg["parent_header"].get("msg_id") == msg_id
+            if mine and msg["msg_type"] == "execute_input":
+                return msg_id
+
+
+async def reply_to(client: AsyncKernelClient, msg_id: str) -> dict[str, Any]:
+    with anyio.fail_after(30):
+        while True:
+            reply: dict[str, Any] = await client.get_shell_msg()
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
+
+
+async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel: Kernel) -> None:
+    await define_state(kernel)
+    before = await kernel.digests()
+    client = AsyncKernelClient()
+    client.load_connection_info(kernel.connection_info)
+    client.start_channels()
+    try:
+        msg_id = await start_cell(client, "xs.append('late')\nimport time\ntime.sleep(1)")
+        executor = kernel.front.running_on
+        assert executor is not None
+        await kernel.signal_replica(executor, signal.SIGSTOP)  # no exit: only heartbeats stop
+        reply = await reply_to(client, msg_id)
+    finally:
+        client.stop_channels()
+    assert reply["content"]["ename"] == "CellLostError"
+    assert executor not in kernel.front.alive
+    # Thawed, it finishes the cell, finds its Done refused (cell lost) and leaves.
+    await kernel.signal_replica(executor, signal.SIGCONT)
+    with anyio.fail_after(30):
+        assert await kernel.wait_replica(executor) == 3
+    result = await kernel.execute(CHECK)
+    assert result.status == "ok", result.reply
+    after = await kernel.digests()
+    assert set(after.values()) == set(before.values()) and len(after) == 2

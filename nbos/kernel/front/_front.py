@@ -58,14 +58,24 @@ log = logging.getLogger(__name__)
 
 #: After a replica's reply, how long to wait for its ``idle`` before going on without it.
 IDLE_GRACE_S = 2.0
-HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_TIMEOUT_S = 2.0
-HEARTBEAT_MISSES = 3
 _READY_TIMEOUT_S = 60.0
 _LOST_TIMEOUT_S = 30.0
 _SHUTDOWN_TIMEOUT_S = 5.0
 
 _Incoming = tuple[list[bytes], _wire.Msg]
+
+
+@attrs.frozen
+class HeartbeatPolicy:
+    """How the front pings each replica's heartbeat socket, and when it gives up on one.
+
+    A replica is dead after ``misses`` pings in a row got no echo within ``timeout_s``.
+    The heartbeat runs on its own thread in the replica, so a long cell does not miss.
+    """
+
+    interval_s: float = 1.0
+    timeout_s: float = 2.0
+    misses: int = 3
 
 
 @attrs.define(eq=False)
@@ -106,6 +116,7 @@ class KernelFront:
         kernel_id: str = "",
         ip: str = "127.0.0.1",
         chooser: ExecutorChooser | None = None,
+        heartbeat: HeartbeatPolicy | None = None,
     ) -> None:
         if not replicas:
             raise KernelError("a kernel front needs at least one replica")
@@ -114,6 +125,7 @@ class KernelFront:
         self._key = secrets.token_hex(32)
         self._session = _wire.session_for({"key": self._key}, username="nbos")
         self._chooser: ExecutorChooser = chooser or LastExecutorChooser()
+        self._heartbeat = heartbeat or HeartbeatPolicy()
         self._ctx = zmq.asyncio.Context()
         self._shell = self._bind(zmq.ROUTER)
         self._control = self._bind(zmq.ROUTER)
@@ -544,10 +556,11 @@ class KernelFront:
             return None
 
     async def _watch_heartbeat(self, up: Upstream) -> None:
+        policy = self._heartbeat
         misses = 0
         while up.alive:
-            await anyio.sleep(HEARTBEAT_INTERVAL_S)
-            with anyio.move_on_after(HEARTBEAT_TIMEOUT_S):
+            await anyio.sleep(policy.interval_s)
+            with anyio.move_on_after(policy.timeout_s):
                 await up.heartbeat.send(b"ping")
                 await up.heartbeat.recv()
                 misses = 0
@@ -555,6 +568,6 @@ class KernelFront:
             misses += 1
             up.heartbeat.close(0)
             up.heartbeat = up.new_heartbeat()
-            if misses >= HEARTBEAT_MISSES:
+            if misses >= policy.misses:
                 self.mark_dead(up.replica, f"{misses} heartbeats missed")
 
