@@ -14,7 +14,8 @@ count as no capacity):
   ``max(min_hosts, replicas_per_kernel)``, when load >= ``scale_out_load``, or
   when placement failed (a kernel could not be placed or a cell found no host).
   It asks for enough hosts of ``new_host_gpus`` GPUs to bring load down to the
-  midpoint between the two thresholds (at least one).
+  midpoint between the two thresholds (at least one). A placement failure alone
+  adds nothing while hosts are still being provisioned.
 * **Scale in** when nothing failed and load < ``scale_in_load``: drain hosts that
   have had no committed GPUs for ``idle_grace`` seconds and hold at most
   ``drain_max_replicas`` replicas (fewest replicas first), as long as each
@@ -208,6 +209,10 @@ class Autoscaler:
         if not (below_floor or placement_failed or load >= cfg.scale_out_load):
             return None
         reason = _out_reason(below_floor, placement_failed, load, cfg.scale_out_load)
+        if not below_floor and load < cfg.scale_out_load and provisioning:
+            # Only placement failed, and hosts are on their way: wait for them rather
+            # than adding one more per cooldown while a slow provider boots them.
+            return Hold(f"{reason}, {provisioning} hosts already provisioning")
         waited = self._since_last(now)
         if waited < cfg.scale_out_cooldown:
             return Hold(

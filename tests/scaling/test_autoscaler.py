@@ -87,6 +87,19 @@ def test_placement_failure_scales_out_at_low_load() -> None:
     assert decision == ScaleOut(1, "placement failed")
 
 
+def test_placement_failure_waits_for_hosts_already_provisioning() -> None:
+    scaler = Autoscaler(AutoscalerConfig(scale_out_cooldown=60))
+    assert isinstance(scaler.decide(idle_cluster(3), 0, placement_failed=True), ScaleOut)
+    # Ten minutes later the host still boots: no second host for the same failure.
+    held = scaler.decide(idle_cluster(3), 600, placement_failed=True, provisioning=1)
+    assert held == Hold("placement failed, 1 hosts already provisioning")
+    # ... but load at the threshold, counting the coming host (80 / 88), still adds capacity.
+    full = view(*(hv(f"h{i}", 8) for i in range(10)))
+    assert scaler.decide(full, 600, placement_failed=True, provisioning=1) == ScaleOut(
+        2, "placement failed"
+    )
+
+
 def test_below_the_floor_it_adds_hosts_up_to_min_hosts() -> None:
     assert Autoscaler().decide(idle_cluster(1), 0) == ScaleOut(2, "2 hosts below the minimum")
     # The floor is at least the replication factor even with a smaller min_hosts.
@@ -102,9 +115,13 @@ def test_max_hosts_caps_scale_out_including_provisioning() -> None:
     cfg = AutoscalerConfig(min_hosts=3, max_hosts=4, max_step=5)
     full = view(hv("a", 8), hv("b", 8), hv("c", 8))
     assert Autoscaler(cfg).decide(full, 0) == ScaleOut(1, "load 1.00 >= 0.9")
-    held = Autoscaler(cfg).decide(full, 0, placement_failed=True, provisioning=1)
-    assert isinstance(held, Hold)
-    assert "max_hosts=4" in held.reason
+    at_max = view(*full.hosts, hv("d", 8))
+    held = Autoscaler(cfg).decide(at_max, 0, placement_failed=True)
+    assert held == Hold("placement failed, but at max_hosts=4")
+    # A host on its way counts: 24 of 25 GPUs (new hosts of 1 GPU) is still overloaded.
+    small = AutoscalerConfig(min_hosts=3, max_hosts=4, new_host_gpus=1)
+    held = Autoscaler(small).decide(full, 0, provisioning=1)
+    assert held == Hold("load 0.96 >= 0.9, but at max_hosts=4")
 
 
 def test_cooldown_separates_actions() -> None:
