@@ -7,7 +7,8 @@ whole history goes through the Wing & Gong checker in ``tests/linearizability.py
 A write that never got an answer is recorded as of unknown outcome; a read
 that got none is left out.
 
-``NBOS_CHAOS_ROUNDS`` (default 6) sets the number of faults; the history size
+``NBOS_CHAOS_ROUNDS`` (default 6) sets the number of faults, ``NBOS_CHAOS_SEED``
+(default 0) the nemesis and client choices; the history size
 is bounded by ``NBOS_LIN_OPS`` operations per client (default 250).
 """
 
@@ -29,6 +30,7 @@ from tests.linearizability import Operation, check
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
 ROUNDS = int(os.environ.get("NBOS_CHAOS_ROUNDS", "6"))
+SEED = int(os.environ.get("NBOS_CHAOS_SEED", "0"))
 OPS_PER_CLIENT = int(os.environ.get("NBOS_LIN_OPS", "250"))
 CLIENTS = 4
 KEYS = ("x", "y")
@@ -74,11 +76,11 @@ async def test_history_under_faults_is_linearizable(
     async with anyio.create_task_group() as tg:
         try:
             await cluster.start_all(tg)
-            nemesis = Nemesis(cluster, tg, seed=7, load_s=0.3)
+            nemesis = Nemesis(cluster, tg, seed=SEED, load_s=0.3)
             async with anyio.create_task_group() as load:
                 for c in range(CLIENTS):
                     client = KvClient(cluster, f"c{c}", attempt_timeout=0.5)
-                    load.start_soon(client_loop, client, random.Random(c), history, stop)
+                    load.start_soon(client_loop, client, random.Random(SEED + c), history, stop)
                 await nemesis.run(ROUNDS)
                 stop.set()
         finally:

@@ -10,7 +10,8 @@ SIGSTOPs a follower and once the leader, and restarts followers. Afterwards:
 * no token appears that was never sent, and none twice (retries apply once);
 * all nodes converge to the same applied index and data.
 
-``NBOS_CHAOS_ROUNDS`` (default 6) sets how many faults each test injects.
+``NBOS_CHAOS_ROUNDS`` (default 6) sets how many faults each test injects and
+``NBOS_CHAOS_SEED`` (default 0) which victims and pauses the nemesis picks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.chaos.conftest import KvClient, KvCluster, Nemesis
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
 ROUNDS = int(os.environ.get("NBOS_CHAOS_ROUNDS", "6"))
+SEED = int(os.environ.get("NBOS_CHAOS_SEED", "0"))
 CLIENTS = 3
 KEYS = 2
 LOAD_BETWEEN_FAULTS_S = 0.4
@@ -74,7 +76,7 @@ async def run_chaos(tmp_path: Path, kv_processes: list[tuple[int, str]], size: i
     async with anyio.create_task_group() as tg:
         try:
             await cluster.start_all(tg)
-            nemesis = Nemesis(cluster, tg, seed=size, load_s=LOAD_BETWEEN_FAULTS_S)
+            nemesis = Nemesis(cluster, tg, seed=SEED + size, load_s=LOAD_BETWEEN_FAULTS_S)
             async with anyio.create_task_group() as load:
                 for c in range(CLIENTS):
                     client = KvClient(cluster, f"c{c}")
