@@ -119,3 +119,26 @@ async def test_large_buffers_without_an_address_are_kept_apart(pair: Pair) -> No
     assert pair.replica["x"].data[:1] == b"x" and pair.replica["y"].data[:1] == b"y"
     delta = await pair.cell("y.data[0] = ord('z')")
     assert pair.replica["y"].data[:2] == b"zy"
+
+
+async def test_numpy_views_share_memory_with_their_base_on_the_replica(pair: Pair) -> None:
+    await pair.cell(
+        f"""
+        import numpy as np
+        base = np.arange({N}, dtype=np.float64)
+        head = base[:10]
+        backwards = base[::-3]
+        grid = base.reshape(-1, 8)[:, 2]
+        ro = np.broadcast_to(base[:4], (3, 4))
+        unnamed_base = np.arange(12.0)[2:5]
+        """
+    )
+    r = pair.replica
+    for name in ("head", "backwards", "grid", "ro"):
+        assert np.shares_memory(r[name], r["base"]), name
+    assert not r["ro"].flags.writeable and r["head"].flags.writeable
+    assert list(r["unnamed_base"]) == [2.0, 3.0, 4.0]
+    r["base"][0] = -1.0
+    assert r["head"][0] == -1.0  # as it would be on the executor
+    delta = await pair.cell("head[1] = 7.0")  # written through the view
+    assert pair.replica["base"][1] == 7.0 and len(set(delta.blobs)) == 1

@@ -106,6 +106,12 @@ def aliasing(ns: dict[str, Any]) -> set[tuple[str, str]]:
     return {(x, y) for x in present for y in present if x < y and ns[x] is ns[y]}
 
 
+def shared_memory(ns: dict[str, Any]) -> set[tuple[str, str]]:
+    """Pairs of names whose arrays share memory (an array and its view)."""
+    arrays = [n for n in NAMES if isinstance(ns.get(n), np.ndarray)]
+    return {(x, y) for x in arrays for y in arrays if x < y and np.shares_memory(ns[x], ns[y])}
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(cells)
 def test_capture_then_apply_keeps_replicas_equal(program: list[list[tuple[Any, ...]]]) -> None:
@@ -121,6 +127,7 @@ def test_capture_then_apply_keeps_replicas_equal(program: list[list[tuple[Any, .
             await apply(replica, await capture.capture(executor, index), store)
             assert namespace_digest(replica) == namespace_digest(executor)
             assert aliasing(replica) == aliasing(executor)
+            assert shared_memory(replica) == shared_memory(executor)
             assert set(replica) == set(executor)
 
     with tempfile.TemporaryDirectory() as root:

@@ -127,6 +127,8 @@ class NamespacePickler(pickle.Pickler):
             return property, (obj.fget, obj.fset, obj.fdel, obj.__doc__)  # type: ignore[attr-defined]
         if cls.__module__.startswith("torch"):
             return _torch.reduce(obj, self.buffer_owners)
+        if cls.__module__ == "numpy" and cls.__name__ == "ndarray":
+            return _reduce_array_view(obj)
         return NotImplemented
 
 
@@ -156,6 +158,35 @@ def _reduce_module(module: types.ModuleType) -> tuple[Any, ...]:
     if sys.modules.get(module.__name__) is not module:
         raise pickle.PicklingError(f"module {module.__name__!r} is not importable by name")
     return importlib.import_module, (module.__name__,)
+
+
+def _reduce_array_view(array: Any) -> Any:
+    """A view of a numpy array that owns its memory, as that array plus where it looks.
+
+    numpy pickles a view as a copy; rebuilding it over its base keeps the two sharing
+    memory on the replica, as they do here (a write through either shows in both).
+    """
+    numpy = sys.modules["numpy"]
+    root = array.base
+    while isinstance(root, numpy.ndarray) and root.base is not None:
+        root = root.base
+    if not (
+        type(root) is numpy.ndarray
+        and root.base is None
+        and (root.flags.c_contiguous or root.flags.f_contiguous)
+        and not root.dtype.hasobject
+    ):
+        return NotImplemented
+    offset = array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    layout = (array.shape, array.dtype, offset, array.strides, bool(array.flags.writeable))
+    return _make_array_view, (root, layout)
+
+
+def _make_array_view(root: Any, layout: tuple[Any, ...]) -> Any:
+    shape, dtype, offset, strides, writeable = layout
+    view = type(root)(shape, dtype, buffer=root, offset=offset, strides=strides)
+    view.flags.writeable = writeable and bool(root.flags.writeable)
+    return view
 
 
 def _reduce_typevar(var: typing.TypeVar) -> tuple[Any, ...]:
