@@ -336,9 +336,10 @@ class RaftReplicatedLog:
         for append in rd.messages:
             if isinstance(append, RaftAppend):
                 await self._send(append)
-        with anyio.CancelScope(shield=True):
-            # A Ready is persisted whole or the process dies: never half of it.
-            await anyio.to_thread.run_sync(self._persist, rd)
+        if rd.entries or rd.hard_state is not None or rd.snapshot is not None:
+            with anyio.CancelScope(shield=True):
+                # A Ready is persisted whole or the process dies: never half of it.
+                await anyio.to_thread.run_sync(self._persist, rd)
         for message in rd.messages:
             if not isinstance(message, RaftAppend):
                 await self._send(message)

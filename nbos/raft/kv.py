@@ -252,7 +252,8 @@ class NodeProcess:
         self.argv = list(argv)
         self.stderr_path = stderr_path
         self.process: Process | None = None
-        self._pending: dict[int, Outcome[dict[str, Any]]] = {}
+        # request id -> (the incarnation it went to, its answer)
+        self._pending: dict[int, tuple[Process, Outcome[dict[str, Any]]]] = {}
         self._next_id = 0
 
     @property
@@ -285,7 +286,7 @@ class NodeProcess:
         self._next_id += 1
         rid = self._next_id
         outcome: Outcome[dict[str, Any]] = Outcome()
-        self._pending[rid] = outcome
+        self._pending[rid] = (process, outcome)
         try:
             with anyio.move_on_after(timeout):
                 await process.stdin.send(_json.encode({**request, "id": rid}) + b"\n")
@@ -329,16 +330,17 @@ class NodeProcess:
             async for chunk in process.stdout:
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
-                    self._dispatch(line, ready)
+                    self._dispatch(process, line, ready)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
         finally:
             ready.fail(LogClosedError(f"node process {process.pid} ended before it was ready"))
-            if process is self.process:
-                for outcome in self._pending.values():
+            # Requests to this incarnation get no answer now, even if a new one runs.
+            for sent_to, outcome in self._pending.values():
+                if sent_to is process:
                     outcome.set({"ok": False, "error": "Unavailable"})
 
-    def _dispatch(self, line: bytes, ready: Outcome[dict[str, Any]]) -> None:
+    def _dispatch(self, process: Process, line: bytes, ready: Outcome[dict[str, Any]]) -> None:
         try:
             answer = _answer_decoder.decode(line)
         except msgspec.DecodeError:
@@ -347,9 +349,9 @@ class NodeProcess:
         if "ready" in answer:
             ready.set(answer)
             return
-        outcome = self._pending.get(answer.get("id"))  # type: ignore[arg-type]
-        if outcome is not None:
-            outcome.set(answer)
+        waiting = self._pending.get(answer.get("id"))  # type: ignore[arg-type]
+        if waiting is not None and waiting[0] is process:
+            waiting[1].set(answer)
 
 
 def _parse_member(text: str) -> tuple[int, str]:
