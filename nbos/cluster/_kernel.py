@@ -189,6 +189,7 @@ class Kernel:
 
 async def stop_processes(front: KernelFront, by_node: Mapping[int, ProcessHandle]) -> None:
     """Ask live replicas to shut down, then terminate whatever is still running."""
+    front.closing()
     with anyio.move_on_after(_SHUTDOWN_GRACE_S):
         async with anyio.create_task_group() as tg:
             for node in front.alive:

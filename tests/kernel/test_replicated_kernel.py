@@ -302,3 +302,35 @@ async def test_chooser_devices_reach_the_cell_and_every_plan_is_released(
         assert [p.devices for p in chooser.released] == [(3,), (), (), (0,), ()]
     finally:
         await k.shutdown()
+
+
+async def test_a_failed_cell_aborts_the_cells_queued_behind_it(
+    client: AsyncKernelClient,
+) -> None:
+    first = client.execute("1 / 0")
+    second = client.execute("queued_after_error = 1")
+    error, _ = await collect(client, first)
+    aborted, messages = await collect(client, second)
+    assert error["content"]["status"] == "error"
+    assert aborted["content"]["status"] == "aborted"
+    assert [m["content"]["execution_state"] for m in messages] == ["busy", "idle"]
+    _, out = await run(client, "print('queued_after_error' in dir())")
+    assert stdout(out) == "False\n"
+
+
+async def test_shutdown_request_stops_every_replica(cluster: LocalCluster) -> None:
+    k = await cluster.start_kernel()
+    c = AsyncKernelClient()
+    c.load_connection_info(k.connection_info)
+    c.start_channels()
+    try:
+        await c.wait_for_ready(timeout=30)
+        reply = await c.shutdown(reply=True, timeout=20)
+    finally:
+        c.stop_channels()
+    assert reply["content"]["status"] == "ok"
+    with anyio.fail_after(20):
+        await k.closed.wait()
+    assert not any(r.alive for r in k.replicas)
+    for r in k.replicas:  # ended by the request (0) or, past the grace, by SIGTERM
+        assert await k.wait_replica(r.node) in (0, -15)

@@ -138,6 +138,7 @@ class KernelFront:
         self._next_index = 1
         self._last_executor: int | None = None
         self._refused = 0
+        self._closing = False
         self._tg: anyio.abc.TaskGroup | None = None
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
@@ -202,12 +203,17 @@ class KernelFront:
         """The ``exec_index`` given to the latest cell (0 before the first)."""
         return self._next_index - 1
 
+    def closing(self) -> None:
+        """The kernel is being shut down: replicas that end from now on are expected to."""
+        self._closing = True
+
     def mark_dead(self, replica: int, reason: str) -> None:
         """Stop using ``replica``; requests in flight there end as lost."""
         up = self._upstreams.get(replica)
         if up is None or not up.mark_dead():
             return
-        log.warning("kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)
+        level = logging.INFO if self._closing else logging.WARNING
+        log.log(level, "kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)
         for pending in list(self._pending.values()):
             if pending.target == replica:
                 pending.lost = True
@@ -323,17 +329,36 @@ class KernelFront:
 
     async def _shell_worker(self, rx: MemoryObjectReceiveStream[_Incoming]) -> None:
         async for idents, msg in rx:
-            msg_type = msg["header"]["msg_type"]
-            await self._publish_status("busy", msg)
-            try:
-                if msg_type == "execute_request":
-                    await self._execute(idents, msg)
-                else:
-                    await self._relay(idents, msg, "shell", self._shell)
-            finally:
-                await self._publish_status("idle", msg)
+            stop = await self._handle_shell(idents, msg, abort=False)
+            # As ipykernel does: a cell that fails with stop_on_error aborts the
+            # execute_requests already queued behind it.
+            while stop:
+                try:
+                    queued = rx.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+                await self._handle_shell(*queued, abort=True)
 
-    async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> None:
+    async def _handle_shell(self, idents: list[bytes], msg: _wire.Msg, *, abort: bool) -> bool:
+        """Handle one shell request; ``True`` if it was a cell whose failure stops the queue."""
+        msg_type = msg["header"]["msg_type"]
+        await self._publish_status("busy", msg)
+        try:
+            if msg_type != "execute_request":
+                await self._relay(idents, msg, "shell", self._shell)
+                return False
+            if abort:
+                await self._reply(idents, msg, "execute_reply", {"status": "aborted"})
+                return False
+            status = await self._execute(idents, msg)
+            content = msg["content"]
+            silent = bool(content.get("silent", False))
+            return status == "error" and not silent and content.get("stop_on_error", True)
+        finally:
+            await self._publish_status("idle", msg)
+
+    async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
+        """Run one cell; returns the status of the reply the client got."""
         index = self._next_index
         self._next_index += 1
         try:
@@ -343,28 +368,28 @@ class KernelFront:
         except NbosError as exc:
             log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
             await self._reply(idents, msg, "execute_reply", error_content(exc, 0))
-            return
+            return "error"
         try:
-            await self._execute_on(idents, msg, index, plan)
+            return await self._execute_on(idents, msg, index, plan)
         finally:
             await self._chooser.release(plan)
 
     async def _execute_on(
         self, idents: list[bytes], msg: _wire.Msg, index: int, plan: CellPlan
-    ) -> None:
+    ) -> str:
         metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
         pending = await self._roundtrip(
             plan.replica, "shell", {**msg, "metadata": metadata}, idents, grace=IDLE_GRACE_S
         )
-        if pending.reply is not None:
-            self._last_executor = plan.replica
-            await self._to_client(self._shell, pending.reply, idents)
-        else:
-            await self._cell_lost(idents, msg, index, plan.replica)
+        if pending.reply is None:
+            return await self._cell_lost(idents, msg, index, plan.replica)
+        self._last_executor = plan.replica
+        await self._to_client(self._shell, pending.reply, idents)
+        return str(pending.reply["content"].get("status", "error"))
 
     async def _cell_lost(
         self, idents: list[bytes], msg: _wire.Msg, index: int, executor: int
-    ) -> None:
+    ) -> str:
         """The executor died before replying: have a survivor settle the cell, tell the client."""
         self._last_executor = None
         settled: dict[str, Any] | None = None
@@ -397,6 +422,7 @@ class KernelFront:
             error = {k: content[k] for k in ("ename", "evalue", "traceback")}
             await self._publish(_wire.new_message(self._session, "error", error, msg))
         await self._reply(idents, msg, "execute_reply", content)
+        return str(content["status"])
 
     async def _relay(
         self, idents: list[bytes], msg: _wire.Msg, channel: Channel, sock: zmq.asyncio.Socket
@@ -475,6 +501,7 @@ class KernelFront:
         await self._to_client(self._control, reply, idents)
 
     async def _shutdown(self, idents: list[bytes], msg: _wire.Msg) -> None:
+        self.closing()
         restart = bool(msg["content"].get("restart", False))
         with anyio.move_on_after(_SHUTDOWN_TIMEOUT_S):
             async with anyio.create_task_group() as tg:
