@@ -53,15 +53,12 @@ from nbos.core.wire.agent import (
 )
 from nbos.gateway._hosts import Grant, HostRecord, subscriptions
 from nbos.gateway._rpc import RequestChannel
-from nbos.scaling import Execute, Migrate, choose_executor, load_policy
+from nbos.scaling import Execute, Migrate, choose_executor, load_policy, smoothed_demand_ratio
 
 log = logging.getLogger(__name__)
 
 #: ``on_wait(reason)``: called when a cell starts waiting for GPUs and whenever the reason changes.
 WaitCallback = Callable[[str], Awaitable[None]]
-
-#: Smoothing of the demand-to-busy ratio that admission compares subscription ratios with.
-_RATIO_ALPHA = 0.2
 
 
 @attrs.define
@@ -640,12 +637,9 @@ class GpuScheduler:
     # --- wake-ups --------------------------------------------------------------------
 
     def _notify(self) -> None:
-        # The ratio of GPUs kernels ask for to GPUs busy: the more subscribed GPUs
-        # sit idle, the further admission lets hosts be oversubscribed.
         demand = sum(n for _, n in self._placements.values())
         busy = sum(len(h.busy(self._grants.values())) for h in self._hosts.values())
-        sample = max(1.0, demand / max(busy, 1))
-        self._ratio += _RATIO_ALPHA * (sample - self._ratio)
+        self._ratio = smoothed_demand_ratio(self._ratio, demand, busy)
         self._version += 1
         self._changed.set()
         self._changed = anyio.Event()
