@@ -31,7 +31,7 @@ tuned (every 2 ms, the fastest setting found on loopback).
   300) or ``LATENCY_BUDGET_S`` seconds, whichever ends first; p50 and p99.
 
 The last line is the JSON summary: nbos (fsync=always) commits/s with concurrent
-proposers against the durable pysyncobj anchor.
+proposers against the better of the two durable pysyncobj configurations.
 """
 
 from __future__ import annotations
@@ -248,14 +248,18 @@ async def measure(cluster: Cluster) -> dict[str, float]:
     }
 
 
-ANCHOR = "pysyncobj-msync"
+#: The durable pysyncobj configurations; the anchor is the best of them on each figure.
+DURABLE_PYSYNCOBJ = ("pysyncobj-msync", "pysyncobj-msync-tuned")
 SYSTEMS: list[tuple[str, Callable[[Path], Cluster]]] = [
     ("WAL fsync=always", lambda root: nbos_cluster(root, "nbos", "always")),
     (
         "WAL fsync=batch: no sync for commit-index-only writes",
         lambda root: nbos_cluster(root, "nbos-batch", "batch"),
     ),
-    ("journal msynced per entry", lambda root: pysyncobj_cluster(root, ANCHOR, {"msync": True})),
+    (
+        "journal msynced per entry",
+        lambda root: pysyncobj_cluster(root, "pysyncobj-msync", {"msync": True}),
+    ),
     (
         "journal msynced per entry, appends every 2 ms",
         lambda root: pysyncobj_cluster(
@@ -298,19 +302,23 @@ def report(results: dict[str, dict[str, float]], notes: dict[str, str]) -> None:
             f"{name:>21}: {r['commits_per_s']:7.0f} commits/s   latency p50 {r['p50_ms']:7.2f} ms"
             f"  p99 {r['p99_ms']:7.2f} ms  ({int(r['latency_ops'])} puts)   {notes[name]}"
         )
+    durable = [results[name] for name in DURABLE_PYSYNCOBJ]
+    best = {
+        "commits_per_s": max(r["commits_per_s"] for r in durable),
+        "p50_ms": min(r["p50_ms"] for r in durable),
+    }
     pairs = (
-        ("nbos", ANCHOR),
-        ("nbos", "pysyncobj-msync-tuned"),
-        ("nbos-batch", "pysyncobj-msync-tuned"),
-        ("nbos-nosync", "pysyncobj-tuned"),
+        ("nbos", "best durable pysyncobj", best),
+        ("nbos-batch", "best durable pysyncobj", best),
+        ("nbos-nosync", "pysyncobj-tuned (neither durable)", results["pysyncobj-tuned"]),
     )
-    for ours, theirs in pairs:
-        a, b = results[ours], results[theirs]
+    for ours, name, theirs in pairs:
+        a = results[ours]
         print(
-            f"{ours} vs {theirs}: throughput {a['commits_per_s'] / b['commits_per_s']:.2f}x, "
-            f"p50 latency {a['p50_ms']:.2f} ms vs {b['p50_ms']:.2f} ms"
+            f"{ours} vs {name}: throughput {a['commits_per_s'] / theirs['commits_per_s']:.2f}x, "
+            f"p50 latency {a['p50_ms']:.2f} ms vs {theirs['p50_ms']:.2f} ms"
         )
-    nbos, anchor = results["nbos"], results[ANCHOR]
+    nbos = results["nbos"]
     summary = {
         "bench": "raft",
         "metric": f"commits/s, 3 processes on loopback, {CONCURRENCY} concurrent proposers, "
@@ -318,8 +326,8 @@ def report(results: dict[str, dict[str, float]], notes: dict[str, str]) -> None:
         "unit": "commits/s",
         "value": round(nbos["commits_per_s"], 1),
         "anchor": "pysyncobj",
-        "anchor_value": round(anchor["commits_per_s"], 1),
-        "ratio": round(nbos["commits_per_s"] / anchor["commits_per_s"], 3),
+        "anchor_value": round(best["commits_per_s"], 1),
+        "ratio": round(nbos["commits_per_s"] / best["commits_per_s"], 3),
         "better": "higher",
     }
     print(json.dumps(summary))
