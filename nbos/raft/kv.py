@@ -12,6 +12,12 @@ stdout (first ``{"ready": N}``): ``{"op": "put"|"append", "key": k, "value": v,
 "client": c, "seq": n}``, ``{"op": "get", "key": k}`` (a linearizable read) and
 ``{"op": "status"}``. A request may carry an ``"id"``, echoed in its answer;
 requests are served concurrently, so a client can keep many in flight.
+Answers: ``{"ok": true, "value": ...}`` (``put``, ``get``), ``{"ok": true, "size":
+n}`` (``append``: the new length), ``{"ok": true, "leader", "applied", "data"}``
+(``status``), or ``{"ok": false, "error": <error type>, "leader": <hint>}``.
+
+:class:`NodeProcess` (with :func:`kv_node_argv`) runs such a process and keeps
+requests to it in flight: the chaos tests and the benchmark drive nodes with it.
 """
 
 from __future__ import annotations
