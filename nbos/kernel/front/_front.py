@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 IDLE_GRACE_S = 2.0
 _READY_TIMEOUT_S = 60.0
 _LOST_TIMEOUT_S = 30.0
+_CLAIM_ATTEMPTS = 3
 _SHUTDOWN_TIMEOUT_S = 5.0
 
 _Incoming = tuple[list[bytes], _wire.Msg]
@@ -359,47 +360,63 @@ class KernelFront:
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Run one cell; returns the status of the reply the client got."""
-        index = self._next_index
-        self._next_index += 1
-        try:
-            plan = await self._chooser.choose(
-                ChoiceRequest(index, self._last_executor, self.alive)
-            )
-        except NbosError as exc:
-            log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
-            await self._reply(idents, msg, "execute_reply", error_content(exc, 0))
-            return "error"
-        try:
-            return await self._execute_on(idents, msg, index, plan)
-        finally:
-            await self._chooser.release(plan)
+        for _ in range(_CLAIM_ATTEMPTS):
+            index = self._next_index
+            self._next_index += 1
+            try:
+                plan = await self._chooser.choose(
+                    ChoiceRequest(index, self._last_executor, self.alive)
+                )
+            except NbosError as exc:
+                log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
+                await self._reply(idents, msg, "execute_reply", error_content(exc, 0))
+                return "error"
+            try:
+                status = await self._execute_on(idents, msg, index, plan)
+            finally:
+                await self._chooser.release(plan)
+            if status is not None:
+                return status
+            # Another replica holds the index's claim (it claimed early and was not
+            # chosen after all): retire the index and send the cell again under a new one.
+            await self._settle(index)
+        failure = KernelError(f"no replica could claim the cell in {_CLAIM_ATTEMPTS} attempts")
+        await self._reply(idents, msg, "execute_reply", error_content(failure, 0))
+        return "error"
 
     async def _execute_on(
         self, idents: list[bytes], msg: _wire.Msg, index: int, plan: CellPlan
-    ) -> str:
+    ) -> str | None:
+        """The reply's status, or ``None`` if the replica's claim lost (nothing ran)."""
         metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
         pending = await self._roundtrip(
             plan.replica, "shell", {**msg, "metadata": metadata}, idents, grace=IDLE_GRACE_S
         )
         if pending.reply is None:
             return await self._cell_lost(idents, msg, index, plan.replica)
+        if "claim_lost_to" in pending.reply["metadata"].get("nbos", {}):
+            return None
         self._last_executor = plan.replica
         await self._to_client(self._shell, pending.reply, idents)
         return str(pending.reply["content"].get("status", "error"))
+
+    async def _settle(self, index: int) -> dict[str, Any] | None:
+        """Have a live replica commit ``Done(index, lost)``; what it says counts for the cell."""
+        for survivor in self.alive:
+            reply = await self.control_request(
+                survivor, "nbos_lost_request", {"exec_index": index}, timeout=_LOST_TIMEOUT_S
+            )
+            if reply is not None and reply["content"].get("status") == "ok":
+                settled: dict[str, Any] = reply["content"]
+                return settled
+        return None
 
     async def _cell_lost(
         self, idents: list[bytes], msg: _wire.Msg, index: int, executor: int
     ) -> str:
         """The executor died before replying: have a survivor settle the cell, tell the client."""
         self._last_executor = None
-        settled: dict[str, Any] | None = None
-        for survivor in self.alive:
-            reply = await self.control_request(
-                survivor, "nbos_lost_request", {"exec_index": index}, timeout=_LOST_TIMEOUT_S
-            )
-            if reply is not None and reply["content"].get("status") == "ok":
-                settled = reply["content"]
-                break
+        settled = await self._settle(index)
         if settled is None:
             exc: NbosError = QuorumLostError(f"no live replica could settle cell {index}")
             content = error_content(exc, 0)

@@ -110,6 +110,7 @@ class ReplicaKernel(IPythonKernel):
         self._diverged = False
         self._warned: set[str] = set()
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
+        self._preclaims: dict[int, asyncio.Task[int]] = {}
 
     # --- wiring ------------------------------------------------------------------
 
@@ -160,7 +161,7 @@ class ReplicaKernel(IPythonKernel):
             return
         begun = time.monotonic()
         try:
-            claim = await self._propose_claim(index)
+            claim = await self._claim(index)
         except NbosError as exc:
             log.warning("claim of cell %d failed: %s", index, exc)
             self._reply_error(stream, ident, parent, exc)
@@ -179,11 +180,36 @@ class ReplicaKernel(IPythonKernel):
                 await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
         finally:
             self._cell = None
+        if not self._diverged:
+            self._preclaim(index + 1)
         assert self._raft is not None
         self._raft.want_leadership()
         if self._diverged:
             log.error("cell %d was declared lost while it ran here; leaving the group", index)
             os._exit(3)
+
+    async def _claim(self, index: int) -> int:
+        """The replica whose claim of cell ``index`` committed first (maybe ours, made early)."""
+        early = self._preclaims.pop(index, None)
+        if early is not None:
+            try:
+                return await early
+            except NbosError as exc:
+                log.info("early claim of cell %d failed (%s); claiming again", index, exc)
+        return await self._propose_claim(index)
+
+    def _preclaim(self, index: int) -> None:
+        """Claim cell ``index`` before its request arrives.
+
+        The front sends a kernel's cells to its last executor while that one lives,
+        so this claim's consensus round is off the next cell's critical path. If the
+        cell goes to another replica after all, that one's claim loses, and the front
+        settles the index as lost and sends the cell again under a new index.
+        """
+        assert self._main_loop is not None
+        task = self._main_loop.create_task(self._propose_claim(index))
+        task.add_done_callback(_consume_failure)
+        self._preclaims = {index: task}
 
     async def _propose_claim(self, index: int) -> int:
         assert self._raft is not None
@@ -469,6 +495,12 @@ class ReplicaKernel(IPythonKernel):
             await asyncio.to_thread(self._raft.stop)
         result: dict[str, Any] = super().do_shutdown(restart)  # type: ignore[no-untyped-call]
         return result
+
+
+def _consume_failure(task: asyncio.Task[int]) -> None:
+    # An early claim nobody waits for must not end as "exception never retrieved".
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("early claim failed: %s", task.exception())
 
 
 def error_content(exc: Exception, execution_count: int) -> dict[str, Any]:
