@@ -81,27 +81,34 @@ class HeartbeatPolicy:
 
 @attrs.define(eq=False)
 class _Pending:
-    """A request relayed to one replica, until its reply and its ``idle`` came back."""
+    """A request relayed to one replica, until its reply and its ``idle`` came back.
+
+    ``replied`` is set by the reply (or, for a message without one, by the idle),
+    ``idled`` by the replica's ``idle``; both by the replica's death (``lost``).
+    """
 
     msg_id: str
     target: int
     idents: list[bytes]
     expects_reply: bool
-    grace: float
     reply: _wire.Msg | None = None
-    idle: bool = False
     lost: bool = False
-    done: anyio.Event = attrs.Factory(anyio.Event)
+    replied: anyio.Event = attrs.Factory(anyio.Event)
+    idled: anyio.Event = attrs.Factory(anyio.Event)
 
-    def check(self, tg: anyio.abc.TaskGroup) -> None:
-        if self.idle and (self.reply is not None or not self.expects_reply):
-            self.done.set()
-        elif self.reply is not None:
-            tg.start_soon(self._give_up_on_idle)
+    def got_reply(self, reply: _wire.Msg) -> None:
+        self.reply = reply
+        self.replied.set()
 
-    async def _give_up_on_idle(self) -> None:
-        await anyio.sleep(self.grace)
-        self.done.set()
+    def got_idle(self) -> None:
+        self.idled.set()
+        if not self.expects_reply:
+            self.replied.set()
+
+    def got_lost(self) -> None:
+        self.lost = True
+        self.replied.set()
+        self.idled.set()
 
 
 class KernelFront:
@@ -140,7 +147,6 @@ class KernelFront:
         self._last_executor: int | None = None
         self._refused = 0
         self._closing = False
-        self._tg: anyio.abc.TaskGroup | None = None
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
 
@@ -217,8 +223,7 @@ class KernelFront:
         log.log(level, "kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)
         for pending in list(self._pending.values()):
             if pending.target == replica:
-                pending.lost = True
-                pending.done.set()
+                pending.got_lost()
 
     async def control_request(
         self, replica: int, msg_type: str, content: Mapping[str, Any], *, timeout: float
@@ -239,7 +244,6 @@ class KernelFront:
         control_tx, control_rx = anyio.create_memory_object_stream[_Incoming](100)
         try:
             async with anyio.create_task_group() as tg:
-                self._tg = tg
                 for up in self._upstreams.values():
                     for channel in ("shell", "control"):
                         tg.start_soon(self._read_replies, up, channel)
@@ -275,7 +279,7 @@ class KernelFront:
                 while up.alive:
                     probe = _wire.new_message(up.session, "kernel_info_request", {})
                     pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
-                    if pending.reply is not None and pending.idle:
+                    if pending.reply is not None and pending.idled.is_set():
                         break
         if len(self.alive) * 2 <= len(self._upstreams):
             raise QuorumLostError(
@@ -468,19 +472,22 @@ class KernelFront:
         grace: float,
     ) -> _Pending:
         header = msg["header"]
-        pending = _Pending(
-            header["msg_id"], target, idents, header["msg_type"].endswith("_request"), grace
-        )
+        expects_reply = header["msg_type"].endswith("_request")
+        pending = _Pending(header["msg_id"], target, idents, expects_reply)
         up = self._upstreams[target]
         if not up.alive:
-            pending.lost = True
+            pending.got_lost()
             return pending
         self._pending[pending.msg_id] = pending
         if channel == "shell":
             self._active = pending
         try:
             await up.send(channel, msg)
-            await pending.done.wait()
+            await pending.replied.wait()
+            # The replica's idle follows everything it published for the request; past
+            # the grace we go on without it (an IOPub message can be lost).
+            with anyio.move_on_after(grace):
+                await pending.idled.wait()
         finally:
             self._pending.pop(pending.msg_id, None)
             if self._active is pending:
@@ -546,9 +553,7 @@ class KernelFront:
                 continue
             pending = self._pending.get(parsed[1]["parent_header"].get("msg_id", ""))
             if pending is not None and pending.target == up.replica and pending.reply is None:
-                pending.reply = parsed[1]
-                assert self._tg is not None
-                pending.check(self._tg)
+                pending.got_reply(parsed[1])
 
     async def _read_iopub(self, up: Upstream) -> None:
         while True:
@@ -563,9 +568,7 @@ class KernelFront:
             if msg["header"]["msg_type"] != "status":
                 await self._publish(msg)
             elif msg["content"].get("execution_state") == "idle":
-                pending.idle = True
-                assert self._tg is not None
-                pending.check(self._tg)
+                pending.got_idle()
 
     async def _read_input_requests(self, up: Upstream) -> None:
         sock = up.sockets["stdin"]

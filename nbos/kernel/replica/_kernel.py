@@ -170,16 +170,17 @@ class ReplicaKernel(IPythonKernel):
             self._reply_aborted(stream, ident, parent, {"claim_lost_to": claim})
             return
         await self._wait_done(index - 1)
-        if self._applied_done >= index:
-            # A survivor declared this cell lost while we waited: it must not run.
-            self._reply_error(stream, ident, parent, CellLostError(index, self.node))
-            return
-        self._cell = _Cell(index, devices, wait_s=time.monotonic() - begun)
-        try:
-            async with self._namespace_lock:
+        waited = time.monotonic() - begun
+        async with self._namespace_lock:
+            if self._applied_done >= index:
+                # A survivor declared this cell lost while we waited: it must not run.
+                self._reply_error(stream, ident, parent, CellLostError(index, self.node))
+                return
+            self._cell = _Cell(index, devices, wait_s=waited)
+            try:
                 await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
-        finally:
-            self._cell = None
+            finally:
+                self._cell = None
         if not self._diverged:
             self._preclaim(index + 1)
         assert self._raft is not None
@@ -378,8 +379,11 @@ class ReplicaKernel(IPythonKernel):
         user_ns = self._shell.user_ns
         if isinstance(event, CellCommitted):
             mine = event.replica == self.node
-            if event.status == "lost" and self._cell is not None:
-                self._diverged = self._cell.index == event.exec_index and self._cell.started > 0
+            running = self._cell
+            if event.status == "lost" and running is not None and running.index == event.exec_index:
+                # Declared lost (we were thought dead) while it ran here: our namespace
+                # now holds a cell the others never will.
+                self._diverged = True
             if not mine and event.state is not None:
                 await self._sync.apply(user_ns, event.state)
             if not mine and event.code:
@@ -446,10 +450,16 @@ class ReplicaKernel(IPythonKernel):
     async def _digest_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Reply the namespace digest once the cell ``after`` (default: none) has applied."""
         assert self._main_loop is not None
-        after = parent["content"].get("after", 0)
-        future = asyncio.run_coroutine_threadsafe(self._digest_after(int(after)), self._main_loop)
-        digest, done = await asyncio.wrap_future(future)
-        content = {"status": "ok", "digest": digest, "applied_done": done}
+        content: dict[str, Any]
+        try:
+            after = int(parent["content"].get("after", 0))
+        except (TypeError, ValueError) as exc:
+            log.warning("nbos_digest_request refused: %s", exc)
+            content = error_content(exc, self.execution_count)
+        else:
+            future = asyncio.run_coroutine_threadsafe(self._digest_after(after), self._main_loop)
+            digest, done = await asyncio.wrap_future(future)
+            content = {"status": "ok", "digest": digest, "applied_done": done}
         self._session.send(stream, "nbos_digest_reply", content, parent, ident=ident)
 
     async def _digest_after(self, index: int) -> tuple[str, int]:
