@@ -127,3 +127,25 @@ def test_a_removed_leader_steps_down_once_the_change_applies(make_cluster: MakeC
     cluster.run(2)
     for nid in {1, 2, 3} - {old}:
         assert cluster.members[nid].applied[index].data == b"after removal"
+
+
+def test_a_removed_leader_leaves_only_once_the_others_know(make_cluster: MakeCluster) -> None:
+    """Two voters; the leader removes itself and is shut down the moment it steps down.
+
+    Had it stepped down on applying the change, the survivor, not yet knowing the
+    change committed, would still need the departed node's vote, forever.
+    """
+    cluster = make_cluster(2, seed=7)
+    old = cluster.wait_leader()
+    survivor = 3 - old
+    cluster.node(old).propose_conf_change(ConfChange("remove", old))
+    cluster.process(old)
+    while cluster.node(old).role is Role.LEADER:
+        cluster.deliver(0)
+    cluster.crash(old)
+    assert cluster.node(survivor).conf.voters == [survivor]
+    cluster.network.clear()
+    assert cluster.wait_leader() == survivor
+    index = cluster.node(survivor).propose(b"alone")
+    cluster.process(survivor)
+    assert cluster.members[survivor].applied[index].data == b"alone"

@@ -119,9 +119,14 @@ class RaftHeartbeat(RaftPeerMessage):
 
 
 class RaftHeartbeatResponse(RaftPeerMessage):
-    """Answer to :class:`RaftHeartbeat`; echoes ``ctx`` (a ReadIndex round)."""
+    """Answer to :class:`RaftHeartbeat`; echoes ``ctx`` (a ReadIndex round).
+
+    ``commit`` is the responder's commit index, which a leader that removed itself
+    waits on before it hands over (see ``docs/raft.md``).
+    """
 
     ctx: bytes = b""
+    commit: int = 0
 
 
 class RaftSnapshotChunk(RaftPeerMessage):

@@ -102,6 +102,10 @@ class RaftNode:
         self._nudge: set[int] = set()
         self._read_only = ReadOnlyQueue()
         self._reads_before_commit: list[tuple[bytes, int | None]] = []
+        #: set on a leader that applied its own removal: the index of that change
+        self._leaving_at: int | None = None
+        #: new voters known to have committed past ``_leaving_at``
+        self._informed: set[int] = set()
         self._become_follower(self.term, None)
 
     # --- status -------------------------------------------------------------------
@@ -170,6 +174,8 @@ class RaftNode:
         (leader change, lost message), so the driver needs a timeout.
         """
         self._check_input()
+        if self._leaving_at is not None:
+            raise NotLeaderError(None)
         if self.role is Role.LEADER:
             self._leader_read(ctx, None)
         elif self.leader_id is None:
@@ -294,6 +300,8 @@ class RaftNode:
         self._read_only.clear()
         self._reads_before_commit = []
         self._commit_dirty = False
+        self._leaving_at = None
+        self._informed = set()
 
     def _become_follower(self, term: int, leader: int | None) -> None:
         self._reset(term)
@@ -431,7 +439,11 @@ class RaftNode:
             self._handle_append(msg)
         elif isinstance(msg, RaftHeartbeat):
             self.log.commit_to(msg.commit)
-            self._send(RaftHeartbeatResponse(self.id, msg.src, self.term, ctx=msg.ctx))
+            self._send(
+                RaftHeartbeatResponse(
+                    self.id, msg.src, self.term, ctx=msg.ctx, commit=self.log.committed
+                )
+            )
         elif isinstance(msg, RaftSnapshotChunk):
             self._handle_chunk(msg)
         elif isinstance(msg, RaftTimeoutNow):
@@ -542,7 +554,9 @@ class RaftNode:
                 # appends may have been lost with nothing left to send: an empty one
                 # at `next` gets rejected if so, and the rejection starts a probe
                 self._nudge.add(msg.src)
-            if msg.ctx:
+            if self._leaving_at is not None:
+                self._on_leaving_ack(msg.src, msg.commit)
+            elif msg.ctx:
                 for ctx, index, origin in self._read_only.ack(msg.ctx, msg.src, self.conf.voters):
                     self._answer_read(ctx, index, origin)
         elif isinstance(msg, RaftSnapshotResponse) and pr.state is ProgressState.SNAPSHOT:
@@ -683,9 +697,9 @@ class RaftNode:
             return
         self._conf_history.append((entry.index, self.conf))
         if self.role is Role.LEADER:
-            self._sync_progress()
+            self._sync_progress(entry.index)
 
-    def _sync_progress(self) -> None:
+    def _sync_progress(self, index: int) -> None:
         members = {*self.conf.voters, *self.conf.learners}
         for gone in set(self.progress) - members - {self.id}:
             del self.progress[gone]
@@ -694,19 +708,29 @@ class RaftNode:
                 member, self._new_progress(member, self.log.last_index() + 1)
             )
             pr.learner = member in self.conf.learners
-        if self.id not in self.conf.voters:
-            self._hand_off()
-            return
+        if self.id not in self.conf.voters and self._leaving_at is None:
+            # Removed: keep leading (without counting ourselves) until a quorum of the
+            # new voters knows the change is committed. They act on it when they apply
+            # it; had we left at once, they could be stuck electing under the old
+            # membership, which needs our vote.
+            log.info("node %d: removed from the voters, handing over", self.id)
+            self._leaving_at = index
+            self._read_only.clear()
+            self._reads_before_commit = []
+            self._broadcast_heartbeat(b"")
         self._maybe_commit()
 
-    def _hand_off(self) -> None:
-        # removed (or demoted) leader: let the most caught-up voter campaign at once
-        candidates = [v for v in self.conf.voters if v in self.progress]
-        if candidates:
-            best = max(candidates, key=lambda v: self.progress[v].match)
-            if self.progress[best].match == self.log.last_index():
-                self._send(RaftTimeoutNow(self.id, best, self.term))
-        log.info("node %d: removed from the voters, stepping down", self.id)
+    def _on_leaving_ack(self, member: int, commit: int) -> None:
+        assert self._leaving_at is not None
+        if commit >= self._leaving_at:
+            self._informed.add(member)
+        if not has_quorum(self.conf.voters, self._informed):
+            return
+        best = max(self._informed & set(self.conf.voters), key=lambda v: self.progress[v].match)
+        if self.progress[best].match == self.log.last_index():
+            # spare the group an election timeout
+            self._send(RaftTimeoutNow(self.id, best, self.term))
+        log.info("node %d: new voters know of the removal, stepping down", self.id)
         self._become_follower(self.term, None)
 
     def _conf_at(self, index: int) -> ConfState:
@@ -731,3 +755,5 @@ class RaftNode:
             raise NotLeaderError(self.leader_id)
         if self.transferee is not None:
             raise NotLeaderError(self.transferee)
+        if self._leaving_at is not None:
+            raise NotLeaderError(None)
