@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -84,13 +84,16 @@ class Kernel:
         self,
         kernel_id: KernelId,
         front: KernelFront,
-        processes: Mapping[int, ProcessHandle],
+        processes: dict[int, ProcessHandle],
         scope: anyio.CancelScope,
+        restart: Callable[[int], Awaitable[ProcessHandle]] | None = None,
     ) -> None:
+        # ``processes`` is shared with the cluster, which stops what it holds at the end.
         self.kernel_id = kernel_id
         self.front = front
-        self._processes = dict(processes)
+        self._processes = processes
         self._scope = scope
+        self._restart = restart
         self._client: AsyncKernelClient | None = None
         self._lock = anyio.Lock()
         self.closed = anyio.Event()
@@ -159,6 +162,20 @@ class Kernel:
     async def wait_replica(self, node: int) -> int:
         """Wait until replica ``node``'s process ended; its exit status."""
         return await self._process(node).wait()
+
+    async def restart_replica(self, node: int, *, timeout: float = 60.0) -> None:
+        """Start dead replica ``node`` again on its host; returns once it answers.
+
+        It recovers from its own durable Raft log and catches up from the others (a
+        snapshot if they compacted past it), so only a durable cluster can do this:
+        a replica that forgot its log could break Raft's promises.
+        """
+        if self._restart is None:
+            raise KernelError("replicas can be restarted only on a durable cluster")
+        if self._process(node).returncode is None:
+            raise KernelError(f"replica {node} of kernel {self.kernel_id} is still running")
+        self._processes[node] = await self._restart(node)
+        await self.front.revive(node, timeout=timeout)
 
     def _process(self, node: int) -> ProcessHandle:
         handle = self._processes.get(node)

@@ -133,11 +133,13 @@ class LocalCluster:
         nodes = list(range(1, self._replicas + 1))
         peers = {n: [_free_address(), _free_address()] for n in nodes}
         handles: dict[int, ProcessHandle] = {}
+        specs: dict[int, tuple[HostId, ProcessSpec]] = {}
         try:
             files = {}
             for node, host in zip(nodes, self._pick_hosts(), strict=True):
                 files[node] = _seed_connection_file(kernel_dir / f"replica-{node}.json")
                 spec = self._replica_spec(kernel_id, node, peers, files[node], kernel_dir)
+                specs[node] = (host, spec)
                 handles[node] = await self._backend.start(host, spec)
             endpoints = [
                 ReplicaEndpoint(node, await _wait_connection_file(files[node], handles[node]))
@@ -146,7 +148,9 @@ class LocalCluster:
             front = KernelFront(
                 endpoints, kernel_id=kernel_id, chooser=chooser, heartbeat=self._heartbeat
             )
-            kernel: Kernel = await self._tg.start(self._run_kernel, kernel_id, front, handles)
+            kernel: Kernel = await self._tg.start(
+                self._run_kernel, kernel_id, front, handles, specs
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for handle in handles.values():
@@ -160,12 +164,24 @@ class LocalCluster:
         kernel_id: KernelId,
         front: KernelFront,
         handles: dict[int, ProcessHandle],
+        specs: dict[int, tuple[HostId, ProcessSpec]],
         *,
         task_status: anyio.abc.TaskStatus[Kernel],
     ) -> None:
+        backend = self._backend
+        assert backend is not None
         with anyio.CancelScope() as scope:
-            kernel = Kernel(kernel_id, front, handles, scope)
             async with anyio.create_task_group() as tg:
+
+                async def restart(node: int) -> ProcessHandle:
+                    # Same host, ports, keys and Raft log directory as before.
+                    handle = await backend.start(*specs[node])
+                    tg.start_soon(_watch_process, front, node, handle)
+                    return handle
+
+                kernel = Kernel(
+                    kernel_id, front, handles, scope, restart if self._durable else None
+                )
                 for node, handle in handles.items():
                     tg.start_soon(_watch_process, front, node, handle)
                 await tg.start(front.serve)

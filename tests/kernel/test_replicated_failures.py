@@ -15,6 +15,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 import nbos
 from nbos.cluster import Kernel, LocalCluster
+from nbos.core.config import RaftSettings, Settings
 from nbos.kernel.front import HeartbeatPolicy
 
 pytestmark = pytest.mark.anyio
@@ -185,3 +186,24 @@ async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel:
     assert result.status == "ok", result.reply
     after = await kernel.digests()
     assert set(after.values()) == set(before.values()) and len(after) == 2
+
+
+async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> None:
+    # Snapshots every few entries, so the leader compacts past the dead replica and has
+    # to send it a snapshot (namespace image plus the deltas after it).
+    settings = Settings(raft=RaftSettings(snapshot_every=4))
+    async with nbos.LocalCluster(hosts=3, durable=True, settings=settings) as cluster:
+        kernel = await cluster.start_kernel()
+        executor = await define_state(kernel)
+        victim = next(r.node for r in kernel.replicas if r.node != executor)
+        await kernel.kill_replica(victim)
+        for _ in range(4):  # cells it misses
+            assert (await kernel.execute("xs.append(len(xs))")).status == "ok"
+        await kernel.restart_replica(victim)
+        assert victim in kernel.front.alive
+        digests = await kernel.digests()
+        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+        # Once the others are gone from under it, it runs cells on that state.
+        await kernel.kill_replica(executor)
+        result = await kernel.execute("print(xs[-1], len(alias), p.norm())")
+        assert result.stdout == "7 8 4\n", result.reply

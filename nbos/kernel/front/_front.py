@@ -147,6 +147,7 @@ class KernelFront:
         self._last_executor: int | None = None
         self._refused = 0
         self._closing = False
+        self._tg: anyio.abc.TaskGroup | None = None
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
 
@@ -225,6 +226,21 @@ class KernelFront:
             if pending.target == replica:
                 pending.got_lost()
 
+    async def revive(self, replica: int, *, timeout: float = _READY_TIMEOUT_S) -> None:
+        """Use ``replica`` again once it answers: it was restarted after :meth:`mark_dead`.
+
+        Raises :class:`KernelError` if it does not answer within ``timeout``.
+        """
+        up = self._upstreams[replica]
+        if up.alive or self._tg is None:
+            return
+        up.revive()
+        if not await self._probe(replica, timeout=timeout):
+            up.mark_dead()
+            raise KernelError(f"replica {replica} did not answer within {timeout} s")
+        self._tg.start_soon(self._watch_heartbeat, up)
+        log.info("kernel %s: replica %d is back", self._kernel_id, replica)
+
     async def control_request(
         self, replica: int, msg_type: str, content: Mapping[str, Any], *, timeout: float
     ) -> _wire.Msg | None:
@@ -244,6 +260,7 @@ class KernelFront:
         control_tx, control_rx = anyio.create_memory_object_stream[_Incoming](100)
         try:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 for up in self._upstreams.values():
                     for channel in ("shell", "control"):
                         tg.start_soon(self._read_replies, up, channel)
@@ -272,20 +289,29 @@ class KernelFront:
     # --- start-up -------------------------------------------------------------------
 
     async def _wait_ready(self) -> None:
-        # A reply proves the replica's shell works; its idle proves our IOPub
-        # subscription reached it (SUB sockets miss what is published before that).
-        with anyio.fail_after(_READY_TIMEOUT_S):
-            for replica, up in self._upstreams.items():
-                while up.alive:
-                    probe = _wire.new_message(up.session, "kernel_info_request", {})
-                    pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
-                    if pending.reply is not None and pending.idled.is_set():
-                        break
+        for replica in self._upstreams:
+            if not await self._probe(replica, timeout=_READY_TIMEOUT_S):
+                self.mark_dead(replica, "it did not answer at start")
         if len(self.alive) * 2 <= len(self._upstreams):
             raise QuorumLostError(
                 f"kernel {self._kernel_id}: only replicas {self.alive} of "
                 f"{sorted(self._upstreams)} started"
             )
+
+    async def _probe(self, replica: int, *, timeout: float) -> bool:
+        """Whether ``replica`` answers, probing until it does, it dies or ``timeout`` passes.
+
+        A reply proves its shell works; its idle proves our IOPub subscription reached
+        it (a SUB socket misses what is published before that).
+        """
+        up = self._upstreams[replica]
+        with anyio.move_on_after(timeout):
+            while up.alive:
+                probe = _wire.new_message(up.session, "kernel_info_request", {})
+                pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
+                if pending.reply is not None and pending.idled.is_set():
+                    return True
+        return False
 
     # --- clients --------------------------------------------------------------------
 
@@ -359,6 +385,10 @@ class KernelFront:
             content = msg["content"]
             silent = bool(content.get("silent", False))
             return status == "error" and not silent and content.get("stop_on_error", True)
+        except (NbosError, zmq.ZMQError, KeyError, TypeError, ValueError):
+            # One request gone wrong must not take the kernel's front down with it.
+            log.exception("kernel %s: %s failed", self._kernel_id, msg_type)
+            return False
         finally:
             await self._publish_status("idle", msg)
 
@@ -509,6 +539,8 @@ class KernelFront:
                     await self._interrupt(idents, msg)
                 else:
                     await self._relay(idents, msg, "control", self._control)
+            except (NbosError, zmq.ZMQError, KeyError, TypeError, ValueError):
+                log.exception("kernel %s: %s failed", self._kernel_id, msg_type)
             finally:
                 await self._publish_status("idle", msg)
 
@@ -603,18 +635,31 @@ class KernelFront:
             return None
 
     async def _watch_heartbeat(self, up: Upstream) -> None:
+        """Ping ``up`` until it is marked dead (a revival starts a new watcher)."""
         policy = self._heartbeat
+        life = up.life
         misses = 0
-        while up.alive:
+        while up.alive and up.life == life:
             await anyio.sleep(policy.interval_s)
-            with anyio.move_on_after(policy.timeout_s):
-                await up.heartbeat.send(b"ping")
-                await up.heartbeat.recv()
+            if not (up.alive and up.life == life):
+                return
+            if await self._ping(up, policy.timeout_s):
                 misses = 0
                 continue
             misses += 1
-            up.heartbeat.close(0)
-            up.heartbeat = up.new_heartbeat()
             if misses >= policy.misses:
                 self.mark_dead(up.replica, f"{misses} heartbeats missed")
 
+    async def _ping(self, up: Upstream, timeout: float) -> bool:
+        with anyio.move_on_after(timeout):
+            try:
+                await up.heartbeat.send(b"ping")
+                await up.heartbeat.recv()
+            except zmq.ZMQError as exc:
+                log.debug("heartbeat of replica %d: %s", up.replica, exc)
+            else:
+                return True
+        # A REQ socket that got no answer is stuck mid-exchange: start a fresh one.
+        up.heartbeat.close(0)
+        up.heartbeat = up.new_heartbeat()
+        return False

@@ -7,7 +7,6 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import anyio
 import attrs
 import zmq
 import zmq.asyncio
@@ -38,7 +37,8 @@ class Upstream:
         self.replica = endpoint.replica
         self.session = _wire.session_for(endpoint.connection, username="nbos-front")
         self.alive = True
-        self.died = anyio.Event()
+        #: Counts revivals, so a watcher of an earlier life knows to stop.
+        self.life = 0
         self._ctx = ctx
         self._connection = dict(endpoint.connection)
         identity = f"nbos-front-{uuid.uuid4().hex}".encode()
@@ -78,8 +78,14 @@ class Upstream:
         if not self.alive:
             return False
         self.alive = False
-        self.died.set()
         return True
+
+    def revive(self) -> None:
+        """The replica runs again (restarted on the same ports); ZeroMQ reconnects on its own."""
+        self.alive = True
+        self.life += 1
+        self.heartbeat.close(0)
+        self.heartbeat = self.new_heartbeat()
 
     def close(self) -> None:
         for sock in (*self.sockets.values(), self.iopub, self.heartbeat):
