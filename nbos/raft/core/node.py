@@ -123,6 +123,11 @@ class RaftNode:
         """The latest snapshot this node holds (taken locally or installed)."""
         return self._snapshot
 
+    @property
+    def leaving(self) -> bool:
+        """A leader that applied its own removal and is handing over (takes no proposals)."""
+        return self._leaving_at is not None
+
     def promotable(self) -> bool:
         """Whether this node is a voter and may campaign."""
         return self.id in self.conf.voters

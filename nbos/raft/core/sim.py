@@ -212,8 +212,12 @@ class SimCluster:
         raise AssertionError(f"node {nid} did not become leader")
 
     def leader(self) -> int | None:
-        """The live leader of the highest term, if any."""
-        live = [(self.node(n).term, n) for n in self.alive() if self.node(n).role is Role.LEADER]
+        """The live leader of the highest term that takes proposals, if any."""
+        live = [
+            (self.node(n).term, n)
+            for n in self.alive()
+            if self.node(n).role is Role.LEADER and not self.node(n).leaving
+        ]
         return max(live)[1] if live else None
 
     def wait_leader(self, max_ticks: int = 300) -> int:
