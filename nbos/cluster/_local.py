@@ -47,7 +47,8 @@ class LocalCluster:
     run directory (logs, object store, Raft logs) unless ``run_dir`` was given.
     ``durable=False`` keeps Raft logs in memory (faster; a replica that restarts
     cannot recover from its own disk then). ``heartbeat`` tunes how fast a kernel's
-    front gives up on a replica that stopped answering.
+    front gives up on a replica that stopped answering; ``rebase_bytes`` how many bytes
+    of deltas pile up before a replica re-images its namespace for Raft snapshots.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class LocalCluster:
         durable: bool = True,
         settings: Settings | None = None,
         heartbeat: HeartbeatPolicy | None = None,
+        rebase_bytes: int | None = None,
         python: str = sys.executable,
     ) -> None:
         if hosts < replicas or replicas < 1:
@@ -69,6 +71,7 @@ class LocalCluster:
         self._durable = durable
         self._settings = settings or Settings()
         self._heartbeat = heartbeat
+        self._rebase_bytes = rebase_bytes
         self._python = python
         self._run_dir: Path | None = None
         self._backend: LocalProcessBackend | None = None
@@ -229,6 +232,8 @@ class LocalCluster:
         if self._durable:
             argv += ["--data-dir", str(kernel_dir / f"raft-{node}")]
         argv += ["--raft-settings", msgspec.json.encode(self._settings.raft).decode()]
+        if self._rebase_bytes is not None:
+            argv.append(f"--ReplicaKernel.rebase_bytes={self._rebase_bytes}")
         return ProcessSpec(argv=argv, label=f"{kernel_id[:8]}-replica-{node}")
 
 

@@ -190,9 +190,12 @@ async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel:
 
 async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> None:
     # Snapshots every few entries, so the leader compacts past the dead replica and has
-    # to send it a snapshot (namespace image plus the deltas after it).
+    # to send it a snapshot; replicas re-image their namespace after every cell, so the
+    # snapshot holds a namespace image (plus the deltas after it).
     settings = Settings(raft=RaftSettings(snapshot_every=4))
-    async with nbos.LocalCluster(hosts=3, durable=True, settings=settings) as cluster:
+    async with nbos.LocalCluster(
+        hosts=3, durable=True, settings=settings, rebase_bytes=1
+    ) as cluster:
         kernel = await cluster.start_kernel()
         executor = await define_state(kernel)
         victim = next(r.node for r in kernel.replicas if r.node != executor)

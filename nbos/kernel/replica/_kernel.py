@@ -391,6 +391,13 @@ class ReplicaKernel(IPythonKernel):
                 self._shell.history_manager.store_inputs(event.execution_count - 1, event.code)
             self._shell.execution_count = event.execution_count
         elif isinstance(event, Restored):
+            log.info(
+                "restoring the namespace from a snapshot: %d bytes of image, %d deltas, "
+                "last cell %d",
+                len(event.namespace),
+                len(event.deltas),
+                event.last_done,
+            )
             await self._sync.restore(user_ns, event.namespace)
             for delta in event.deltas:
                 await self._sync.apply(user_ns, delta)
