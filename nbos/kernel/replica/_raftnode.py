@@ -136,8 +136,9 @@ class RaftNode:
     def want_leadership(self) -> None:
         """Ask the leader, in the background, to hand leadership to this member.
 
-        The executor proposes twice per cell; as the leader it saves the hop to
-        the leader each time. A refused or lost request changes nothing.
+        The executor proposes for every cell (its ``Done``, the next cell's claim); as
+        the leader it saves the hop to the leader each time. A refused or lost request
+        changes nothing.
         """
         leader = self.leader_id
         if self._portal is None or self._forwarder is None or leader in (None, self._node_id):
@@ -183,9 +184,7 @@ class RaftNode:
                 except NotLeaderError as exc:
                     leader = exc.leader_hint
                 if leader is not None and leader != self._node_id:
-                    forwarded = await self._forwarder.ask(
-                        NodeId(leader), self._client_id, seq, data
-                    )
+                    forwarded = await self._forward(NodeId(leader), seq, data)
                     log.debug("proposal %d forwarded to node %s: %s", seq, leader, forwarded)
                     if forwarded is not None:
                         await self._log.wait_applied(forwarded.index)
@@ -193,6 +192,30 @@ class RaftNode:
                 # No leader yet (an election is running) or it refused: try again shortly.
                 await anyio.sleep(_RETRY_S)
         raise ProposalTimeoutError(f"kernel log entry not committed within {timeout} s")
+
+    async def _forward(self, leader: NodeId, seq: int, data: bytes) -> Outcome | None:
+        """Have ``leader`` propose ``data``; ``None`` once it refused, timed out or was deposed.
+
+        A dead leader never answers: rather than wait out the forward timeout, give up as
+        soon as this member stops believing in it (the election started), which is
+        about an election timeout after it died.
+        """
+        assert self._log is not None and self._forwarder is not None
+        raft_log, forwarder = self._log, self._forwarder
+        answer: Outcome | None = None
+
+        async def ask(scope: anyio.CancelScope) -> None:
+            nonlocal answer
+            answer = await forwarder.ask(leader, self._client_id, seq, data)
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, tg.cancel_scope)
+            # The log offers no event for a change of leader: poll it.
+            while raft_log.leader_id == leader:  # noqa: ASYNC110
+                await anyio.sleep(_RETRY_S)
+            tg.cancel_scope.cancel()
+        return answer
 
 
 class _Forwarder:
