@@ -24,8 +24,13 @@ what it asks. The driver contract::
 No input may be given between ``ready()`` and ``advance()`` (the driver queues
 it). A node restarts from a :class:`StorageView` of what it persisted; a new
 group starts from :func:`bootstrap`. Membership changes take effect when their
-entry is applied (on ``advance``). Deduplication of retried proposals belongs
-to the layer above.
+entry is applied (on ``advance``); a leader that applied its own removal is
+``leaving`` (refuses proposals and reads) until a quorum of the new voters knows
+the change committed. Deduplication of retried proposals belongs to the layer
+above. Status for the driver: ``node.id``, ``role``, ``term``, ``leader_id``,
+``commit_index``, ``applied_index``, ``conf``, ``snapshot``, ``leaving``.
+``nbos.raft.core.sim`` is a deterministic in-memory group for tests. See
+``docs/raft.md``.
 """
 
 from nbos.raft.core.confchange import apply_change, bootstrap, decode_change, encode_change
