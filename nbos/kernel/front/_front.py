@@ -131,7 +131,7 @@ class KernelFront:
         self._kernel_id = kernel_id
         self._ip = ip
         self._key = secrets.token_hex(32)
-        self._session = _wire.session_for({"key": self._key}, username="nbos")
+        self._signer = _wire.Signer({"key": self._key}, username="nbos")
         self._chooser: ExecutorChooser = chooser or LastExecutorChooser()
         self._heartbeat = heartbeat or HeartbeatPolicy()
         self._ctx = zmq.asyncio.Context()
@@ -162,7 +162,7 @@ class KernelFront:
     @property
     def session_id(self) -> str:
         """The one session id clients see on every message."""
-        return str(self._session.session)
+        return str(self._signer.session.session)
 
     @property
     def connection_info(self) -> KernelConnectionInfo:
@@ -246,7 +246,7 @@ class KernelFront:
     ) -> _wire.Msg | None:
         """Send a control request of the front's own to ``replica``; its reply or ``None``."""
         up = self._upstreams[replica]
-        msg = _wire.new_message(up.session, msg_type, dict(content))
+        msg = up.signer.new_message(msg_type, dict(content))
         with anyio.move_on_after(timeout):
             pending = await self._roundtrip(replica, "control", msg, [], grace=0.0)
             return pending.reply
@@ -307,7 +307,7 @@ class KernelFront:
         up = self._upstreams[replica]
         with anyio.move_on_after(timeout):
             while up.alive:
-                probe = _wire.new_message(up.session, "kernel_info_request", {})
+                probe = up.signer.new_message("kernel_info_request", {})
                 pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
                 if pending.reply is not None and pending.idled.is_set():
                     return True
@@ -326,7 +326,7 @@ class KernelFront:
 
     def _parse_client(self, frames: list[bytes]) -> _Incoming | None:
         try:
-            return _wire.parse(self._session, frames, content=True)
+            return self._signer.parse(frames)
         except (AuthenticationError, DecodeError) as exc:
             self._refused += 1
             log.warning("kernel %s: client message refused: %s", self._kernel_id, exc)
@@ -335,21 +335,22 @@ class KernelFront:
     async def _to_client(
         self, sock: zmq.asyncio.Socket, msg: _wire.Msg, idents: Sequence[bytes]
     ) -> None:
-        await _wire.send(self._session, sock, msg, idents, session_id=self.session_id)
+        frames = self._signer.frames(msg, idents, session_id=self.session_id)
+        await sock.send_multipart(frames, copy=False)
 
     async def _publish(self, msg: _wire.Msg) -> None:
         topic = f"kernel.{self._kernel_id}.{msg['header']['msg_type']}".encode()
         await self._to_client(self._iopub, msg, [topic])
 
     async def _publish_status(self, state: str, parent: _wire.Msg) -> None:
-        msg = _wire.new_message(self._session, "status", {"execution_state": state}, parent)
+        msg = self._signer.new_message("status", {"execution_state": state}, parent)
         await self._publish(msg)
 
     async def _reply(
         self, idents: list[bytes], parent: _wire.Msg, msg_type: str, content: dict[str, Any]
     ) -> None:
         await self._to_client(
-            self._shell, _wire.new_message(self._session, msg_type, content, parent), idents
+            self._shell, self._signer.new_message(msg_type, content, parent), idents
         )
 
     async def _echo_heartbeats(self) -> None:
@@ -471,7 +472,7 @@ class KernelFront:
         log.warning("kernel %s: cell %d settled as %s", self._kernel_id, index, content["status"])
         if content["status"] == "error":
             error = {k: content[k] for k in ("ename", "evalue", "traceback")}
-            await self._publish(_wire.new_message(self._session, "error", error, msg))
+            await self._publish(self._signer.new_message("error", error, msg))
         await self._reply(idents, msg, "execute_reply", content)
         return str(content["status"])
 
@@ -553,7 +554,7 @@ class KernelFront:
             return
         pending = await self._roundtrip(target, "control", msg, idents, grace=IDLE_GRACE_S)
         content = {"status": "ok"} if pending.reply is None else pending.reply["content"]
-        reply = _wire.new_message(self._session, "interrupt_reply", content, msg)
+        reply = self._signer.new_message("interrupt_reply", content, msg)
         await self._to_client(self._control, reply, idents)
 
     async def _shutdown(self, idents: list[bytes], msg: _wire.Msg) -> None:
@@ -564,9 +565,9 @@ class KernelFront:
                 for replica in self.alive:
                     tg.start_soon(self._shutdown_one, replica)
         content = {"status": "ok", "restart": restart}
-        reply = _wire.new_message(self._session, "shutdown_reply", content, msg)
+        reply = self._signer.new_message("shutdown_reply", content, msg)
         await self._to_client(self._control, reply, idents)
-        await self._publish(_wire.new_message(self._session, "shutdown_reply", content, msg))
+        await self._publish(self._signer.new_message("shutdown_reply", content, msg))
         self.shutdown_requested.set()
 
     async def _shutdown_one(self, replica: int) -> None:
@@ -580,7 +581,7 @@ class KernelFront:
         sock = up.sockets[channel]
         while True:
             frames = await sock.recv_multipart()
-            parsed = self._parse_upstream(up, frames, content=True)
+            parsed = self._parse_upstream(up, frames)
             if parsed is None:
                 continue
             pending = self._pending.get(parsed[1]["parent_header"].get("msg_id", ""))
@@ -590,7 +591,7 @@ class KernelFront:
     async def _read_iopub(self, up: Upstream) -> None:
         while True:
             frames = await up.iopub.recv_multipart()
-            parsed = self._parse_upstream(up, frames, content=True)
+            parsed = self._parse_upstream(up, frames)
             if parsed is None:
                 continue
             msg = parsed[1]
@@ -606,7 +607,7 @@ class KernelFront:
         sock = up.sockets["stdin"]
         while True:
             frames = await sock.recv_multipart()
-            parsed = self._parse_upstream(up, frames, content=True)
+            parsed = self._parse_upstream(up, frames)
             active = self._active
             if parsed is None or active is None or active.target != up.replica:
                 continue
@@ -623,11 +624,9 @@ class KernelFront:
                 continue
             await self._upstreams[active.target].send("stdin", incoming[1])
 
-    def _parse_upstream(
-        self, up: Upstream, frames: list[bytes], *, content: bool
-    ) -> _Incoming | None:
+    def _parse_upstream(self, up: Upstream, frames: list[bytes]) -> _Incoming | None:
         try:
-            return _wire.parse(up.session, frames, content=content)
+            return up.signer.parse(frames)
         except (AuthenticationError, DecodeError) as exc:
             log.warning(
                 "kernel %s: replica %d sent a bad message: %s", self._kernel_id, up.replica, exc

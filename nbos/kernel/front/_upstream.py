@@ -35,7 +35,7 @@ class Upstream:
 
     def __init__(self, endpoint: ReplicaEndpoint, ctx: zmq.asyncio.Context) -> None:
         self.replica = endpoint.replica
-        self.session = _wire.session_for(endpoint.connection, username="nbos-front")
+        self.signer = _wire.Signer(endpoint.connection, username="nbos-front")
         self.alive = True
         #: Counts revivals, so a watcher of an earlier life knows to stop.
         self.life = 0
@@ -71,7 +71,7 @@ class Upstream:
 
     async def send(self, channel: Channel, msg: _wire.Msg) -> None:
         """Re-sign ``msg`` with this replica's key and send it on ``channel``."""
-        await _wire.send(self.session, self.sockets[channel], msg)
+        await self.sockets[channel].send_multipart(self.signer.frames(msg), copy=False)
 
     def mark_dead(self) -> bool:
         """Record the replica as dead; ``True`` the first time."""
