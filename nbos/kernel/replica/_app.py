@@ -17,7 +17,7 @@ from ipykernel.kernelapp import IPKernelApp, kernel_aliases
 from traitlets import Dict, Int, Type, Unicode
 
 from nbos.core.config import RaftSettings
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, NbosError
 from nbos.core.ids import KernelId, NodeId
 from nbos.kernel.replica._kernel import ReplicaKernel
 from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
@@ -101,4 +101,8 @@ def main(argv: list[str] | None = None) -> Any:
     nbos_log.addHandler(handler)
     nbos_log.setLevel(logging.INFO)
     nbos_log.propagate = False
-    ReplicaApp.launch_instance(argv=argv)
+    try:
+        ReplicaApp.launch_instance(argv=argv)
+    except NbosError as exc:
+        log.error("replica cannot start: %s", exc)  # noqa: TRY400 - the message says it all
+        sys.exit(2)
