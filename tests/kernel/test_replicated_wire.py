@@ -1,0 +1,100 @@
+"""The front's message codec and the replica's argument parsing, without processes."""
+
+from __future__ import annotations
+
+import pytest
+from jupyter_client.session import Session
+
+from nbos.core.config import RaftSettings
+from nbos.core.errors import AuthenticationError, ConfigError, DecodeError, KernelError
+from nbos.core.ids import NodeId
+from nbos.kernel.front._wire import Signer
+from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, PeerAddress, parse_peers
+from nbos.kernel.replica._app import parse_raft_settings
+from nbos.kernel.replica._kernel import cell_request
+
+KEY = "k" * 64
+
+
+def client_frames(key: str = KEY, **content: object) -> list[bytes]:
+    session = Session(key=key.encode())
+    msg = session.msg("execute_request", {"code": "1", **content})
+    frames: list[bytes] = session.serialize(msg, [b"client-id"])
+    return frames
+
+
+def test_a_client_message_is_verified_decoded_and_resigned_for_another_key() -> None:
+    front, replica = Signer({"key": KEY}), Signer({"key": "r" * 64})
+    idents, msg = front.parse(client_frames(extra=[1, 2]))
+    assert idents == [b"client-id"]
+    assert msg["msg_type"] == "execute_request" and msg["content"]["extra"] == [1, 2]
+    assert isinstance(msg["header"]["date"], str)  # relayed as it came, not re-interpreted
+    # The replica's own Session accepts what the front re-signed with the replica's key.
+    relayed = replica.frames(msg)
+    check = Session(key=b"r" * 64)
+    _, rest = check.feed_identities(relayed)
+    assert check.deserialize(rest)["content"]["code"] == "1"
+
+
+def test_the_front_session_id_replaces_the_replicas() -> None:
+    signer = Signer({"key": KEY})
+    _, msg = signer.parse(client_frames())
+    out = signer.frames(msg, session_id="front-session")
+    _, again = Signer({"key": KEY}).parse(out)
+    assert again["header"]["session"] == "front-session"
+
+
+@pytest.mark.parametrize(
+    ("frames", "error"),
+    [
+        (client_frames(key="w" * 64), AuthenticationError),
+        (client_frames(key=""), AuthenticationError),
+        ([b"no delimiter"], DecodeError),
+        ([b"<IDS|MSG>", b"sig", b"{}"], DecodeError),
+    ],
+    ids=["wrong key", "unsigned", "no delimiter", "too few frames"],
+)
+def test_bad_messages_are_refused_with_typed_errors(
+    frames: list[bytes], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        Signer({"key": KEY}).parse(frames)
+
+
+def test_a_replayed_message_is_refused() -> None:
+    signer, frames = Signer({"key": KEY}), client_frames()
+    signer.parse(frames)
+    with pytest.raises(AuthenticationError, match="replayed"):
+        signer.parse(frames)
+
+
+def test_well_signed_frames_that_are_not_a_jupyter_message_are_refused() -> None:
+    session = Session(key=KEY.encode())
+    parts = [b'{"msg_id": "x", "msg_type": "t"}', b"{}", b"{}", b"[1]"]  # content not an object
+    frames = [b"<IDS|MSG>", session.sign(parts), *parts]
+    with pytest.raises(DecodeError, match="content"):
+        Signer({"key": KEY}).parse(frames)
+    not_json = [b"{", b"{}", b"{}", b"{}"]
+    with pytest.raises(DecodeError, match="JSON"):
+        Signer({"key": KEY}).parse([b"<IDS|MSG>", session.sign(not_json), *not_json])
+
+
+def test_cell_requests_need_a_positive_index_and_int_devices() -> None:
+    assert cell_request({EXEC_INDEX_KEY: 3, DEVICES_KEY: [0, 1]}) == (3, (0, 1))
+    assert cell_request({EXEC_INDEX_KEY: 1}) == (1, ())
+    for bad in (None, {}, {EXEC_INDEX_KEY: 0}, {EXEC_INDEX_KEY: True}, {EXEC_INDEX_KEY: "1"}):
+        with pytest.raises(KernelError):
+            cell_request(bad)
+    with pytest.raises(KernelError):
+        cell_request({EXEC_INDEX_KEY: 2, DEVICES_KEY: ["0"]})
+
+
+def test_replica_arguments_parse_or_raise_config_errors() -> None:
+    peers = parse_peers('{"1": ["tcp://a:1", "tcp://a:2"], "2": ["tcp://b:1", "tcp://b:2"]}')
+    assert peers[NodeId(2)] == PeerAddress("tcp://b:1", "tcp://b:2")
+    assert parse_raft_settings('{"tick_ms": 5}') == RaftSettings(tick_ms=5)
+    for text in ("{bad", "{}", '{"x": ["a", "b"]}', '{"1": ["only one"]}'):
+        with pytest.raises(ConfigError):
+            parse_peers(text)
+    with pytest.raises(ConfigError):
+        parse_raft_settings('{"tick_ms": "fast"}')
