@@ -111,7 +111,13 @@ class Kernel:
         )
 
     async def execute(self, code: str, *, timeout: float = 600.0) -> ExecuteResult:
-        """Run ``code`` as one cell through the front, like any Jupyter client would."""
+        """Run ``code`` as one cell through the front, like any Jupyter client would.
+
+        Raises :class:`KernelError` once the kernel is shut down, ``TimeoutError``
+        after ``timeout`` seconds.
+        """
+        if self.closed.is_set():
+            raise KernelError(f"kernel {self.kernel_id} is shut down")
         async with self._lock:
             client = await self._connected()
             begun = time.monotonic()
