@@ -16,6 +16,7 @@ from jupyter_client.session import Session
 
 import nbos
 from nbos.cluster import Kernel, LocalCluster
+from nbos.core.errors import KernelError
 from nbos.kernel.front import CellPlan, ChoiceRequest
 
 pytestmark = pytest.mark.anyio
@@ -308,6 +309,8 @@ async def test_shutdown_request_stops_every_replica(cluster: LocalCluster) -> No
     assert not any(r.alive for r in k.replicas)
     for r in k.replicas:  # ended by the request (0) or, past the grace, by SIGTERM
         assert await k.wait_replica(r.node) in (0, -15)
+    with pytest.raises(KernelError):
+        await k.execute("1")
 
 
 class RoundRobinChooser:
