@@ -347,3 +347,22 @@ async def test_cells_moving_between_replicas_each_run_once(cluster: LocalCluster
         assert len(digests) == 3 and len(set(digests.values())) == 1
     finally:
         await k.shutdown()
+
+
+async def test_late_output_of_a_finished_cell_still_reaches_the_client(
+    client: AsyncKernelClient,
+) -> None:
+    code = (
+        "import threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('late'))).start()"
+    )
+    msg_id = client.execute(code)
+    reply, _ = await collect(client, msg_id)
+    assert reply["content"]["status"] == "ok"
+    with anyio.fail_after(10):
+        while True:
+            msg = await client.get_iopub_msg()
+            mine = msg["parent_header"].get("msg_id") == msg_id
+            if mine and msg["msg_type"] == "stream":
+                break
+    assert msg["content"]["text"] == "late\n"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ IDLE_GRACE_S = 2.0
 _READY_TIMEOUT_S = 60.0
 _LOST_TIMEOUT_S = 30.0
 _CLAIM_ATTEMPTS = 3
+_FINISHED_KEPT = 256
 _SHUTDOWN_TIMEOUT_S = 5.0
 
 _Incoming = tuple[list[bytes], _wire.Msg]
@@ -142,6 +144,8 @@ class KernelFront:
         self._hb = self._bind(zmq.ROUTER)
         self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
         self._pending: dict[str, _Pending] = {}
+        #: Shell requests that finished, and the replica that handled each.
+        self._finished: OrderedDict[str, int] = OrderedDict()
         self._active: _Pending | None = None
         self._next_index = 1
         self._last_executor: int | None = None
@@ -523,6 +527,10 @@ class KernelFront:
             self._pending.pop(pending.msg_id, None)
             if self._active is pending:
                 self._active = None
+            if channel == "shell" and not pending.lost:
+                self._finished[pending.msg_id] = target
+                if len(self._finished) > _FINISHED_KEPT:
+                    self._finished.popitem(last=False)
         return pending
 
     # --- control --------------------------------------------------------------------
@@ -595,13 +603,18 @@ class KernelFront:
             if parsed is None:
                 continue
             msg = parsed[1]
-            pending = self._pending.get(msg["parent_header"].get("msg_id", ""))
-            if pending is None or pending.target != up.replica:
-                continue  # output of no request in flight here, or of another replica
-            if msg["header"]["msg_type"] != "status":
+            parent_id = msg["parent_header"].get("msg_id", "")
+            is_status = msg["header"]["msg_type"] == "status"
+            pending = self._pending.get(parent_id)
+            if pending is not None and pending.target == up.replica:
+                if not is_status:
+                    await self._publish(msg)
+                elif msg["content"].get("execution_state") == "idle":
+                    pending.got_idle()
+            elif not is_status and self._finished.get(parent_id) == up.replica:
+                # Late output of a finished request (a thread the cell started), from the
+                # replica that ran it: a client shows it with that cell, as with ipykernel.
                 await self._publish(msg)
-            elif msg["content"].get("execution_state") == "idle":
-                pending.got_idle()
 
     async def _read_input_requests(self, up: Upstream) -> None:
         sock = up.sockets["stdin"]
