@@ -11,6 +11,7 @@ import gc
 import hashlib
 import pickle
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ class RecordedWrites:
         self.writes: list[tuple[int, int]] = []
         self.calls: list[str] = []
         self.watchers: list[Watcher] = []
+        self.armed: list[tuple[str, int, int]] = []
 
     def wrote(self, array: np.ndarray) -> None:
         self.writes.append((array.ctypes.data, array.nbytes))
@@ -41,6 +43,13 @@ class RecordedWrites:
             watcher.before_clear(self)
         self.calls.append("clear")
         self.writes.clear()
+
+    def track(self, address: int, nbytes: int, owner: Callable[[], object]) -> bool:
+        self.armed.append(("track", address, nbytes))
+        return True
+
+    def settle(self, address: int, nbytes: int) -> None:
+        self.armed.append(("settle", address, nbytes))
 
     def written(self, address: int, nbytes: int) -> bool:
         self.calls.append("read")
@@ -74,6 +83,9 @@ async def test_unwritten_buffers_are_not_hashed_again() -> None:
     assert third[place_of(buffer_of(a))] == key_of(a) != first[place_of(buffer_of(a))]
     # every read of the bits precedes the clear that starts the next interval
     assert pages.calls[-3:] == ["read", "read", "clear"]
+    # a hashed buffer is armed before it is read and settled after: a, b, then a again
+    place = (a.ctypes.data, a.nbytes)
+    assert pages.armed[-2:] == [("track", *place), ("settle", *place)] and len(pages.armed) == 6
 
 
 class Owner:

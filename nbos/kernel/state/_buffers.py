@@ -1,19 +1,24 @@
-"""Large out-of-band buffers as content-addressed blobs, written once.
+"""Large out-of-band buffers as content-addressed blobs, read once on their way out.
 
 A pickle's out-of-band buffers of ``threshold`` bytes or more become blobs keyed by
-the SHA-256 of their bytes (the object store's own addressing, so a key computed
-here is the key the store files it under). Knowing a buffer's key means hashing it,
-which for a 1 GB array costs about half a second; :class:`BufferKeys` avoids that for
-buffers no one wrote to since the previous capture:
+the SHA-256 of their bytes (the object store's own addressing). Knowing a buffer's
+key means hashing it, which for a 1 GB array costs about half a second;
+:class:`BufferKeys` avoids that for buffers no one wrote to since the previous capture:
 
-* with Linux soft-dirty page bits (:mod:`._pages`), a buffer at the same address
-  and size, whose owner is still alive and none of whose pages were written since
-  the previous capture, has the same bytes, hence the same key: reading its page
-  flags costs about 2 ms per GB. Any write, through any alias, sets the bits.
-* without them every large buffer is hashed on every capture, but in parallel:
-  its 8 MiB chunks are hashed on all cores and the chunk digests compared with the
-  previous capture's; only a buffer whose chunks changed pays the sequential
-  SHA-256 pass its key needs. Slower than page bits, never wrong.
+* with a page-write tracker (:mod:`._pages`: soft-dirty bits, else write-protect
+  userfaultfd), a buffer at the same address and size, whose owner is still alive
+  and none of whose pages were written since the previous capture, has the same
+  bytes, hence the same key: asking costs microseconds to milliseconds per GB. Any
+  write, through any alias, is seen; a buffer is armed for tracking before its bytes
+  are read, so a write made while it is hashed is seen by the next capture.
+* without one every large buffer is hashed on every capture, but in parallel: its
+  8 MiB chunks are hashed on all cores and the chunk digests compared with the
+  previous capture's; only a buffer whose chunks changed is read again. Slower than
+  page tracking, never wrong.
+
+A buffer that must be hashed and will be sent is streamed into the object store in
+the same pass (:func:`store_buffer`): the store's own hash is its key, so its bytes
+are read and hashed once, straight from memory, with no intermediate copy.
 
 No version counter is used for torch tensors: ``tensor.data.add_()`` and writes
 through ``tensor.numpy()`` do not bump ``tensor._version``.
@@ -27,6 +32,7 @@ import os
 import pickle
 import weakref
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -98,12 +104,17 @@ class BufferKeys:
         }
 
     async def keys(
-        self, buffers: list[pickle.PickleBuffer], owners: dict[int, object]
+        self,
+        buffers: list[pickle.PickleBuffer],
+        owners: dict[int, object],
+        store: ObjectStore | None = None,
     ) -> dict[tuple[int, int], BlobKey]:
         """Map each buffer's ``(address, nbytes)`` to its key.
 
         ``owners`` maps ``id(exporter)`` to the object that owns an exporter's memory
-        when the exporter is a temporary (a tensor's numpy view).
+        when the exporter is a temporary (a tensor's numpy view). With ``store``, a
+        buffer that has to be hashed is written to it in the same pass (its key is
+        the one the store files it under), so uploading it later costs a lookup.
         """
         views = {_place(view): view for view in (b.raw() for b in buffers)}
         if self._pages is not None:
@@ -114,7 +125,7 @@ class BufferKeys:
         known: dict[tuple[int, int], _Known] = {}
         self.hashed_bytes = 0
         for place, view in views.items():
-            entry = await self._entry(place, view, owners)
+            entry = await self._entry(place, view, owners, store)
             found[place] = entry.key
             if entry.owner() is not None and place[0] > 0:
                 known[place] = entry
@@ -122,7 +133,11 @@ class BufferKeys:
         return found
 
     async def _entry(
-        self, place: tuple[int, int], view: memoryview, owners: dict[int, object]
+        self,
+        place: tuple[int, int],
+        view: memoryview,
+        owners: dict[int, object],
+        store: ObjectStore | None,
     ) -> _Known:
         known = self._known.get(place)
         if known is not None and known.owner() is None:
@@ -130,12 +145,22 @@ class BufferKeys:
         if known is not None and self._pages is not None:
             return known  # survived the clear: no page written
         self.hashed_bytes += view.nbytes
-        # With page bits a surviving entry was returned above, so this buffer was
-        # written: its chunk digests would only delay the key it needs.
-        chunks = b"" if self._pages is not None else await chunk_digest(view)
-        if known is not None and chunks == known.chunks:
-            return known
-        return _Known(_weak_owner(view, owners), await hash_key(view), chunks)
+        owner = _weak_owner(view, owners)
+        if self._pages is not None:
+            # Armed before the bytes are read: a write from now on shows at the next clear.
+            # With page tracking a surviving entry was returned above, so this buffer was
+            # written: chunk digests would only delay the key it needs.
+            if place[0] > 0:
+                self._pages.track(*place, owner)
+            chunks = b""
+        else:
+            chunks = await chunk_digest(view)
+            if known is not None and chunks == known.chunks:
+                return known
+        key = await (hash_key(view) if store is None else store_buffer(store, view))
+        if self._pages is not None and place[0] > 0:
+            self._pages.settle(*place)
+        return _Known(owner, key, chunks)
 
 
 def place_of(buffer: pickle.PickleBuffer) -> tuple[int, int]:
@@ -200,16 +225,36 @@ async def upload(store: ObjectStore, view: memoryview, key: BlobKey) -> None:
     """Write ``view`` under ``key`` unless the store has it; checks the store agrees on the key."""
     if await store.contains(key):
         return
-    stored = await store.put_stream(_chunks(view))
+    stored = await store_buffer(store, view)
     if stored != key:
         # The buffer changed while it was written (a concurrent writer), or the store is broken.
         log.error("object store filed a buffer under %s, expected %s", stored, key)
         raise StoreError(f"buffer expected under {key} was stored under {stored}")
 
 
+@runtime_checkable
+class BufferSink(Protocol):
+    """A store that takes a buffer in place (:meth:`LocalObjectStore.put_buffer`)."""
+
+    async def put_buffer(self, data: memoryview) -> BlobKey:
+        """Store the bytes of ``data``, reading them once; returns their key."""
+        ...
+
+
+async def store_buffer(store: ObjectStore, view: memoryview) -> BlobKey:
+    """Write ``view``'s bytes to ``store`` in one pass and return the key it filed them under.
+
+    A store that takes buffers in place reads them straight from ``view``; any other
+    gets bounded copies, as its ``put_stream`` contract asks for ``bytes``.
+    """
+    if isinstance(store, BufferSink):
+        return await store.put_buffer(view)
+    return await store.put_stream(_chunks(view))
+
+
 async def _chunks(view: memoryview) -> AsyncIterator[bytes]:
     for start in range(0, view.nbytes, _CHUNK):
-        yield bytes(view[start : start + _CHUNK])
+        yield view[start : start + _CHUNK].tobytes()
 
 
 async def fetch(store: ObjectStore, key: BlobKey) -> bytearray:

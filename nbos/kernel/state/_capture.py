@@ -39,7 +39,8 @@ class StateCapture:
       name of their alias group, so sharing survives the trip;
     * buffers of ``threshold`` bytes or more are written to ``store`` as blobs; one
       that is unchanged since the last capture is neither hashed (where the kernel
-      keeps soft-dirty page bits, see :mod:`._pages`) nor written again;
+      tracks page writes, see :mod:`._pages`) nor written again, and one that changed
+      is read once, hashed as it is written;
     * a value that cannot be pickled, or whose pickle does not load back, is reported
       once per value in ``delta.unpicklable`` and stays on the executor; other names
       still sync;
@@ -48,10 +49,11 @@ class StateCapture:
 
     Cost per capture: every user value is pickled (buffers of ``threshold`` bytes or
     more by reference, not copied) and hashed with BLAKE2b; large buffers cost a
-    page-bit read (about 2 ms per GB) or, without soft-dirty bits, a SHA-256 pass.
+    page-bit read (about 2 ms per GB with soft-dirty bits, microseconds with
+    userfaultfd) or, without page tracking, a SHA-256 pass.
 
-    ``page_tracking``: ``"auto"`` uses soft-dirty bits when the kernel has them,
-    ``"off"`` always hashes large buffers.
+    ``page_tracking``: ``"auto"`` uses soft-dirty bits when the kernel has them, else
+    write-protect userfaultfd when it allows it; ``"off"`` always hashes large buffers.
     """
 
     def __init__(
@@ -76,7 +78,7 @@ class StateCapture:
 
     async def capture(self, namespace: Mapping[str, object], exec_index: int = 0) -> StateDelta:
         """What changed in ``namespace`` since the previous call, as a log entry."""
-        scan = await self._scan(namespace)
+        scan = await self._scan(namespace, self._store)
         changed = [n for n in scan.current if self._fingerprints.get(n) != scan.fingerprints[n]]
         send = {member for n in changed if n in scan.pickled for member in scan.groups[n]}
         encoded = await self._encode(scan, send)
@@ -104,10 +106,12 @@ class StateCapture:
         For a replica that applied other replicas' deltas (or a snapshot) since its
         own last capture: without it, its next capture resends what it applied.
         """
-        scan = await self._scan(namespace)
+        scan = await self._scan(namespace, None)
         self._values, self._fingerprints = scan.current, scan.fingerprints
 
-    async def _scan(self, namespace: Mapping[str, object]) -> _Scan:
+    async def _scan(self, namespace: Mapping[str, object], store: ObjectStore | None) -> _Scan:
+        """Fingerprint ``namespace``; large buffers that must be hashed go to ``store`` on
+        the way when given (a capture sends what changed, so it writes them anyway)."""
         scan = _Scan(current=dict(user_items(namespace)))
         for name, value in scan.current.items():
             if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value:
@@ -118,7 +122,7 @@ class StateCapture:
                 scan.pickled[name] = _codec.pickle_value(value, self._threshold)
             except Exception as exc:
                 scan.fail(name, f"{type(exc).__name__}: {exc}")
-        scan.keys = await self._buffer_keys(scan.pickled.values())
+        scan.keys = await self._buffer_keys(scan.pickled.values(), store)
         scan.groups, sharing = _alias_groups(scan.pickled)
         for name, p in scan.pickled.items():
             content = _codec.content_hash(p, [scan.keys[place_of(b)] for b in p.buffers])
@@ -137,13 +141,15 @@ class StateCapture:
             return _codec.Encoded(b"", None, [])
         return await _codec.encode(loadable, self._store, scan.keys, self._threshold)
 
-    async def _buffer_keys(self, pickles: Iterable[_codec.Pickled]) -> dict[_Place, BlobKey]:
+    async def _buffer_keys(
+        self, pickles: Iterable[_codec.Pickled], store: ObjectStore | None
+    ) -> dict[_Place, BlobKey]:
         buffers: list[pickle.PickleBuffer] = []
         owners: dict[int, object] = {}
         for p in pickles:
             buffers.extend(p.buffers)
             owners.update(p.owners)
-        return await self._keys.keys(buffers, owners)
+        return await self._keys.keys(buffers, owners, store)
 
 
 @dataclass

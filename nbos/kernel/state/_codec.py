@@ -114,13 +114,17 @@ async def encode(
     """Store what is large of ``pickled`` and make it ready for a log entry.
 
     ``keys`` holds buffer keys the caller already knows by ``(address, nbytes)``;
-    other buffers are hashed here. Blobs already in the store are not written again.
+    those blobs are written only if the store lacks them. Other buffers are streamed
+    to the store, which hashes them on the way.
     """
     buffer_keys: list[BlobKey] = []
     for buffer in pickled.buffers:
         view = buffer.raw()
-        key = keys.get(_buffers.place_of(buffer)) or await _buffers.hash_key(view)
-        await _buffers.upload(store, view, key)
+        key = keys.get(_buffers.place_of(buffer))
+        if key is None:
+            key = await _buffers.store_buffer(store, view)
+        else:
+            await _buffers.upload(store, view, key)
         buffer_keys.append(key)
     if len(pickled.data) >= threshold:
         return Encoded(b"", await store.put(pickled.data), buffer_keys)

@@ -1,4 +1,4 @@
-"""Linux soft-dirty page bits: which memory was written since a point in time.
+"""Which memory was written since a point in time: soft-dirty bits, else userfaultfd.
 
 Writing ``4`` to ``/proc/self/clear_refs`` clears the soft-dirty bit of every page of
 the process; the kernel sets it again on the first write to a page, whoever writes
@@ -7,8 +7,10 @@ the process; the kernel sets it again on the first write to a page, whoever writ
 recognised as unchanged by reading 2 MB of page flags instead of hashing 1 GB.
 
 It needs a kernel built with ``CONFIG_MEM_SOFT_DIRTY`` (most distribution kernels;
-not every VM kernel): :func:`probe` checks that the bits really work and returns
-``None`` otherwise, and callers then fall back to hashing.
+not every VM kernel): :func:`probe` checks that the bits really work, and otherwise
+tries write-protect userfaultfd (:mod:`._uffd`, Linux 6.7+), which tracks only the
+buffers armed through :meth:`PageWrites.track`; with neither it returns ``None`` and
+callers fall back to hashing.
 
 Known limits, all of them false alarms except the last: a clear write-protects every
 page, so the first write to a page after a capture takes a minor fault; pages that
@@ -22,9 +24,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import struct
 import weakref
+from collections.abc import Callable
 from typing import Protocol
+
+from nbos.kernel.state._uffd import open_uffd
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,16 @@ class PageWrites(Protocol):
         """Call ``watcher.before_clear`` before every clear, while ``watcher`` lives."""
         ...
 
+    def track(self, address: int, nbytes: int, owner: Callable[[], object]) -> bool:
+        """Make sure writes to ``[address, address + nbytes)`` from now on are seen, while
+        ``owner()`` lives; ``False`` if they cannot be (the range then always reads as
+        written). Call it before reading bytes that :meth:`written` will vouch for."""
+        ...
+
+    def settle(self, address: int, nbytes: int) -> None:
+        """Call it after reading the range that :meth:`track` armed."""
+        ...
+
     def clear(self) -> None:
         """Start a new interval: every page counts as unwritten from now on."""
         ...
@@ -73,6 +89,13 @@ class SoftDirtyPages:
     def watch(self, watcher: Watcher) -> None:
         """Call ``watcher.before_clear`` before every clear, while ``watcher`` lives."""
         self._watchers.add(watcher)
+
+    def track(self, address: int, nbytes: int, owner: Callable[[], object]) -> bool:
+        """Nothing to arm: the kernel keeps the bits of every page."""
+        return True
+
+    def settle(self, address: int, nbytes: int) -> None:
+        """Nothing to record."""
 
     def clear(self) -> None:
         """Mark every page of the process clean, after the watchers read their bits."""
@@ -97,17 +120,20 @@ class SoftDirtyPages:
         return b"\x01" in entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
 
 
-_probed: list[SoftDirtyPages | None] = []
+_probed: list[PageWrites | None] = []
+# A forked child probes afresh: a tracker that the parent opened works only for it.
+os.register_at_fork(after_in_child=_probed.clear)
 
 
-def probe() -> SoftDirtyPages | None:
-    """This process's :class:`SoftDirtyPages`, or ``None`` if its kernel lacks the bits.
+def probe() -> PageWrites | None:
+    """This process's page-write tracker: :class:`SoftDirtyPages` where the kernel keeps
+    the bits, else :class:`~._uffd.UffdPages` where userfaultfd allows it, else ``None``.
 
     Probed once per process: the probe clears the bits, which is only harmless
     before anyone relies on them.
     """
     if not _probed:
-        _probed.append(_probe())
+        _probed.append(_probe() or open_uffd())
     return _probed[0]
 
 
