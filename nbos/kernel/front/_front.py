@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -427,16 +427,25 @@ class KernelFront:
         self, idents: list[bytes], msg: _wire.Msg, index: int, plan: CellPlan
     ) -> str | None:
         """The reply's status, or ``None`` if the replica's claim lost (nothing ran)."""
+
+        async def relay(reply: _wire.Msg) -> None:
+            if not _claim_lost(reply):
+                self._last_executor = plan.replica
+                await self._to_client(self._shell, reply, idents)
+
         metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
         pending = await self._roundtrip(
-            plan.replica, "shell", {**msg, "metadata": metadata}, idents, grace=IDLE_GRACE_S
+            plan.replica,
+            "shell",
+            {**msg, "metadata": metadata},
+            idents,
+            grace=IDLE_GRACE_S,
+            on_reply=relay,
         )
         if pending.reply is None:
             return await self._cell_lost(idents, msg, index, plan.replica)
-        if "claim_lost_to" in pending.reply["metadata"].get("nbos", {}):
+        if _claim_lost(pending.reply):
             return None
-        self._last_executor = plan.replica
-        await self._to_client(self._shell, pending.reply, idents)
         return str(pending.reply["content"].get("status", "error"))
 
     async def _settle(self, index: int) -> dict[str, Any] | None:
@@ -484,14 +493,18 @@ class KernelFront:
         self, idents: list[bytes], msg: _wire.Msg, channel: Channel, sock: zmq.asyncio.Socket
     ) -> None:
         """Relay a request to a live replica (the last executor first) and its reply back."""
+
+        async def relay(reply: _wire.Msg) -> None:
+            await self._to_client(sock, reply, idents)
+
         expects_reply = msg["header"]["msg_type"].endswith("_request")
         preferred = [self._last_executor] if self._last_executor in self.alive else []
         for target in [*preferred, *self.alive]:
             assert target is not None
-            pending = await self._roundtrip(target, channel, msg, idents, grace=IDLE_GRACE_S)
-            if not pending.lost:
-                if pending.reply is not None:
-                    await self._to_client(sock, pending.reply, idents)
+            pending = await self._roundtrip(
+                target, channel, msg, idents, grace=IDLE_GRACE_S, on_reply=relay
+            )
+            if pending.reply is not None or not pending.lost:
                 return
             if not expects_reply:
                 return  # a comm message may have reached the log; never send it twice
@@ -505,7 +518,10 @@ class KernelFront:
         idents: list[bytes],
         *,
         grace: float,
+        on_reply: Callable[[_wire.Msg], Awaitable[None]] | None = None,
     ) -> _Pending:
+        """Send ``msg`` to ``target``; wait for its reply (``on_reply`` gets it at once), then
+        for its idle (at most ``grace`` seconds longer)."""
         header = msg["header"]
         expects_reply = header["msg_type"].endswith("_request")
         pending = _Pending(header["msg_id"], target, idents, expects_reply)
@@ -519,6 +535,10 @@ class KernelFront:
         try:
             await up.send(channel, msg)
             await pending.replied.wait()
+            if pending.reply is not None and on_reply is not None:
+                # The client may have it before the replica's last output: as with any
+                # kernel, a client waits for idle to know a request is complete.
+                await on_reply(pending.reply)
             # The replica's idle follows everything it published for the request; past
             # the grace we go on without it (an IOPub message can be lost).
             with anyio.move_on_after(grace):
@@ -675,3 +695,9 @@ class KernelFront:
         up.heartbeat.close(0)
         up.heartbeat = up.new_heartbeat()
         return False
+
+
+def _claim_lost(reply: _wire.Msg) -> bool:
+    """Whether ``reply`` says the replica's claim lost (it ran nothing)."""
+    nbos = reply["metadata"].get("nbos")
+    return isinstance(nbos, dict) and "claim_lost_to" in nbos
