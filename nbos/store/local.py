@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, TypeVar, TypeVarTuple
@@ -91,15 +91,15 @@ class LocalObjectStore:
         """Store the concatenation of ``chunks``, one chunk in memory at a time."""
         return await self._put_chunks(chunks)
 
-    async def put_buffer(self, data: memoryview) -> BlobKey:
-        """Store the bytes of ``data`` without copying them: each byte is read once, by
-        the hash and the write of the same pass (not part of the ``ObjectStore``
-        interface; the state layer uses it when a store has it).
+    async def put_buffer(self, parts: Sequence[bytes | memoryview]) -> BlobKey:
+        """Store the concatenation of ``parts`` without copying them: each byte is read
+        once, by the hash and the write of the same pass (not part of the
+        ``ObjectStore`` interface; the state layer uses it when a store has it).
 
         Same guarantees as :meth:`put_stream`; the key is that of the bytes as read, so
-        a caller that writes ``data`` meanwhile gets a consistent blob of some of both.
+        a caller that writes ``parts`` meanwhile gets a consistent blob of some of both.
         """
-        return await self._put_chunks(_slices(data.cast("B"), _BUFFER_CHUNK))
+        return await self._put_chunks(_slices(parts, _BUFFER_CHUNK))
 
     async def _put_chunks(self, chunks: AsyncIterable[bytes | memoryview]) -> BlobKey:
         what = f"cannot write a blob under {self._root}"
@@ -219,9 +219,11 @@ class _PartFile:
         self.close()
 
 
-async def _slices(view: memoryview, size: int) -> AsyncIterator[memoryview]:
-    for start in range(0, view.nbytes, size):
-        yield view[start : start + size]
+async def _slices(parts: Sequence[bytes | memoryview], size: int) -> AsyncIterator[memoryview]:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, view.nbytes, size):
+            yield view[start : start + size]
 
 
 async def _io(what: str, func: Callable[[*_Ts], _T], *args: *_Ts) -> _T:

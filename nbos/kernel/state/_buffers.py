@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import pickle
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import anyio
@@ -68,16 +69,29 @@ class BufferCollector:
         return False
 
 
+Parts = list[bytes | memoryview]  # a buffer's bytes, as consecutive pieces
+# Where a buffer shares its first or last page with other data: (address, its bytes there).
+Edges = tuple[tuple[int, bytes], ...]
+
+
 class _Known:
     """The key of the bytes at one address, valid while ``owner`` lives and either no page
-    was written or the bytes still have digest ``chunks``."""
+    was written or the bytes still have digest ``chunks``.
 
-    __slots__ = ("chunks", "key", "owner")
+    With page tracking, ``edges`` holds the buffer's bytes on the pages it shares with
+    other data as they were hashed: those pages are judged by these bytes, not by their
+    page bits, so writes to neighbouring data (frequent on the heap) force no rehash.
+    """
 
-    def __init__(self, owner: Callable[[], object], key: BlobKey, chunks: bytes) -> None:
+    __slots__ = ("chunks", "edges", "key", "owner")
+
+    def __init__(
+        self, owner: Callable[[], object], key: BlobKey, chunks: bytes, edges: Edges = ()
+    ) -> None:
         self.owner = owner
         self.key = key
         self.chunks = chunks
+        self.edges = edges
 
 
 class BufferKeys:
@@ -96,11 +110,11 @@ class BufferKeys:
             pages.watch(self)
 
     def before_clear(self, pages: PageWrites) -> None:
-        """Keep only entries whose owner lives and whose pages were not written."""
+        """Keep only entries whose owner lives and whose bytes were not written."""
         self._known = {
             place: entry
             for place, entry in self._known.items()
-            if entry.owner() is not None and not pages.written(*place)
+            if entry.owner() is not None and _unwritten(pages, place, entry.edges)
         }
 
     async def keys(
@@ -146,21 +160,80 @@ class BufferKeys:
             return known  # survived the clear: no page written
         self.hashed_bytes += view.nbytes
         owner = _weak_owner(view, owners)
+        edges: Edges = ()
         if self._pages is not None:
             # Armed before the bytes are read: a write from now on shows at the next clear.
             # With page tracking a surviving entry was returned above, so this buffer was
             # written: chunk digests would only delay the key it needs.
             if place[0] > 0:
                 self._pages.track(*place, owner)
+                edges = _edges(view, place[0])
             chunks = b""
         else:
             chunks = await chunk_digest(view)
             if known is not None and chunks == known.chunks:
                 return known
-        key = await (hash_key(view) if store is None else store_buffer(store, view))
-        if self._pages is not None and place[0] > 0:
-            self._pages.settle(*place)
-        return _Known(owner, key, chunks)
+        # The shared pages' bytes are hashed from the copies kept, so that the entry
+        # vouches for exactly what a later comparison with the copies checks.
+        parts = _spliced(view, place[0], edges)
+        key = await (hash_key(parts) if store is None else store_buffer(store, parts))
+        return _Known(owner, key, chunks, edges)
+
+
+def _edges(view: memoryview, address: int) -> Edges:
+    """Copies of ``view``'s bytes on its first and last page where those are partial."""
+    page = mmap.PAGESIZE
+    end = address + view.nbytes
+    head_end = min(end, -(-address // page) * page)
+    tail_start = max(head_end, end // page * page)
+    pieces = ((address, head_end), (tail_start, end if end % page else tail_start))
+    return tuple(
+        (low, view[low - address : high - address].tobytes()) for low, high in pieces if low < high
+    )
+
+
+def _spliced(view: memoryview, address: int, edges: Edges) -> Parts:
+    """``view``'s bytes as pieces, with the copies in ``edges`` in place of the live bytes."""
+    parts: Parts = []
+    position = 0
+    for low, copy in edges:
+        offset = low - address
+        if offset > position:
+            parts.append(view[position:offset])
+        parts.append(copy)
+        position = offset + len(copy)
+    if position < view.nbytes or not parts:
+        parts.append(view[position:])
+    return parts
+
+
+def _unwritten(pages: PageWrites, place: tuple[int, int], edges: Edges) -> bool:
+    """Whether the buffer at ``place`` holds what was hashed: its whole pages unwritten,
+    and its bytes on shared pages equal to the copies taken."""
+    page = mmap.PAGESIZE
+    address, nbytes = place
+    start, end = -(-address // page) * page, (address + nbytes) // page * page
+    if end > start and pages.written(start, end - start):
+        return False
+    return all(_memory(low, len(copy)) == copy for low, copy in edges)
+
+
+def _memory(address: int, nbytes: int) -> bytes | None:
+    """The process's bytes at ``address``, or ``None`` where nothing is mapped.
+
+    Read through ``/proc/self/mem``: an owner can outlive the memory it exported
+    (``ndarray.resize(refcheck=False)``), and reading that directly would crash.
+    """
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, nbytes, address)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def place_of(buffer: pickle.PickleBuffer) -> tuple[int, int]:
@@ -212,20 +285,24 @@ def _sha256(data: memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-async def hash_key(view: memoryview) -> BlobKey:
-    """The blob key of ``view``'s bytes, hashed off the event loop (hashlib drops the GIL)."""
-    return await anyio.to_thread.run_sync(_sha256_key, view)
+async def hash_key(parts: Parts) -> BlobKey:
+    """The blob key of the concatenation of ``parts``, hashed off the event loop
+    (hashlib drops the GIL)."""
+    return await anyio.to_thread.run_sync(_sha256_key, parts)
 
 
-def _sha256_key(view: memoryview) -> BlobKey:
-    return BlobKey(BLOB_KEY_PREFIX + hashlib.sha256(view).hexdigest())
+def _sha256_key(parts: Parts) -> BlobKey:
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(part)
+    return BlobKey(BLOB_KEY_PREFIX + hasher.hexdigest())
 
 
 async def upload(store: ObjectStore, view: memoryview, key: BlobKey) -> None:
     """Write ``view`` under ``key`` unless the store has it; checks the store agrees on the key."""
     if await store.contains(key):
         return
-    stored = await store_buffer(store, view)
+    stored = await store_buffer(store, [view])
     if stored != key:
         # The buffer changed while it was written (a concurrent writer), or the store is broken.
         log.error("object store filed a buffer under %s, expected %s", stored, key)
@@ -234,27 +311,29 @@ async def upload(store: ObjectStore, view: memoryview, key: BlobKey) -> None:
 
 @runtime_checkable
 class BufferSink(Protocol):
-    """A store that takes a buffer in place (:meth:`LocalObjectStore.put_buffer`)."""
+    """A store that takes buffers in place (:meth:`LocalObjectStore.put_buffer`)."""
 
-    async def put_buffer(self, data: memoryview) -> BlobKey:
-        """Store the bytes of ``data``, reading them once; returns their key."""
+    async def put_buffer(self, parts: Sequence[bytes | memoryview]) -> BlobKey:
+        """Store the concatenation of ``parts``, reading each byte once; returns its key."""
         ...
 
 
-async def store_buffer(store: ObjectStore, view: memoryview) -> BlobKey:
-    """Write ``view``'s bytes to ``store`` in one pass and return the key it filed them under.
+async def store_buffer(store: ObjectStore, parts: Parts) -> BlobKey:
+    """Write the concatenation of ``parts`` to ``store`` in one pass; the key it filed it under.
 
-    A store that takes buffers in place reads them straight from ``view``; any other
-    gets bounded copies, as its ``put_stream`` contract asks for ``bytes``.
+    A store that takes buffers in place reads them where they are; any other gets
+    bounded copies, as its ``put_stream`` contract asks for ``bytes``.
     """
     if isinstance(store, BufferSink):
-        return await store.put_buffer(view)
-    return await store.put_stream(_chunks(view))
+        return await store.put_buffer(parts)
+    return await store.put_stream(_chunks(parts))
 
 
-async def _chunks(view: memoryview) -> AsyncIterator[bytes]:
-    for start in range(0, view.nbytes, _CHUNK):
-        yield view[start : start + _CHUNK].tobytes()
+async def _chunks(parts: Parts) -> AsyncIterator[bytes]:
+    for part in parts:
+        view = memoryview(part)
+        for start in range(0, view.nbytes, _CHUNK):
+            yield view[start : start + _CHUNK].tobytes()
 
 
 async def fetch(store: ObjectStore, key: BlobKey) -> bytearray:

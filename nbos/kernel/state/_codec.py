@@ -122,7 +122,7 @@ async def encode(
         view = buffer.raw()
         key = keys.get(_buffers.place_of(buffer))
         if key is None:
-            key = await _buffers.store_buffer(store, view)
+            key = await _buffers.store_buffer(store, [view])
         else:
             await _buffers.upload(store, view, key)
         buffer_keys.append(key)

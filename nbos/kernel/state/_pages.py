@@ -66,10 +66,6 @@ class PageWrites(Protocol):
         written). Call it before reading bytes that :meth:`written` will vouch for."""
         ...
 
-    def settle(self, address: int, nbytes: int) -> None:
-        """Call it after reading the range that :meth:`track` armed."""
-        ...
-
     def clear(self) -> None:
         """Start a new interval: every page counts as unwritten from now on."""
         ...
@@ -93,9 +89,6 @@ class SoftDirtyPages:
     def track(self, address: int, nbytes: int, owner: Callable[[], object]) -> bool:
         """Nothing to arm: the kernel keeps the bits of every page."""
         return True
-
-    def settle(self, address: int, nbytes: int) -> None:
-        """Nothing to record."""
 
     def clear(self) -> None:
         """Mark every page of the process clean, after the watchers read their bits."""

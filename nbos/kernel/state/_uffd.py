@@ -109,26 +109,13 @@ _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 Span = tuple[int, int]  # page-aligned [start, end)
 
 
-class _Edge:
-    """A page that a buffer shares with other data: its bytes of the buffer as hashed."""
-
-    __slots__ = ("address", "copy", "nbytes", "page")
-
-    def __init__(self, page: int, address: int, nbytes: int) -> None:
-        self.page = page
-        self.address = address
-        self.nbytes = nbytes
-        self.copy: bytes | None = None  # None: unknown, counts as written
-
-
 class _Tracked:
-    """A tracked span: the owners that keep it alive and its partial first/last pages."""
+    """A tracked span and the owners that keep it alive."""
 
-    __slots__ = ("edges", "owners")
+    __slots__ = ("owners",)
 
-    def __init__(self, owner: Callable[[], object], edges: list[_Edge]) -> None:
+    def __init__(self, owner: Callable[[], object]) -> None:
         self.owners = [owner]
-        self.edges = edges
 
     def alive(self) -> bool:
         return any(owner() is not None for owner in self.owners)
@@ -139,12 +126,6 @@ class UffdPages:
 
     Implements :class:`~nbos.kernel.state._pages.PageWrites`; unlike soft-dirty bits it
     sees only what :meth:`track` armed, and :meth:`written` is ``True`` for the rest.
-
-    A buffer's whole pages are judged by their protection alone. Its first and last
-    page, when shared with other data, are protected too, and :meth:`settle` keeps
-    the buffer's bytes on them as hashed: such a page that was written counts as
-    written only if those bytes differ, so writes to neighbouring data (frequent on
-    the heap) do not force a rehash.
     """
 
     def __init__(self, uffd: int, pagemap: int) -> None:
@@ -154,10 +135,8 @@ class UffdPages:
         self._page = mmap.PAGESIZE
         self._lock = threading.RLock()
         self._spans: dict[Span, _Tracked] = {}
-        # Written regions found by the last clear's scan, while the watchers read them,
-        # and those found since by re-arming shared pages in track (reported next clear).
+        # Written regions found by the last clear's scan, while the watchers read them.
         self._reported: list[Span] = []
-        self._pending: list[Span] = []
         self._watchers: weakref.WeakSet[Watcher] = weakref.WeakSet()
         self._vec = (_PageRegion * _VEC)()
 
@@ -169,8 +148,7 @@ class UffdPages:
         """Arm write tracking for the pages of ``[address, address + nbytes)`` while
         ``owner()`` is alive; ``False`` (and the range stays untrusted) if it cannot be.
 
-        Call it before reading the bytes whose writes must be seen, and :meth:`settle`
-        after: until then the range counts as written.
+        Call it before reading the bytes whose writes must be seen.
         """
         if nbytes <= 0 or owner() is None or not self._ours():
             return False
@@ -178,48 +156,26 @@ class UffdPages:
         with self._lock:
             self._prune()
             tracked = self._spans.get(span)
-            fresh = [] if tracked is not None else _subtract(span, self._spans)
-            edges = self._edges(address, nbytes)
+            if tracked is not None:  # armed since it was first tracked: nothing to redo
+                tracked.owners.append(owner)
+                return True
+            # Pages that another span shares are armed already and stay as they are:
+            # re-arming them would hide that span's writes from the next clear.
+            fresh = _subtract(span, self._spans)
             try:
-                if tracked is None and not _private_anonymous(span):
+                if not _private_anonymous(span):
                     return False
                 for start, end in fresh:
                     piece = _Range(start, end - start)
                     _ioctl(self._uffd, _UFFDIO_REGISTER, _Register(piece, _REGISTER_MODE_WP))
                     protect = _WriteProtect(piece, _WRITEPROTECT_MODE_WP)
                     _ioctl(self._uffd, _UFFDIO_WRITEPROTECT, protect)
-                # Shared pages armed before are re-armed now, so that settle can tell
-                # whether they stayed unwritten while the buffer was read; what others
-                # wrote to them since the last clear is kept for the next one.
-                for edge in edges:
-                    if not any(s <= edge.page < e for s, e in fresh):
-                        self._pending += self._scan(edge.page, edge.page + self._page, wp=True)
             except OSError as exc:
                 log.debug("cannot track %#x+%d for writes: %s", address, nbytes, exc)
                 self._unregister(fresh)
-                self._spans.pop(span, None)
                 return False
-            if tracked is None:
-                self._spans[span] = _Tracked(owner, edges)
-            else:
-                tracked.owners.append(owner)
-                tracked.edges = edges
+            self._spans[span] = _Tracked(owner)
             return True
-
-    def settle(self, address: int, nbytes: int) -> None:
-        """Keep the bytes of the range's shared first and last page as just read, unless
-        they were written since :meth:`track`; call it after reading the range."""
-        with self._lock:
-            tracked = self._spans.get(self._span_of(address, nbytes))
-            if tracked is None or not self._ours():
-                return
-            for edge in tracked.edges:
-                copy = ctypes.string_at(edge.address, edge.nbytes)
-                try:
-                    stable = not self._scan(edge.page, edge.page + self._page, wp=False, limit=1)
-                except OSError:
-                    stable = False
-                edge.copy = copy if stable else None
 
     def clear(self) -> None:
         """Collect and re-arm the written pages of every tracked span atomically, then let
@@ -227,8 +183,7 @@ class UffdPages:
         with self._lock:
             if self._ours():
                 self._prune()
-                self._reported = sorted(self._scan_all() + self._pending)
-                self._pending = []
+                self._reported = self._scan_all()
             try:
                 for watcher in list(self._watchers):
                     watcher.before_clear(self)
@@ -236,57 +191,23 @@ class UffdPages:
                 self._reported = []
 
     def written(self, address: int, nbytes: int) -> bool:
-        """Whether any byte of ``[address, address + nbytes)`` may have been written since
+        """Whether any page of ``[address, address + nbytes)`` may have been written since
         the last :meth:`clear` (always ``True`` outside the tracked spans)."""
         if nbytes <= 0:
             return False
         start, end = self._span_of(address, nbytes)
         with self._lock:
-            tracked = self._containing(start, end) if self._ours() else None
-            if tracked is None:
+            if not self._ours() or not any(
+                s <= start and end <= e and tracked.alive()
+                for (s, e), tracked in self._spans.items()
+            ):
                 return True
-            try:
-                written = self._written_in(start, end)
+            if any(s < end and start < e for s, e in self._reported):
+                return True
+            try:  # written since the scan that re-armed it: unprotected now
+                return bool(self._scan(start, end, wp=False, limit=1))
             except OSError:
                 return True
-            for low, high in written:
-                edges = [edge for edge in tracked.edges if low <= edge.page < high]
-                if high - low > len(edges) * self._page:
-                    return True  # a page wholly the buffer's
-                if not all(self._unchanged(edge) for edge in edges):
-                    return True
-            return False
-
-    def _written_in(self, start: int, end: int) -> list[Span]:
-        """Written regions of ``[start, end)``: the last clear's, the pending ones, and
-        those written since the scan that re-armed them."""
-        found = [(max(s, start), min(e, end)) for s, e in self._reported + self._pending]
-        found = [(s, e) for s, e in found if s < e]
-        return found + self._scan(start, end, wp=False)
-
-    @staticmethod
-    def _unchanged(edge: _Edge) -> bool:
-        """Whether the buffer's bytes on a shared page are still those hashed."""
-        return edge.copy is not None and ctypes.string_at(edge.address, edge.nbytes) == edge.copy
-
-    def _containing(self, start: int, end: int) -> _Tracked | None:
-        for (s, e), tracked in self._spans.items():
-            if s <= start and end <= e and tracked.alive():
-                return tracked
-        return None
-
-    def _edges(self, address: int, nbytes: int) -> list[_Edge]:
-        """The first and last page of the range where they hold other data too."""
-        page = self._page
-        end = address + nbytes
-        pages = {address // page * page} if address % page else set()
-        if end % page:
-            pages.add(end // page * page)
-        edges = []
-        for first in sorted(pages):
-            low, high = max(address, first), min(end, first + page)
-            edges.append(_Edge(first, low, high - low))
-        return edges
 
     def _span_of(self, address: int, nbytes: int) -> Span:
         page = self._page
