@@ -210,3 +210,12 @@ async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> N
         await kernel.kill_replica(executor)
         result = await kernel.execute("print(xs[-1], len(alias), p.norm())")
         assert result.stdout == "7 8 4\n", result.reply
+
+
+async def test_without_a_majority_cells_fail_at_once_with_quorum_lost(kernel: Kernel) -> None:
+    first = await kernel.execute("x = 1")
+    for victim in [r.node for r in kernel.replicas if r.node != first.executor]:
+        await kernel.kill_replica(victim)
+    with anyio.fail_after(5):
+        result = await kernel.execute("x = 2")
+    assert result.error is not None and result.error[0] == "QuorumLostError"

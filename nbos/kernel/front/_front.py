@@ -399,6 +399,14 @@ class KernelFront:
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Run one cell; returns the status of the reply the client got."""
+        if len(self.alive) * 2 <= len(self._upstreams):
+            # Without a majority nothing can commit: say so now rather than time out.
+            lost = QuorumLostError(
+                f"only replicas {list(self.alive)} of {sorted(self._upstreams)} are alive"
+            )
+            log.warning("kernel %s: %s", self._kernel_id, lost)
+            await self._reply(idents, msg, "execute_reply", error_content(lost, 0))
+            return "error"
         for _ in range(_CLAIM_ATTEMPTS):
             index = self._next_index
             self._next_index += 1
