@@ -2,7 +2,8 @@
 
 Precedence, lowest first: defaults, the TOML file, the environment. An
 environment variable names a section and a key joined by a double underscore:
-``NBOS_RAFT__TICK_MS=20`` sets ``[raft] tick_ms = 20``. Every value is checked;
+``NBOS_RAFT__TICK_MS=20`` sets ``[raft] tick_ms = 20``; ``NBOS_*`` names without
+the double underscore are not settings and are left alone. Every value is checked;
 a bad one raises :class:`~nbos.core.errors.ConfigError` naming the key, the
 value and what was expected.
 """
@@ -106,10 +107,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX):
+        # Only NBOS_<SECTION>__<KEY> names are settings; other NBOS_* variables (the
+        # host id a backend gives its processes, test sizes) belong to someone else.
+        section, sep, key = name.removeprefix(ENV_PREFIX).lower().partition("__")
+        if not name.startswith(ENV_PREFIX) or not sep:
             continue
-        section, sep, key = name[len(ENV_PREFIX) :].lower().partition("__")
-        if not sep or not key:
+        if not section or not key:
             raise ConfigError(name, value, f"a name of the form {ENV_PREFIX}<SECTION>__<KEY>")
         raw.setdefault(section, {})[key] = value
     return raw

@@ -32,7 +32,8 @@ def test_toml_then_environment_override(tmp_path: Path) -> None:
         ({"NBOS_RAFT__FSYNC": "sometimes"}, "raft.fsync", "sometimes"),
         ({"NBOS_RAFT__NO_SUCH_KEY": "1"}, "raft.no_such_key", "1"),
         ({"NBOS_STORE__KIND": "s3"}, "store.kind", "s3"),
-        ({"NBOS_NOSECTION": "1"}, "NBOS_NOSECTION", "1"),
+        ({"NBOS___TICK_MS": "1"}, "NBOS___TICK_MS", "1"),
+        ({"NBOS_RAFT__": "1"}, "NBOS_RAFT__", "1"),
     ],
 )
 def test_bad_environment_value_names_key_and_value(
@@ -43,6 +44,11 @@ def test_bad_environment_value_names_key_and_value(
     assert info.value.key == key
     assert info.value.value == value
     assert key in str(info.value)
+
+
+def test_other_nbos_variables_are_not_settings() -> None:
+    settings = Settings.load(env={"NBOS_HOST_ID": "host-1", "NBOS_CHAOS_ROUNDS": "60"})
+    assert settings == Settings()
 
 
 def test_bad_toml_value_names_expected_type(tmp_path: Path) -> None:
