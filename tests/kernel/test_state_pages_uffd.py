@@ -232,6 +232,8 @@ def test_a_forked_child_neither_trusts_nor_rearms_the_parents_pages(pages: UffdP
     assert pages.written(*place)
     pages.clear()
     assert not pages.written(*whole_pages(place))
+    array[N // 2] = 1.0  # a write to a page the fork made copy-on-write
+    assert pages.written(*whole_pages(place))
 
 
 @pytest.mark.anyio
