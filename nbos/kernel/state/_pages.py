@@ -13,10 +13,12 @@ buffers armed through :meth:`PageWrites.track`; with neither it returns ``None``
 callers fall back to hashing.
 
 Known limits, all of them false alarms except the last: a clear write-protects every
-page, so the first write to a page after a capture takes a minor fault; pages that
-share a buffer's first or last page with other data may read as written; a region
-unmapped with ``MADV_DONTNEED`` after a clear reads as clean though it now reads as
-zeros (no Python code path in numpy or torch does this to a live buffer).
+page (userfaultfd: every tracked page), so the first write to a page after a capture
+takes a minor fault; pages that share a buffer's first or last page with other data
+read as written when that data is (``BufferKeys`` judges those pages by bytes
+instead); a region unmapped with ``MADV_DONTNEED`` after a clear reads as clean
+though it now reads as zeros (no Python code path in numpy or torch does this to a
+live buffer).
 """
 
 from __future__ import annotations
