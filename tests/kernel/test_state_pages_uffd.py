@@ -11,9 +11,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import hashlib
+import json
 import mmap
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -279,3 +282,38 @@ async def test_buffer_keys_judge_shared_pages_by_the_bytes_hashed(pages: UffdPag
         inner[index] = 0
         assert await key_now() == first
         assert await key_now() == first and keys.hashed_bytes == 0
+
+
+UNPRIVILEGED_PROBE = """
+import json, os, weakref
+import numpy as np
+from nbos.kernel.state._uffd import open_uffd
+pages = open_uffd()
+seen = None
+if pages is not None:
+    array = np.zeros(300_000)
+    place = (array.ctypes.data, array.nbytes)
+    pages.track(*place, weakref.ref(array))
+    pages.clear()
+    clean = not pages.written(array.ctypes.data + 8192, 8192)
+    read, write = os.pipe()
+    os.write(write, b"x" * 16)
+    os.readv(read, [memoryview(array).cast("B")[8192:8208]])  # a kernel-mode write
+    seen = clean and pages.written(array.ctypes.data + 8192, 8192)
+print(json.dumps({"uid": os.getuid(), "tracker": pages is not None, "seen": seen}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists(), reason="needs root")
+def test_an_unprivileged_process_tracks_writes_or_falls_back_cleanly(pages: UffdPages) -> None:
+    # vm.unprivileged_userfaultfd=0 refuses plain userfaultfds to such a process;
+    # UFFD_USER_MODE_ONLY ones are allowed, and kernel-mode writes are still seen.
+    nobody = ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    done = subprocess.run(
+        [*nobody, sys.executable, "-c", UNPRIVILEGED_PROBE],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["uid"] == 65534
+    assert report["seen"] is (True if report["tracker"] else None)
