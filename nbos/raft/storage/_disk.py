@@ -48,7 +48,7 @@ from nbos.core.config import FsyncPolicy
 from nbos.core.errors import ConfigError, StorageCorruptError
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
 from nbos.raft.storage import _snapfile
-from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, InitialState, SnapshotSink
+from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, SnapshotSink
 from nbos.raft.storage._errors import (
     InvalidLogWriteError,
     NoSnapshotError,
@@ -56,7 +56,7 @@ from nbos.raft.storage._errors import (
 )
 from nbos.raft.storage._framing import WalRecord, encode_frame
 from nbos.raft.storage._fsutil import fsync_dir, fsync_file
-from nbos.raft.storage._log_index import LogIndex, must_sync
+from nbos.raft.storage._log_index import LogIndex, LogIndexReads, must_sync
 from nbos.raft.storage._recovery import Replay
 from nbos.raft.storage._segments import (
     Segment,
@@ -74,7 +74,7 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 _CORRUPT_SUFFIX = ".corrupt"
 
 
-class DiskStorage:
+class DiskStorage(LogIndexReads):
     """A durable :class:`~nbos.raft.storage.LogStorage` in one directory.
 
     Open it with :meth:`open`. Synchronous and not thread-safe: one caller at a
@@ -155,29 +155,6 @@ class DiskStorage:
 
     # --- queries -------------------------------------------------------------------
 
-    @property
-    def hard_state(self) -> HardState:
-        return self._log.hard_state
-
-    @property
-    def snapshot(self) -> SnapshotMeta | None:
-        return self._log.snapshot
-
-    def initial_state(self) -> InitialState:
-        return InitialState(self._log.hard_state, self._log.snapshot, self._log.all_entries())
-
-    def first_index(self) -> int:
-        return self._log.first_index()
-
-    def last_index(self) -> int:
-        return self._log.last_index()
-
-    def term(self, index: int) -> int:
-        return self._log.term(index)
-
-    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
-        return self._log.entries(lo, hi, max_bytes)
-
     def read_snapshot(self) -> bytes:
         return b"".join(self.snapshot_chunks())
 
@@ -235,10 +212,7 @@ class DiskStorage:
 
     def compact(self, upto_index: int) -> None:
         self._check_writable()
-        if upto_index > self._log.snapshot_index:
-            raise InvalidLogWriteError(
-                f"cannot compact to {upto_index}: the snapshot is at {self._log.snapshot_index}"
-            )
+        self._log.check_compact(upto_index)
         self._guard(lambda: self._drop_files(upto_index))
 
     def close(self) -> None:

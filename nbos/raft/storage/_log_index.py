@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
+from nbos.raft.storage._api import InitialState
 from nbos.raft.storage._errors import (
     InvalidLogWriteError,
     LogCompactedError,
@@ -112,6 +113,13 @@ class LogIndex:
         if hard_state is not None:
             self.hard_state = hard_state
 
+    def check_compact(self, upto_index: int) -> None:
+        """A store may drop files only up to the snapshot: later entries are the log itself."""
+        if upto_index > self.snapshot_index:
+            raise InvalidLogWriteError(
+                f"cannot compact to {upto_index}: the snapshot is at {self.snapshot_index}"
+            )
+
     def check_snapshot(self, meta: SnapshotMeta) -> None:
         if self.snapshot is not None and meta.index < self.snapshot.index:
             raise SnapshotOutOfDateError(meta.index, self.snapshot.index)
@@ -126,6 +134,39 @@ class LogIndex:
         if not self.snapshot_index <= index <= self.last_index():
             return False
         return self.term(index) == term
+
+
+class LogIndexReads:
+    """The read half of :class:`~nbos.raft.storage.LogStorage`, answered from ``self._log``.
+
+    Both stores answer reads from memory, so they share this base and differ only
+    in how writes become durable.
+    """
+
+    _log: LogIndex
+
+    @property
+    def hard_state(self) -> HardState:
+        return self._log.hard_state
+
+    @property
+    def snapshot(self) -> SnapshotMeta | None:
+        return self._log.snapshot
+
+    def initial_state(self) -> InitialState:
+        return InitialState(self._log.hard_state, self._log.snapshot, self._log.all_entries())
+
+    def first_index(self) -> int:
+        return self._log.first_index()
+
+    def last_index(self) -> int:
+        return self._log.last_index()
+
+    def term(self, index: int) -> int:
+        return self._log.term(index)
+
+    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
+        return self._log.entries(lo, hi, max_bytes)
 
 
 def must_sync(old: HardState, new: HardState | None, entries: Sequence[Entry]) -> bool:

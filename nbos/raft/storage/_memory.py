@@ -11,12 +11,12 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from nbos.core.errors import ConfigError
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
-from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, InitialState, SnapshotSink
+from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, SnapshotSink
 from nbos.raft.storage._errors import InvalidLogWriteError, NoSnapshotError
-from nbos.raft.storage._log_index import LogIndex
+from nbos.raft.storage._log_index import LogIndex, LogIndexReads
 
 
-class MemoryStorage:
+class MemoryStorage(LogIndexReads):
     """An in-memory :class:`~nbos.raft.storage.LogStorage`; not thread-safe."""
 
     def __init__(self) -> None:
@@ -31,29 +31,6 @@ class MemoryStorage:
         fresh._log = LogIndex(self._log.hard_state, self._log.snapshot, self._log.all_entries())
         fresh._image = None if self._image is None else list(self._image)
         return fresh
-
-    @property
-    def hard_state(self) -> HardState:
-        return self._log.hard_state
-
-    @property
-    def snapshot(self) -> SnapshotMeta | None:
-        return self._log.snapshot
-
-    def initial_state(self) -> InitialState:
-        return InitialState(self._log.hard_state, self._log.snapshot, self._log.all_entries())
-
-    def first_index(self) -> int:
-        return self._log.first_index()
-
-    def last_index(self) -> int:
-        return self._log.last_index()
-
-    def term(self, index: int) -> int:
-        return self._log.term(index)
-
-    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
-        return self._log.entries(lo, hi, max_bytes)
 
     def save(self, hard_state: HardState | None, entries: Sequence[Entry]) -> None:
         self._check_open()
@@ -95,10 +72,7 @@ class MemoryStorage:
 
     def compact(self, upto_index: int) -> None:
         self._check_open()
-        if upto_index > self._log.snapshot_index:
-            raise InvalidLogWriteError(
-                f"cannot compact to {upto_index}: the snapshot is at {self._log.snapshot_index}"
-            )
+        self._log.check_compact(upto_index)
 
     def close(self) -> None:
         self._closed = True
