@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -40,6 +41,8 @@ _CREATE_ATTEMPTS = 8
 # Slices of a buffer written in place: large enough that the thread hop per slice is
 # noise, small enough that a cancelled write stops soon.
 _BUFFER_CHUNK = 16 << 20
+# Chunks this large are hashed and written at once, on two threads.
+_PARALLEL_HASH = 1 << 20
 
 
 class LocalObjectStore:
@@ -171,9 +174,21 @@ class _PartFile:
         self._committed = False
 
     def write(self, chunk: bytes | memoryview) -> None:
-        self._hasher.update(chunk)
         view = memoryview(chunk)
         self._size += view.nbytes
+        if view.nbytes < _PARALLEL_HASH:
+            self._hasher.update(view)
+            self._write_all(view)
+            return
+        # Both release the GIL: hash on a second core while this one writes.
+        hashing = threading.Thread(target=self._hasher.update, args=(view,))
+        hashing.start()
+        try:
+            self._write_all(view)
+        finally:
+            hashing.join()
+
+    def _write_all(self, view: memoryview) -> None:
         while view:
             view = view[os.write(self._fd, view) :]
 
