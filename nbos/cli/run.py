@@ -28,6 +28,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--allow-errors", action="store_true", help="go on after a cell that raised"
     )
+    parser.add_argument(
+        "--kill-executor-after",
+        type=int,
+        action="append",
+        default=[],
+        metavar="CELL",
+        help="SIGKILL the replica that ran cell number CELL once it finished, to watch the "
+        "next cell run on another replica with the same state (repeatable)",
+    )
     parser.set_defaults(func=run_command)
 
 
@@ -38,14 +47,18 @@ def run_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ConfigError("notebook", str(args.notebook), f"a readable notebook ({exc})") from exc
     hosts = args.hosts or settings.cluster.hosts
-    failed = anyio.run(_run_notebook, notebook, hosts, settings, args.allow_errors)
+    failed = anyio.run(
+        _run_notebook, notebook, hosts, settings, args.allow_errors, set(args.kill_executor_after)
+    )
     if args.output:
         nbformat.write(notebook, args.output)
         print(f"wrote {args.output}")
     return 1 if failed else 0
 
 
-async def _run_notebook(notebook: Any, hosts: int, settings: Settings, allow_errors: bool) -> bool:
+async def _run_notebook(
+    notebook: Any, hosts: int, settings: Settings, allow_errors: bool, kill_after: set[int]
+) -> bool:
     async with LocalCluster(hosts=hosts, settings=settings) as cluster:
         kernel = await cluster.start_kernel()
         placed = ", ".join(f"replica {r.node} on {r.host}" for r in kernel.replicas)
@@ -61,6 +74,9 @@ async def _run_notebook(notebook: Any, hosts: int, settings: Settings, allow_err
                 ename, evalue = result.error or ("error", "")
                 print(f"stopped at cell {number}: {ename}: {evalue}", file=sys.stderr)
                 return True
+            if number in kill_after and result.executor is not None:
+                await kernel.kill_replica(result.executor)
+                print(f"      killed replica {result.executor} (SIGKILL)")
         await kernel.shutdown()
     return False
 

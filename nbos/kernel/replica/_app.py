@@ -1,20 +1,22 @@
 """The replica kernel process: an ``IPKernelApp`` that joins its kernel's Raft group.
 
 Run as ``python -m nbos.kernel.replica --connection-file F --kernel-id K --node-id N
---raft-peers JSON --store DIR [--data-dir DIR]``. ``--raft-peers`` maps every
-node id of the group to ``[raft address, forwarder address]``.
+--raft-peers JSON --store DIR [--data-dir DIR] [--join]``. ``--raft-peers`` maps every
+node id of the group to ``[raft address, forwarder address]``; with ``--join`` the
+replica starts empty and waits for the leader to add it as a learner (a replacement).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from ipykernel.kernelapp import IPKernelApp, kernel_aliases
-from traitlets import Dict, Int, Type, Unicode
+from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
+from traitlets import Bool, Dict, Int, Type, Unicode
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import ConfigError, NbosError
@@ -60,6 +62,15 @@ class ReplicaApp(IPKernelApp):
         config=True
     )
     raft_settings = Unicode("{}", help="JSON of the kernel's [raft] settings.").tag(config=True)
+    join = Bool(
+        False, help="Join an existing group as a new member (a replacement), not found one."
+    ).tag(config=True)
+    flags = Dict(
+        {**kernel_flags, "join": ({"ReplicaApp": {"join": True}}, "Join an existing group.")}
+    )
+    virtual_gpus = Bool(
+        False, help="The host's GPUs are virtual: bound devices keep tensors in host memory."
+    ).tag(config=True)
     aliases = Dict(
         {
             **kernel_aliases,
@@ -85,17 +96,21 @@ class ReplicaApp(IPKernelApp):
             data_dir=Path(self.data_dir) if self.data_dir else None,
             machine=kernel.machine(),
             settings=parse_raft_settings(self.raft_settings),
+            join=self.join,
         )
         kernel.attach(raft, LocalObjectStore(Path(self.store)))
+        if self.virtual_gpus:
+            kernel.use_virtual_gpus()
 
 
 def main(argv: list[str] | None = None) -> Any:
     """Entry point of ``python -m nbos.kernel.replica``.
 
-    nbos's log records go to the process's own stderr (its log file): ipykernel
-    turns ``sys.stderr`` into cell output, where they do not belong.
+    nbos's log records go to the process's own stderr (its log file) through a
+    duplicate of file descriptor 2 taken now: ipykernel later points fd 2 itself
+    at a pipe that becomes cell output, where they do not belong.
     """
-    handler = logging.StreamHandler(sys.__stderr__)
+    handler = logging.StreamHandler(os.fdopen(os.dup(2), "w", buffering=1))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     nbos_log = logging.getLogger("nbos")
     nbos_log.addHandler(handler)
