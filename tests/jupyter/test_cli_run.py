@@ -9,7 +9,6 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-
 KILL_AFTER_CELL_3 = ("--kill-executor-after", "3")
 
 
