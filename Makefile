@@ -25,7 +25,7 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	mkdir -p .nbos-run
-	$(PY) -m nbos run examples/demo.ipynb -o .nbos-run/demo.ipynb
+	$(PY) -m nbos run examples/demo.ipynb -o .nbos-run/demo.ipynb --kill-executor-after 4
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
