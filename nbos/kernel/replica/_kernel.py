@@ -42,6 +42,7 @@ from nbos.kernel.replica._machine import (
     KernelStateMachine,
     Restored,
 )
+from nbos.kernel.replica._membership import member_reply
 from nbos.kernel.replica._raftnode import RaftNode
 from nbos.kernel.replica._sync import NamespaceSync, digest
 
@@ -97,6 +98,7 @@ class ReplicaKernel(IPythonKernel):
         self.control_handlers["nbos_lost_request"] = self._lost_request
         self.control_handlers["nbos_digest_request"] = self._digest_request
         self.control_handlers["nbos_evict_request"] = self._evict_request
+        self.control_handlers["nbos_member_request"] = self._member_request
         self._comm_handlers = {t: self.shell_handlers[t] for t in _COMM_TYPES}
         for msg_type in _COMM_TYPES:
             self.shell_handlers[msg_type] = self._comm_through_log
@@ -503,6 +505,12 @@ class ReplicaKernel(IPythonKernel):
         # Not while a cell uses the devices: the namespace lock is held during cells.
         async with self._namespace_lock:
             await self._binder.evict()
+
+    async def _member_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """Change the kernel's Raft membership (see :func:`member_reply`)."""
+        assert self._raft is not None
+        content = await member_reply(self._raft, parent["content"])
+        self._session.send(stream, "nbos_member_reply", content, parent, ident=ident)
 
     # --- process ---------------------------------------------------------------------
 

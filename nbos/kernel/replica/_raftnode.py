@@ -18,11 +18,11 @@ import itertools
 import logging
 import os
 import struct
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -34,6 +34,7 @@ from nbos.core.config import RaftSettings
 from nbos.core.errors import (
     DecodeError,
     LogClosedError,
+    MembershipChangeError,
     NotLeaderError,
     ProposalTimeoutError,
     ReplicationError,
@@ -43,7 +44,7 @@ from nbos.core.replicated_log import ReplicatedLog, StateMachine
 from nbos.core.wire import encode
 from nbos.core.wire.entries import KernelEntry
 from nbos.kernel.replica._machine import Outcome, decode_outcome
-from nbos.raft import open_raft_log
+from nbos.raft import RaftReplicatedLog, open_raft_log
 from nbos.transport import ZmqTransport
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ _RETRY_S = 0.02
 _FORWARD_TIMEOUT_S = 2.0
 _OK, _REFUSED = b"1", b"0"
 _PROPOSE, _TRANSFER = b"P", b"T"
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -79,7 +82,9 @@ class RaftNode:
         data_dir: Path | None,
         machine: StateMachine,
         settings: RaftSettings,
+        join: bool = False,
     ) -> None:
+        # ``join``: a new, empty member (a replacement) that the leader adds as a learner.
         if node_id not in peers:
             raise ReplicationError(f"node {node_id} is not among the peers {sorted(peers)}")
         self._kernel_id = kernel_id
@@ -88,10 +93,13 @@ class RaftNode:
         self._data_dir = data_dir
         self._machine = machine
         self._settings = settings
+        self._join = join
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._serving: Future[None] | None = None
-        self._log: ReplicatedLog | None = None
+        #: The member's event loop while it serves (set on its thread before start returns).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._log: RaftReplicatedLog | None = None
         self._forwarder: _Forwarder | None = None
         # A process-unique client id lets the log drop a retried proposal's duplicate.
         self._client_id = f"{kernel_id}/{node_id}/{os.getpid()}"
@@ -122,16 +130,13 @@ class RaftNode:
             self._serving.cancel()
         if self._portal_cm is not None:
             self._portal_cm.__exit__(None, None, None)
-        self._portal_cm = self._portal = self._serving = None
+        self._portal_cm = self._portal = self._serving = self._loop = None
 
     async def propose(self, entry: KernelEntry, *, timeout: float = 30.0) -> Outcome:
         """Commit ``entry``; returns its outcome once it has applied on this node."""
-        if self._portal is None:
-            raise LogClosedError("the replica's Raft member is not running")
         data = encode(entry)
         # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
-        future = self._portal.start_task_soon(self._propose, data, timeout)
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._submit(self._propose(data, timeout)))
 
     def want_leadership(self) -> None:
         """Ask the leader, in the background, to hand leadership to this member.
@@ -141,10 +146,61 @@ class RaftNode:
         changes nothing.
         """
         leader = self.leader_id
-        if self._portal is None or self._forwarder is None or leader in (None, self._node_id):
+        if self._loop is None or self._forwarder is None or leader in (None, self._node_id):
             return
         assert leader is not None
-        self._portal.start_task_soon(self._forwarder.ask_leadership, leader, self._node_id)
+        self._submit(self._forwarder.ask_leadership(leader, self._node_id))
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run ``coro`` on the member's loop; the caller's thread does not wait for that loop.
+
+        The portal's ``start_task_soon`` blocks its caller until the member's loop has
+        taken the task, a round trip between threads (0.5 ms and more on a busy host)
+        on every proposal; this only queues it. Tasks still running at :meth:`stop`
+        are cancelled as the loop ends, which cancels their futures.
+        """
+        loop = self._loop
+        if loop is not None:
+            try:
+                return asyncio.run_coroutine_threadsafe(coro, loop)
+            except RuntimeError:  # the loop closed meanwhile (stop)
+                pass
+        coro.close()
+        raise LogClosedError("the replica's Raft member is not running")
+
+    async def change_members(
+        self, op: str, node: NodeId, address: PeerAddress | None
+    ) -> tuple[Sequence[NodeId], Sequence[NodeId]]:
+        """Make one membership change through this member; the voters and learners after it.
+
+        ``op`` is ``peer`` (only learn ``address``), ``add_learner``, ``promote`` or
+        ``remove``. A change already in effect is not made again. Raises
+        ``NotLeaderError`` on a follower and ``MembershipChangeError`` when the Raft
+        core refuses (another change pending, a learner not caught up yet).
+        """
+        if self._portal is None:
+            raise LogClosedError("the replica's Raft member is not running")
+        future = self._portal.start_task_soon(self._change_members, op, node, address)
+        return await asyncio.wrap_future(future)
+
+    async def _change_members(
+        self, op: str, node: NodeId, address: PeerAddress | None
+    ) -> tuple[Sequence[NodeId], Sequence[NodeId]]:
+        raft_log, forwarder = self._log, self._forwarder
+        assert raft_log is not None and forwarder is not None
+        if address is not None:
+            forwarder.add_peer(node, address)
+        voters, learners = raft_log.voters(), raft_log.learners()
+        if op == "add_learner" and node not in (*voters, *learners):
+            assert address is not None
+            await raft_log.add_learner(node, peer_id(self._kernel_id, node), address.raft)
+        elif op == "promote" and node not in voters:
+            await raft_log.promote(node)
+        elif op == "remove" and node in (*voters, *learners):
+            await raft_log.remove(node)
+        elif op not in ("peer", "add_learner", "promote", "remove"):
+            raise MembershipChangeError(f"unknown membership change {op!r}")
+        return raft_log.voters(), raft_log.learners()
 
     async def _serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         me = self._peers[self._node_id]
@@ -161,11 +217,13 @@ class RaftNode:
                     data_dir=self._data_dir,
                     state_machine=self._machine,
                     settings=self._settings,
+                    join=self._join,
                 ) as raft_log,
                 _Forwarder.open(raft_log, me.forward, self._peers) as forwarder,
             ):
                 self._log, self._forwarder = raft_log, forwarder
                 self._order = anyio.Lock()
+                self._loop = asyncio.get_running_loop()
                 task_status.started()
                 await anyio.sleep_forever()
 
@@ -232,6 +290,18 @@ class _Forwarder:
         self._dealers: dict[NodeId, zmq.asyncio.Socket] = {}
         self._waiting: dict[bytes, asyncio.Future[Outcome | None]] = {}
         self._ids = itertools.count(1)
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def add_peer(self, node: NodeId, address: PeerAddress) -> None:
+        """Connect to ``node``'s forwarder (once: a node id's addresses never change)."""
+        if node in self._dealers:
+            return
+        assert self._tg is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address.forward)
+        self._dealers[node] = dealer
+        self._tg.start_soon(self._read_replies, dealer)
 
     @classmethod
     @asynccontextmanager
@@ -245,12 +315,9 @@ class _Forwarder:
         forwarder = cls(raft_log, ctx)
         try:
             async with anyio.create_task_group() as tg:
+                forwarder._tg = tg
                 for node, address in peers.items():
-                    dealer = ctx.socket(zmq.DEALER)
-                    dealer.setsockopt(zmq.LINGER, 0)
-                    dealer.connect(address.forward)
-                    forwarder._dealers[node] = dealer
-                    tg.start_soon(forwarder._read_replies, dealer)
+                    forwarder.add_peer(node, address)
                 tg.start_soon(forwarder._serve, router, tg)
                 yield forwarder
                 tg.cancel_scope.cancel()
