@@ -30,15 +30,16 @@ import shutil
 import socket
 import subprocess
 import tarfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests._servers._process import ServerUnavailableError, stop_process, wait_ready
 
 SYSTEM_SOCKET = Path("/var/run/docker.sock")
 EMPTY_IMAGE = "nbos-test-empty:latest"
 
 
-class DockerdUnavailableError(RuntimeError):
+class DockerdUnavailableError(ServerUnavailableError):
     """No Docker engine can run here: tests that need one should skip."""
 
 
@@ -77,12 +78,7 @@ class DockerDaemon:
         if self.process is None or self._stopped:
             return
         self._stopped = True
-        self.process.terminate()
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, timeout_s)
         if self.workdir is not None:
             _unmount_under(self.workdir)
 
@@ -102,14 +98,9 @@ def start_dockerd(workdir: Path, ready_timeout_s: float = 30.0) -> DockerDaemon:
     if os.geteuid() != 0:
         raise DockerdUnavailableError("no Docker engine answers and starting dockerd needs root")
     workdir.mkdir(parents=True, exist_ok=True)
-    daemon = _launch(binary, workdir)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline and daemon.process is not None:
-        if daemon.process.poll() is not None:
-            break
-        if daemon.answers():
-            return daemon
-        time.sleep(0.1)
+    daemon, process = _launch(binary, workdir)
+    if wait_ready(process, daemon.answers, ready_timeout_s, 0.1):
+        return daemon
     daemon.stop()
     log = daemon.log.read_text()[-2000:] if daemon.log else ""
     raise DockerdUnavailableError(f"dockerd did not come up here; its log:\n{log}")
@@ -129,7 +120,7 @@ def import_empty_image(daemon: DockerDaemon, tag: str = EMPTY_IMAGE) -> str:
     return tag
 
 
-def _launch(binary: str, workdir: Path) -> DockerDaemon:
+def _launch(binary: str, workdir: Path) -> tuple[DockerDaemon, subprocess.Popen[bytes]]:
     sock = workdir / "docker.sock"
     log = workdir / "dockerd.log"
     args = [
@@ -145,7 +136,7 @@ def _launch(binary: str, workdir: Path) -> DockerDaemon:
         process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
         )
-    return DockerDaemon(sock, process, workdir, log)
+    return DockerDaemon(sock, process, workdir, log), process
 
 
 def _unmount_under(workdir: Path) -> None:

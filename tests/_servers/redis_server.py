@@ -18,15 +18,20 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests._servers._process import (
+    ServerUnavailableError,
+    start_on_free_port,
+    stop_process,
+    wait_ready,
+)
+
 BINARY = "redis-server"
-_START_ATTEMPTS = 3
 
 
-class RedisUnavailableError(RuntimeError):
+class RedisUnavailableError(ServerUnavailableError):
     """No ``redis-server`` binary: tests that need one should skip."""
 
 
@@ -44,14 +49,7 @@ class RedisServer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after ``timeout_s``) and reap it."""
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, timeout_s)
 
 
 def start_redis(workdir: Path, ready_timeout_s: float = 10.0) -> RedisServer:
@@ -64,13 +62,11 @@ def start_redis(workdir: Path, ready_timeout_s: float = 10.0) -> RedisServer:
     if binary is None:
         raise RedisUnavailableError(f"{BINARY} is not installed (apt-get install redis-server)")
     workdir.mkdir(parents=True, exist_ok=True)
-    for _ in range(_START_ATTEMPTS):
-        # The free port may be taken between probing and binding; then try another.
-        server = _launch(binary, workdir, _free_port())
-        if _wait_for_ping(server, ready_timeout_s):
-            return server
-        server.stop()
-    raise RuntimeError(f"{BINARY} did not start; its log:\n{server.log.read_text()[-2000:]}")
+    return start_on_free_port(
+        BINARY,
+        lambda port: _launch(binary, workdir, port),
+        lambda server: wait_ready(server.process, lambda: _pings(server), ready_timeout_s, 0.02),
+    )
 
 
 def _launch(binary: str, workdir: Path, port: int) -> RedisServer:
@@ -81,22 +77,7 @@ def _launch(binary: str, workdir: Path, port: int) -> RedisServer:
     return RedisServer(port=port, process=process, log=log)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_for_ping(server: RedisServer, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and server.process.poll() is None:
-        try:
-            with socket.create_connection(("127.0.0.1", server.port), timeout=1.0) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(64).startswith(b"+PONG"):
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.02)
-    return False
+def _pings(server: RedisServer) -> bool:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=1.0) as sock:
+        sock.sendall(b"PING\r\n")
+        return sock.recv(64).startswith(b"+PONG")

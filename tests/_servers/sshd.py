@@ -24,17 +24,22 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests._servers._process import (
+    ServerUnavailableError,
+    start_on_free_port,
+    stop_process,
+    wait_ready,
+)
 
 BINARY = "/usr/sbin/sshd"
 # sshd refuses to start without its privilege separation directory.
 _PRIVSEP_DIR = Path("/run/sshd")
-_START_ATTEMPTS = 3
 
 
-class SshdUnavailableError(RuntimeError):
+class SshdUnavailableError(ServerUnavailableError):
     """No usable ``sshd`` or ``ssh-keygen`` here: tests that need one should skip."""
 
 
@@ -71,13 +76,7 @@ class SshServer:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate the listener and its sessions (SIGTERM, then SIGKILL) and reap it."""
         sessions = self.session_pids()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout_s)
         for pid in sessions:
             _kill_quietly(pid)
 
@@ -98,13 +97,11 @@ def start_sshd(workdir: Path, ready_timeout_s: float = 10.0) -> SshServer:
     _keygen(keygen, workdir / "client_ed25519")
     shutil.copy(workdir / "client_ed25519.pub", workdir / "authorized_keys")
     _PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
-    for _ in range(_START_ATTEMPTS):
-        # The free port may be taken between probing and binding; then try another.
-        server = _launch(workdir, _free_port())
-        if _wait_for_banner(server, ready_timeout_s):
-            return server
-        server.stop()
-    raise RuntimeError(f"sshd did not start; its log:\n{server.log.read_text()[-2000:]}")
+    return start_on_free_port(
+        "sshd",
+        lambda port: _launch(workdir, port),
+        lambda server: wait_ready(server.process, lambda: _banner(server), ready_timeout_s, 0.05),
+    )
 
 
 def _keygen(keygen: str, path: Path) -> None:
@@ -158,25 +155,9 @@ def _launch(workdir: Path, port: int) -> SshServer:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _wait_for_banner(server: SshServer, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            return False
-        try:
-            with socket.create_connection(("127.0.0.1", server.port), timeout=1.0) as s:
-                if s.recv(64).startswith(b"SSH-"):
-                    return True
-        except OSError:
-            time.sleep(0.05)
-    return False
+def _banner(server: SshServer) -> bool:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=1.0) as s:
+        return s.recv(64).startswith(b"SSH-")
 
 
 def _descendants(root: int) -> list[int]:

@@ -13,14 +13,11 @@ import pytest
 from nbos.backends import LocalProcessBackend
 from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
 from nbos.core.ids import HostId
-from tests._servers.dockerd import (
-    DockerDaemon,
-    DockerdUnavailableError,
-    import_empty_image,
-    start_dockerd,
-)
-from tests._servers.sshd import SshdUnavailableError, SshServer, start_sshd
+from tests._servers._process import serve_or_skip
+from tests._servers.dockerd import DockerDaemon, import_empty_image, start_dockerd
+from tests._servers.sshd import SshServer, start_sshd
 from tests.backends._procs import MARKER_ENV
+from tests.backends._ssh import ssh_target
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTS = (HostId("h1"), HostId("h2"))
@@ -34,27 +31,15 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="session")
 def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
-    try:
-        server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    except SshdUnavailableError as exc:
-        pytest.skip(f"needs a real sshd: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serve_or_skip(lambda: start_sshd(tmp_path_factory.mktemp("sshd")), "a real sshd")
 
 
 @pytest.fixture(scope="session")
 def docker_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerDaemon]:
     # A short path: the daemon's unix socket path must stay under 108 bytes.
-    try:
-        daemon = start_dockerd(tmp_path_factory.mktemp("dockerd"))
-    except DockerdUnavailableError as exc:
-        pytest.skip(f"needs a Docker engine: {exc}")
-    try:
-        yield daemon
-    finally:
-        daemon.stop()
+    yield from serve_or_skip(
+        lambda: start_dockerd(tmp_path_factory.mktemp("dockerd")), "a Docker engine"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -100,16 +85,10 @@ def make_backend(kind: str, request: pytest.FixtureRequest, workdir: Path) -> Co
         return DockerBackend(
             {h: daemon.url for h in HOSTS}, image=image, mounts=docker_mounts(workdir)
         )
-    from nbos.backends.ssh import SshBackend, SshHost
+    from nbos.backends.ssh import SshBackend
 
     server: SshServer = request.getfixturevalue("sshd_server")
-    target = SshHost(
-        address="127.0.0.1",
-        port=server.port,
-        user=server.user,
-        key_file=str(server.client_key),
-        known_hosts=str(server.known_hosts),
-    )
+    target = ssh_target(server)
     return SshBackend({h: target for h in HOSTS}, remote_log_dir=str(workdir / "remote-logs"))
 
 

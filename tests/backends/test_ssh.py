@@ -11,41 +11,24 @@ from pathlib import Path
 import anyio
 import pytest
 
-from nbos.backends.ssh import SshBackend, SshHost
+from nbos.backends.ssh import SshBackend
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import ConfigError, HostUnreachableError
 from nbos.core.ids import HostId
-from tests._servers.sshd import SshdUnavailableError, SshServer, start_sshd
+from tests._servers._process import serve_or_skip
+from tests._servers.sshd import SshServer, start_sshd
 from tests.backends._procs import MARKER_ENV, SLEEP, marked_pids, python
+from tests.backends._ssh import ssh_target
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 H1 = HostId("h1")
 
 
-def target(server: SshServer, **changes: object) -> SshHost:
-    fields: dict[str, object] = {
-        "address": "127.0.0.1",
-        "port": server.port,
-        "user": server.user,
-        "key_file": str(server.client_key),
-        "known_hosts": str(server.known_hosts),
-        **changes,
-    }
-    return SshHost(**fields)  # type: ignore[arg-type]
-
-
 @pytest.fixture
 def own_sshd(tmp_path: Path) -> Iterator[SshServer]:
     """A server of this test's own, which the test may make vanish."""
-    try:
-        server = start_sshd(tmp_path / "sshd")
-    except SshdUnavailableError as exc:
-        pytest.skip(f"needs a real sshd: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serve_or_skip(lambda: start_sshd(tmp_path / "sshd"), "a real sshd")
 
 
 def _kill_group(pgid: int) -> None:
@@ -57,7 +40,7 @@ def _kill_group(pgid: int) -> None:
 async def test_wait_raises_when_the_host_vanishes(own_sshd: SshServer, how: str) -> None:
     # "killed": the TCP connection is reset at once; "frozen": it stays open but silent,
     # so only the keepalives (0.3 s x 2) can tell.
-    backend = SshBackend({H1: target(own_sshd)}, keepalive_interval=0.3, keepalive_count_max=2)
+    backend = SshBackend({H1: ssh_target(own_sshd)}, keepalive_interval=0.3, keepalive_count_max=2)
     marker = os.urandom(8).hex()
     handle = await backend.start(H1, ProcessSpec(python(SLEEP), env={MARKER_ENV: marker}))
     try:
@@ -83,7 +66,7 @@ async def test_wait_raises_when_the_host_vanishes(own_sshd: SshServer, how: str)
 
 
 async def test_start_on_a_vanished_host_is_unreachable(own_sshd: SshServer) -> None:
-    backend = SshBackend({H1: target(own_sshd)}, connect_timeout=3)
+    backend = SshBackend({H1: ssh_target(own_sshd)}, connect_timeout=3)
     try:
         handle = await backend.start(H1, ProcessSpec(python("pass")))
         assert await handle.wait() == 0
@@ -96,7 +79,7 @@ async def test_start_on_a_vanished_host_is_unreachable(own_sshd: SshServer) -> N
 
 async def test_closed_port_is_unreachable(own_sshd: SshServer) -> None:
     own_sshd.stop()
-    backend = SshBackend({H1: target(own_sshd)}, connect_timeout=3)
+    backend = SshBackend({H1: ssh_target(own_sshd)}, connect_timeout=3)
     with anyio.fail_after(5), pytest.raises(HostUnreachableError):
         await backend.start(H1, ProcessSpec(python("pass")))
     await backend.aclose()
@@ -108,14 +91,14 @@ async def test_unknown_host_key_is_refused(sshd_server: SshServer, tmp_path: Pat
         f"[127.0.0.1]:{sshd_server.port} ssh-ed25519 "
         "AAAAC3NzaC1lZDI1NTE5AAAAIGyo2MK+FjTLUuoYvUi4s8DXlrpQfRvhpcaPaOJ9nRLZ\n"
     )
-    backend = SshBackend({H1: target(sshd_server, known_hosts=str(other))}, connect_timeout=3)
+    backend = SshBackend({H1: ssh_target(sshd_server, known_hosts=other)}, connect_timeout=3)
     with pytest.raises(HostUnreachableError, match="h1"):
         await backend.start(H1, ProcessSpec(python("pass")))
     await backend.aclose()
 
 
 async def test_output_goes_to_the_remote_log(sshd_server: SshServer, tmp_path: Path) -> None:
-    backend = SshBackend({H1: target(sshd_server)}, remote_log_dir=str(tmp_path / "logs"))
+    backend = SshBackend({H1: ssh_target(sshd_server)}, remote_log_dir=str(tmp_path / "logs"))
     try:
         code = "import sys; print('to out', flush=True); print('to err', file=sys.stderr)"
         handle = await backend.start(H1, ProcessSpec(python(code), label="talker"))

@@ -10,7 +10,8 @@ import redis.asyncio
 
 from nbos.core.ids import BlobKey
 from nbos.store import LocalObjectStore, RedisObjectStore
-from tests._servers.redis_server import RedisServer, RedisUnavailableError, start_redis
+from tests._servers._process import serve_or_skip
+from tests._servers.redis_server import RedisServer, start_redis
 from tests.store._harness import REDIS_CHUNK_BYTES, Harness
 
 
@@ -22,14 +23,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    try:
-        server = start_redis(tmp_path_factory.mktemp("redis"))
-    except RedisUnavailableError as exc:
-        pytest.skip(f"needs a real Redis: {exc}")
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serve_or_skip(lambda: start_redis(tmp_path_factory.mktemp("redis")), "a real Redis")
 
 
 @pytest.fixture
