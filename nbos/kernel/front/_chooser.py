@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -11,19 +12,32 @@ from nbos.core.errors import QuorumLostError
 
 @attrs.frozen
 class ChoiceRequest:
-    """What the front knows when a cell arrives: its index, the last executor, the live replicas."""
+    """What the front knows when a cell arrives: its index, the last executor, the live replicas.
+
+    ``code`` and ``metadata`` are the ``execute_request``'s (a chooser reads the cell's
+    GPU request from them); ``notify(text)`` shows ``text`` to the client on the cell's
+    stderr, e.g. why the cell waits.
+    """
 
     exec_index: int
     last_executor: int | None
     alive: tuple[int, ...]
+    code: str = ""
+    metadata: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    notify: Callable[[str], Awaitable[None]] | None = attrs.field(default=None, hash=False)
 
 
 @attrs.frozen
 class CellPlan:
-    """Run the cell on ``replica`` with GPUs ``devices`` (host-local indices, pre-committed)."""
+    """Run the cell on ``replica`` with GPUs ``devices`` (host-local indices, pre-committed).
+
+    ``code``, when not ``None``, is forwarded in place of the request's code (a chooser
+    that strips a ``%%gpus N`` line, so every replica runs the same code).
+    """
 
     replica: int
     devices: tuple[int, ...] = ()
+    code: str | None = None
 
 
 @runtime_checkable

@@ -128,6 +128,12 @@ class ReplicaKernel(IPythonKernel):
     def attach(self, raft: RaftNode, store: ObjectStore) -> None:
         self._raft, self._sync = raft, NamespaceSync(store)
 
+    def use_virtual_gpus(self) -> None:
+        """The host's GPUs are virtual (no CUDA device behind them): a bound cell's
+        tensors stay in host memory, and binding, release and eviction go on as for
+        real devices."""
+        self._binder = TorchGpuBinder(lambda: self._shell.user_ns, target=_host_memory)
+
     @property
     def _shell(self) -> Any:
         assert self.shell is not None
@@ -524,6 +530,12 @@ class ReplicaKernel(IPythonKernel):
             await asyncio.to_thread(self._raft.stop)
         result: dict[str, Any] = super().do_shutdown(restart)  # type: ignore[no-untyped-call]
         return result
+
+
+def _host_memory(index: int) -> Any:
+    import torch
+
+    return torch.device("cpu")
 
 
 def _consume_failure(task: asyncio.Task[int]) -> None:

@@ -1,0 +1,112 @@
+"""The GPU-aware executor chooser: the kernel front's :class:`ExecutorChooser` on the scheduler.
+
+For each cell it works out how many GPUs the cell asks for
+(:func:`nbos.gateway.requests.cell_gpus`: a ``%%gpus N`` first line, else the
+``execute_request`` metadata, else the kernel's default), has the
+:class:`~nbos.gateway.GpuScheduler` choose the executor and pre-commit the GPUs
+on its host (waiting, with the reason shown to the client, while no replica's
+host can), commits them, and gives them back when the front releases the plan.
+
+The commit is made before the plan goes back to the front, which forwards the
+request at once; its executor runs it as soon as its claim commits (made early,
+after the previous cell). Committing here rather than when the cell's first
+output arrives means a refused commit stops the cell before it runs, and a
+silent cell (which publishes nothing) is covered alike; the pre-commit still
+guards the time a cell waits for its executor's host, and its TTL frees GPUs
+whose front died before the commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import anyio
+
+from nbos.core.errors import QuorumLostError
+from nbos.core.ids import HostId, KernelId
+from nbos.gateway import GpuScheduler, Grant
+from nbos.gateway.requests import cell_gpus
+from nbos.kernel.front import CellPlan, ChoiceRequest
+
+log = logging.getLogger(__name__)
+
+
+class GpuChooser:
+    """Chooses each cell's executor of kernel ``kernel_id`` by GPUs (an ``ExecutorChooser``).
+
+    ``hosts`` maps every replica's node id to its host; ``default_gpus`` is the
+    kernel's GPUs per cell. ``release`` frees a plan's GPUs on every path and leaves
+    the executor's tensors resident on them (lazy eviction); a replica that died
+    loses its residency through :meth:`GpuScheduler.replica_gone`.
+    """
+
+    def __init__(
+        self,
+        scheduler: GpuScheduler,
+        kernel_id: KernelId,
+        hosts: Mapping[int, HostId],
+        default_gpus: int,
+    ) -> None:
+        self._scheduler = scheduler
+        self._kernel_id = kernel_id
+        self._hosts = dict(hosts)
+        self._default = default_gpus
+        # Plan identity -> its grant: plans of equal value may be in flight at once.
+        self._grants: dict[int, tuple[CellPlan, Grant]] = {}
+
+    @property
+    def default_gpus(self) -> int:
+        return self._default
+
+    async def choose(self, request: ChoiceRequest) -> CellPlan:
+        """The executor and committed devices of the cell; may wait for GPUs.
+
+        Raises :class:`~nbos.core.errors.GpuError` for a bad GPU request,
+        :class:`~nbos.core.errors.InsufficientGpusError` at once when no host has
+        that many GPUs, and :class:`QuorumLostError` without live replicas.
+        """
+        wanted = cell_gpus(request.code, request.metadata, self._default)
+        replicas = {n: self._hosts[n] for n in request.alive if n in self._hosts}
+        if not replicas:
+            raise QuorumLostError(f"kernel {self._kernel_id} has no live replica")
+        notify = request.notify
+
+        async def on_wait(reason: str) -> None:
+            if notify is not None:
+                await notify(f"nbos: the cell waits: {reason}\n")
+
+        grant = await self._scheduler.acquire(
+            self._kernel_id,
+            request.exec_index,
+            replicas,
+            last_executor=request.last_executor,
+            gpus=wanted.gpus,
+            on_wait=on_wait,
+        )
+        try:
+            grant = await self._scheduler.committed(grant)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._scheduler.release(grant)
+            raise
+        code = wanted.code if wanted.source == "magic" else None
+        plan = CellPlan(grant.replica, grant.devices, code=code)
+        self._grants[id(plan)] = (plan, grant)
+        log.debug(
+            "kernel %s cell %d: replica %d on %s, GPUs %s",
+            self._kernel_id,
+            request.exec_index,
+            grant.replica,
+            grant.host,
+            grant.devices,
+        )
+        return plan
+
+    async def release(self, plan: CellPlan) -> None:
+        """Give back the plan's GPUs (idempotent); the executor's tensors stay resident."""
+        entry = self._grants.pop(id(plan), None)
+        if entry is None:
+            return
+        with anyio.CancelScope(shield=True):
+            await self._scheduler.release(entry[1], resident=True)
