@@ -39,15 +39,27 @@ def normalize_exit_status(status: int) -> int:
     return status
 
 
-def check_host(host: HostId, known: Collection[HostId], backend: str) -> None:
-    """Raise :class:`HostUnreachableError` for a host this backend does not know."""
+def check_start(
+    backend: str, closed: bool, host: HostId, known: Collection[HostId], spec: ProcessSpec
+) -> None:
+    """What every backend checks before starting ``spec`` on ``host``.
+
+    Raises :class:`BackendError` once the backend is closed or for a spec no
+    backend can start, and :class:`HostUnreachableError` for a host it does not know.
+    """
+    if closed:
+        raise BackendError(f"the {backend} backend is closed")
+    _check_host(host, known, backend)
+    _check_spec(spec, backend)
+
+
+def _check_host(host: HostId, known: Collection[HostId], backend: str) -> None:
     if host not in known:
         logger.warning("%s backend: start on unknown host %r (known: %s)", backend, host, known)
         raise HostUnreachableError(host, f"not a host of the {backend} backend")
 
 
-def check_spec(spec: ProcessSpec, backend: str) -> None:
-    """Raise :class:`BackendError` for a spec no backend can start."""
+def _check_spec(spec: ProcessSpec, backend: str) -> None:
     if not spec.argv or not all(isinstance(a, str) and a for a in spec.argv):
         logger.warning("%s backend: refused argv %r", backend, spec.argv)
         raise BackendError(f"argv must be a non-empty list of non-empty strings, got {spec.argv!r}")

@@ -34,8 +34,7 @@ import anyio
 from aiodocker.containers import DockerContainer
 
 from nbos.backends._common import (
-    check_host,
-    check_spec,
+    check_start,
     normalize_exit_status,
     process_env,
     terminate_with_grace,
@@ -170,10 +169,7 @@ class DockerBackend:
         return tuple(self._urls)
 
     async def start(self, host: HostId, spec: ProcessSpec) -> DockerProcessHandle:
-        if self._closed:
-            raise BackendError("the docker backend is closed")
-        check_host(host, self._urls, self.name)
-        check_spec(spec, self.name)
+        check_start(self.name, self._closed, host, self._urls, spec)
         client = self._client(host)
         name = f"nbos-{self.instance}-{next(self._seq)}"
         try:

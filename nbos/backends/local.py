@@ -24,8 +24,7 @@ import anyio
 import anyio.abc
 
 from nbos.backends._common import (
-    check_host,
-    check_spec,
+    check_start,
     log_name,
     process_env,
     safe_file_part,
@@ -114,10 +113,7 @@ class LocalProcessBackend:
         return self._hosts
 
     async def start(self, host: HostId, spec: ProcessSpec) -> LocalProcessHandle:
-        if self._closed:
-            raise BackendError("the local backend is closed")
-        check_host(host, self._hosts, self.name)
-        check_spec(spec, self.name)
+        check_start(self.name, self._closed, host, self._hosts, spec)
         log_path, log = await self._open_log(host, spec)
         try:
             process = await self._spawn(host, spec, log)

@@ -36,8 +36,7 @@ import asyncssh
 import attrs
 
 from nbos.backends._common import (
-    check_host,
-    check_spec,
+    check_start,
     log_name,
     process_env,
     safe_file_part,
@@ -178,10 +177,7 @@ class SshBackend:
         return tuple(self._targets)
 
     async def start(self, host: HostId, spec: ProcessSpec) -> SshProcessHandle:
-        if self._closed:
-            raise BackendError("the ssh backend is closed")
-        check_host(host, self._targets, self.name)
-        check_spec(spec, self.name)
+        check_start(self.name, self._closed, host, self._targets, spec)
         log_path = (
             f"{self._remote_log_dir}/{safe_file_part(host)}/{log_name(next(self._seq), spec)}"
         )
