@@ -35,22 +35,23 @@ log = logging.getLogger(__name__)
 class GpuChooser:
     """Chooses each cell's executor of kernel ``kernel_id`` by GPUs (an ``ExecutorChooser``).
 
-    ``hosts`` maps every replica's node id to its host; ``default_gpus`` is the
-    kernel's GPUs per cell. ``release`` frees a plan's GPUs on every path and leaves
-    the executor's tensors resident on them (lazy eviction); a replica that died
-    loses its residency through :meth:`GpuScheduler.replica_gone`.
+    ``hosts`` maps every replica's node id to its host; it is shared, not copied
+    (:meth:`replica_replaced` updates it, and whoever else holds it sees the change).
+    ``default_gpus`` is the kernel's GPUs per cell. ``release`` frees a plan's GPUs on
+    every path and leaves the executor's tensors resident on them (lazy eviction); a
+    replica that died loses its residency through :meth:`GpuScheduler.replica_gone`.
     """
 
     def __init__(
         self,
         scheduler: GpuScheduler,
         kernel_id: KernelId,
-        hosts: Mapping[int, HostId],
+        hosts: dict[int, HostId],
         default_gpus: int,
     ) -> None:
         self._scheduler = scheduler
         self._kernel_id = kernel_id
-        self._hosts = dict(hosts)
+        self._hosts = hosts
         self._default = default_gpus
         # Plan identity -> its grant: plans of equal value may be in flight at once.
         self._grants: dict[int, tuple[CellPlan, Grant]] = {}
@@ -58,6 +59,16 @@ class GpuChooser:
     @property
     def default_gpus(self) -> int:
         return self._default
+
+    @property
+    def hosts(self) -> Mapping[int, HostId]:
+        """Each replica's host, by node id."""
+        return self._hosts
+
+    def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
+        """Replica ``dead`` is gone for good; ``node`` on ``host`` took its place."""
+        self._hosts.pop(dead, None)
+        self._hosts[node] = host
 
     async def choose(self, request: ChoiceRequest) -> CellPlan:
         """The executor and committed devices of the cell; may wait for GPUs.

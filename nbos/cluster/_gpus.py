@@ -61,7 +61,11 @@ class Eviction:
 @attrs.define
 class _KernelRoute:
     front: KernelFront
-    nodes: dict[HostId, int]
+    #: Node id -> host; shared with the kernel's chooser, which follows replacements.
+    hosts: Mapping[int, HostId]
+
+    def node_on(self, host: HostId) -> int | None:
+        return next((n for n, h in self.hosts.items() if h == host), None)
 
 
 class ClusterGpus:
@@ -140,8 +144,12 @@ class ClusterGpus:
     def add_kernel(
         self, kernel_id: KernelId, front: KernelFront, hosts: Mapping[int, HostId]
     ) -> None:
-        """Route evictions of ``kernel_id`` to its replica on each host (node -> host)."""
-        self._routes[kernel_id] = _KernelRoute(front, {h: n for n, h in hosts.items()})
+        """Route evictions of ``kernel_id`` to its replica on each host.
+
+        ``hosts`` (node -> host) is read at each eviction, so a mapping that follows
+        replica replacements keeps the routes right.
+        """
+        self._routes[kernel_id] = _KernelRoute(front, hosts)
 
     async def replica_gone(self, kernel_id: KernelId, host: HostId) -> None:
         """The kernel's replica on ``host`` died: what it held there is free again."""
@@ -163,7 +171,7 @@ class ClusterGpus:
     def _evict_hook(self, host: HostId) -> EvictHook:
         async def evict(kernel_id: KernelId, devices: tuple[int, ...]) -> None:
             route = self._routes.get(kernel_id)
-            node = route.nodes.get(host) if route is not None else None
+            node = route.node_on(host) if route is not None else None
             if route is None or node is None or node not in route.front.alive:
                 # No live replica there: its tensors died with it.
                 log.info("host %s: kernel %s has no live replica to evict", host, kernel_id)
