@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nbos.core.errors import MembershipChangeError
-from nbos.core.wire.raft import ConfChange, RaftVote, RaftVoteResponse
+from nbos.core.wire.raft import ConfChange, RaftVote
 from nbos.raft.core import Role
 from tests.raft.conftest import MakeCluster
 
@@ -81,10 +81,7 @@ def test_a_new_leader_changes_membership_only_after_its_first_commit(
     make_cluster: MakeCluster,
 ) -> None:
     cluster = make_cluster(3, seed=4)
-    votes = (RaftVote, RaftVoteResponse)
-    while cluster.node(1).role is not Role.LEADER:
-        cluster.tick([1])
-        cluster.deliver_where(lambda m: isinstance(m, votes))
+    cluster.elect_on_votes(1)
     with pytest.raises(MembershipChangeError, match="pending"):
         cluster.node(1).propose_conf_change(ConfChange("remove", 3))
     cluster.deliver_all()

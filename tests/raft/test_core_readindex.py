@@ -63,9 +63,7 @@ def test_a_new_leader_answers_reads_only_after_committing_in_its_term(
 ) -> None:
     cluster = make_cluster(3, seed=5)
     votes = (RaftVote, RaftVoteResponse)
-    while cluster.node(2).role is not Role.LEADER:
-        cluster.tick([2])
-        cluster.deliver_where(lambda m: isinstance(m, votes))
+    cluster.elect_on_votes(2)
     node = cluster.node(2)
     assert node.log.term(node.commit_index) != node.term
     node.read_index(b"early")

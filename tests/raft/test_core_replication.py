@@ -11,8 +11,6 @@ from nbos.core.wire.raft import (
     HardState,
     RaftAppend,
     RaftAppendResponse,
-    RaftVote,
-    RaftVoteResponse,
 )
 from nbos.raft.core import RaftConfig, Role, StorageView, bootstrap
 from nbos.raft.core.sim import SimCluster
@@ -153,11 +151,8 @@ def test_figure8_entries_of_older_terms_are_not_committed_by_counting() -> None:
         election_ticks=10, max_batch_bytes=1, max_inflight=1, pre_vote=False, check_quorum=False
     )
     cluster = SimCluster(_figure8_views(), config, seed=8)
-    votes = (RaftVote, RaftVoteResponse)
     cluster.partition({1, 2, 3}, {4}, {5})
-    while cluster.node(1).role is not Role.LEADER:
-        cluster.tick([1])
-        cluster.deliver_where(lambda m: isinstance(m, votes))
+    cluster.elect_on_votes(1)
     assert cluster.node(1).term == 4
     noop = cluster.node(1).log.last_index()
     assert noop == 7

@@ -25,6 +25,8 @@ from nbos.core.wire.raft import (
     Entry,
     HardState,
     RaftPeerMessages,
+    RaftVote,
+    RaftVoteResponse,
     SnapshotMeta,
 )
 from nbos.raft.core.confchange import bootstrap
@@ -209,6 +211,19 @@ class SimCluster:
                 return
             self.tick([nid])
             self.deliver_all()
+        raise AssertionError(f"node {nid} did not become leader")
+
+    def elect_on_votes(self, nid: int, max_ticks: int = 200) -> None:
+        """Make ``nid`` leader delivering vote messages only (the rest stay queued).
+
+        So the new leader has not committed its no-op yet: what it may do only
+        after its first commit can be tested right after this returns.
+        """
+        for _ in range(max_ticks):
+            if self.node(nid).role is Role.LEADER:
+                return
+            self.tick([nid])
+            self.deliver_where(lambda m: isinstance(m, RaftVote | RaftVoteResponse))
         raise AssertionError(f"node {nid} did not become leader")
 
     def leader(self) -> int | None:
