@@ -15,16 +15,15 @@ Sizes: ``NBOS_PROPERTY_EXAMPLES`` (default 60) and ``NBOS_PROPERTY_STEPS`` (defa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nbos.core.ids import HostId
 from nbos.core.placement import ClusterView, HostView
 from nbos.scaling import Autoscaler, AutoscalerConfig, ScaleIn, ScaleOut
+from tests.property._support import sized
 
 GPUS = 4
 REPLICAS_PER_KERNEL = 3
@@ -180,10 +179,5 @@ class AutoscaledCluster(RuleBasedStateMachine):
         return ClusterView(hosts, REPLICAS_PER_KERNEL, 10.0)
 
 
-AutoscaledCluster.TestCase.settings = settings(
-    max_examples=int(os.environ.get("NBOS_PROPERTY_EXAMPLES", "60")),
-    stateful_step_count=int(os.environ.get("NBOS_PROPERTY_STEPS", "40")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+AutoscaledCluster.TestCase.settings = sized()
 TestAutoscaledCluster = AutoscaledCluster.TestCase

@@ -15,11 +15,9 @@ Sizes: ``NBOS_PROPERTY_EXAMPLES`` (default 60) and ``NBOS_PROPERTY_STEPS`` (defa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
@@ -28,6 +26,7 @@ from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView
 from nbos.gpu import GpuPool
 from nbos.scaling import Execute, Wait, choose_executor
+from tests.property._support import ManualClock, sized
 
 HOSTS = ("h0", "h1", "h2")
 KERNELS = tuple(KernelId(f"k{i}") for i in range(4))
@@ -49,20 +48,12 @@ class Expected:
     devices: tuple[int, ...] = ()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class GpuAccounting(RuleBasedStateMachine):
     reservations = Bundle("reservations")
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.pools = {h: GpuPool(DEVICES[h], self.clock, TTL) for h in HOSTS}
         self.model: dict[str, Expected] = {}
         self.next_id = 0
@@ -264,10 +255,5 @@ class GpuAccounting(RuleBasedStateMachine):
             assert pool.resident() == {}
 
 
-GpuAccounting.TestCase.settings = settings(
-    max_examples=int(os.environ.get("NBOS_PROPERTY_EXAMPLES", "60")),
-    stateful_step_count=int(os.environ.get("NBOS_PROPERTY_STEPS", "40")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+GpuAccounting.TestCase.settings = sized()
 TestGpuAccounting = GpuAccounting.TestCase

@@ -19,14 +19,12 @@ Sizes: ``NBOS_PROPERTY_EXAMPLES`` (default 15) and ``NBOS_PROPERTY_STEPS`` (defa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -34,6 +32,7 @@ from nbos.core.errors import GpuError, InsufficientGpusError
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant
 from tests.gateway._cluster import Cluster, cluster
+from tests.property._support import ManualClock, sized
 
 HOSTS = {"h0": (0, 1, 2), "h1": (0, 1), "h2": (0, 1, 2, 3)}
 REPLICAS = {0: HostId("h0"), 1: HostId("h1"), 2: HostId("h2")}
@@ -43,14 +42,6 @@ TTL = 10.0
 PATIENCE = 0.1
 
 kernels = st.sampled_from(KERNELS)
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class SchedulerAccounting(RuleBasedStateMachine):
@@ -243,10 +234,5 @@ class SchedulerAccounting(RuleBasedStateMachine):
 
 
 TestSchedulerAccounting = SchedulerAccounting.TestCase
-TestSchedulerAccounting.settings = settings(
-    max_examples=int(os.environ.get("NBOS_PROPERTY_EXAMPLES", "15")),
-    stateful_step_count=int(os.environ.get("NBOS_PROPERTY_STEPS", "25")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestSchedulerAccounting.settings = sized(examples=15, steps=25)
 pytestmark = pytest.mark.timeout(600)

@@ -12,15 +12,14 @@ Size: ``NBOS_PROPERTY_EXAMPLES`` (default 60).
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from nbos.scaling import AutoscalerConfig, Cell, Session, SimConfig, Trace, load_policy, simulate
 from nbos.scaling.simulator import _Simulation
 from nbos.scaling.trace import validated
+from tests.property._support import sized
 
 GPUS_PER_HOST = 4
 
@@ -77,11 +76,7 @@ def configs(draw: st.DrawFn) -> SimConfig:
     )
 
 
-@settings(
-    max_examples=int(os.environ.get("NBOS_PROPERTY_EXAMPLES", "60")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@sized()
 @given(trace=traces, config=configs())
 def test_simulator_invariants(trace: Trace, config: SimConfig) -> None:
     result = simulate(trace, config)
@@ -103,11 +98,7 @@ def test_simulator_invariants(trace: Trace, config: SimConfig) -> None:
     assert all(count >= 0 for _, count in result.hosts_timeline)
 
 
-@settings(
-    max_examples=int(os.environ.get("NBOS_PROPERTY_EXAMPLES", "60")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@sized()
 @given(trace=traces, config=configs())
 def test_every_path_releases_what_it_committed(trace: Trace, config: SimConfig) -> None:
     sim = _Simulation(validated(trace), config, load_policy(config.policy, **config.policy_kwargs))
