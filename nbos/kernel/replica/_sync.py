@@ -50,7 +50,8 @@ class NamespaceSync:
 
     async def restore(self, user_ns: MutableMapping[str, Any], image: bytes) -> None:
         """Replace the user state of ``user_ns`` by a snapshot image (empty: none)."""
-        loaded = await state.load_namespace(image, self._store) if image else {}
+        # Cell-defined functions must see ``user_ns`` as their globals, builtins included.
+        loaded = await state.load_namespace(image, self._store, globals_of=user_ns) if image else {}
         for name in [n for n in user_ns if state.is_user_name(n)]:
             del user_ns[name]
         user_ns.update(loaded)

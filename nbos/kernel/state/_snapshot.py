@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import msgspec
 
@@ -49,8 +49,13 @@ async def dump_namespace(
     return _encoder.encode(_Image(encoded, imports))
 
 
-async def load_namespace(image: bytes, store: ObjectStore) -> dict[str, object]:
+async def load_namespace(
+    image: bytes, store: ObjectStore, *, globals_of: MutableMapping[str, object] | None = None
+) -> dict[str, object]:
     """A fresh namespace holding what :func:`dump_namespace` saved.
+
+    Functions defined in cells get ``globals_of`` as their globals (the namespace the
+    values are meant for, which this does not change), or else the fresh namespace.
 
     Raises :class:`~nbos.core.errors.KernelError` for an image that does not decode.
     """
@@ -60,6 +65,7 @@ async def load_namespace(image: bytes, store: ObjectStore) -> dict[str, object]:
         log.error("namespace image does not decode: %s", exc)  # noqa: TRY400
         raise KernelError(f"namespace image does not decode: {exc}") from exc
     namespace: dict[str, object] = {}
-    namespace.update(await _codec.decode(decoded.values, namespace, store))
+    target = namespace if globals_of is None else globals_of
+    namespace.update(await _codec.decode(decoded.values, target, store))
     namespace.update({alias: import_module(module, -1) for alias, module in decoded.imports})
     return namespace
