@@ -152,6 +152,8 @@ class KernelFront:
         self._refused = 0
         self._closing = False
         self._tg: anyio.abc.TaskGroup | None = None
+        #: The shell request whose ``busy`` is still due (see :meth:`_flush_busy`).
+        self._busy_for: _wire.Msg | None = None
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
 
@@ -343,8 +345,25 @@ class KernelFront:
         await sock.send_multipart(frames, copy=False)
 
     async def _publish(self, msg: _wire.Msg) -> None:
+        await self._flush_busy()
+        await self._send_iopub(msg)
+
+    async def _send_iopub(self, msg: _wire.Msg) -> None:
         topic = f"kernel.{self._kernel_id}.{msg['header']['msg_type']}".encode()
         await self._to_client(self._iopub, msg, [topic])
+
+    async def _flush_busy(self) -> None:
+        """Publish the shell request's ``busy`` if it is still due.
+
+        It is published once the request went to its replica, so that the request
+        does not wait for it, and in any case before anything else the front
+        publishes or replies (:meth:`_publish`, :meth:`_reply`): clients still see
+        exactly one ``busy``, before any output.
+        """
+        parent, self._busy_for = self._busy_for, None
+        if parent is not None:
+            busy = self._signer.new_message("status", {"execution_state": "busy"}, parent)
+            await self._send_iopub(busy)
 
     async def _publish_status(self, state: str, parent: _wire.Msg) -> None:
         msg = self._signer.new_message("status", {"execution_state": state}, parent)
@@ -353,6 +372,7 @@ class KernelFront:
     async def _reply(
         self, idents: list[bytes], parent: _wire.Msg, msg_type: str, content: dict[str, Any]
     ) -> None:
+        await self._flush_busy()
         await self._to_client(
             self._shell, self._signer.new_message(msg_type, content, parent), idents
         )
@@ -378,7 +398,7 @@ class KernelFront:
     async def _handle_shell(self, idents: list[bytes], msg: _wire.Msg, *, abort: bool) -> bool:
         """Handle one shell request; ``True`` if it was a cell whose failure stops the queue."""
         msg_type = msg["header"]["msg_type"]
-        await self._publish_status("busy", msg)
+        self._busy_for = msg
         try:
             if msg_type != "execute_request":
                 await self._relay(idents, msg, "shell", self._shell)
@@ -542,6 +562,8 @@ class KernelFront:
             self._active = pending
         try:
             await up.send(channel, msg)
+            if channel == "shell":
+                await self._flush_busy()
             await pending.replied.wait()
             if pending.reply is not None and on_reply is not None:
                 # The client may have it before the replica's last output: as with any
