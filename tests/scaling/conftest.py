@@ -20,5 +20,5 @@ def request(gpus: int = 1, exclude: tuple[str, ...] = (), replicas: int = 3) -> 
     return PlacementRequest(KernelId("k-1"), gpus, replicas, frozenset(HostId(h) for h in exclude))
 
 
-def cluster(*hosts: HostView, ratio: float = 1.0) -> ClusterView:
-    return ClusterView(hosts, 3, ratio)
+def cluster(*hosts: HostView, ratio: float = 1.0, replicas_per_kernel: int = 3) -> ClusterView:
+    return ClusterView(hosts, replicas_per_kernel, ratio)

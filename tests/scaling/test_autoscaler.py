@@ -18,6 +18,8 @@ from nbos.scaling import (
     smoothed_demand_ratio,
 )
 
+from .conftest import cluster
+
 
 def hv(
     name: str,
@@ -30,12 +32,8 @@ def hv(
     return HostView(HostId(name), total, committed, subscribed, replicas, schedulable)
 
 
-def view(*hosts: HostView, replicas_per_kernel: int = 3, ratio: float = 1.0) -> ClusterView:
-    return ClusterView(hosts, replicas_per_kernel, ratio)
-
-
 def idle_cluster(n: int) -> ClusterView:
-    return view(*(hv(f"h{i}") for i in range(n)))
+    return cluster(*(hv(f"h{i}") for i in range(n)))
 
 
 FAST = AutoscalerConfig(idle_grace=0, scale_in_cooldown=0, scale_out_cooldown=0)
@@ -61,12 +59,12 @@ def test_inconsistent_config_is_refused(field: str, value: float) -> None:
 def test_scale_out_at_the_load_threshold_sized_to_the_target_load() -> None:
     cfg = AutoscalerConfig(max_step=5)
     # 21 of 24 committed: load 0.875, below 0.9.
-    assert isinstance(Autoscaler(cfg).decide(view(hv("a", 8), hv("b", 8), hv("c", 5)), 0), Hold)
+    assert isinstance(Autoscaler(cfg).decide(cluster(hv("a", 8), hv("b", 8), hv("c", 5)), 0), Hold)
     # 22 of 24: load 0.92. Target 0.7 needs ceil(22 / 0.7) = 32 GPUs: one more 8-GPU host.
-    decision = Autoscaler(cfg).decide(view(hv("a", 8), hv("b", 8), hv("c", 6)), 0)
+    decision = Autoscaler(cfg).decide(cluster(hv("a", 8), hv("b", 8), hv("c", 6)), 0)
     assert decision == ScaleOut(1, "load 0.92 >= 0.9")
     # 24 of 24: ceil(24 / 0.7) = 35 GPUs, 11 more: two hosts.
-    full = view(hv("a", 8), hv("b", 8), hv("c", 8))
+    full = cluster(hv("a", 8), hv("b", 8), hv("c", 8))
     assert Autoscaler(cfg).decide(full, 0) == ScaleOut(2, "load 1.00 >= 0.9")
     # ... but never more than max_step per decision.
     assert Autoscaler(AutoscalerConfig(max_step=1)).decide(full, 0) == ScaleOut(
@@ -76,8 +74,8 @@ def test_scale_out_at_the_load_threshold_sized_to_the_target_load() -> None:
 
 def test_draining_hosts_count_as_no_capacity() -> None:
     # 16 committed on 3 hosts would be 0.67, but the third is draining: 16 / 16.
-    v = view(hv("a", 8), hv("b", 8), hv("c", schedulable=False))
-    v2 = view(hv("a", 8), hv("b", 8), hv("c"))
+    v = cluster(hv("a", 8), hv("b", 8), hv("c", schedulable=False))
+    v2 = cluster(hv("a", 8), hv("b", 8), hv("c"))
     assert isinstance(Autoscaler().decide(v, 0), ScaleOut)
     assert isinstance(Autoscaler().decide(v2, 0), Hold)
 
@@ -94,7 +92,7 @@ def test_placement_failure_waits_for_hosts_already_provisioning() -> None:
     held = scaler.decide(idle_cluster(3), 600, placement_failed=True, provisioning=1)
     assert held == Hold("placement failed, 1 hosts already provisioning")
     # ... but load at the threshold, counting the coming host (80 / 88), still adds capacity.
-    full = view(*(hv(f"h{i}", 8) for i in range(10)))
+    full = cluster(*(hv(f"h{i}", 8) for i in range(10)))
     assert scaler.decide(full, 600, placement_failed=True, provisioning=1) == ScaleOut(
         2, "placement failed"
     )
@@ -104,7 +102,7 @@ def test_below_the_floor_it_adds_hosts_up_to_min_hosts() -> None:
     assert Autoscaler().decide(idle_cluster(1), 0) == ScaleOut(2, "2 hosts below the minimum")
     # The floor is at least the replication factor even with a smaller min_hosts.
     cfg = AutoscalerConfig(min_hosts=1, max_step=5)
-    assert Autoscaler(cfg).decide(view(hv("a"), replicas_per_kernel=3), 0) == ScaleOut(
+    assert Autoscaler(cfg).decide(cluster(hv("a"), replicas_per_kernel=3), 0) == ScaleOut(
         2, "2 hosts below the minimum"
     )
     # Hosts already being provisioned count.
@@ -113,9 +111,9 @@ def test_below_the_floor_it_adds_hosts_up_to_min_hosts() -> None:
 
 def test_max_hosts_caps_scale_out_including_provisioning() -> None:
     cfg = AutoscalerConfig(min_hosts=3, max_hosts=4, max_step=5)
-    full = view(hv("a", 8), hv("b", 8), hv("c", 8))
+    full = cluster(hv("a", 8), hv("b", 8), hv("c", 8))
     assert Autoscaler(cfg).decide(full, 0) == ScaleOut(1, "load 1.00 >= 0.9")
-    at_max = view(*full.hosts, hv("d", 8))
+    at_max = cluster(*full.hosts, hv("d", 8))
     held = Autoscaler(cfg).decide(at_max, 0, placement_failed=True)
     assert held == Hold("placement failed, but at max_hosts=4")
     # A host on its way counts: 24 of 25 GPUs (new hosts of 1 GPU) is still overloaded.
@@ -126,7 +124,7 @@ def test_max_hosts_caps_scale_out_including_provisioning() -> None:
 
 def test_cooldown_separates_actions() -> None:
     scaler = Autoscaler(AutoscalerConfig(scale_out_cooldown=120))
-    full = view(hv("a", 8), hv("b", 8), hv("c", 8))
+    full = cluster(hv("a", 8), hv("b", 8), hv("c", 8))
     assert isinstance(scaler.decide(full, 0), ScaleOut)
     cooling = scaler.decide(full, 119)
     assert isinstance(cooling, Hold)
@@ -138,27 +136,29 @@ def test_cooldown_separates_actions() -> None:
 def test_scale_in_waits_for_idle_grace_and_cooldown_then_drains_fewest_replicas() -> None:
     cfg = AutoscalerConfig(idle_grace=600, scale_in_cooldown=300, max_step=2)
     scaler = Autoscaler(cfg)
-    hosts = view(hv("a", replicas=3), hv("b", replicas=1), hv("c"), hv("d", replicas=2), hv("e"))
+    hosts = cluster(hv("a", replicas=3), hv("b", replicas=1), hv("c"), hv("d", replicas=2), hv("e"))
     assert isinstance(scaler.decide(hosts, 0), Hold)  # idle since 0, grace not over
     assert isinstance(scaler.decide(hosts, 599), Hold)
     assert scaler.decide(hosts, 600) == ScaleIn((HostId("c"), HostId("e")), "load 0.00 < 0.5")
-    after = view(hv("a", replicas=3), hv("b", replicas=1), hv("d", replicas=2))
+    after = cluster(hv("a", replicas=3), hv("b", replicas=1), hv("d", replicas=2))
     assert isinstance(scaler.decide(after, 700), Hold)  # at the floor of 3 anyway
 
 
 def test_a_host_that_was_busy_restarts_its_idle_grace() -> None:
     scaler = Autoscaler(AutoscalerConfig(idle_grace=600, scale_in_cooldown=0))
-    busy_d = view(hv("a"), hv("b"), hv("c"), hv("d", committed=1))
+    busy_d = cluster(hv("a"), hv("b"), hv("c"), hv("d", committed=1))
     idle = idle_cluster(3).hosts
     assert isinstance(scaler.decide(busy_d, 0), Hold)
-    assert isinstance(scaler.decide(view(*idle, hv("d")), 500), Hold)
-    assert isinstance(scaler.decide(view(*idle, hv("d")), 1099), Hold)
-    assert scaler.decide(view(*idle, hv("d")), 1100) == ScaleIn((HostId("d"),), "load 0.00 < 0.5")
+    assert isinstance(scaler.decide(cluster(*idle, hv("d")), 500), Hold)
+    assert isinstance(scaler.decide(cluster(*idle, hv("d")), 1099), Hold)
+    assert scaler.decide(cluster(*idle, hv("d")), 1100) == ScaleIn(
+        (HostId("d"),), "load 0.00 < 0.5"
+    )
 
 
 def test_scale_in_keeps_the_floor_and_never_takes_busy_or_crowded_hosts() -> None:
     cfg = AutoscalerConfig(drain_max_replicas=3, idle_grace=0, scale_in_cooldown=0, max_step=5)
-    hosts = view(
+    hosts = cluster(
         hv("a", committed=1),  # busy
         hv("b", replicas=4),  # too many replicas to move
         hv("c", replicas=2),
@@ -175,7 +175,7 @@ def test_scale_in_keeps_the_floor_and_never_takes_busy_or_crowded_hosts() -> Non
 def test_scale_in_keeps_load_at_or_below_the_target() -> None:
     cfg = AutoscalerConfig(min_hosts=1, idle_grace=0, scale_in_cooldown=0, max_step=5)
     # 14 of 32 committed (0.44). Without c: 14 / 24 = 0.58 <= 0.7; without d too: 0.875.
-    hosts = view(hv("a", 7), hv("b", 7), hv("c"), hv("d"), replicas_per_kernel=1)
+    hosts = cluster(hv("a", 7), hv("b", 7), hv("c"), hv("d"), replicas_per_kernel=1)
     assert Autoscaler(cfg).decide(hosts, 0) == ScaleIn((HostId("c"),), "load 0.44 < 0.5")
 
 
@@ -184,8 +184,8 @@ def test_scale_in_keeps_subscriptions_admissible() -> None:
     crowded = [hv(n, replicas=10, subscribed=24) for n in "abc"]
     light = hv("d", replicas=1, subscribed=8)
     # 80 subscribed GPUs on 24 remaining: 80 / 24 / 3 = 1.11 > 1.0: the replicas would not fit.
-    assert isinstance(Autoscaler(cfg).decide(view(*crowded, light), 0), Hold)
-    assert Autoscaler(cfg).decide(view(*crowded, light, ratio=1.5), 0) == ScaleIn(
+    assert isinstance(Autoscaler(cfg).decide(cluster(*crowded, light), 0), Hold)
+    assert Autoscaler(cfg).decide(cluster(*crowded, light, ratio=1.5), 0) == ScaleIn(
         (HostId("d"),), "load 0.00 < 0.5"
     )
 
@@ -195,7 +195,7 @@ def test_hysteresis_band_holds_between_the_thresholds() -> None:
     # Loads 0.5 to 0.875 sit between scale-in (0.5) and scale-out (0.9): nothing happens.
     for t, committed in enumerate([16, 20, 28, 17, 24, 16]):
         per_host = [min(8, max(0, committed - 8 * i)) for i in range(4)]
-        v = view(*(hv(f"h{i}", c) for i, c in enumerate(per_host)))
+        v = cluster(*(hv(f"h{i}", c) for i, c in enumerate(per_host)))
         assert isinstance(scaler.decide(v, float(t)), Hold), committed
     assert scaler.last_action_at is None
 
@@ -212,7 +212,7 @@ def test_adds_a_host_under_load_and_removes_it_later_without_thrashing() -> None
             per_host = {h: 24 // len(hosts) + (i < 24 % len(hosts)) for i, h in enumerate(hosts)}
         else:
             per_host = {h: 4 if h == "h0" else 0 for h in hosts}
-        decision = scaler.decide(view(*(hv(h, per_host[h]) for h in hosts)), t)
+        decision = scaler.decide(cluster(*(hv(h, per_host[h]) for h in hosts)), t)
         if isinstance(decision, ScaleOut):
             hosts += [f"h{len(hosts) + i}" for i in range(decision.count)]
         elif isinstance(decision, ScaleIn):
@@ -234,7 +234,7 @@ def test_bad_input_raises_scaling_error() -> None:
     with pytest.raises(ScalingError):
         scaler.decide(idle_cluster(3), 5)  # time went backwards
     with pytest.raises(ScalingError):
-        scaler.decide(view(hv("a"), hv("a")), 20)
+        scaler.decide(cluster(hv("a"), hv("a")), 20)
     with pytest.raises(ScalingError):
         scaler.decide(idle_cluster(3), 30, provisioning=-1)
     with pytest.raises(ScalingError):

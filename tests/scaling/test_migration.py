@@ -18,6 +18,8 @@ from nbos.scaling import (
     plan_migration,
 )
 
+from .conftest import cluster
+
 K = KernelId("k-1")
 
 
@@ -27,10 +29,6 @@ def hv(name: str, committed: int, subscribed: int = 3, schedulable: bool = True)
 
 def ids(*names: str) -> list[HostId]:
     return [HostId(n) for n in names]
-
-
-def cluster(*hosts: HostView) -> ClusterView:
-    return ClusterView(hosts, 3, 1.0)
 
 
 # The kernel's replicas are on a, b, c; none has 4 idle GPUs. d has 8 idle, e has 4.
