@@ -1,10 +1,11 @@
-"""Pieces every backend shares: exit-status normalisation, the terminate sequence, checks."""
+"""Pieces every backend shares: exit-status normalisation, the handle base, checks."""
 
 from __future__ import annotations
 
 import logging
 import re
 import signal
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
 from typing import TypeVar
 
@@ -89,14 +90,34 @@ def with_running(handles: list[H], new: H) -> list[H]:
     return [*(h for h in handles if h.returncode is None), new]
 
 
-async def terminate_with_grace(handle: ProcessHandle, grace: float) -> int:
-    """SIGTERM (and SIGCONT, so a stopped process acts on it), then SIGKILL after ``grace``."""
-    if handle.returncode is not None:
-        return handle.returncode
-    await handle.signal(signal.SIGTERM)
-    await handle.signal(signal.SIGCONT)
-    with anyio.move_on_after(max(grace, 0.0)):
-        return await handle.wait()
-    logger.info("process on %s ignored SIGTERM for %.1fs; sending SIGKILL", handle.host, grace)
-    await handle.signal(signal.SIGKILL)
-    return await handle.wait()
+class HandleBase(ABC):
+    """What every backend's process handle shares: its host and the terminate sequence."""
+
+    def __init__(self, host: HostId) -> None:
+        self._host = host
+
+    @property
+    def host(self) -> HostId:
+        return self._host
+
+    @property
+    @abstractmethod
+    def returncode(self) -> int | None: ...
+
+    @abstractmethod
+    async def wait(self) -> int: ...
+
+    @abstractmethod
+    async def signal(self, signum: int) -> None: ...
+
+    async def terminate(self, grace: float = 5.0) -> int:
+        """SIGTERM (and SIGCONT, so a stopped process acts on it), then SIGKILL after ``grace``."""
+        if self.returncode is not None:
+            return self.returncode
+        await self.signal(signal.SIGTERM)
+        await self.signal(signal.SIGCONT)
+        with anyio.move_on_after(max(grace, 0.0)):
+            return await self.wait()
+        logger.info("process on %s ignored SIGTERM for %.1fs; sending SIGKILL", self.host, grace)
+        await self.signal(signal.SIGKILL)
+        return await self.wait()

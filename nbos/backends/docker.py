@@ -34,10 +34,10 @@ import anyio
 from aiodocker.containers import DockerContainer
 
 from nbos.backends._common import (
+    HandleBase,
     check_start,
     normalize_exit_status,
     process_env,
-    terminate_with_grace,
     with_running,
 )
 from nbos.core.compute_backend import ProcessSpec
@@ -56,11 +56,11 @@ _CLEANUP_TIMEOUT = 10.0
 _SCHEMES = ("unix", "tcp", "http", "https")
 
 
-class DockerProcessHandle:
+class DockerProcessHandle(HandleBase):
     """A container running one process."""
 
     def __init__(self, host: HostId, container: DockerContainer, name: str) -> None:
-        self._host = host
+        super().__init__(host)
         self._container = container
         #: The container's name (unique per backend instance).
         self.name = name
@@ -68,10 +68,6 @@ class DockerProcessHandle:
 
     def __repr__(self) -> str:
         return f"<DockerProcessHandle host={self._host} name={self.name} rc={self._returncode}>"
-
-    @property
-    def host(self) -> HostId:
-        return self._host
 
     @property
     def container_id(self) -> str:
@@ -108,9 +104,6 @@ class DockerProcessHandle:
                 logger.debug("signal %d to %s: not running (%s)", signum, self.name, exc)
                 return
             raise _translate(self._host, f"signal {signum} to {self.name}", exc) from exc
-
-    async def terminate(self, grace: float = 5.0) -> int:
-        return await terminate_with_grace(self, grace)
 
     async def _is_paused(self) -> bool:
         # Asked each time: the engine unpauses a container by itself when it kills it.

@@ -24,11 +24,11 @@ import anyio
 import anyio.abc
 
 from nbos.backends._common import (
+    HandleBase,
     check_start,
     log_name,
     process_env,
     safe_file_part,
-    terminate_with_grace,
     with_running,
 )
 from nbos.core.compute_backend import ProcessSpec
@@ -41,11 +41,11 @@ logger = logging.getLogger(__name__)
 _REAP_TIMEOUT = 5.0
 
 
-class LocalProcessHandle:
+class LocalProcessHandle(HandleBase):
     """A local subprocess, the leader of its own process group."""
 
     def __init__(self, host: HostId, process: anyio.abc.Process, log_path: Path) -> None:
-        self._host = host
+        super().__init__(host)
         self._process = process
         self.log_path = log_path
         #: The process id, which is also its process group id.
@@ -53,10 +53,6 @@ class LocalProcessHandle:
 
     def __repr__(self) -> str:
         return f"<LocalProcessHandle host={self._host} pid={self.pid} rc={self.returncode}>"
-
-    @property
-    def host(self) -> HostId:
-        return self._host
 
     @property
     def returncode(self) -> int | None:
@@ -77,9 +73,6 @@ class LocalProcessHandle:
         except PermissionError as exc:
             logger.warning("cannot signal process group %d on %s: %s", self.pid, self._host, exc)
             raise BackendError(f"cannot signal process group {self.pid}: {exc}") from exc
-
-    async def terminate(self, grace: float = 5.0) -> int:
-        return await terminate_with_grace(self, grace)
 
 
 class LocalProcessBackend:

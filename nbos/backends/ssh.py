@@ -36,11 +36,11 @@ import asyncssh
 import attrs
 
 from nbos.backends._common import (
+    HandleBase,
     check_start,
     log_name,
     process_env,
     safe_file_part,
-    terminate_with_grace,
     with_running,
 )
 from nbos.core.compute_backend import ProcessSpec
@@ -80,7 +80,7 @@ class SshHost:
     known_hosts: str | None = attrs.field(default="~/.ssh/known_hosts", converter=_expand_user)
 
 
-class SshProcessHandle:
+class SshProcessHandle(HandleBase):
     """A remote process, the leader of its own process group on its host."""
 
     def __init__(
@@ -91,7 +91,7 @@ class SshProcessHandle:
         pid: int,
         log_path: str,
     ) -> None:
-        self._host = host
+        super().__init__(host)
         self._connection = connection
         self._process = process
         #: The remote process id, which is also its process group id.
@@ -101,10 +101,6 @@ class SshProcessHandle:
 
     def __repr__(self) -> str:
         return f"<SshProcessHandle host={self._host} pid={self.pid} rc={self.returncode}>"
-
-    @property
-    def host(self) -> HostId:
-        return self._host
 
     @property
     def returncode(self) -> int | None:
@@ -133,9 +129,6 @@ class SshProcessHandle:
         if self.lost:
             raise HostUnreachableError(self._host, "connection lost")
         await _remote_kill(self._host, self._connection, self.pid, signum)
-
-    async def terminate(self, grace: float = 5.0) -> int:
-        return await terminate_with_grace(self, grace)
 
 
 class SshBackend:
