@@ -1,7 +1,7 @@
 """What the throwaway servers share: a free port, waiting until ready, stopping by PID.
 
-Framework-neutral like the server modules; :func:`serve_or_skip` is the one piece
-that speaks pytest, so that every fixture wrapping a server reads the same.
+:func:`serve_or_skip` is the one piece that speaks pytest: every fixture that
+wraps a server is that one call.
 """
 
 from __future__ import annotations

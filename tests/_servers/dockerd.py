@@ -1,14 +1,8 @@
 """Reach a Docker engine for tests: the system one, or a private ``dockerd`` started here.
 
-Framework-neutral, so any test directory can wrap it in a fixture::
-
-    try:
-        daemon = start_dockerd(tmp_dir)
-    except DockerdUnavailableError as exc:
-        pytest.skip(str(exc))
-    image = import_empty_image(daemon)
-    ...
-    daemon.stop()
+A fixture wraps it with :func:`tests._servers._process.serve_or_skip`, which skips
+the test when no engine can run here (:class:`DockerdUnavailableError`); then
+:func:`import_empty_image` gives the image to run.
 
 If a daemon answers on ``/var/run/docker.sock`` it is used (and never stopped).
 Otherwise, as root, a private ``dockerd`` runs with its own socket, data root,

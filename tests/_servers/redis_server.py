@@ -1,13 +1,7 @@
 """Start and stop a throwaway ``redis-server`` on a free loopback port.
 
-Framework-neutral, so any test directory can wrap it in a fixture::
-
-    try:
-        server = start_redis(tmp_dir)
-    except RedisUnavailableError as exc:
-        pytest.skip(str(exc))
-    ...
-    server.stop()
+A fixture wraps it with :func:`tests._servers._process.serve_or_skip`, which skips
+the test when there is no ``redis-server`` (:class:`RedisUnavailableError`).
 
 The server persists nothing (``--save "" --appendonly no``), listens on 127.0.0.1
 only, and is stopped by the PID this module started.

@@ -1,13 +1,7 @@
 """Start and stop a throwaway OpenSSH server on a free loopback port.
 
-Framework-neutral, so any test directory can wrap it in a fixture::
-
-    try:
-        server = start_sshd(tmp_dir)
-    except SshdUnavailableError as exc:
-        pytest.skip(str(exc))
-    ...
-    server.stop()
+A fixture wraps it with :func:`tests._servers._process.serve_or_skip`, which skips
+the test when there is no usable sshd (:class:`SshdUnavailableError`).
 
 Everything lives in ``workdir``: a fresh host key and client key (``ssh-keygen``),
 ``authorized_keys``, a ``known_hosts`` file naming the host key, the config, the
