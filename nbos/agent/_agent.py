@@ -21,16 +21,14 @@ import anyio.abc
 
 from nbos.core.errors import (
     ConfigError,
-    DecodeError,
     GpuError,
     InsufficientGpusError,
-    TransportClosedError,
     TransportError,
     UnknownReservationError,
 )
 from nbos.core.ids import KernelId, PeerId
 from nbos.core.transport import Transport
-from nbos.core.wire import AnyMessage, decode, encode
+from nbos.core.wire import AnyMessage, encode
 from nbos.core.wire.agent import (
     AgentReply,
     AgentRestore,
@@ -48,6 +46,7 @@ from nbos.core.wire.agent import (
     RefusalReason,
 )
 from nbos.gpu import Allocation, GpuPool
+from nbos.transport import received_messages
 
 log = logging.getLogger(__name__)
 
@@ -217,17 +216,9 @@ class HostAgent:
             await self.report()
 
     async def _receive_loop(self, tg: anyio.abc.TaskGroup) -> None:
-        while True:
-            try:
-                sender, data = await self._transport.receive()
-            except TransportClosedError:
-                log.info("agent of host %s: transport closed", self._host_id)
-                return
-            try:
-                message = decode(data)
-            except DecodeError as exc:
-                log.warning("agent %s dropped a message from %s: %s", self._host_id, sender, exc)
-                continue
+        async for sender, message in received_messages(
+            self._transport, f"agent of host {self._host_id}"
+        ):
             if sender != self._gateway:
                 log.warning(
                     "agent %s dropped %s from %s", self._host_id, type(message).__name__, sender

@@ -22,20 +22,17 @@ import attrs
 
 from nbos.core.errors import (
     ConfigError,
-    DecodeError,
     GpuError,
     HostUnreachableError,
     InsufficientGpusError,
     PlacementError,
     QuorumLostError,
-    TransportClosedError,
     TransportError,
     UnknownReservationError,
 )
 from nbos.core.ids import HostId, KernelId, PeerId
 from nbos.core.placement import ClusterView, PlacementPolicy, PlacementRequest
 from nbos.core.transport import Transport
-from nbos.core.wire import decode
 from nbos.core.wire.agent import (
     AgentReply,
     AgentRequest,
@@ -54,6 +51,7 @@ from nbos.core.wire.agent import (
 from nbos.gateway._hosts import Grant, HostRecord, subscriptions
 from nbos.gateway._rpc import RequestChannel
 from nbos.scaling import Execute, Migrate, choose_executor, load_policy, smoothed_demand_ratio
+from nbos.transport import received_messages
 
 log = logging.getLogger(__name__)
 
@@ -540,17 +538,7 @@ class GpuScheduler:
     # --- reports ---------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
-        while True:
-            try:
-                sender, data = await self._transport.receive()
-            except TransportClosedError:
-                log.info("scheduler transport closed")
-                return
-            try:
-                message = decode(data)
-            except DecodeError as exc:
-                log.warning("scheduler dropped a message from %s: %s", sender, exc)
-                continue
+        async for sender, message in received_messages(self._transport, "scheduler"):
             if isinstance(message, AgentStatus) and message.request_id is None:
                 self._on_status(sender, message)
             elif isinstance(message, AgentStatus | GpuGranted | GpuRefused | GpuFreed):
