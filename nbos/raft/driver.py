@@ -58,6 +58,10 @@ _PEER_MESSAGES: tuple[type, ...] = typing.get_args(RaftPeerMessages)
 _command_decoder = msgspec.msgpack.Decoder(Proposal | MemberAddress)
 _snapshot_decoder = msgspec.msgpack.Decoder(DriverSnapshot)
 _encoder = msgspec.msgpack.Encoder()
+#: A Ready with at most this many bytes of entries (and no snapshot) is written on the
+#: node loop itself: for a small write, the fsync costs less than the two thread
+#: switches of handing it to a worker, and every consensus round has such a write.
+_INLINE_PERSIST_BYTES = 64 * 1024
 
 
 class _Pending:
@@ -336,7 +340,9 @@ class RaftReplicatedLog:
         for append in rd.messages:
             if isinstance(append, RaftAppend):
                 await self._send(append)
-        if rd.entries or rd.hard_state is not None or rd.snapshot is not None:
+        if rd.snapshot is None and sum(len(e.data) for e in rd.entries) <= _INLINE_PERSIST_BYTES:
+            self._persist(rd)
+        else:
             with anyio.CancelScope(shield=True):
                 # A Ready is persisted whole or the process dies: never half of it.
                 await anyio.to_thread.run_sync(self._persist, rd)
