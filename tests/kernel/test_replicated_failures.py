@@ -48,7 +48,11 @@ async def cluster() -> AsyncIterator[LocalCluster]:
     # Heartbeats a little faster than the default, so a frozen replica is noticed in
     # about 3 s, yet slow enough that a busy test machine does not drop a live one.
     heartbeat = HeartbeatPolicy(interval_s=0.25, timeout_s=1.0, misses=3)
-    async with nbos.LocalCluster(hosts=3, durable=False, heartbeat=heartbeat) as c:
+    # These tests are about a kernel going on with 2 of 3: no replacements
+    # (tests/kernel/test_replicated_replacement.py has those).
+    async with nbos.LocalCluster(
+        hosts=3, durable=False, heartbeat=heartbeat, replace_dead_replicas=False
+    ) as c:
         yield c
 
 
@@ -194,7 +198,7 @@ async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> N
     # snapshot holds a namespace image (plus the deltas after it).
     settings = Settings(raft=RaftSettings(snapshot_every=4))
     async with nbos.LocalCluster(
-        hosts=3, durable=True, settings=settings, rebase_bytes=1
+        hosts=3, durable=True, settings=settings, rebase_bytes=1, replace_dead_replicas=False
     ) as cluster:
         kernel = await cluster.start_kernel()
         executor = await define_state(kernel)

@@ -143,6 +143,9 @@ class KernelFront:
         self._iopub = self._bind(zmq.PUB)
         self._hb = self._bind(zmq.ROUTER)
         self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
+        #: Replicas being added (replacements): reachable, but not used for cells yet.
+        self._standby: set[int] = set()
+        self._reader_scopes: dict[int, anyio.CancelScope] = {}
         self._pending: dict[str, _Pending] = {}
         #: Shell requests that finished, and the replica that handled each.
         self._finished: OrderedDict[str, int] = OrderedDict()
@@ -195,7 +198,9 @@ class KernelFront:
     @property
     def alive(self) -> tuple[int, ...]:
         """Node ids of the replicas the front believes alive, ascending."""
-        return tuple(sorted(r for r, up in self._upstreams.items() if up.alive))
+        return tuple(
+            sorted(r for r, up in self._upstreams.items() if up.alive and r not in self._standby)
+        )
 
     @property
     def refused(self) -> int:
@@ -216,6 +221,11 @@ class KernelFront:
     def last_exec_index(self) -> int:
         """The ``exec_index`` given to the latest cell (0 before the first)."""
         return self._next_index - 1
+
+    @property
+    def is_closing(self) -> bool:
+        """Whether the kernel is being shut down (:meth:`closing` was called)."""
+        return self._closing
 
     def closing(self) -> None:
         """The kernel is being shut down: replicas that end from now on are expected to."""
@@ -268,10 +278,7 @@ class KernelFront:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 for up in self._upstreams.values():
-                    for channel in ("shell", "control"):
-                        tg.start_soon(self._read_replies, up, channel)
-                    tg.start_soon(self._read_iopub, up)
-                    tg.start_soon(self._read_input_requests, up)
+                    await tg.start(self._serve_upstream, up)
                 await self._wait_ready()
                 tg.start_soon(self._read_client, self._shell, shell_tx)
                 tg.start_soon(self._read_client, self._control, control_tx)
@@ -284,6 +291,61 @@ class KernelFront:
                 task_status.started()
         finally:
             self._close()
+
+    async def add_replica(
+        self, endpoint: ReplicaEndpoint, *, timeout: float = _READY_TIMEOUT_S
+    ) -> None:
+        """Start using a new replica (a replacement) once it answers.
+
+        Until :meth:`activate_replica` it is reachable by :meth:`control_request` but
+        not :attr:`alive`: no cell goes to it. Raises :class:`KernelError` if it does
+        not answer within ``timeout`` (it is removed again then).
+        """
+        replica = endpoint.replica
+        if self._tg is None or replica in self._upstreams:
+            raise KernelError(f"kernel {self._kernel_id}: cannot add replica {replica}")
+        up = Upstream(endpoint, self._ctx)
+        self._upstreams[replica] = up
+        self._standby.add(replica)
+        await self._tg.start(self._serve_upstream, up)
+        if not await self._probe(replica, timeout=timeout):
+            self.remove_replica(replica)
+            raise KernelError(f"replica {replica} did not answer within {timeout} s")
+
+    def activate_replica(self, replica: int) -> None:
+        """Let cells go to ``replica``, added by :meth:`add_replica` (a Raft voter by now)."""
+        if replica not in self._standby or self._tg is None:
+            return
+        self._standby.discard(replica)
+        self._tg.start_soon(self._watch_heartbeat, self._upstreams[replica])
+        log.info("kernel %s: replica %d joined", self._kernel_id, replica)
+
+    def remove_replica(self, replica: int) -> None:
+        """Forget ``replica`` for good (it was replaced): requests there end as lost."""
+        self.mark_dead(replica, "removed from the kernel")
+        self._standby.discard(replica)
+        scope = self._reader_scopes.pop(replica, None)
+        if scope is not None:
+            scope.cancel()
+        self._upstreams.pop(replica, None)
+        if self._last_executor == replica:
+            self._last_executor = None
+
+    async def _serve_upstream(
+        self, up: Upstream, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Read ``up``'s sockets until it is removed (or the front stops); then close them."""
+        try:
+            with anyio.CancelScope() as scope:
+                self._reader_scopes[up.replica] = scope
+                async with anyio.create_task_group() as tg:
+                    for channel in ("shell", "control"):
+                        tg.start_soon(self._read_replies, up, channel)
+                    tg.start_soon(self._read_iopub, up)
+                    tg.start_soon(self._read_input_requests, up)
+                    task_status.started()
+        finally:
+            up.close()
 
     def _close(self) -> None:
         for up in self._upstreams.values():
@@ -419,7 +481,7 @@ class KernelFront:
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Run one cell; returns the status of the reply the client got."""
-        if len(self.alive) * 2 <= len(self._upstreams):
+        if len(self.alive) * 2 <= len(self._upstreams) - len(self._standby):
             # Without a majority nothing can commit: say so now rather than time out.
             lost = QuorumLostError(
                 f"only replicas {list(self.alive)} of {sorted(self._upstreams)} are alive"
@@ -431,12 +493,14 @@ class KernelFront:
             index = self._next_index
             self._next_index += 1
             try:
-                plan = await self._chooser.choose(
-                    ChoiceRequest(index, self._last_executor, self.alive)
-                )
+                plan = await self._chooser.choose(self._choice_request(msg, index))
             except NbosError as exc:
                 log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
-                await self._reply(idents, msg, "execute_reply", error_content(exc, 0))
+                self._next_index = index  # nothing was sent under it: the next cell takes it
+                content = error_content(exc, 0)
+                error = {k: content[k] for k in ("ename", "evalue", "traceback")}
+                await self._publish(self._signer.new_message("error", error, msg))
+                await self._reply(idents, msg, "execute_reply", content)
                 return "error"
             try:
                 status = await self._execute_on(idents, msg, index, plan)
@@ -451,6 +515,21 @@ class KernelFront:
         await self._reply(idents, msg, "execute_reply", error_content(failure, 0))
         return "error"
 
+    def _choice_request(self, msg: _wire.Msg, index: int) -> ChoiceRequest:
+        async def notify(text: str) -> None:
+            stream = {"name": "stderr", "text": text}
+            await self._publish(self._signer.new_message("stream", stream, msg))
+
+        code = msg["content"].get("code", "")
+        return ChoiceRequest(
+            index,
+            self._last_executor,
+            self.alive,
+            code=code if isinstance(code, str) else "",
+            metadata=msg["metadata"],
+            notify=notify,
+        )
+
     async def _execute_on(
         self, idents: list[bytes], msg: _wire.Msg, index: int, plan: CellPlan
     ) -> str | None:
@@ -462,10 +541,11 @@ class KernelFront:
                 await self._to_client(self._shell, reply, idents)
 
         metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
+        content = msg["content"] if plan.code is None else {**msg["content"], "code": plan.code}
         pending = await self._roundtrip(
             plan.replica,
             "shell",
-            {**msg, "metadata": metadata},
+            {**msg, "metadata": metadata, "content": content},
             idents,
             grace=IDLE_GRACE_S,
             on_reply=relay,

@@ -1,0 +1,296 @@
+"""Replacing a kernel's dead replica by a new one on another host.
+
+Not in the paper: there a kernel lives on with two replicas until one comes back. Here
+the dead member's place is taken by a new Raft member (a new node id), in this order:
+
+1. the dead process is fenced: killed if it still runs (it may only be frozen), and the
+   front stops using it;
+2. a new replica process starts on a host the placement policy picks among those that
+   hold none of the kernel's live replicas, empty and in ``--join`` mode;
+3. the Raft leader adds it as a learner (every live replica first learns its addresses,
+   so any of them can forward proposals to it should it lead one day); it catches up
+   from a snapshot plus the log, i.e. the namespace image and the deltas after it;
+4. it is promoted to voter once the leader finds it caught up, then the dead member is
+   removed: one membership change at a time, each retried until the Raft core takes it;
+5. once it applied the kernel's latest ``Done``, the front forgets the dead replica and
+   lets cells go to the new one.
+
+Membership requests reach the leader through the front's control channel to a live
+replica (``nbos_member_request``); a follower answers with the leader it knows of.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+import attrs
+
+from nbos.core.compute_backend import ProcessHandle
+from nbos.core.errors import KernelError, NbosError, ReplicationError
+from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import ClusterView, PlacementRequest
+from nbos.kernel.front import KernelFront, ReplicaEndpoint
+from nbos.scaling import load_policy
+
+log = logging.getLogger(__name__)
+
+_REQUEST_TIMEOUT_S = 5.0
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 0.5
+
+
+@attrs.frozen
+class MemberAddress:
+    """Where one replica's Raft transport and proposal forwarder listen."""
+
+    raft: str
+    forward: str
+
+
+@attrs.frozen
+class Spawned:
+    """A replacement replica process that is up: its handle and Jupyter connection info."""
+
+    handle: ProcessHandle
+    connection: Mapping[str, Any]
+
+
+class Spawn(Protocol):
+    """Starts replica ``node`` on ``host`` in join mode; ``peers`` includes itself."""
+
+    def __call__(
+        self, node: int, host: HostId, peers: Mapping[int, MemberAddress]
+    ) -> Awaitable[Spawned]: ...
+
+
+#: Picks a host for a replacement of ``kernel``'s replica, avoiding ``exclude``.
+Place = Callable[[KernelId, frozenset[HostId]], HostId]
+
+
+@runtime_checkable
+class ReplacementListener(Protocol):
+    """Told when a replica was replaced (an executor chooser that tracks replica hosts)."""
+
+    def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
+        """Replica ``dead`` is gone for good; ``node`` on ``host`` took its place."""
+        ...
+
+
+def place_one(
+    policy: str, cluster: ClusterView, kernel_id: KernelId, gpus: int, exclude: frozenset[HostId]
+) -> HostId:
+    """One host for a replacement replica, chosen by placement policy ``policy``.
+
+    Raises :class:`~nbos.core.errors.PlacementError` when no host outside ``exclude``
+    can take it.
+    """
+    request = PlacementRequest(kernel_id, gpus, replicas=1, exclude=exclude)
+    (host,) = load_policy(policy).place(request, cluster)
+    return host
+
+
+class Replacer:
+    """Replaces dead replicas of one kernel, one at a time.
+
+    ``processes`` and ``members`` are the kernel's live bookkeeping, shared with the
+    cluster: a replacement adds the new node to both and drops the dead one.
+    """
+
+    def __init__(
+        self,
+        *,
+        kernel_id: KernelId,
+        front: KernelFront,
+        processes: dict[int, ProcessHandle],
+        members: dict[int, MemberAddress],
+        spawn: Spawn,
+        place: Place,
+        new_address: Callable[[], str],
+        on_replaced: object = None,
+    ) -> None:
+        # ``on_replaced`` is told of each replacement if it is a ReplacementListener.
+        self._kernel_id = kernel_id
+        self._front = front
+        self._processes = processes
+        self._members = members
+        self._spawn = spawn
+        self._place = place
+        self._new_address = new_address
+        self._listener = on_replaced if isinstance(on_replaced, ReplacementListener) else None
+        self._lock = anyio.Lock()
+        self._scopes: set[anyio.CancelScope] = set()
+        self._closed = False
+        self._next_node = itertools.count(max(members, default=0) + 1)
+
+    async def replace(self, dead: int, *, timeout: float = 60.0) -> int:
+        """Replace replica ``dead`` (killed first if it still runs); the new node id.
+
+        Raises :class:`KernelError` if ``dead`` is not a replica of the kernel, no
+        host can take the replacement, or it did not join within ``timeout`` seconds.
+        """
+        async with self._lock:
+            if dead not in self._processes:
+                raise KernelError(f"kernel {self._kernel_id} has no replica {dead}")
+            if self._closed:
+                raise KernelError(f"kernel {self._kernel_id} is shutting down")
+            try:
+                with anyio.fail_after(timeout), anyio.CancelScope() as scope:
+                    self._scopes.add(scope)
+                    try:
+                        return await self._replace(dead)
+                    finally:
+                        self._scopes.discard(scope)
+                raise KernelError(f"kernel {self._kernel_id} shut down during a replacement")
+            except TimeoutError:
+                raise KernelError(
+                    f"kernel {self._kernel_id}: replica {dead} not replaced within {timeout} s"
+                ) from None
+
+    async def replace_after_exit(self, node: int, handle: ProcessHandle, delay: float) -> None:
+        """The policy: ``handle`` (replica ``node``) exited; replace it after ``delay`` s.
+
+        Not when it was restarted in place or replaced meanwhile, nor while the kernel
+        shuts down. A failed replacement is logged: the kernel goes on with the others.
+        """
+        await anyio.sleep(delay)
+        if self._processes.get(node) is not handle or self._closed or self._front.is_closing:
+            return
+        try:
+            await self.replace(node)
+        except NbosError as exc:
+            log.warning("kernel %s: replica %d not replaced: %s", self._kernel_id, node, exc)
+        except Exception:
+            # A background policy: whatever went wrong, the kernel and the cluster go on.
+            log.exception("kernel %s: replacing replica %d failed", self._kernel_id, node)
+
+    def close(self) -> None:
+        """The kernel shuts down: stop replacements under way and start no more."""
+        self._closed = True
+        for scope in self._scopes:
+            scope.cancel()
+
+    async def _replace(self, dead: int) -> int:
+        await self._fence(dead)
+        live = [n for n in self._front.alive if n != dead]
+        if len(live) * 2 <= len(self._members):
+            # Without a majority of the membership no change can commit.
+            raise KernelError(f"kernel {self._kernel_id}: only replicas {live} are alive")
+        node = next(self._next_node)
+        address = MemberAddress(self._new_address(), self._new_address())
+        host = self._pick_host(dead, live)
+        log.info("kernel %s: replacing replica %d by %d on %s", self._kernel_id, dead, node, host)
+        peers = {n: self._members[n] for n in live} | {node: address}
+        spawned = await self._spawn(node, host, peers)
+        try:
+            await self._join(node, address, spawned, live)
+            await self._change(live, "remove", dead)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._abandon(node, spawned.handle)
+            raise
+        if self._listener is not None:
+            self._listener.replica_replaced(dead, node, host)
+        self._front.remove_replica(dead)
+        self._front.activate_replica(node)
+        self._processes.pop(dead, None)
+        self._members.pop(dead, None)
+        self._processes[node] = spawned.handle
+        self._members[node] = address
+        log.info("kernel %s: replica %d replaced by %d", self._kernel_id, dead, node)
+        return node
+
+    async def _fence(self, dead: int) -> None:
+        # A frozen process thawed later must not run cells nor vote: it goes first.
+        handle = self._processes[dead]
+        if handle.returncode is None:
+            await handle.signal(signal.SIGKILL)
+            await handle.wait()
+        self._front.mark_dead(dead, "it is being replaced")
+
+    def _pick_host(self, dead: int, live: Sequence[int]) -> HostId:
+        live_hosts = frozenset(self._processes[n].host for n in live)
+        dead_host = frozenset({self._processes[dead].host})
+        try:
+            # Rather not the dead replica's host: whatever killed it may strike again.
+            return self._place(self._kernel_id, live_hosts | dead_host)
+        except NbosError:
+            return self._place(self._kernel_id, live_hosts)
+
+    async def _join(
+        self, node: int, address: MemberAddress, spawned: Spawned, live: list[int]
+    ) -> None:
+        for member in live:  # best effort: one that misses it cannot forward to the new node
+            await self._front.control_request(
+                member, "nbos_member_request", _content("peer", node, address), timeout=2.0
+            )
+        await self._change(live, "add_learner", node, address)
+        await self._front.add_replica(ReplicaEndpoint(node, spawned.connection))
+        # The Raft core refuses to promote a learner that has not caught up: retried.
+        await self._change(live, "promote", node)
+        # Cells go to it only once it applied the kernel's latest Done.
+        reply = await self._front.control_request(
+            node,
+            "nbos_digest_request",
+            {"after": self._front.last_exec_index},
+            timeout=_REQUEST_TIMEOUT_S * 6,
+        )
+        if reply is None or reply["content"].get("status") != "ok":
+            raise KernelError(f"replica {node} did not catch up with the kernel's cells")
+        if self._front.is_closing:
+            raise KernelError(f"kernel {self._kernel_id} is shutting down")
+
+    async def _abandon(self, node: int, handle: ProcessHandle) -> None:
+        self._front.remove_replica(node)
+        if handle.returncode is None:
+            await handle.terminate(grace=1.0)
+        live = list(self._front.alive)
+        if self._closed or not live:
+            return  # the kernel is going away: its membership no longer matters
+        with anyio.move_on_after(10.0):
+            try:
+                await self._change(live, "remove", node)
+            except NbosError as exc:
+                log.warning(
+                    "kernel %s: failed replica %d not removed: %s", self._kernel_id, node, exc
+                )
+
+    async def _change(
+        self, live: Sequence[int], op: str, node: int, address: MemberAddress | None = None
+    ) -> None:
+        """Have the Raft leader make one membership change; retried until it took effect."""
+        content = _content(op, node, address)
+        targets = itertools.cycle(live)
+        hint: int | None = None
+        backoff = _BACKOFF_START_S
+        while True:
+            target = hint if hint in live else next(targets)
+            assert target is not None
+            reply = await self._front.control_request(
+                target, "nbos_member_request", content, timeout=_REQUEST_TIMEOUT_S
+            )
+            answer = reply["content"] if reply is not None else {}
+            if answer.get("status") == "ok":
+                log.info("kernel %s: %s %d done through %d", self._kernel_id, op, node, target)
+                return
+            if answer.get("ename") == "NotLeaderError":
+                leader = answer.get("leader")
+                hint = leader if leader != target else None
+            elif answer.get("ename") in ("ValidationError", "KernelError"):
+                raise ReplicationError(f"{op} {node} refused: {answer.get('evalue')}")
+            else:
+                hint = None
+            log.debug("kernel %s: %s %d not done yet: %s", self._kernel_id, op, node, answer)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+
+def _content(op: str, node: int, address: MemberAddress | None) -> dict[str, Any]:
+    content: dict[str, Any] = {"op": op, "node": node}
+    if address is not None:
+        content |= {"raft": address.raft, "forward": address.forward}
+    return content

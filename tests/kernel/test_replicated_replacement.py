@@ -1,0 +1,131 @@
+"""A dead replica is replaced by a new Raft member on another host; the kernel has 3 again.
+
+Real replica processes on a LocalCluster of 4 hosts (so the replacement can avoid the
+dead replica's host too). Snapshots every few entries and a namespace image after
+every cell, so a replacement catches up from a snapshot plus the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+import nbos
+from nbos.cluster import Kernel, LocalCluster
+from nbos.core.config import RaftSettings, Settings
+from nbos.core.errors import KernelError
+from nbos.kernel.front import LastExecutorChooser
+
+pytestmark = pytest.mark.anyio
+
+STATE = [
+    "import numpy as np\nxs = [1, 2, 3]\nalias = xs\nbig = np.arange(100_000)",
+    "def total():\n    return sum(xs) + int(big.sum())",
+    "xs.append(4)",
+]
+REPLACED_WITHIN_S = 45.0
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def cluster() -> AsyncIterator[LocalCluster]:
+    settings = Settings(raft=RaftSettings(snapshot_every=4))
+    async with nbos.LocalCluster(
+        hosts=4, durable=False, settings=settings, rebase_bytes=1, replace_after_s=0.2
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+async def kernel(cluster: LocalCluster) -> AsyncIterator[Kernel]:
+    # The executor chooser that knows nothing of hosts: any live voter may run a cell.
+    k = await cluster.start_kernel(chooser=LastExecutorChooser())
+    try:
+        yield k
+    finally:
+        await k.shutdown()
+
+
+async def define_state(kernel: Kernel) -> int:
+    for code in STATE:
+        result = await kernel.execute(code)
+        assert result.status == "ok", result.reply
+    assert result.executor is not None
+    return result.executor
+
+
+async def replaced(kernel: Kernel, dead: int) -> int:
+    """Wait until ``dead`` was replaced and 3 replicas are live again; the new node id."""
+    with anyio.fail_after(REPLACED_WITHIN_S):
+        while True:
+            live = {r.node for r in kernel.replicas if r.alive}
+            if dead not in {r.node for r in kernel.replicas} and len(live) == 3:
+                return max(live)  # node ids only grow: the newest member
+            await anyio.sleep(0.1)
+
+
+async def check_converged(kernel: Kernel, new: int) -> None:
+    """A cell after the replacement; every live replica, the new one too, has its state."""
+    result = await kernel.execute("xs.append(len(xs))\nprint(total())")
+    assert result.status == "ok", result.reply
+    assert result.stdout == f"{sum(range(1, 5)) + 4 + 99_999 * 100_000 // 2}\n"
+    digests = await kernel.digests()
+    assert set(digests) == {r.node for r in kernel.replicas} and new in digests
+    assert len(set(digests.values())) == 1, digests
+
+
+async def test_a_dead_non_executor_is_replaced_and_the_new_membership_carries_on(
+    kernel: Kernel,
+) -> None:
+    executor = await define_state(kernel)
+    originals = {r.node: r.host for r in kernel.replicas}
+    victim = next(n for n in originals if n != executor)
+    await kernel.kill_replica(victim)
+    new = await replaced(kernel, victim)
+    hosts = {r.node: r.host for r in kernel.replicas}
+    assert new not in originals
+    assert hosts[new] not in {h for n, h in hosts.items() if n != new}
+    assert hosts[new] != originals[victim]  # 4 hosts: the dead one's is avoided
+    await check_converged(kernel, new)
+    # The originals go one at a time: each replacement needs a quorum that includes the
+    # replacements before it, so they are voters of the new membership.
+    for original in sorted(set(originals) - {victim}):
+        await kernel.kill_replica(original)
+        await replaced(kernel, original)
+    assert not set(originals) & {r.node for r in kernel.replicas}
+    result = await kernel.execute("print(len(alias), total())")
+    assert result.status == "ok", result.reply
+    assert result.executor not in originals
+    assert result.stdout.split()[0] == "5"
+    digests = await kernel.digests()
+    assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+
+
+async def test_a_dead_executor_is_replaced(kernel: Kernel) -> None:
+    executor = await define_state(kernel)
+    await kernel.kill_replica(executor)
+    new = await replaced(kernel, executor)
+    await check_converged(kernel, new)
+    # The new replica runs cells: it is the only one left besides one original.
+    others = [r.node for r in kernel.replicas if r.node != new]
+    await kernel.kill_replica(others[0])
+    result = await kernel.execute("print(len(xs))")
+    assert result.stdout == "5\n", result.reply
+
+
+async def test_replace_replica_on_demand(kernel: Kernel) -> None:
+    executor = await define_state(kernel)
+    victim = next(r.node for r in kernel.replicas if r.node != executor)
+    new = await kernel.replace_replica(victim)  # it still runs: it is killed first
+    assert victim not in {r.node for r in kernel.replicas}
+    assert {r.node for r in kernel.replicas if r.alive} == {*kernel.front.alive}
+    assert new in kernel.front.alive and len(kernel.front.alive) == 3
+    await check_converged(kernel, new)
+    with pytest.raises(KernelError):
+        await kernel.replace_replica(victim)  # gone for good
