@@ -111,9 +111,9 @@ class Replacer:
         spawn: Spawn,
         place: Place,
         new_address: Callable[[], str],
-        on_replaced: object = None,
+        listeners: Sequence[object] = (),
     ) -> None:
-        # ``on_replaced`` is told of each replacement if it is a ReplacementListener.
+        # Those of ``listeners`` that are ReplacementListeners hear of each replacement.
         self._kernel_id = kernel_id
         self._front = front
         self._processes = processes
@@ -121,7 +121,7 @@ class Replacer:
         self._spawn = spawn
         self._place = place
         self._new_address = new_address
-        self._listener = on_replaced if isinstance(on_replaced, ReplacementListener) else None
+        self._listeners = [x for x in listeners if isinstance(x, ReplacementListener)]
         self._lock = anyio.Lock()
         self._scopes: set[anyio.CancelScope] = set()
         self._closed = False
@@ -193,8 +193,8 @@ class Replacer:
             with anyio.CancelScope(shield=True):
                 await self._abandon(node, spawned.handle)
             raise
-        if self._listener is not None:
-            self._listener.replica_replaced(dead, node, host)
+        for listener in self._listeners:
+            listener.replica_replaced(dead, node, host)
         self._front.remove_replica(dead)
         self._front.activate_replica(node)
         self._processes.pop(dead, None)

@@ -16,7 +16,6 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.core.errors import KernelError
-from nbos.kernel.front import LastExecutorChooser
 
 pytestmark = pytest.mark.anyio
 
@@ -44,8 +43,7 @@ async def cluster() -> AsyncIterator[LocalCluster]:
 
 @pytest.fixture
 async def kernel(cluster: LocalCluster) -> AsyncIterator[Kernel]:
-    # The executor chooser that knows nothing of hosts: any live voter may run a cell.
-    k = await cluster.start_kernel(chooser=LastExecutorChooser())
+    k = await cluster.start_kernel()
     try:
         yield k
     finally:
