@@ -23,10 +23,13 @@ def sized(examples: int = 60, steps: int = 40) -> settings:
 
 
 class ManualClock:
-    """A clock that moves only when the test sets ``now``: a real ``Callable[[], float]``."""
+    """A clock that moves only when the test says so: a real ``Callable[[], float]``."""
 
     def __init__(self) -> None:
         self.now = 0.0
 
     def __call__(self) -> float:
         return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
