@@ -14,6 +14,7 @@ import attrs
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
+from nbos.cluster._replacement import Replacer
 from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError
 from nbos.core.ids import HostId, KernelId
@@ -87,6 +88,8 @@ class Kernel:
         processes: dict[int, ProcessHandle],
         scope: anyio.CancelScope,
         restart: Callable[[int], Awaitable[ProcessHandle]] | None = None,
+        *,
+        replacer: Replacer | None = None,
     ) -> None:
         # ``processes`` is shared with the cluster, which stops what it holds at the end.
         self.kernel_id = kernel_id
@@ -94,6 +97,7 @@ class Kernel:
         self._processes = processes
         self._scope = scope
         self._restart = restart
+        self._replacer = replacer
         self._client: AsyncKernelClient | None = None
         self._lock = anyio.Lock()
         self.closed = anyio.Event()
@@ -110,9 +114,16 @@ class Kernel:
             for node, h in sorted(self._processes.items())
         )
 
-    async def execute(self, code: str, *, timeout: float = 600.0) -> ExecuteResult:
+    async def execute(
+        self,
+        code: str,
+        *,
+        timeout: float = 600.0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ExecuteResult:
         """Run ``code`` as one cell through the front, like any Jupyter client would.
 
+        ``metadata`` goes into the ``execute_request`` (e.g. ``{"nbos": {"gpus": 2}}``).
         Raises :class:`KernelError` once the kernel is shut down, ``TimeoutError``
         after ``timeout`` seconds.
         """
@@ -121,7 +132,10 @@ class Kernel:
         async with self._lock:
             client = await self._connected()
             begun = time.monotonic()
-            msg_id = client.execute(code, allow_stdin=False, stop_on_error=False)
+            if metadata is None:
+                msg_id = client.execute(code, allow_stdin=False, stop_on_error=False)
+            else:
+                msg_id = _send_execute(client, code, metadata)
             with anyio.fail_after(timeout):
                 outputs = await _collect_outputs(client, msg_id)
                 reply = await _reply_to(client, msg_id)
@@ -178,10 +192,25 @@ class Kernel:
         """
         if self._restart is None:
             raise KernelError("replicas can be restarted only on a durable cluster")
+        if self._replacer is not None and self._replacer.replacing(node):
+            raise KernelError(f"replica {node} of kernel {self.kernel_id} is being replaced")
         if self._process(node).returncode is None:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is still running")
         self._processes[node] = await self._restart(node)
         await self.front.revive(node, timeout=timeout)
+
+    async def replace_replica(self, node: int, *, timeout: float = 60.0) -> int:
+        """Replace replica ``node`` by a new one on another host; the new node id.
+
+        ``node`` is killed first if it still runs. The new replica joins the kernel's
+        Raft group as a learner, catches up (snapshot plus log), becomes a voter, and
+        ``node`` is removed from the group; then cells may run on it. Raises
+        :class:`KernelError` if that did not happen within ``timeout`` seconds or a
+        majority of the replicas is not alive.
+        """
+        if self._replacer is None:
+            raise KernelError(f"kernel {self.kernel_id} cannot replace replicas")
+        return await self._replacer.replace(node, timeout=timeout)
 
     def _process(self, node: int) -> ProcessHandle:
         handle = self._processes.get(node)
@@ -196,6 +225,8 @@ class Kernel:
         if self._client is not None:
             self._client.stop_channels()
             self._client = None
+        if self._replacer is not None:
+            self._replacer.close()
         with anyio.CancelScope(shield=True):
             await stop_processes(self.front, self._processes)
         self._scope.cancel()
@@ -217,7 +248,7 @@ async def stop_processes(front: KernelFront, by_node: Mapping[int, ProcessHandle
         async with anyio.create_task_group() as tg:
             for node in front.alive:
                 tg.start_soon(_ask_shutdown, front, node, by_node[node])
-    for handle in by_node.values():
+    for handle in list(by_node.values()):  # a replacement may change it meanwhile
         if handle.returncode is None:
             await handle.terminate(grace=1.0)
 
@@ -228,6 +259,20 @@ async def _ask_shutdown(front: KernelFront, node: int, handle: ProcessHandle) ->
     await front.control_request(node, "shutdown_request", {"restart": False}, timeout=2.0)
     with anyio.move_on_after(_EXIT_GRACE_S):
         await handle.wait()
+
+
+def _send_execute(client: AsyncKernelClient, code: str, metadata: Mapping[str, Any]) -> str:
+    content = {
+        "code": code,
+        "silent": False,
+        "store_history": True,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": False,
+    }
+    msg = client.session.msg("execute_request", content, metadata=dict(metadata))
+    client.shell_channel.send(msg)
+    return str(msg["header"]["msg_id"])
 
 
 async def _collect_outputs(client: AsyncKernelClient, msg_id: str) -> list[dict[str, Any]]:

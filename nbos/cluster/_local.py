@@ -17,6 +17,7 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -24,14 +25,19 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import attrs
 import msgspec
 
 from nbos.backends.local import LocalProcessBackend
+from nbos.cluster._chooser import GpuChooser
+from nbos.cluster._gpus import ClusterGpus
 from nbos.cluster._kernel import Kernel, stop_processes
+from nbos.cluster._replacement import MemberAddress, Replacer, Spawned, place_one
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import BackendError, ConfigError, KernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
+from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy, KernelFront, ReplicaEndpoint
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,15 @@ class LocalCluster:
     cannot recover from its own disk then). ``heartbeat`` tunes how fast a kernel's
     front gives up on a replica that stopped answering; ``rebase_bytes`` how many bytes
     of deltas pile up before a replica re-images its namespace for Raft snapshots.
+    ``replace_dead_replicas``: a replica whose process exited and was not restarted
+    within ``replace_after_s`` seconds is replaced by a new one on another host
+    (``Kernel.replace_replica`` does it on demand; ``docs/kernel.md``).
+
+    GPUs: every host has an agent owning ``settings.cluster.gpus_per_host`` virtual
+    GPUs, or this machine's NVML GPUs where there are some (``gpu_discovery``:
+    ``"auto"``, ``"virtual"``, ``"nvml"``); kernels are placed by the policy named
+    ``settings.cluster.placement_policy`` and each cell's executor is chosen by GPUs
+    (:attr:`gpus`, ``docs/kernel.md``).
     """
 
     def __init__(
@@ -62,6 +77,9 @@ class LocalCluster:
         heartbeat: HeartbeatPolicy | None = None,
         rebase_bytes: int | None = None,
         python: str = sys.executable,
+        gpu_discovery: DiscoveryMode = "auto",
+        replace_dead_replicas: bool = True,
+        replace_after_s: float = 1.0,
     ) -> None:
         if hosts < replicas or replicas < 1:
             raise ConfigError("hosts", hosts, f"at least replicas ({replicas}) hosts")
@@ -73,12 +91,14 @@ class LocalCluster:
         self._heartbeat = heartbeat
         self._rebase_bytes = rebase_bytes
         self._python = python
+        self._gpu_discovery: DiscoveryMode = gpu_discovery
+        self._replace_after_s = replace_after_s if replace_dead_replicas else None
+        self._gpus: ClusterGpus | None = None
         self._run_dir: Path | None = None
         self._backend: LocalProcessBackend | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
         self._kernels: dict[KernelId, Kernel] = {}
-        self._next_host = 0
 
     @property
     def run_dir(self) -> Path:
@@ -86,6 +106,13 @@ class LocalCluster:
         if self._run_dir is None:
             raise KernelError("the cluster is not running")
         return self._run_dir
+
+    @property
+    def gpus(self) -> ClusterGpus:
+        """The host agents and the GPU scheduler."""
+        if self._gpus is None:
+            raise KernelError("the cluster is not running")
+        return self._gpus
 
     @property
     def kernels(self) -> tuple[Kernel, ...]:
@@ -103,6 +130,12 @@ class LocalCluster:
                 self._run_dir.mkdir(parents=True, exist_ok=True)
             self._backend = LocalProcessBackend(self._host_ids, run_dir=self._run_dir / "logs")
             stack.push_async_callback(self._backend.aclose)
+            cluster_settings = msgspec.structs.replace(
+                self._settings.cluster, replicas_per_kernel=self._replicas
+            )
+            self._gpus = await stack.enter_async_context(
+                ClusterGpus.serve(self._host_ids, cluster_settings, discovery=self._gpu_discovery)
+            )
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.push_async_callback(self._shutdown_kernels)
         except BaseException:
@@ -126,10 +159,20 @@ class LocalCluster:
             for kernel in list(self._kernels.values()):
                 await kernel.shutdown()
 
-    async def start_kernel(self, *, chooser: ExecutorChooser | None = None) -> Kernel:
-        """Start a kernel's replicas and its front; returns once every replica answered."""
-        if self._tg is None or self._backend is None:
+    async def start_kernel(
+        self, *, chooser: ExecutorChooser | None = None, gpus: int = 0
+    ) -> Kernel:
+        """Start a kernel's replicas and its front; returns once every replica answered.
+
+        The placement policy puts the replicas on distinct hosts; ``gpus`` is the
+        kernel's GPUs per cell (a cell may ask for another count). ``chooser``
+        replaces the GPU-aware executor choice. Raises
+        :class:`~nbos.core.errors.PlacementError` when the policy cannot place it.
+        """
+        if self._tg is None or self._backend is None or self._gpus is None:
             raise KernelError("start_kernel() outside `async with LocalCluster(...)`")
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+            raise ConfigError("gpus", gpus, "a non-negative number of GPUs per cell")
         kernel_id = new_kernel_id()
         kernel_dir = self.run_dir / "kernels" / kernel_id
         kernel_dir.mkdir(parents=True)
@@ -137,9 +180,10 @@ class LocalCluster:
         peers = {n: [_free_address(), _free_address()] for n in nodes}
         handles: dict[int, ProcessHandle] = {}
         specs: dict[int, tuple[HostId, ProcessSpec]] = {}
+        placed = dict(zip(nodes, self._gpus.scheduler.place(kernel_id, gpus), strict=True))
         try:
             files = {}
-            for node, host in zip(nodes, self._pick_hosts(), strict=True):
+            for node, host in placed.items():
                 files[node] = _seed_connection_file(kernel_dir / f"replica-{node}.json")
                 spec = self._replica_spec(kernel_id, node, peers, files[node], kernel_dir)
                 specs[node] = (host, spec)
@@ -148,16 +192,26 @@ class LocalCluster:
                 ReplicaEndpoint(node, await _wait_connection_file(files[node], handles[node]))
                 for node in nodes
             ]
+            if chooser is None:
+                chooser = GpuChooser(self._gpus.scheduler, kernel_id, placed, gpus)
             front = KernelFront(
                 endpoints, kernel_id=kernel_id, chooser=chooser, heartbeat=self._heartbeat
             )
+            self._gpus.add_kernel(kernel_id, front, placed)
+            members = {n: MemberAddress(*peers[n]) for n in nodes}
             kernel: Kernel = await self._tg.start(
-                self._run_kernel, kernel_id, front, handles, specs
+                self._run_kernel,
+                kernel_id,
+                front,
+                handles,
+                specs,
+                _Replacing(members, chooser, gpus, placed),
             )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for handle in handles.values():
                     await handle.terminate(grace=1.0)
+                await self._gpus.kernel_gone(kernel_id)
             raise
         self._kernels[kernel_id] = kernel
         return kernel
@@ -168,40 +222,96 @@ class LocalCluster:
         front: KernelFront,
         handles: dict[int, ProcessHandle],
         specs: dict[int, tuple[HostId, ProcessSpec]],
+        replacing: _Replacing,
         *,
         task_status: anyio.abc.TaskStatus[Kernel],
     ) -> None:
-        backend = self._backend
-        assert backend is not None
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
+        backend, gpus = self._backend, self._gpus
+        assert backend is not None and gpus is not None
 
-                async def restart(node: int) -> ProcessHandle:
-                    # Same host, ports, keys and Raft log directory as before.
-                    handle = await backend.start(*specs[node])
-                    tg.start_soon(_watch_process, front, node, handle)
-                    return handle
+        async def watch(node: int, handle: ProcessHandle) -> None:
+            await _watch_process(front, node, handle)
+            await gpus.replica_gone(kernel_id, specs[node][0])
+            if self._replace_after_s is not None:
+                await replacer.replace_after_exit(node, handle, self._replace_after_s)
 
-                kernel = Kernel(
-                    kernel_id, front, handles, scope, restart if self._durable else None
-                )
-                for node, handle in handles.items():
-                    tg.start_soon(_watch_process, front, node, handle)
-                await tg.start(front.serve)
-                task_status.started(kernel)
-                await front.shutdown_requested.wait()
-                # A client shut the kernel down: the replicas were asked to exit.
-                with anyio.CancelScope(shield=True):
-                    await stop_processes(front, handles)
-                kernel.closed.set()
-                tg.cancel_scope.cancel()
+        try:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
 
-    def _pick_hosts(self) -> list[HostId]:
-        # Round-robin, so kernels spread over the hosts; 3 distinct hosts per kernel.
-        n = len(self._host_ids)
-        picked = [self._host_ids[(self._next_host + i) % n] for i in range(self._replicas)]
-        self._next_host = (self._next_host + 1) % n
-        return picked
+                    async def restart(node: int) -> ProcessHandle:
+                        # Same host, ports, keys and Raft log directory as before.
+                        handle = await backend.start(*specs[node])
+                        tg.start_soon(watch, node, handle)
+                        return handle
+
+                    async def spawn(
+                        node: int, host: HostId, peers: Mapping[int, MemberAddress]
+                    ) -> Spawned:
+                        handle = await self._start_joining(kernel_id, node, host, peers, specs)
+                        tg.start_soon(watch, node, handle)
+                        file = self.run_dir / "kernels" / kernel_id / f"replica-{node}.json"
+                        try:
+                            return Spawned(handle, await _wait_connection_file(file, handle))
+                        except BaseException:
+                            with anyio.CancelScope(shield=True):
+                                await handle.terminate(grace=1.0)
+                            raise
+
+                    replacer = Replacer(
+                        kernel_id=kernel_id,
+                        front=front,
+                        processes=handles,
+                        members=dict(replacing.members),
+                        spawn=spawn,
+                        place=lambda k, exclude: place_one(
+                            self._settings.cluster.placement_policy,
+                            gpus.scheduler.view(),
+                            k,
+                            replacing.gpus,
+                            exclude,
+                        ),
+                        new_address=_free_address,
+                        listeners=(replacing, replacing.chooser),
+                    )
+                    kernel = Kernel(
+                        kernel_id,
+                        front,
+                        handles,
+                        scope,
+                        restart if self._durable else None,
+                        replacer=replacer,
+                    )
+                    for node, handle in handles.items():
+                        tg.start_soon(watch, node, handle)
+                    await tg.start(front.serve)
+                    task_status.started(kernel)
+                    await front.shutdown_requested.wait()
+                    # A client shut the kernel down: the replicas were asked to exit.
+                    replacer.close()
+                    with anyio.CancelScope(shield=True):
+                        await stop_processes(front, handles)
+                    kernel.closed.set()
+                    tg.cancel_scope.cancel()
+        finally:
+            await gpus.kernel_gone(kernel_id)
+
+    async def _start_joining(
+        self,
+        kernel_id: KernelId,
+        node: int,
+        host: HostId,
+        peers: Mapping[int, MemberAddress],
+        specs: dict[int, tuple[HostId, ProcessSpec]],
+    ) -> ProcessHandle:
+        """Start replica ``node`` (a replacement) in join mode on ``host``."""
+        assert self._backend is not None
+        kernel_dir = self.run_dir / "kernels" / kernel_id
+        file = _seed_connection_file(kernel_dir / f"replica-{node}.json")
+        addresses = {n: [a.raft, a.forward] for n, a in peers.items()}
+        spec = self._replica_spec(kernel_id, node, addresses, file, kernel_dir, join=True)
+        specs[node] = (host, spec)  # a restart in place starts it again from its log
+        return await self._backend.start(host, spec)
 
     def _replica_spec(
         self,
@@ -210,6 +320,8 @@ class LocalCluster:
         peers: dict[int, list[str]],
         connection_file: Path,
         kernel_dir: Path,
+        *,
+        join: bool = False,
     ) -> ProcessSpec:
         argv = [
             self._python,
@@ -234,7 +346,26 @@ class LocalCluster:
         argv += ["--raft-settings", msgspec.json.encode(self._settings.raft).decode()]
         if self._rebase_bytes is not None:
             argv.append(f"--ReplicaKernel.rebase_bytes={self._rebase_bytes}")
+        if join:
+            argv.append("--join")
+        if self.gpus.inventory.source == "virtual":
+            argv.append("--ReplicaApp.virtual_gpus=True")
         return ProcessSpec(argv=argv, label=f"{kernel_id[:8]}-replica-{node}")
+
+
+@attrs.frozen
+class _Replacing:
+    """What replacing a kernel's replicas needs: peer addresses, chooser, GPUs per cell,
+    and the node -> host map that the GPU eviction routes read (kept up to date)."""
+
+    members: Mapping[int, MemberAddress]
+    chooser: ExecutorChooser
+    gpus: int
+    hosts: dict[int, HostId]
+
+    def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
+        self.hosts.pop(dead, None)
+        self.hosts[node] = host
 
 
 def _free_address() -> str:

@@ -125,6 +125,7 @@ class Replacer:
         self._lock = anyio.Lock()
         self._scopes: set[anyio.CancelScope] = set()
         self._closed = False
+        self._replacing: int | None = None
         self._next_node = itertools.count(max(members, default=0) + 1)
 
     async def replace(self, dead: int, *, timeout: float = 60.0) -> int:
@@ -141,10 +142,12 @@ class Replacer:
             try:
                 with anyio.fail_after(timeout), anyio.CancelScope() as scope:
                     self._scopes.add(scope)
+                    self._replacing = dead
                     try:
                         return await self._replace(dead)
                     finally:
                         self._scopes.discard(scope)
+                        self._replacing = None
                 raise KernelError(f"kernel {self._kernel_id} shut down during a replacement")
             except TimeoutError:
                 raise KernelError(
@@ -167,6 +170,10 @@ class Replacer:
         except Exception:
             # A background policy: whatever went wrong, the kernel and the cluster go on.
             log.exception("kernel %s: replacing replica %d failed", self._kernel_id, node)
+
+    def replacing(self, node: int) -> bool:
+        """Whether replica ``node`` is being replaced right now."""
+        return self._replacing == node
 
     def close(self) -> None:
         """The kernel shuts down: stop replacements under way and start no more."""
