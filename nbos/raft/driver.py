@@ -326,7 +326,8 @@ class RaftReplicatedLog:
             while True:  # take everything already queued before the next Ready
                 try:
                     self._inbox.receive_nowait()()
-                except anyio.WouldBlock:
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    # EndOfStream: closed while draining; the `async for` then ends.
                     break
             while (rd := self._node.ready()) is not None:
                 await self._handle(rd)

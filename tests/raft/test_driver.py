@@ -200,3 +200,22 @@ async def test_restart_from_disk_keeps_state(tmp_path: Path) -> None:
         await g.converged([1, 2, 3])
         assert g.machines[3].data["k"] == "last"
         tg.cancel_scope.cancel()
+
+
+async def test_leaving_the_block_normally_closes_cleanly() -> None:
+    network = MemoryNetwork(seed=3)
+    transport = network.endpoint(peer(1))
+    async with open_raft_log(
+        node_id=NodeId(1),
+        members={NodeId(1): peer(1)},
+        transport=transport,
+        data_dir=None,
+        state_machine=KeyValueStateMachine(),
+        settings=SETTINGS,
+    ) as raft:
+        with anyio.fail_after(5):
+            while raft.leader_id != raft.node_id:  # noqa: ASYNC110 - a single node elects itself
+                await anyio.sleep(0.005)
+        await raft.propose(encode_command("put", "k", "v"))
+        # Leave without cancelling anything: ticks keep arriving while the log closes.
+    await transport.aclose()
