@@ -119,6 +119,9 @@ async def test_a_dead_executor_is_replaced(kernel: Kernel) -> None:
 
 async def test_replace_replica_on_demand(kernel: Kernel) -> None:
     executor = await define_state(kernel)
+    for bad in ({"op": "add_learner", "node": 9}, {"op": "promote", "node": -1}, {"op": "x"}):
+        reply = await kernel.front.control_request(executor, "nbos_member_request", bad, timeout=10)
+        assert reply is not None and reply["content"]["ename"] == "ValidationError", bad
     victim = next(r.node for r in kernel.replicas if r.node != executor)
     new = await kernel.replace_replica(victim)  # it still runs: it is killed first
     assert victim not in {r.node for r in kernel.replicas}
