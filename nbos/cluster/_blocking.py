@@ -81,9 +81,13 @@ class BlockingLocalCluster:
         stack, self._stack = self._stack, None
         return stack.__exit__(exc_type, exc, tb)
 
-    def start_kernel(self) -> BlockingKernel:
+    def start_kernel(self, *, gpus: int = 0) -> BlockingKernel:
+        """Start a kernel whose cells ask for ``gpus`` GPUs unless they say otherwise."""
         assert self._portal is not None, "use BlockingLocalCluster in a with block"
-        return BlockingKernel(self._portal.call(self._cluster.start_kernel), self._portal)
+        cluster = self._cluster
+        return BlockingKernel(
+            self._portal.call(lambda: cluster.start_kernel(gpus=gpus)), self._portal
+        )
 
 
 def connect_blocking(hosts: int = 3, **kwargs: Any) -> BlockingLocalCluster:

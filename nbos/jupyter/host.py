@@ -59,9 +59,10 @@ def has_quorum(kernel: Kernel) -> bool:
     return sum(r.alive for r in replicas) * 2 > len(replicas)
 
 
-async def serve(connection_file: Path, settings: Settings) -> int:
+async def serve(connection_file: Path, settings: Settings, gpus: int = 0) -> int:
+    """Run one kernel (cells ask for ``gpus`` GPUs by default) until it ends; the exit status."""
     async with LocalCluster(hosts=settings.cluster.hosts, settings=settings) as cluster:
-        kernel = await cluster.start_kernel()
+        kernel = await cluster.start_kernel(gpus=gpus)
         info_file = front_info_path(connection_file)
         write_connection_file(info_file, dict(kernel.connection_info), kernel)
         log.info("kernel %s serving at %s", kernel.kernel_id, connection_file)
@@ -97,13 +98,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-f", "--connection-file", required=True)
     parser.add_argument("--config", help="nbos TOML settings")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--gpus", type=_count, default=0, help="the kernel's GPUs per cell (kernelspec nbos.gpus)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
     # Interrupts arrive as messages (interrupt_mode "message"); a terminal's Ctrl-C
     # meant for a console client must not take the whole kernel down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = Settings.load(args.config)
-    return anyio.run(serve, Path(args.connection_file), settings)
+    return anyio.run(serve, Path(args.connection_file), settings, args.gpus)
+
+
+def _count(text: str) -> int:
+    if not text.isdecimal():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of GPUs")
+    return int(text)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ PROVISIONER_NAME = "nbos-provisioner"
 def kernel_json(python: str = sys.executable, gpus: int = 0) -> dict[str, Any]:
     """The kernelspec's ``kernel.json``. ``gpus`` is the kernel's default GPUs per cell."""
     return {
-        "argv": [python, "-m", "nbos.jupyter.host", "-f", "{connection_file}"],
+        "argv": [python, "-m", "nbos.jupyter.host", "-f", "{connection_file}", "--gpus", str(gpus)],
         "display_name": "nbos (replicated Python)",
         "language": "python",
         "interrupt_mode": "message",

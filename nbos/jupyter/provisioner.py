@@ -20,8 +20,10 @@ from typing import Any, cast
 import anyio
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+from traitlets import Int
 
 from nbos.core.errors import KernelError
+from nbos.gateway.requests import kernel_gpus
 from nbos.jupyter.host import front_info_path
 
 log = logging.getLogger(__name__)
@@ -30,16 +32,31 @@ START_TIMEOUT_S = 120.0
 
 
 class NbosProvisioner(LocalProvisioner):
-    """Starts ``python -m nbos.jupyter.host`` and waits for the front's connection info."""
+    """Starts ``python -m nbos.jupyter.host`` and waits for the front's connection info.
+
+    The kernel's GPUs per cell come from the provisioner config (``gpus``), else the
+    kernelspec's ``--gpus`` argument, else its metadata ``{"nbos": {"gpus": N}}``.
+    """
+
+    gpus = Int(None, allow_none=True, help="The kernel's GPUs per cell.").tag(config=True)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        await super().launch_kernel(cmd, **kwargs)
+        await super().launch_kernel(self._with_gpus(cmd), **kwargs)
         if self.parent is None:
             raise KernelError("the nbos provisioner runs only under a kernel manager")
         info = await self._front_info(front_info_path(Path(self.parent.connection_file)))
         info["key"] = info["key"].encode()
         self.connection_info = cast(KernelConnectionInfo, info)
         return self.connection_info
+
+    def _with_gpus(self, cmd: list[str]) -> list[str]:
+        if self.gpus is not None:
+            return [*cmd, "--gpus", str(self.gpus)]  # the host takes the last one given
+        if "--gpus" in cmd:
+            return cmd
+        metadata = self.kernel_spec.metadata if self.kernel_spec is not None else None
+        gpus = kernel_gpus(metadata)
+        return [*cmd, "--gpus", str(gpus)] if gpus else cmd
 
     async def _front_info(self, path: Path) -> dict[str, Any]:
         with anyio.move_on_after(START_TIMEOUT_S):

@@ -269,9 +269,9 @@ async def test_chooser_devices_reach_the_cell_and_every_plan_is_released(
         assert (await k.execute(show)).stdout == "()\n"
         made = await k.execute("import torch\nt = torch.ones(2)\nprint(torch.cuda.is_available())")
         bound = await k.execute("print(t.device)")
-        if made.stdout == "False\n":
-            # No CUDA here: moving t onto GPU 0 fails, the cell does not run, the kernel goes on.
-            assert bound.error is not None and bound.error[0] == "GpuError"
+        if made.stdout == "False\n" and cluster.gpus.inventory.source == "virtual":
+            # Virtual GPUs: a bound cell's tensors stay in host memory.
+            assert bound.stdout == "cpu\n"
         after = await k.execute("print(t.sum().item())")
         assert after.stdout == "2.0\n"
         assert [p.devices for p in chooser.released] == [(3,), (), (), (0,), ()]

@@ -1,0 +1,317 @@
+"""GPUs on demand, end to end, on the embedded cluster with virtual GPUs.
+
+One cluster of 3 hosts with 2 virtual GPUs each serves the module; every kernel
+has one replica on each host, so which host a cell runs on is decided by GPUs
+alone. Cells that must hold their GPUs while the test looks wait for a flag
+file rather than sleep, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+import nbos
+from nbos.cluster import ExecuteResult, Kernel, LocalCluster
+from nbos.cluster._gpus import Eviction
+from nbos.core.config import ClusterSettings, Settings
+from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import PlacementRequest
+from nbos.gateway import Grant
+from nbos.scaling import load_policy
+
+pytestmark = pytest.mark.anyio
+
+GPUS_PER_HOST = 2
+EXAMPLE = Path(__file__).parents[2] / "examples" / "placement_policy"
+
+
+def virtual_cluster(hosts: int = 3, placement_policy: str = "least-loaded") -> LocalCluster:
+    cluster = ClusterSettings(gpus_per_host=GPUS_PER_HOST, placement_policy=placement_policy)
+    settings = Settings(cluster=cluster)
+    # Dead replicas stay dead: the tests look at what a dead one leaves behind.
+    return nbos.LocalCluster(
+        hosts,
+        durable=False,
+        settings=settings,
+        gpu_discovery="virtual",
+        replace_dead_replicas=False,
+    )
+
+
+@pytest.fixture(scope="module")
+async def cluster() -> AsyncIterator[LocalCluster]:
+    async with virtual_cluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+async def a(cluster: LocalCluster) -> Kernel:
+    return await cluster.start_kernel(gpus=GPUS_PER_HOST)
+
+
+@pytest.fixture(scope="module")
+async def b(cluster: LocalCluster) -> Kernel:
+    return await cluster.start_kernel(gpus=GPUS_PER_HOST)
+
+
+@pytest.fixture
+def flag(tmp_path: Path) -> Path:
+    return tmp_path / "go"
+
+
+def hold_until(flag: Path) -> str:
+    """Code that keeps its cell (and so its GPUs) running until ``flag`` exists."""
+    return f"import os, time\nwhile not os.path.exists({str(flag)!r}):\n    time.sleep(0.02)\n"
+
+
+def host_of(kernel: Kernel, result: ExecuteResult) -> HostId:
+    return next(r.host for r in kernel.replicas if r.node == result.executor)
+
+
+def grants_of(cluster: LocalCluster, kernel: Kernel) -> list[Grant]:
+    return [g for g in cluster.gpus.scheduler.grants() if g.kernel_id == kernel.kernel_id]
+
+
+def held_on_agents(cluster: LocalCluster, kernel_id: str) -> dict[HostId, list[object]]:
+    """What each agent still holds for the kernel: reservations and resident devices."""
+    held: dict[HostId, list[object]] = {}
+    for host, agent in cluster.gpus.agents.items():
+        things: list[object] = [r for r in agent.pool.reservations() if r.kernel_id == kernel_id]
+        things += [d for d, k in agent.pool.resident().items() if k == kernel_id]
+        if things:
+            held[host] = things
+    return held
+
+
+def subscribed(cluster: LocalCluster) -> list[int]:
+    return [h.gpus_subscribed for h in cluster.gpus.scheduler.view().hosts]
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():  # noqa: ASYNC110 - state of other processes; no event to await
+            await anyio.sleep(0.02)
+
+
+async def running(cluster: LocalCluster, kernel: Kernel) -> Grant:
+    """The committed grant of the kernel's running cell, once there is one."""
+    await wait_until(lambda: bool(grants_of(cluster, kernel)))
+    (grant,) = grants_of(cluster, kernel)
+    return grant
+
+
+async def test_kernels_are_placed_by_the_policy_on_distinct_hosts(
+    cluster: LocalCluster, a: Kernel, b: Kernel
+) -> None:
+    for kernel in (a, b):
+        assert sorted(r.host for r in kernel.replicas) == ["host-1", "host-2", "host-3"]
+    # Each replica subscribes its kernel's GPUs on its host.
+    assert subscribed(cluster) == [2 * GPUS_PER_HOST] * 3
+
+
+async def test_a_second_kernel_runs_on_another_replicas_host(
+    cluster: LocalCluster, a: Kernel, b: Kernel, flag: Path
+) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(a.execute, hold_until(flag))
+        busy = await running(cluster, a)
+        assert len(busy.devices) == GPUS_PER_HOST  # the whole host
+        second = await b.execute("from nbos.gpu import devices\nprint(devices())")
+        await anyio.Path(flag).touch()
+    assert second.status == "ok"
+    assert second.stdout == "(0, 1)\n"
+    assert host_of(b, second) != busy.host
+
+
+async def test_the_devices_a_cell_sees_are_the_ones_committed_for_it(
+    cluster: LocalCluster, a: Kernel, flag: Path
+) -> None:
+    code = "%%gpus 1\nfrom nbos.gpu import devices\nprint(devices())\n" + hold_until(flag)
+    async with anyio.create_task_group() as tg:
+        results: list[ExecuteResult] = []
+
+        async def run() -> None:
+            results.append(await a.execute(code))
+
+        tg.start_soon(run)
+        grant = await running(cluster, a)
+        committed = [
+            r
+            for r in cluster.gpus.agents[grant.host].pool.committed()
+            if r.kernel_id == a.kernel_id
+        ]
+        await anyio.Path(flag).touch()
+    (result,) = results
+    assert [r.devices for r in committed] == [grant.devices] and len(grant.devices) == 1
+    assert result.stdout == f"{grant.devices}\n"
+    assert host_of(a, result) == grant.host
+    assert not grants_of(cluster, a)  # released after the cell
+
+
+async def test_a_cell_magic_or_metadata_overrides_the_kernels_gpus(a: Kernel) -> None:
+    show = "from nbos.gpu import devices\nprint(len(devices()))"
+    assert (await a.execute(show)).stdout == "2\n"  # the kernel's default
+    one = await a.execute("%%gpus 1\n" + show)
+    assert one.stdout == "1\n"
+    # The magic line is stripped: the replicas run (and the client is shown) the rest.
+    (shown,) = [o for o in one.outputs if o["msg_type"] == "execute_input"]
+    assert shown["content"]["code"] == show
+    assert (await a.execute("%%gpus 0\n" + show)).stdout == "0\n"
+    assert (await a.execute(show, metadata={"nbos": {"gpus": 1}})).stdout == "1\n"
+    assert (await a.execute(show, metadata={"resource_request": {"gpus": 0}})).stdout == "0\n"
+    bad = await a.execute("%%gpus many\n" + show)
+    assert bad.error is not None and bad.error[0] == "GpuError"
+    assert (await a.execute(show)).stdout == "2\n"
+
+
+async def test_more_gpus_than_any_host_has_is_a_clear_error_at_once(
+    cluster: LocalCluster, b: Kernel
+) -> None:
+    result = await b.execute("%%gpus 3\nprint('never')")
+    assert result.error is not None
+    ename, evalue = result.error
+    assert ename == "InsufficientGpusError" and "3 GPUs" in evalue
+    # Shown to the client as an error output too, and nothing ran.
+    assert [o["msg_type"] for o in result.outputs] == ["error"]
+    assert result.round_trip_s < 2.0
+    assert not grants_of(cluster, b)
+    after = await b.execute("print('still usable')")
+    assert (after.status, after.stdout) == ("ok", "still usable\n")
+
+
+async def test_a_waiting_cell_is_told_why_and_runs_once_gpus_free_up(
+    cluster: LocalCluster, a: Kernel, b: Kernel, flag: Path
+) -> None:
+    # a leaves tensors on its devices; then it holds one host while the test holds the others.
+    await a.execute("import torch\nw = torch.arange(4.0)")
+    scheduler = cluster.gpus.scheduler
+    results: list[ExecuteResult] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(a.execute, hold_until(flag))
+        held = await running(cluster, a)
+        hog = KernelId("test-hog")
+        hogs = [
+            await scheduler.acquire(hog, i, {1: host}, last_executor=None, gpus=GPUS_PER_HOST)
+            for i, host in enumerate(sorted(set(cluster.gpus.agents) - {held.host}))
+        ]
+
+        async def run_b() -> None:
+            results.append(await b.execute("print('ran')"))
+
+        tg.start_soon(run_b)
+        await wait_until(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))
+        await anyio.Path(flag).touch()  # a's cell ends and releases its host
+    for grant in hogs:
+        await scheduler.release(grant)
+    (result,) = results
+    assert (result.status, result.stdout) == ("ok", "ran\n")
+    assert host_of(b, result) == held.host
+    waits = [
+        o["content"]["text"]
+        for o in result.outputs
+        if o["msg_type"] == "stream" and o["content"]["name"] == "stderr"
+    ]
+    assert waits and all(w.startswith("nbos: the cell waits: waiting for 2 GPUs") for w in waits)
+    # b took devices holding a's tensors: a's replica there moved them off first (lazy
+    # eviction), and a's next cell brings them back.
+    assert Eviction(held.host, a.kernel_id, (0, 1)) in cluster.gpus.evictions
+    assert (await a.execute("print(w.sum().item())")).stdout == "6.0\n"
+
+
+async def test_an_interrupted_cell_gives_its_gpus_back(cluster: LocalCluster, b: Kernel) -> None:
+    client = AsyncKernelClient()
+    client.load_connection_info(b.connection_info)
+    client.start_channels()
+    try:
+        async with anyio.create_task_group() as tg:
+            results: list[ExecuteResult] = []
+
+            async def run() -> None:
+                results.append(await b.execute("import time\ntime.sleep(60)"))
+
+            tg.start_soon(run)
+            await running(cluster, b)
+            client.control_channel.send(client.session.msg("interrupt_request", {}))
+    finally:
+        client.stop_channels()
+    (result,) = results
+    assert result.error is not None and result.error[0] == "KeyboardInterrupt"
+    assert not grants_of(cluster, b)
+    assert (await b.execute("print('on')")).stdout == "on\n"
+
+
+async def test_a_crashed_executor_and_a_shut_down_kernel_give_everything_back(
+    cluster: LocalCluster, flag: Path
+) -> None:
+    c = await cluster.start_kernel(gpus=1)
+    first = await c.execute("import torch\nt = torch.ones(2)")
+    # Its tensors stay resident on the one device it used.
+    ((resident_host, resident),) = held_on_agents(cluster, c.kernel_id).items()
+    assert resident_host == host_of(c, first) and len(resident) == 1
+    async with anyio.create_task_group() as tg:
+        results: list[ExecuteResult] = []
+
+        async def run() -> None:
+            results.append(await c.execute(hold_until(flag)))
+
+        tg.start_soon(run)
+        grant = await running(cluster, c)
+        await c.kill_replica(grant.replica)
+    (lost,) = results
+    assert lost.error is not None and lost.error[0] == "CellLostError"
+    await wait_until(lambda: grant.host not in held_on_agents(cluster, c.kernel_id))
+    assert not grants_of(cluster, c)
+    again = await c.execute("print(t.sum().item())")
+    assert again.stdout == "2.0\n" and host_of(c, again) != grant.host  # a survivor ran it
+
+    await c.shutdown()
+    # Only a's and b's subscriptions are left, and nothing of c on any host.
+    await wait_until(lambda: subscribed(cluster) == [2 * GPUS_PER_HOST] * 3)
+    await wait_until(lambda: not held_on_agents(cluster, c.kernel_id))
+
+
+async def test_everything_is_idle_once_the_kernels_are_shut_down(
+    cluster: LocalCluster, a: Kernel, b: Kernel
+) -> None:
+    await a.shutdown()
+    await b.shutdown()
+    await wait_until(lambda: subscribed(cluster) == [0, 0, 0])
+    await wait_until(cluster.gpus.idle)
+
+
+@pytest.fixture(scope="module")
+def installed_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+            "--no-build-isolation", "--disable-pip-version-check", "--target", str(target),
+            str(EXAMPLE),
+        ],
+        check=True,
+        timeout=120,
+    )  # fmt: skip
+    return target
+
+
+async def test_a_user_policy_registered_by_entry_point_places_the_kernels(
+    installed_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the cluster's process needs the policy: replicas never place anything.
+    monkeypatch.syspath_prepend(str(installed_policy))
+    async with virtual_cluster(hosts=4, placement_policy="spread-by-name") as c:
+        module = sys.modules["nbos_example_policy"]
+        assert Path(str(module.__file__)).is_relative_to(installed_policy)
+        kernel = await c.start_kernel()
+        own = load_policy("spread-by-name").place(
+            PlacementRequest(KernelId(kernel.kernel_id), 0, 3), c.gpus.scheduler.view()
+        )
+        assert tuple(r.host for r in kernel.replicas) == tuple(own)
+        assert (await kernel.execute("print(1)")).stdout == "1\n"
