@@ -40,6 +40,7 @@ from nbos.kernel.replica._machine import (
     CommDelivered,
     Event,
     KernelStateMachine,
+    Outcome,
     Restored,
 )
 from nbos.kernel.replica._membership import member_reply
@@ -116,7 +117,7 @@ class ReplicaKernel(IPythonKernel):
         self._diverged = False
         self._warned: set[str] = set()
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
-        self._preclaims: dict[int, asyncio.Task[int]] = {}
+        self._preclaims: dict[int, asyncio.Future[Outcome]] = {}
 
     # --- wiring ------------------------------------------------------------------
 
@@ -193,8 +194,6 @@ class ReplicaKernel(IPythonKernel):
                 await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
             finally:
                 self._cell = None
-        if not self._diverged:
-            self._preclaim(index + 1)
         assert self._raft is not None
         self._raft.want_leadership()
         if self._diverged:
@@ -206,7 +205,7 @@ class ReplicaKernel(IPythonKernel):
         early = self._preclaims.pop(index, None)
         if early is not None:
             try:
-                return await early
+                return (await early).winner
             except NbosError as exc:
                 log.info("early claim of cell %d failed (%s); claiming again", index, exc)
         return await self._propose_claim(index)
@@ -218,11 +217,17 @@ class ReplicaKernel(IPythonKernel):
         so this claim's consensus round is off the next cell's critical path. If the
         cell goes to another replica after all, that one's claim loses, and the front
         settles the index as lost and sends the cell again under a new index.
+        It is made as soon as the previous cell's ``Done`` committed: handed to the
+        Raft member at once, it does not wait for this cell's reply and idle.
         """
-        assert self._main_loop is not None
-        task = self._main_loop.create_task(self._propose_claim(index))
-        task.add_done_callback(_consume_failure)
-        self._preclaims = {index: task}
+        assert self._raft is not None
+        try:
+            early = asyncio.wrap_future(self._raft.propose_soon(Claim(index, self.node)))
+        except NbosError as exc:
+            log.debug("early claim of cell %d not made: %s", index, exc)
+            return
+        early.add_done_callback(_consume_failure)
+        self._preclaims = {index: early}
 
     async def _propose_claim(self, index: int) -> int:
         assert self._raft is not None
@@ -263,6 +268,8 @@ class ReplicaKernel(IPythonKernel):
             try:
                 await self._commit(cell)
                 cell.commit_s = time.monotonic() - cell.started - cell.run_s
+                if not self._diverged:
+                    self._preclaim(cell.index + 1)
             except NbosError as exc:
                 log.warning("cell %d could not be committed: %s", cell.index, exc)
                 return error_content(exc, self.execution_count)
@@ -538,10 +545,10 @@ def _host_memory(index: int) -> Any:
     return torch.device("cpu")
 
 
-def _consume_failure(task: asyncio.Task[int]) -> None:
+def _consume_failure(early: asyncio.Future[Outcome]) -> None:
     # An early claim nobody waits for must not end as "exception never retrieved".
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("early claim failed: %s", task.exception())
+    if not early.cancelled() and early.exception() is not None:
+        log.debug("early claim failed: %s", early.exception())
 
 
 def error_content(exc: Exception, execution_count: int) -> dict[str, Any]:
