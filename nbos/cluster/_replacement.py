@@ -171,6 +171,19 @@ class Replacer:
             # A background policy: whatever went wrong, the kernel and the cluster go on.
             log.exception("kernel %s: replacing replica %d failed", self._kernel_id, node)
 
+    async def introduce(self, node: int) -> None:
+        """Tell replica ``node`` (restarted in place) where every other member's forwarder is.
+
+        Its Raft transport learns the members from its log; its forwarder knows only the
+        peers it was first started with, which may since have been replaced.
+        """
+        for member, address in list(self._members.items()):
+            if member != node:
+                content = _content("peer", member, address)
+                await self._front.control_request(
+                    node, "nbos_member_request", content, timeout=_REQUEST_TIMEOUT_S
+                )
+
     def replacing(self, node: int) -> bool:
         """Whether replica ``node`` is being replaced right now."""
         return self._replacing == node

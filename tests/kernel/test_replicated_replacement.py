@@ -130,3 +130,21 @@ async def test_replace_replica_on_demand(kernel: Kernel) -> None:
     await check_converged(kernel, new)
     with pytest.raises(KernelError):
         await kernel.replace_replica(victim)  # gone for good
+
+
+async def test_a_durable_kernel_restarts_a_replica_in_place_after_a_replacement() -> None:
+    # A long grace: the restart in place comes first, and the policy then leaves it be.
+    async with nbos.LocalCluster(hosts=3, durable=True, replace_after_s=30.0) as cluster:
+        kernel = await cluster.start_kernel()
+        executor = await define_state(kernel)
+        victim, other = sorted(r.node for r in kernel.replicas if r.node != executor)
+        new = await kernel.replace_replica(victim)
+        await kernel.kill_replica(other)
+        await kernel.restart_replica(other)  # from its own log, which has the new member
+        assert set(kernel.front.alive) == {executor, other, new}
+        await check_converged(kernel, new)
+        # Without the old executor, the restarted replica and the new one are a majority.
+        await kernel.kill_replica(executor)
+        result = await kernel.execute("print(len(xs))")
+        assert result.stdout == "5\n", result.reply
+        assert result.executor in {other, new}
