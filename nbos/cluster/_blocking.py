@@ -49,6 +49,9 @@ class BlockingKernel:
     def kill_replica(self, node: int, signum: int = signal.SIGKILL) -> None:
         self._portal.call(self._kernel.kill_replica, node, signum)
 
+    def replace_replica(self, node: int, *, timeout: float = 60.0) -> int:
+        return self._portal.call(lambda: self._kernel.replace_replica(node, timeout=timeout))
+
     def shutdown(self) -> None:
         self._portal.call(self._kernel.shutdown)
 
