@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 class GpuChooser:
     """Chooses each cell's executor of kernel ``kernel_id`` by GPUs (an ``ExecutorChooser``).
 
-    ``hosts`` maps every replica's node id to its host; it is shared, not copied
-    (:meth:`replica_replaced` updates it, and whoever else holds it sees the change).
+    ``hosts`` maps every replica's node id to its host (copied; :meth:`replica_replaced`
+    keeps the copy and the scheduler's placement up to date).
     ``default_gpus`` is the kernel's GPUs per cell. ``release`` frees a plan's GPUs on
     every path and leaves the executor's tensors resident on them (lazy eviction); a
     replica that died loses its residency through :meth:`GpuScheduler.replica_gone`.
@@ -46,12 +46,12 @@ class GpuChooser:
         self,
         scheduler: GpuScheduler,
         kernel_id: KernelId,
-        hosts: dict[int, HostId],
+        hosts: Mapping[int, HostId],
         default_gpus: int,
     ) -> None:
         self._scheduler = scheduler
         self._kernel_id = kernel_id
-        self._hosts = hosts
+        self._hosts = dict(hosts)
         self._default = default_gpus
         # Plan identity -> its grant: plans of equal value may be in flight at once.
         self._grants: dict[int, tuple[CellPlan, Grant]] = {}
@@ -67,8 +67,10 @@ class GpuChooser:
 
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         """Replica ``dead`` is gone for good; ``node`` on ``host`` took its place."""
-        self._hosts.pop(dead, None)
+        old = self._hosts.pop(dead, None)
         self._hosts[node] = host
+        if old is not None and old != host:
+            self._scheduler.replica_moved(self._kernel_id, old, host)
 
     async def choose(self, request: ChoiceRequest) -> CellPlan:
         """The executor and committed devices of the cell; may wait for GPUs.

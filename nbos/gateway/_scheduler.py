@@ -233,6 +233,17 @@ class GpuScheduler:
         self._notify()
         return hosts
 
+    def replica_moved(self, kernel_id: KernelId, old: HostId, new: HostId) -> None:
+        """A replica of the kernel was replaced from host ``old`` to ``new``: so is its
+        subscription. (What it held on ``old`` is freed by :meth:`replica_gone`.)"""
+        placed = self._placements.get(kernel_id)
+        if placed is None or old not in placed[0]:
+            return
+        hosts, gpus = placed
+        self._placements[kernel_id] = (tuple(new if h == old else h for h in hosts), gpus)
+        log.info("kernel %s: replica moved from %s to %s", kernel_id, old, new)
+        self._notify()
+
     # --- cells -----------------------------------------------------------------------
 
     async def acquire(

@@ -32,16 +32,20 @@ GPUS_PER_HOST = 2
 EXAMPLE = Path(__file__).parents[2] / "examples" / "placement_policy"
 
 
-def virtual_cluster(hosts: int = 3, placement_policy: str = "least-loaded") -> LocalCluster:
-    cluster = ClusterSettings(gpus_per_host=GPUS_PER_HOST, placement_policy=placement_policy)
-    settings = Settings(cluster=cluster)
-    # Dead replicas stay dead: the tests look at what a dead one leaves behind.
+def virtual_cluster(
+    hosts: int = 3,
+    placement_policy: str = "least-loaded",
+    gpus_per_host: int = GPUS_PER_HOST,
+    replace: bool = False,
+) -> LocalCluster:
+    cluster = ClusterSettings(gpus_per_host=gpus_per_host, placement_policy=placement_policy)
+    # Unless ``replace``, dead replicas stay dead: the tests look at what one leaves behind.
     return nbos.LocalCluster(
         hosts,
         durable=False,
-        settings=settings,
+        settings=Settings(cluster=cluster),
         gpu_discovery="virtual",
-        replace_dead_replicas=False,
+        replace_dead_replicas=replace,
     )
 
 
@@ -284,6 +288,31 @@ async def test_everything_is_idle_once_the_kernels_are_shut_down(
     await b.shutdown()
     await wait_until(lambda: subscribed(cluster) == [0, 0, 0])
     await wait_until(cluster.gpus.idle)
+
+
+async def test_a_replacement_replica_runs_cells_with_its_new_hosts_gpus() -> None:
+    async with virtual_cluster(hosts=4, gpus_per_host=1, replace=True) as c:
+        k = await c.start_kernel(gpus=1)
+        first = await k.execute("import torch\nt = torch.ones(3)")
+        assert first.executor is not None
+        await k.kill_replica(first.executor)
+        # The replica is replaced on the one free host, and its subscription moves there.
+        await wait_until(lambda: subscribed(c) == [0, 1, 1, 1], timeout=60)
+        (new,) = [r for r in k.replicas if r.alive and r.host == "host-4"]
+        # The other replicas' hosts are busy: the cell can run only on the new one.
+        scheduler = c.gpus.scheduler
+        hog = KernelId("test-hog")
+        others = [r.host for r in k.replicas if r.alive and r.node != new.node]
+        hogs = [
+            await scheduler.acquire(hog, i, {1: h}, last_executor=None, gpus=1)
+            for i, h in enumerate(others)
+        ]
+        result = await k.execute("from nbos.gpu import devices\nprint(devices(), t.sum().item())")
+        for grant in hogs:
+            await scheduler.release(grant)
+        assert (result.executor, result.stdout) == (new.node, "(0,) 3.0\n")
+        await k.shutdown()
+        await wait_until(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
 
 
 @pytest.fixture(scope="module")
