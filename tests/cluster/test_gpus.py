@@ -229,7 +229,9 @@ async def test_a_waiting_cell_is_told_why_and_runs_once_gpus_free_up(
     assert (await a.execute("print(w.sum().item())")).stdout == "6.0\n"
 
 
-async def test_an_interrupted_cell_gives_its_gpus_back(cluster: LocalCluster, b: Kernel) -> None:
+async def test_an_interrupted_or_failed_cell_gives_its_gpus_back(
+    cluster: LocalCluster, b: Kernel
+) -> None:
     client = AsyncKernelClient()
     client.load_connection_info(b.connection_info)
     client.start_channels()
@@ -247,6 +249,9 @@ async def test_an_interrupted_cell_gives_its_gpus_back(cluster: LocalCluster, b:
         client.stop_channels()
     (result,) = results
     assert result.error is not None and result.error[0] == "KeyboardInterrupt"
+    assert not grants_of(cluster, b)
+    failed = await b.execute("1 / 0")
+    assert failed.error is not None and failed.error[0] == "ZeroDivisionError"
     assert not grants_of(cluster, b)
     assert (await b.execute("print('on')")).stdout == "on\n"
 
