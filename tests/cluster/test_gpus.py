@@ -256,6 +256,36 @@ async def test_an_interrupted_or_failed_cell_gives_its_gpus_back(
     assert (await b.execute("print('on')")).stdout == "on\n"
 
 
+async def test_an_interrupt_ends_a_wait_for_gpus(cluster: LocalCluster, b: Kernel) -> None:
+    scheduler = cluster.gpus.scheduler
+    hog = KernelId("test-hog")
+    hogs = [
+        await scheduler.acquire(hog, i, {1: host}, last_executor=None, gpus=GPUS_PER_HOST)
+        for i, host in enumerate(sorted(cluster.gpus.agents))
+    ]
+    client = AsyncKernelClient()
+    client.load_connection_info(b.connection_info)
+    client.start_channels()
+    try:
+        async with anyio.create_task_group() as tg:
+            results: list[ExecuteResult] = []
+
+            async def run() -> None:
+                results.append(await b.execute("print('never')"))
+
+            tg.start_soon(run)
+            await wait_until(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))
+            client.control_channel.send(client.session.msg("interrupt_request", {}))
+    finally:
+        client.stop_channels()
+        for grant in hogs:
+            await scheduler.release(grant)
+    (result,) = results
+    assert result.error is not None and "interrupted while it waited" in result.error[1]
+    assert "never" not in result.stdout and not scheduler.waiting()
+    assert (await b.execute("print('on')")).stdout == "on\n"
+
+
 async def test_a_crashed_executor_and_a_shut_down_kernel_give_everything_back(
     cluster: LocalCluster, flag: Path
 ) -> None:

@@ -150,6 +150,8 @@ class KernelFront:
         #: Shell requests that finished, and the replica that handled each.
         self._finished: OrderedDict[str, int] = OrderedDict()
         self._active: _Pending | None = None
+        #: Set while the chooser picks a cell's executor (it may wait for GPUs).
+        self._choosing: anyio.CancelScope | None = None
         self._next_index = 1
         self._last_executor: int | None = None
         self._refused = 0
@@ -493,7 +495,7 @@ class KernelFront:
             index = self._next_index
             self._next_index += 1
             try:
-                plan = await self._chooser.choose(self._choice_request(msg, index))
+                plan = await self._choose(msg, index)
             except NbosError as exc:
                 log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
                 self._next_index = index  # nothing was sent under it: the next cell takes it
@@ -514,6 +516,16 @@ class KernelFront:
         failure = KernelError(f"no replica could claim the cell in {_CLAIM_ATTEMPTS} attempts")
         await self._reply(idents, msg, "execute_reply", error_content(failure, 0))
         return "error"
+
+    async def _choose(self, msg: _wire.Msg, index: int) -> CellPlan:
+        """The chooser's plan for cell ``index``; an interrupt ends a wait (for GPUs)."""
+        with anyio.CancelScope() as scope:
+            self._choosing = scope
+            try:
+                return await self._chooser.choose(self._choice_request(msg, index))
+            finally:
+                self._choosing = None
+        raise KernelError(f"cell {index} was interrupted while it waited to run")
 
     def _choice_request(self, msg: _wire.Msg, index: int) -> ChoiceRequest:
         async def notify(text: str) -> None:
@@ -684,6 +696,12 @@ class KernelFront:
                 await self._publish_status("idle", msg)
 
     async def _interrupt(self, idents: list[bytes], msg: _wire.Msg) -> None:
+        if self._choosing is not None:
+            # The cell waits for its executor (GPUs): it has not started anywhere yet.
+            self._choosing.cancel()
+            reply = self._signer.new_message("interrupt_reply", {"status": "ok"}, msg)
+            await self._to_client(self._control, reply, idents)
+            return
         active = self._active
         target = active.target if active is not None else self._last_executor
         if target is None or target not in self.alive:
