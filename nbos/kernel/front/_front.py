@@ -95,6 +95,8 @@ class _Pending:
     expects_reply: bool
     reply: _wire.Msg | None = None
     lost: bool = False
+    #: The reply went to the client as the request's final answer.
+    answered: bool = False
     replied: anyio.Event = attrs.Factory(anyio.Event)
     idled: anyio.Event = attrs.Factory(anyio.Event)
 
@@ -159,6 +161,8 @@ class KernelFront:
         self._tg: anyio.abc.TaskGroup | None = None
         #: The shell request whose ``busy`` is still due (see :meth:`_flush_busy`).
         self._busy_for: _wire.Msg | None = None
+        #: The shell request whose ``idle`` is still due (see :meth:`_finish_shell`).
+        self._idle_for: _wire.Msg | None = None
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
 
@@ -429,6 +433,16 @@ class KernelFront:
             busy = self._signer.new_message("status", {"execution_state": "busy"}, parent)
             await self._send_iopub(busy)
 
+    async def _finish_shell(self) -> None:
+        """Publish the shell request's ``idle`` if it is still due.
+
+        That is as soon as its reply was relayed and the replica's own idle came
+        (:meth:`_read_iopub`), or else when the request is done with.
+        """
+        parent, self._idle_for = self._idle_for, None
+        if parent is not None:
+            await self._publish_status("idle", parent)
+
     async def _publish_status(self, state: str, parent: _wire.Msg) -> None:
         msg = self._signer.new_message("status", {"execution_state": state}, parent)
         await self._publish(msg)
@@ -462,7 +476,7 @@ class KernelFront:
     async def _handle_shell(self, idents: list[bytes], msg: _wire.Msg, *, abort: bool) -> bool:
         """Handle one shell request; ``True`` if it was a cell whose failure stops the queue."""
         msg_type = msg["header"]["msg_type"]
-        self._busy_for = msg
+        self._busy_for = self._idle_for = msg
         try:
             if msg_type != "execute_request":
                 await self._relay(idents, msg, "shell", self._shell)
@@ -479,7 +493,7 @@ class KernelFront:
             log.exception("kernel %s: %s failed", self._kernel_id, msg_type)
             return False
         finally:
-            await self._publish_status("idle", msg)
+            await self._finish_shell()
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Run one cell; returns the status of the reply the client got."""
@@ -547,10 +561,12 @@ class KernelFront:
     ) -> str | None:
         """The reply's status, or ``None`` if the replica's claim lost (nothing ran)."""
 
-        async def relay(reply: _wire.Msg) -> None:
-            if not _claim_lost(reply):
-                self._last_executor = plan.replica
-                await self._to_client(self._shell, reply, idents)
+        async def relay(reply: _wire.Msg) -> bool:
+            if _claim_lost(reply):
+                return False
+            self._last_executor = plan.replica
+            await self._to_client(self._shell, reply, idents)
+            return True
 
         metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
         content = msg["content"] if plan.code is None else {**msg["content"], "code": plan.code}
@@ -614,8 +630,9 @@ class KernelFront:
     ) -> None:
         """Relay a request to a live replica (the last executor first) and its reply back."""
 
-        async def relay(reply: _wire.Msg) -> None:
+        async def relay(reply: _wire.Msg) -> bool:
             await self._to_client(sock, reply, idents)
+            return True
 
         expects_reply = msg["header"]["msg_type"].endswith("_request")
         preferred = [self._last_executor] if self._last_executor in self.alive else []
@@ -638,10 +655,11 @@ class KernelFront:
         idents: list[bytes],
         *,
         grace: float,
-        on_reply: Callable[[_wire.Msg], Awaitable[None]] | None = None,
+        on_reply: Callable[[_wire.Msg], Awaitable[bool]] | None = None,
     ) -> _Pending:
-        """Send ``msg`` to ``target``; wait for its reply (``on_reply`` gets it at once), then
-        for its idle (at most ``grace`` seconds longer)."""
+        """Send ``msg`` to ``target``; wait for its reply (``on_reply`` gets it at once and
+        says whether it answered the client), then for its idle (at most ``grace`` seconds
+        longer)."""
         header = msg["header"]
         expects_reply = header["msg_type"].endswith("_request")
         pending = _Pending(header["msg_id"], target, idents, expects_reply)
@@ -660,7 +678,7 @@ class KernelFront:
             if pending.reply is not None and on_reply is not None:
                 # The client may have it before the replica's last output: as with any
                 # kernel, a client waits for idle to know a request is complete.
-                await on_reply(pending.reply)
+                pending.answered = await on_reply(pending.reply)
             # The replica's idle follows everything it published for the request; past
             # the grace we go on without it (an IOPub message can be lost).
             with anyio.move_on_after(grace):
@@ -759,6 +777,10 @@ class KernelFront:
                     await self._publish(msg)
                 elif msg["content"].get("execution_state") == "idle":
                     pending.got_idle()
+                    if pending.answered and pending is self._active:
+                        # Everything is out: the client need not wait for the request's
+                        # task to wake up and unwind.
+                        await self._finish_shell()
             elif not is_status and self._finished.get(parent_id) == up.replica:
                 # Late output of a finished request (a thread the cell started), from the
                 # replica that ran it: a client shows it with that cell, as with ipykernel.
