@@ -101,7 +101,13 @@ class ClusterGpus:
         try:
             async with (
                 GpuScheduler.serve(
-                    gateway, chosen, replicas_per_kernel=settings.replicas_per_kernel
+                    gateway,
+                    chosen,
+                    # An agent answers a grant only after the eviction it needs (up to
+                    # EVICT_TIMEOUT_S); in-process agents do not vanish, so waiting that
+                    # long never hides a dead one.
+                    rpc_timeout=EVICT_TIMEOUT_S + 5.0,
+                    replicas_per_kernel=settings.replicas_per_kernel,
                 ) as scheduler,
                 anyio.create_task_group() as tg,
             ):
@@ -177,7 +183,7 @@ class ClusterGpus:
                 log.info("host %s: kernel %s has no live replica to evict", host, kernel_id)
                 return
             reply = await route.front.control_request(
-                node, "nbos_evict_request", {}, timeout=EVICT_TIMEOUT_S
+                node, "nbos_evict_request", {"devices": list(devices)}, timeout=EVICT_TIMEOUT_S
             )
             if reply is None or reply["content"].get("status") != "ok":
                 why = "no answer" if reply is None else reply["content"].get("evalue", "refused")

@@ -503,9 +503,18 @@ class ReplicaKernel(IPythonKernel):
         }
 
     async def _evict_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
-        """Move tensors left resident on GPUs to host memory (the host needs the devices)."""
+        """Move tensors left resident on GPUs to host memory (the host needs the devices).
+
+        ``devices`` in the content, if given, names the devices the host needs.
+        """
         assert self._main_loop is not None
-        future = asyncio.run_coroutine_threadsafe(self._evict(), self._main_loop)
+        devices = parent.get("content", {}).get("devices")
+        needed = (
+            tuple(devices)
+            if isinstance(devices, list) and all(isinstance(d, int) for d in devices)
+            else None
+        )
+        future = asyncio.run_coroutine_threadsafe(self._evict(needed), self._main_loop)
         content: dict[str, Any] = {"status": "ok"}
         try:
             await asyncio.wrap_future(future)
@@ -514,7 +523,11 @@ class ReplicaKernel(IPythonKernel):
             content = error_content(exc, self.execution_count)
         self._session.send(stream, "nbos_evict_reply", content, parent, ident=ident)
 
-    async def _evict(self) -> None:
+    async def _evict(self, needed: tuple[int, ...] | None) -> None:
+        # A cell binds all of our tensors onto its own devices: if none of ours is on a
+        # needed device, there is nothing to move and no running cell to wait for.
+        if needed is not None and not set(needed) & set(self._binder.resident):
+            return
         # Not while a cell uses the devices: the namespace lock is held during cells.
         async with self._namespace_lock:
             await self._binder.evict()
