@@ -100,8 +100,8 @@ class DockerProcessHandle(HandleBase):
             else:
                 await self._container.kill(signal=str(int(signum)))
         except (aiodocker.DockerError, aiohttp.ClientError) as exc:
-            if isinstance(exc, aiodocker.DockerError) and exc.status == _CONFLICT:
-                logger.debug("signal %d to %s: not running (%s)", signum, self.name, exc)
+            if _already_in_state(exc, signum):
+                logger.debug("signal %d to %s: nothing to do (%s)", signum, self.name, exc)
                 return
             raise _translate(self._host, f"signal {signum} to {self.name}", exc) from exc
 
@@ -109,6 +109,17 @@ class DockerProcessHandle(HandleBase):
         # Asked each time: the engine unpauses a container by itself when it kills it.
         state = await self._container.show()
         return bool(state["State"]["Paused"])
+
+
+def _already_in_state(exc: Exception, signum: int) -> bool:
+    """The container is not running, or (SIGCONT) was unpaused since we looked."""
+    if not isinstance(exc, aiodocker.DockerError):
+        return False
+    if exc.status == _CONFLICT:
+        return True
+    # The engine unpauses a container it kills: between our look and our unpause,
+    # a concurrent kill or stop can get there first.
+    return signum == signal.SIGCONT and "is not paused" in str(exc.message)
 
 
 class DockerBackend:
