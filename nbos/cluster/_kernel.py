@@ -258,6 +258,8 @@ async def stop_processes(front: KernelFront, by_node: Mapping[int, ProcessHandle
 async def _ask_shutdown(front: KernelFront, node: int, handle: ProcessHandle) -> None:
     # A replica replies once its Raft member has stopped; what is left is interpreter
     # teardown, which can take seconds (torch) and is safe to cut short.
+    if node not in front.alive:  # removed by a replacement meanwhile: terminate() ends it
+        return
     await front.control_request(node, "shutdown_request", {"restart": False}, timeout=2.0)
     with anyio.move_on_after(_EXIT_GRACE_S):
         await handle.wait()

@@ -266,8 +266,13 @@ class KernelFront:
     async def control_request(
         self, replica: int, msg_type: str, content: Mapping[str, Any], *, timeout: float
     ) -> _wire.Msg | None:
-        """Send a control request of the front's own to ``replica``; its reply or ``None``."""
-        up = self._upstreams[replica]
+        """Send a control request of the front's own to ``replica``; its reply or ``None``.
+
+        ``None`` too when the replica is gone (dead, or removed by a replacement).
+        """
+        up = self._upstreams.get(replica)
+        if up is None:
+            return None
         msg = up.signer.new_message(msg_type, dict(content))
         with anyio.move_on_after(timeout):
             pending = await self._roundtrip(replica, "control", msg, [], grace=0.0)
@@ -671,7 +676,12 @@ class KernelFront:
         if channel == "shell":
             self._active = pending
         try:
-            await up.send(channel, msg)
+            try:
+                await up.send(channel, msg)
+            except KernelError as exc:
+                log.info("kernel %s: %s", self._kernel_id, exc)
+                pending.got_lost()
+                return pending
             if channel == "shell":
                 await self._flush_busy()
             await pending.replied.wait()

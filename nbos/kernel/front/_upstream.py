@@ -11,6 +11,7 @@ import attrs
 import zmq
 import zmq.asyncio
 
+from nbos.core.errors import KernelError
 from nbos.kernel.front import _wire
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,15 @@ class Upstream:
         return self._connect(zmq.REQ, "hb_port")
 
     async def send(self, channel: Channel, msg: _wire.Msg) -> None:
-        """Re-sign ``msg`` with this replica's key and send it on ``channel``."""
-        await self.sockets[channel].send_multipart(self.signer.frames(msg), copy=False)
+        """Re-sign ``msg`` with this replica's key and send it on ``channel``.
+
+        Raises :class:`KernelError` once the upstream is closed (its replica was
+        removed while a request to it was on its way).
+        """
+        sock = self.sockets[channel]
+        if sock.closed:
+            raise KernelError(f"replica {self.replica} was removed from the kernel")
+        await sock.send_multipart(self.signer.frames(msg), copy=False)
 
     def mark_dead(self) -> bool:
         """Record the replica as dead; ``True`` the first time."""
