@@ -8,7 +8,6 @@ file rather than sleep, so nothing depends on timing.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -25,11 +24,11 @@ from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import PlacementRequest
 from nbos.gateway import Grant
 from nbos.scaling import load_policy
+from tests.example_policy import install_example_policy
 
 pytestmark = pytest.mark.anyio
 
 GPUS_PER_HOST = 2
-EXAMPLE = Path(__file__).parents[2] / "examples" / "placement_policy"
 
 
 def virtual_cluster(
@@ -352,17 +351,7 @@ async def test_a_replacement_replica_runs_cells_with_its_new_hosts_gpus() -> Non
 
 @pytest.fixture(scope="module")
 def installed_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-            "--no-build-isolation", "--disable-pip-version-check", "--target", str(target),
-            str(EXAMPLE),
-        ],
-        check=True,
-        timeout=120,
-    )  # fmt: skip
-    return target
+    return install_example_policy(tmp_path_factory)
 
 
 async def test_a_user_policy_registered_by_entry_point_places_the_kernels(

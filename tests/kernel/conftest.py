@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from nbos.cluster import Kernel, LocalCluster
 from nbos.core.wire import encode
 from nbos.core.wire.state import StateDelta
 from nbos.kernel.state import StateCapture, _codec, apply, namespace_digest
@@ -24,6 +25,25 @@ from nbos.store.local import LocalObjectStore
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+async def kernel(cluster: LocalCluster) -> AsyncIterator[Kernel]:
+    """A kernel of its own on the module's ``cluster`` (each module defines that fixture)."""
+    k = await cluster.start_kernel()
+    try:
+        yield k
+    finally:
+        await k.shutdown()
+
+
+async def run_cells(kernel: Kernel, cells: list[str]) -> int:
+    """Run ``cells`` in order, each must succeed; returns the executor of the last one."""
+    for code in cells:
+        result = await kernel.execute(code)
+        assert result.status == "ok", result.reply
+    assert result.executor is not None
+    return result.executor
 
 
 def fresh_namespace() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.kernel.front import HeartbeatPolicy
+from tests.kernel.conftest import run_cells
 
 pytestmark = pytest.mark.anyio
 
@@ -56,26 +57,8 @@ async def cluster() -> AsyncIterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture
-async def kernel(cluster: LocalCluster) -> AsyncIterator[Kernel]:
-    k = await cluster.start_kernel()
-    try:
-        yield k
-    finally:
-        await k.shutdown()
-
-
-async def define_state(kernel: Kernel) -> int:
-    """Run the STATE cells; returns the executor of the last one."""
-    for code in STATE:
-        result = await kernel.execute(code)
-        assert result.status == "ok", result.reply
-    assert result.executor is not None
-    return result.executor
-
-
 async def test_kill_a_non_executor_between_cells(kernel: Kernel) -> None:
-    executor = await define_state(kernel)
+    executor = await run_cells(kernel, STATE)
     victim = next(r.node for r in kernel.replicas if r.node != executor)
     await kernel.kill_replica(victim)
     assert victim not in kernel.front.alive
@@ -90,7 +73,7 @@ async def test_kill_a_non_executor_between_cells(kernel: Kernel) -> None:
 
 
 async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
-    executor = await define_state(kernel)
+    executor = await run_cells(kernel, STATE)
     model = await kernel.execute(
         "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
@@ -124,7 +107,7 @@ async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
 
 
 async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
-    await define_state(kernel)
+    await run_cells(kernel, STATE)
     before = await kernel.digests()
     client = AsyncKernelClient()
     client.load_connection_info(kernel.connection_info)
@@ -167,7 +150,7 @@ async def reply_to(client: AsyncKernelClient, msg_id: str) -> dict[str, Any]:
 
 
 async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel: Kernel) -> None:
-    await define_state(kernel)
+    await run_cells(kernel, STATE)
     before = await kernel.digests()
     client = AsyncKernelClient()
     client.load_connection_info(kernel.connection_info)
@@ -201,7 +184,7 @@ async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> N
         hosts=3, durable=True, settings=settings, rebase_bytes=1, replace_dead_replicas=False
     ) as cluster:
         kernel = await cluster.start_kernel()
-        executor = await define_state(kernel)
+        executor = await run_cells(kernel, STATE)
         victim = next(r.node for r in kernel.replicas if r.node != executor)
         await kernel.kill_replica(victim)
         for _ in range(4):  # cells it misses

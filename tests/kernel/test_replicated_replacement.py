@@ -16,6 +16,7 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.core.errors import KernelError
+from tests.kernel.conftest import run_cells
 
 pytestmark = pytest.mark.anyio
 
@@ -41,23 +42,6 @@ async def cluster() -> AsyncIterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture
-async def kernel(cluster: LocalCluster) -> AsyncIterator[Kernel]:
-    k = await cluster.start_kernel()
-    try:
-        yield k
-    finally:
-        await k.shutdown()
-
-
-async def define_state(kernel: Kernel) -> int:
-    for code in STATE:
-        result = await kernel.execute(code)
-        assert result.status == "ok", result.reply
-    assert result.executor is not None
-    return result.executor
-
-
 async def replaced(kernel: Kernel, dead: int) -> int:
     """Wait until ``dead`` was replaced and 3 replicas are live again; the new node id."""
     with anyio.fail_after(REPLACED_WITHIN_S):
@@ -81,7 +65,7 @@ async def check_converged(kernel: Kernel, new: int) -> None:
 async def test_a_dead_non_executor_is_replaced_and_the_new_membership_carries_on(
     kernel: Kernel,
 ) -> None:
-    executor = await define_state(kernel)
+    executor = await run_cells(kernel, STATE)
     originals = {r.node: r.host for r in kernel.replicas}
     victim = next(n for n in originals if n != executor)
     await kernel.kill_replica(victim)
@@ -106,7 +90,7 @@ async def test_a_dead_non_executor_is_replaced_and_the_new_membership_carries_on
 
 
 async def test_a_dead_executor_is_replaced(kernel: Kernel) -> None:
-    executor = await define_state(kernel)
+    executor = await run_cells(kernel, STATE)
     await kernel.kill_replica(executor)
     new = await replaced(kernel, executor)
     await check_converged(kernel, new)
@@ -118,7 +102,7 @@ async def test_a_dead_executor_is_replaced(kernel: Kernel) -> None:
 
 
 async def test_replace_replica_on_demand(kernel: Kernel) -> None:
-    executor = await define_state(kernel)
+    executor = await run_cells(kernel, STATE)
     for bad in ({"op": "add_learner", "node": 9}, {"op": "promote", "node": -1}, {"op": "x"}):
         reply = await kernel.front.control_request(executor, "nbos_member_request", bad, timeout=10)
         assert reply is not None and reply["content"]["ename"] == "ValidationError", bad
@@ -136,7 +120,7 @@ async def test_a_durable_kernel_restarts_a_replica_in_place_after_a_replacement(
     # A long grace: the restart in place comes first, and the policy then leaves it be.
     async with nbos.LocalCluster(hosts=3, durable=True, replace_after_s=30.0) as cluster:
         kernel = await cluster.start_kernel()
-        executor = await define_state(kernel)
+        executor = await run_cells(kernel, STATE)
         victim, other = sorted(r.node for r in kernel.replicas if r.node != executor)
         new = await kernel.replace_replica(victim)
         await kernel.kill_replica(other)

@@ -8,7 +8,6 @@ entry point exactly as it would in site-packages.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,25 +16,14 @@ import pytest
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import PlacementPolicy, PlacementRequest
 from nbos.scaling import available_policies, load_policy
+from tests.example_policy import install_example_policy
 
 from .conftest import cluster, host
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "placement_policy"
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-            "--no-build-isolation", "--disable-pip-version-check", "--target", str(target),
-            str(EXAMPLE),
-        ],
-        check=True,
-        timeout=120,
-    )  # fmt: skip
-    return target
+    return install_example_policy(tmp_path_factory)
 
 
 def test_user_policy_is_found_by_name_and_places_replicas(
