@@ -28,13 +28,9 @@ STATE = [
 REPLACED_WITHIN_S = 45.0
 
 
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 async def cluster() -> AsyncIterator[LocalCluster]:
+    # A cluster per test: a replacement still settling from one test must not meet the next.
     settings = Settings(raft=RaftSettings(snapshot_every=4))
     async with nbos.LocalCluster(
         hosts=4, durable=False, settings=settings, rebase_bytes=1, replace_after_s=0.2
