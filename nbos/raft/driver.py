@@ -264,16 +264,13 @@ class RaftReplicatedLog:
         await self._replicate(_encoder.encode(command), pending, timeout=10.0)
 
     async def _change(self, change: ConfChange) -> None:
-        outcome: Outcome[None] = Outcome()
+        pending = _Pending("", 0)
 
         def propose() -> None:
-            index = self._node.propose_conf_change(change)
-            pending = _Pending("", index)
-            self._pending[index] = pending
-            pending.outcome = outcome  # type: ignore[assignment]
+            self._pending[self._node.propose_conf_change(change)] = pending
 
         await self._call(propose)
-        await outcome.wait()
+        await pending.outcome.wait()
 
     # --- the loops -----------------------------------------------------------------
 
