@@ -14,22 +14,37 @@ output arrives means a refused commit stops the cell before it runs, and a
 silent cell (which publishes nothing) is covered alike; the pre-commit still
 guards the time a cell waits for its executor's host, and its TTL frees GPUs
 whose front died before the commit.
+
+Migration (design, "Failures, migration, scaling"): while a cell waits because no
+replica's host can commit its GPUs, and :func:`~nbos.scaling.plan_migration` finds a
+host with enough idle GPUs that holds none of the kernel's replicas, the chooser
+stops waiting, has the replica on the plan's source host moved there (the
+:class:`Migrate` callable, a replacement with an explicit target) and waits again
+with the new replica's host. At most one migration per waiting cell, and only while
+every replica is alive, so the kernel never drops below a quorum; a failed one is
+logged and the cell keeps waiting.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 
-from nbos.core.errors import QuorumLostError
+from nbos.core.errors import NbosError, QuorumLostError
 from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import PlacementPolicy, PlacementRequest
 from nbos.gateway import GpuScheduler, Grant
 from nbos.gateway.requests import cell_gpus
 from nbos.kernel.front import CellPlan, ChoiceRequest
+from nbos.scaling.migration import MigrationPlan, plan_migration
 
 log = logging.getLogger(__name__)
+
+#: ``migrate(node, host, after)``: move replica ``node`` to ``host``; cells go to the new
+#: replica once it applied cell ``after``. Returns the new node id.
+Migrate = Callable[[int, HostId, int], Awaitable[int]]
 
 
 class GpuChooser:
@@ -55,6 +70,12 @@ class GpuChooser:
         self._default = default_gpus
         # Plan identity -> its grant: plans of equal value may be in flight at once.
         self._grants: dict[int, tuple[CellPlan, Grant]] = {}
+        self._migration: tuple[PlacementPolicy, Migrate] | None = None
+        self._migrating = False
+
+    def enable_migration(self, policy: PlacementPolicy, migrate: Migrate) -> None:
+        """Let waiting cells migrate a replica: ``policy`` picks the target host."""
+        self._migration = (policy, migrate)
 
     @property
     def default_gpus(self) -> int:
@@ -83,20 +104,7 @@ class GpuChooser:
         replicas = {n: self._hosts[n] for n in request.alive if n in self._hosts}
         if not replicas:
             raise QuorumLostError(f"kernel {self._kernel_id} has no live replica")
-        notify = request.notify
-
-        async def on_wait(reason: str) -> None:
-            if notify is not None:
-                await notify(f"nbos: the cell waits: {reason}\n")
-
-        grant = await self._scheduler.acquire(
-            self._kernel_id,
-            request.exec_index,
-            replicas,
-            last_executor=request.last_executor,
-            gpus=wanted.gpus,
-            on_wait=on_wait,
-        )
+        grant = await self._acquire(request, replicas, wanted.gpus)
         try:
             grant = await self._scheduler.committed(grant)
         except BaseException:
@@ -115,6 +123,84 @@ class GpuChooser:
             grant.devices,
         )
         return plan
+
+    async def _acquire(
+        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int
+    ) -> Grant:
+        """The scheduler's grant for the cell; migrates a replica once if that lets it run."""
+        outcome = await self._wait(request, replicas, gpus, may_migrate=True)
+        if isinstance(outcome, Grant):
+            return outcome
+        if request.notify is not None:
+            await request.notify(
+                f"nbos: the cell waits for a migration: its replica on {outcome.source} "
+                f"moves to {outcome.target}\n"
+            )
+        source = next(n for n, h in replicas.items() if h == outcome.source)
+        node = await self._migrate(source, outcome.target, request.exec_index - 1)
+        # The source was fenced (or, failed early, is spared): the cell waits for the others.
+        survivors = {n: h for n, h in self._hosts.items() if n in replicas and n != source}
+        if node is not None:
+            survivors[node] = self._hosts[node]
+        grant = await self._wait(request, survivors, gpus, may_migrate=False)
+        assert isinstance(grant, Grant)
+        return grant
+
+    async def _wait(
+        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, *, may_migrate: bool
+    ) -> Grant | MigrationPlan:
+        """The grant, or a migration plan found while the cell waited (if ``may_migrate``)."""
+        planned: MigrationPlan | None = None
+        notify = request.notify
+
+        async def on_wait(reason: str) -> None:
+            nonlocal planned
+            if notify is not None:
+                await notify(f"nbos: the cell waits: {reason}\n")
+            if may_migrate:
+                planned = self._plan(replicas, gpus)
+                if planned is not None:
+                    scope.cancel()
+
+        with anyio.CancelScope() as scope:
+            return await self._scheduler.acquire(
+                self._kernel_id,
+                request.exec_index,
+                replicas,
+                last_executor=request.last_executor,
+                gpus=gpus,
+                on_wait=on_wait,
+            )
+        assert planned is not None
+        return planned
+
+    def _plan(self, replicas: Mapping[int, HostId], gpus: int) -> MigrationPlan | None:
+        # Only with every replica alive: moving one leaves a quorum of the others.
+        if self._migration is None or self._migrating or set(replicas) != set(self._hosts):
+            return None
+        hosts = [replicas[n] for n in sorted(replicas)]
+        view = self._scheduler.view()
+        if any(h.host_id in hosts and h.gpus_idle >= gpus for h in view.hosts):
+            return None  # queued behind other cells, not short of GPUs: no reason to move
+        request = PlacementRequest(self._kernel_id, gpus, replicas=1)
+        try:
+            return plan_migration(hosts, request, view, self._migration[0])
+        except NbosError as exc:
+            log.warning("kernel %s: no migration: %s", self._kernel_id, exc)
+            return None
+
+    async def _migrate(self, source: int, target: HostId, after: int) -> int | None:
+        """The new replica's node id, or ``None`` (logged) if the migration failed."""
+        assert self._migration is not None
+        log.info("kernel %s: migrating replica %d to %s", self._kernel_id, source, target)
+        self._migrating = True
+        try:
+            return await self._migration[1](source, target, after)
+        except NbosError as exc:
+            log.warning("kernel %s: migrating replica %d failed: %s", self._kernel_id, source, exc)
+            return None
+        finally:
+            self._migrating = False
 
     async def release(self, plan: CellPlan) -> None:
         """Give back the plan's GPUs (idempotent); the executor's tensors stay resident."""

@@ -201,8 +201,13 @@ class Kernel:
         if self._replacer is not None:
             await self._replacer.introduce(node)
 
-    async def replace_replica(self, node: int, *, timeout: float = 60.0) -> int:
+    async def replace_replica(
+        self, node: int, *, timeout: float = 60.0, target: HostId | None = None
+    ) -> int:
         """Replace replica ``node`` by a new one on another host; the new node id.
+
+        ``target`` is that host (it must hold no live replica of the kernel); by
+        default the placement policy picks it.
 
         ``node`` is killed first if it still runs. The new replica joins the kernel's
         Raft group as a learner, catches up (snapshot plus log), becomes a voter, and
@@ -212,7 +217,7 @@ class Kernel:
         """
         if self._replacer is None:
             raise KernelError(f"kernel {self.kernel_id} cannot replace replicas")
-        return await self._replacer.replace(node, timeout=timeout)
+        return await self._replacer.replace(node, timeout=timeout, target=target)
 
     def _process(self, node: int) -> ProcessHandle:
         handle = self._processes.get(node)

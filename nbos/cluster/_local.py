@@ -39,6 +39,7 @@ from nbos.core.errors import BackendError, ConfigError, KernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
 from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy, KernelFront, ReplicaEndpoint
+from nbos.scaling import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,13 @@ class LocalCluster:
                         new_address=_free_address,
                         listeners=(replacing, replacing.chooser),
                     )
+                    if isinstance(replacing.chooser, GpuChooser):
+                        replacing.chooser.enable_migration(
+                            load_policy(self._settings.cluster.placement_policy),
+                            lambda node, host, after: replacer.replace(
+                                node, target=host, after=after
+                            ),
+                        )
                     kernel = Kernel(
                         kernel_id,
                         front,

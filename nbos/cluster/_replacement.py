@@ -5,8 +5,9 @@ the dead member's place is taken by a new Raft member (a new node id), in this o
 
 1. the dead process is fenced: killed if it still runs (it may only be frozen), and the
    front stops using it;
-2. a new replica process starts on a host the placement policy picks among those that
-   hold none of the kernel's live replicas, empty and in ``--join`` mode;
+2. a new replica process starts, empty and in ``--join`` mode, on the given host (a
+   migration's target) or else on one the placement policy picks among those that hold
+   none of the kernel's live replicas;
 3. the Raft leader adds it as a learner (every live replica first learns its addresses,
    so any of them can forward proposals to it should it lead one day); it catches up
    from a snapshot plus the log, i.e. the namespace image and the deltas after it;
@@ -128,11 +129,22 @@ class Replacer:
         self._replacing: int | None = None
         self._next_node = itertools.count(max(members, default=0) + 1)
 
-    async def replace(self, dead: int, *, timeout: float = 60.0) -> int:
+    async def replace(
+        self,
+        dead: int,
+        *,
+        timeout: float = 60.0,
+        target: HostId | None = None,
+        after: int | None = None,
+    ) -> int:
         """Replace replica ``dead`` (killed first if it still runs); the new node id.
 
+        ``target`` is the new replica's host (a migration), else the placement policy
+        picks one. Cells go to the new replica once it applied cell ``after`` (default:
+        the kernel's latest; a migration for a waiting cell passes the one before it).
         Raises :class:`KernelError` if ``dead`` is not a replica of the kernel, no
-        host can take the replacement, or it did not join within ``timeout`` seconds.
+        host can take the replacement, ``target`` holds a live replica, or it did not
+        join within ``timeout`` seconds.
         """
         async with self._lock:
             if dead not in self._processes:
@@ -144,7 +156,7 @@ class Replacer:
                     self._scopes.add(scope)
                     self._replacing = dead
                     try:
-                        return await self._replace(dead)
+                        return await self._replace(dead, target, after)
                     finally:
                         self._scopes.discard(scope)
                         self._replacing = None
@@ -194,7 +206,9 @@ class Replacer:
         for scope in self._scopes:
             scope.cancel()
 
-    async def _replace(self, dead: int) -> int:
+    async def _replace(self, dead: int, target: HostId | None, after: int | None) -> int:
+        if target is not None and target in {self._processes[n].host for n in self._front.alive}:
+            raise KernelError(f"kernel {self._kernel_id} has a live replica on {target}")
         await self._fence(dead)
         live = [n for n in self._front.alive if n != dead]
         if len(live) * 2 <= len(self._members):
@@ -202,12 +216,12 @@ class Replacer:
             raise KernelError(f"kernel {self._kernel_id}: only replicas {live} are alive")
         node = next(self._next_node)
         address = MemberAddress(self._new_address(), self._new_address())
-        host = self._pick_host(dead, live)
+        host = target if target is not None else self._pick_host(dead, live)
         log.info("kernel %s: replacing replica %d by %d on %s", self._kernel_id, dead, node, host)
         peers = {n: self._members[n] for n in live} | {node: address}
         spawned = await self._spawn(node, host, peers)
         try:
-            await self._join(node, address, spawned, live)
+            await self._join(node, address, spawned, live, after)
             await self._change(live, "remove", dead)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -242,7 +256,12 @@ class Replacer:
             return self._place(self._kernel_id, live_hosts)
 
     async def _join(
-        self, node: int, address: MemberAddress, spawned: Spawned, live: list[int]
+        self,
+        node: int,
+        address: MemberAddress,
+        spawned: Spawned,
+        live: list[int],
+        after: int | None,
     ) -> None:
         for member in live:  # best effort: one that misses it cannot forward to the new node
             await self._front.control_request(
@@ -256,7 +275,7 @@ class Replacer:
         reply = await self._front.control_request(
             node,
             "nbos_digest_request",
-            {"after": self._front.last_exec_index},
+            {"after": self._front.last_exec_index if after is None else after},
             timeout=_REQUEST_TIMEOUT_S * 6,
         )
         if reply is None or reply["content"].get("status") != "ok":
