@@ -439,9 +439,8 @@ class GpuScheduler:
             except InsufficientGpusError:
                 return f"waiting for {gpus} GPUs: no reachable host has that many"
             if isinstance(choice, Migrate):
-                return (
-                    f"waiting for {gpus} GPUs: {choice.reason} (migration is not implemented yet)"
-                )
+                # The cluster's chooser may move a replica; until then the cell waits.
+                return f"waiting for {gpus} GPUs: {choice.reason} (a migration can make room)"
             if not isinstance(choice, Execute):
                 return choice.reason
             replica = self._replica_on(choice.host, replicas, last_executor)
