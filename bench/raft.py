@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from typing import Any
 
 import anyio
 
-from nbos.raft.kv import NodeProcess, kv_node_argv
+from nbos.raft.kv import NodeProcess, free_loopback_ports, kv_node_argv
 
 CONCURRENCY = int(os.environ.get("NBOS_BENCH_CONCURRENCY", "64"))
 SECONDS = float(os.environ.get("NBOS_BENCH_SECONDS", "3"))
@@ -146,19 +145,10 @@ class Cluster:
                 await anyio.sleep(0.05)
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def nbos_cluster(root: Path, name: str, fsync: str) -> Cluster:
-    members = {n: f"tcp://127.0.0.1:{p}" for n, p in zip(NODES, free_ports(3), strict=True)}
+    members = {
+        n: f"tcp://127.0.0.1:{p}" for n, p in zip(NODES, free_loopback_ports(3), strict=True)
+    }
     nodes = []
     for n in NODES:
         data = root / f"{name}-{n}"
@@ -169,7 +159,7 @@ def nbos_cluster(root: Path, name: str, fsync: str) -> Cluster:
 
 
 def pysyncobj_cluster(root: Path, name: str, tuning: dict[str, Any]) -> Cluster:
-    addresses = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    addresses = [f"127.0.0.1:{p}" for p in free_loopback_ports(3)]
     nodes = []
     for i, address in enumerate(addresses):
         data = root / f"{name}-{i}"

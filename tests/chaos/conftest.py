@@ -10,7 +10,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,23 +18,12 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from nbos.raft.kv import NodeProcess, kv_node_argv
+from nbos.raft.kv import NodeProcess, free_loopback_ports, kv_node_argv
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class KvCluster:
@@ -47,7 +35,8 @@ class KvCluster:
         self.ids = list(range(1, size + 1))
         self.root = root
         self.members = {
-            n: f"tcp://127.0.0.1:{port}" for n, port in zip(self.ids, free_ports(size), strict=True)
+            n: f"tcp://127.0.0.1:{port}"
+            for n, port in zip(self.ids, free_loopback_ports(size), strict=True)
         }
         self.nodes: dict[int, NodeProcess] = {}
         self._spawned = spawned
