@@ -49,7 +49,8 @@ from typing import Any
 
 import anyio
 
-from nbos.raft.kv import NodeProcess, free_loopback_ports, kv_node_argv
+from nbos.raft.kv import NodeProcess, kv_node_argv
+from nbos.transport.ports import free_loopback_ports
 
 CONCURRENCY = int(os.environ.get("NBOS_BENCH_CONCURRENCY", "64"))
 SECONDS = float(os.environ.get("NBOS_BENCH_SECONDS", "3"))

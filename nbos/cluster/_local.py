@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -40,6 +39,7 @@ from nbos.core.ids import HostId, KernelId, new_kernel_id
 from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy, KernelFront, ReplicaEndpoint
 from nbos.scaling import load_policy
+from nbos.transport.ports import free_loopback_address
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class LocalCluster:
         kernel_dir = self.run_dir / "kernels" / kernel_id
         kernel_dir.mkdir(parents=True)
         nodes = list(range(1, self._replicas + 1))
-        peers = {n: [_free_address(), _free_address()] for n in nodes}
+        peers = {n: [free_loopback_address(), free_loopback_address()] for n in nodes}
         handles: dict[int, ProcessHandle] = {}
         specs: dict[int, tuple[HostId, ProcessSpec]] = {}
         placed = dict(zip(nodes, self._gpus.scheduler.place(kernel_id, gpus), strict=True))
@@ -272,7 +272,7 @@ class LocalCluster:
                             replacing.gpus,
                             exclude,
                         ),
-                        new_address=_free_address,
+                        new_address=free_loopback_address,
                         listeners=(replacing, replacing.chooser),
                     )
                     if isinstance(replacing.chooser, GpuChooser):
@@ -374,12 +374,6 @@ class _Replacing:
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         self.hosts.pop(dead, None)
         self.hosts[node] = host
-
-
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def _seed_connection_file(path: Path) -> Path:

@@ -28,7 +28,6 @@ import logging
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -225,18 +224,6 @@ def _answer(reply: dict[str, Any]) -> None:
 
 
 # --- a client of node processes ------------------------------------------------------
-
-
-def free_loopback_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 now, for a group of node processes."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def kv_node_argv(

@@ -18,7 +18,8 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from nbos.raft.kv import NodeProcess, free_loopback_ports, kv_node_argv
+from nbos.raft.kv import NodeProcess, kv_node_argv
+from nbos.transport.ports import free_loopback_ports
 
 
 @pytest.fixture
