@@ -20,7 +20,7 @@ test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check nbos tests bench
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy --strict nbos
 
 demo: $(STAMP)
