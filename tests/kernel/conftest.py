@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from jupyter_client import AsyncKernelClient
 
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.wire import encode
@@ -35,6 +37,18 @@ async def kernel(cluster: LocalCluster) -> AsyncIterator[Kernel]:
         yield k
     finally:
         await k.shutdown()
+
+
+@asynccontextmanager
+async def connected_client(kernel: Kernel) -> AsyncIterator[AsyncKernelClient]:
+    """A Jupyter client on ``kernel``'s front for the block, its channels stopped after."""
+    client = AsyncKernelClient()
+    client.load_connection_info(kernel.connection_info)
+    client.start_channels()
+    try:
+        yield client
+    finally:
+        client.stop_channels()
 
 
 async def run_cells(kernel: Kernel, cells: list[str]) -> int:

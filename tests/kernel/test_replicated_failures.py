@@ -17,7 +17,7 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.kernel.front import HeartbeatPolicy
-from tests.kernel.conftest import run_cells
+from tests.kernel.conftest import connected_client, run_cells
 
 pytestmark = pytest.mark.anyio
 
@@ -95,13 +95,8 @@ async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
     assert set(after) == set(before) - {executor}
     assert set(after.values()) == set(before.values())
     # The input history came through the log too: the new executor has every cell.
-    client = AsyncKernelClient()
-    client.load_connection_info(kernel.connection_info)
-    client.start_channels()
-    try:
+    async with connected_client(kernel) as client:
         history = await client.history(hist_access_type="tail", n=10, reply=True, timeout=10)
-    finally:
-        client.stop_channels()
     codes = [entry[2] for entry in history["content"]["history"]]
     assert codes[: len(STATE)] == STATE
 
@@ -109,17 +104,12 @@ async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
 async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
     await run_cells(kernel, STATE)
     before = await kernel.digests()
-    client = AsyncKernelClient()
-    client.load_connection_info(kernel.connection_info)
-    client.start_channels()
-    try:
+    async with connected_client(kernel) as client:
         msg_id = await start_cell(client, "xs.append('lost')\nimport time\ntime.sleep(60)")
         executor = kernel.front.running_on
         assert executor is not None
         await kernel.kill_replica(executor)
         reply = await reply_to(client, msg_id)
-    finally:
-        client.stop_channels()
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "CellLostError"
     assert f"cell {kernel.front.last_exec_index} was lost" in reply["content"]["evalue"]
@@ -152,17 +142,12 @@ async def reply_to(client: AsyncKernelClient, msg_id: str) -> dict[str, Any]:
 async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel: Kernel) -> None:
     await run_cells(kernel, STATE)
     before = await kernel.digests()
-    client = AsyncKernelClient()
-    client.load_connection_info(kernel.connection_info)
-    client.start_channels()
-    try:
+    async with connected_client(kernel) as client:
         msg_id = await start_cell(client, "xs.append('late')\nimport time\ntime.sleep(1)")
         executor = kernel.front.running_on
         assert executor is not None
         await kernel.signal_replica(executor, signal.SIGSTOP)  # no exit: only heartbeats stop
         reply = await reply_to(client, msg_id)
-    finally:
-        client.stop_channels()
     assert reply["content"]["ename"] == "CellLostError"
     assert executor not in kernel.front.alive
     # Thawed, it finishes the cell, finds its Done refused (cell lost) and leaves.

@@ -18,6 +18,7 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.errors import KernelError
 from nbos.kernel.front import CellPlan, ChoiceRequest
+from tests.kernel.conftest import connected_client
 
 pytestmark = pytest.mark.anyio
 
@@ -40,14 +41,9 @@ async def kernel(cluster: LocalCluster) -> Kernel:
 
 @pytest.fixture
 async def client(kernel: Kernel) -> AsyncIterator[AsyncKernelClient]:
-    c = AsyncKernelClient()
-    c.load_connection_info(kernel.connection_info)
-    c.start_channels()
-    try:
+    async with connected_client(kernel) as c:
         await c.wait_for_ready(timeout=30)
         yield c
-    finally:
-        c.stop_channels()
 
 
 async def run(
@@ -295,14 +291,9 @@ async def test_a_failed_cell_aborts_the_cells_queued_behind_it(
 
 async def test_shutdown_request_stops_every_replica(cluster: LocalCluster) -> None:
     k = await cluster.start_kernel()
-    c = AsyncKernelClient()
-    c.load_connection_info(k.connection_info)
-    c.start_channels()
-    try:
+    async with connected_client(k) as c:
         await c.wait_for_ready(timeout=30)
         reply = await c.shutdown(reply=True, timeout=20)
-    finally:
-        c.stop_channels()
     assert reply["content"]["status"] == "ok"
     with anyio.fail_after(20):
         await k.closed.wait()
