@@ -9,7 +9,7 @@ file rather than sleep, so nothing depends on timing.
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -101,6 +101,29 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> No
     with anyio.fail_after(timeout):
         while not predicate():  # noqa: ASYNC110 - state of other processes; no event to await
             await anyio.sleep(0.02)
+
+
+async def interrupted(
+    kernel: Kernel, code: str, until: Callable[[], Awaitable[object]]
+) -> ExecuteResult:
+    """Run ``code``; once ``until()`` returns, interrupt it as a Jupyter client would."""
+    client = AsyncKernelClient()
+    client.load_connection_info(kernel.connection_info)
+    client.start_channels()
+    results: list[ExecuteResult] = []
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                results.append(await kernel.execute(code))
+
+            tg.start_soon(run)
+            await until()
+            client.control_channel.send(client.session.msg("interrupt_request", {}))
+    finally:
+        client.stop_channels()
+    (result,) = results
+    return result
 
 
 async def running(cluster: LocalCluster, kernel: Kernel) -> Grant:
@@ -231,22 +254,7 @@ async def test_a_waiting_cell_is_told_why_and_runs_once_gpus_free_up(
 async def test_an_interrupted_or_failed_cell_gives_its_gpus_back(
     cluster: LocalCluster, b: Kernel
 ) -> None:
-    client = AsyncKernelClient()
-    client.load_connection_info(b.connection_info)
-    client.start_channels()
-    try:
-        async with anyio.create_task_group() as tg:
-            results: list[ExecuteResult] = []
-
-            async def run() -> None:
-                results.append(await b.execute("import time\ntime.sleep(60)"))
-
-            tg.start_soon(run)
-            await running(cluster, b)
-            client.control_channel.send(client.session.msg("interrupt_request", {}))
-    finally:
-        client.stop_channels()
-    (result,) = results
+    result = await interrupted(b, "import time\ntime.sleep(60)", lambda: running(cluster, b))
     assert result.error is not None and result.error[0] == "KeyboardInterrupt"
     assert not grants_of(cluster, b)
     failed = await b.execute("1 / 0")
@@ -262,24 +270,12 @@ async def test_an_interrupt_ends_a_wait_for_gpus(cluster: LocalCluster, b: Kerne
         await scheduler.acquire(hog, i, {1: host}, last_executor=None, gpus=GPUS_PER_HOST)
         for i, host in enumerate(sorted(cluster.gpus.agents))
     ]
-    client = AsyncKernelClient()
-    client.load_connection_info(b.connection_info)
-    client.start_channels()
+    waits = lambda: wait_until(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))  # noqa: E731
     try:
-        async with anyio.create_task_group() as tg:
-            results: list[ExecuteResult] = []
-
-            async def run() -> None:
-                results.append(await b.execute("print('never')"))
-
-            tg.start_soon(run)
-            await wait_until(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))
-            client.control_channel.send(client.session.msg("interrupt_request", {}))
+        result = await interrupted(b, "print('never')", waits)
     finally:
-        client.stop_channels()
         for grant in hogs:
             await scheduler.release(grant)
-    (result,) = results
     assert result.error is not None and "interrupted while it waited" in result.error[1]
     assert "never" not in result.stdout and not scheduler.waiting()
     assert (await b.execute("print('on')")).stdout == "on\n"

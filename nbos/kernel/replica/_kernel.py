@@ -115,6 +115,10 @@ class ReplicaKernel(IPythonKernel):
         self._applied_changed = asyncio.Event()
         self._cell: _Cell | None = None
         self._diverged = False
+        #: Whether user code runs now, and whether an interrupt came before it did.
+        self._in_user_code = False
+        self._interrupt_pending = False
+        self._requests = 0
         self._warned: set[str] = set()
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
         self._preclaims: dict[int, asyncio.Future[Outcome]] = {}
@@ -166,6 +170,15 @@ class ReplicaKernel(IPythonKernel):
     # --- the executor's path -------------------------------------------------------
 
     async def execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        self._requests += 1
+        try:
+            await self._execute_request(stream, ident, parent)
+        finally:
+            self._requests -= 1
+            if not self._requests:
+                self._interrupt_pending = False
+
+    async def _execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         try:
             index, devices = cell_request(parent.get("metadata"))
         except KernelError as exc:
@@ -293,7 +306,17 @@ class ReplicaKernel(IPythonKernel):
             # run, and its Done (status error) still commits so later cells go on.
             log.exception("binding GPUs %s for cell %d failed", cell.devices, cell.index)
             return error_content(GpuError(f"cannot bind GPUs {list(cell.devices)}: {exc}"), 0)
-        return await run
+        if self._interrupt_pending:
+            # Interrupted while it was claimed or waited for the cell before it: it does
+            # not run, and its Done (status error) still commits so later cells go on.
+            self._interrupt_pending = False
+            run.close()
+            return error_content(KeyboardInterrupt("interrupted before the cell started"), 0)
+        self._in_user_code = True
+        try:
+            return await run
+        finally:
+            self._in_user_code = False
 
     async def _commit(self, cell: _Cell) -> None:
         assert self._raft is not None and self._sync is not None
@@ -541,9 +564,14 @@ class ReplicaKernel(IPythonKernel):
     # --- process ---------------------------------------------------------------------
 
     def _send_interrupt_children(self) -> None:
-        # Interrupt this process only: the base class signals the whole process group,
-        # which on a shared host would reach the other replicas too.
-        os.kill(os.getpid(), signal.SIGINT)
+        # SIGINT raises KeyboardInterrupt wherever the main thread is: only user code may
+        # take it. Before the cell runs (its claim, the wait for the cell before it) the
+        # interrupt is kept and the cell ends without running. This process only: the
+        # base class signals the whole process group, which could hold other replicas.
+        if self._in_user_code:
+            os.kill(os.getpid(), signal.SIGINT)
+        elif self._requests:
+            self._interrupt_pending = True
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
         if self._raft is not None:
@@ -564,7 +592,7 @@ def _consume_failure(early: asyncio.Future[Outcome]) -> None:
         log.debug("early claim failed: %s", early.exception())
 
 
-def error_content(exc: Exception, execution_count: int) -> dict[str, Any]:
+def error_content(exc: BaseException, execution_count: int) -> dict[str, Any]:
     """The content of an error reply for ``exc`` (``ename`` is its class name)."""
     name = type(exc).__name__
     return {
