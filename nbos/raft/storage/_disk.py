@@ -289,7 +289,10 @@ class DiskStorage(LogIndexReads):
         self._append(header, sync=self._durable)
 
     def _drop_files(self, upto_index: int) -> None:
-        while len(self._segments) > 1 and self._segments[0].max_index <= upto_index:
+        # The segment holding entry ``upto_index`` itself stays: replaying a snapshot
+        # marker checks the log's term at the snapshot's index, and without that entry
+        # it could not tell a log the snapshot kept from one it replaced.
+        while len(self._segments) > 1 and self._segments[0].max_index < upto_index:
             self._segments.pop(0).path.unlink()
             if self._durable:
                 # One at a time: recovery needs the survivors to stay a run of
