@@ -7,7 +7,7 @@ import typing
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nbos.core.errors import DecodeError
@@ -25,7 +25,7 @@ def test_every_message_type_is_in_the_union_once() -> None:
 
 
 @pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda t: t.__name__)
-@settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30)
 @given(data=st.data())
 def test_message_round_trips(message_type: type[msgspec.Struct], data: st.DataObject) -> None:
     message = data.draw(for_struct(message_type))

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
 
 def sized(examples: int = 60, steps: int = 40) -> settings:
     """Hypothesis settings sized by ``NBOS_PROPERTY_EXAMPLES`` and ``NBOS_PROPERTY_STEPS``.
 
     ``examples`` and ``steps`` are the defaults when a variable is unset (steps
-    count only for stateful tests). No deadline: the tests drive real code whose
-    timing varies with the machine's load.
+    count only for stateful tests). No deadline: ``tests/conftest.py`` sets none for all.
     """
     return settings(
         max_examples=int(os.environ.get("NBOS_PROPERTY_EXAMPLES", str(examples))),
         stateful_step_count=int(os.environ.get("NBOS_PROPERTY_STEPS", str(steps))),
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
     )
 
 

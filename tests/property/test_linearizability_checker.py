@@ -146,13 +146,13 @@ def linearizable_histories(draw: st.DrawFn) -> list[Operation]:
     return history
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(linearizable_histories())
 def test_generated_linearizable_histories_pass(history: list[Operation]) -> None:
     assert check_register(history)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(linearizable_histories(), st.data())
 def test_a_read_of_a_value_never_held_fails(history: list[Operation], data: st.DataObject) -> None:
     reads = [i for i, o in enumerate(history) if o.kind == "get"]

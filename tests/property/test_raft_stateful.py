@@ -301,7 +301,6 @@ class RaftCluster(RuleBasedStateMachine):
 RaftCluster.TestCase.settings = settings(
     max_examples=EXAMPLES,
     stateful_step_count=STEPS,
-    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_raft_cluster = RaftCluster.TestCase

@@ -112,7 +112,7 @@ def shared_memory(ns: dict[str, Any]) -> set[tuple[str, str]]:
     return {(x, y) for x in arrays for y in arrays if x < y and np.shares_memory(ns[x], ns[y])}
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
+@settings(max_examples=EXAMPLES)
 @given(cells)
 def test_capture_then_apply_keeps_replicas_equal(program: list[list[tuple[Any, ...]]]) -> None:
     async def main(root: Path) -> None:

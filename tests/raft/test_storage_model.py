@@ -227,7 +227,7 @@ class MemoryStorageMachine(StorageMachine):
     disk = False
 
 
-_settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None)
+_settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS)
 TestDiskStorageModel = StorageMachine.TestCase
 TestDiskStorageModel.settings = _settings
 TestMemoryStorageModel = MemoryStorageMachine.TestCase
