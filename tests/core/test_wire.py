@@ -25,21 +25,21 @@ def test_every_message_type_is_in_the_union_once() -> None:
 
 
 @pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda t: t.__name__)
-@settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_message_round_trips(message_type: type[msgspec.Struct], data: st.DataObject) -> None:
     message = data.draw(for_struct(message_type))
     assert decode(encode(message)) == message  # type: ignore[arg-type]
 
 
-@settings(max_examples=500)
+@settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=256))
 def test_arbitrary_bytes_raise_only_decode_error(blob: bytes) -> None:
     with contextlib.suppress(DecodeError):
         decode(blob)
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=1, max_size=64), st.integers(min_value=0))
 def test_corrupted_valid_message_raises_only_decode_error(noise: bytes, at: int) -> None:
     good = bytearray(encode(Ping(nonce=7)))
