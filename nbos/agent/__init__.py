@@ -1,9 +1,30 @@
-"""The host agent: one per host, owning that host's GPU pool and serving the gateway.
+"""The host agent: one per host, owning that host's GPU pool and replica processes.
 
-Start one with :meth:`HostAgent.serve`; the messages it speaks are in
-:mod:`nbos.core.wire.agent` and the protocol is described in ``docs/placement.md``.
+:class:`HostAgent` serves a GPU pool over any ``Transport`` (start one with
+:meth:`HostAgent.serve`); :class:`AgentDaemon` is ``nbos agent``: a ``HostAgent``
+plus the host's replica processes on a ZeroMQ endpoint, registered with the
+gateway. The messages are in :mod:`nbos.core.wire.agent`; the GPU protocol is
+described in ``docs/placement.md``, registration and replicas in ``docs/deploy.md``.
 """
 
 from nbos.agent._agent import EvictHook, HostAgent, reservation_message
+from nbos.agent._daemon import (
+    GATEWAY_PEER,
+    AgentConfig,
+    AgentDaemon,
+    agent_peer,
+    run_until_signalled,
+    tcp_address,
+)
 
-__all__ = ["EvictHook", "HostAgent", "reservation_message"]
+__all__ = [
+    "GATEWAY_PEER",
+    "AgentConfig",
+    "AgentDaemon",
+    "EvictHook",
+    "HostAgent",
+    "agent_peer",
+    "reservation_message",
+    "run_until_signalled",
+    "tcp_address",
+]

@@ -10,6 +10,17 @@ The agent also sends :class:`AgentStatus` unprompted (``request_id=None``): when
 starts and at every heartbeat. A new ``incarnation`` tells the gateway that the
 agent restarted; it then sends :class:`AgentRestore` with the committed
 reservations the agent lost.
+
+Registration and replica processes (``nbos agent``, see ``docs/deploy.md``): the
+agent sends :class:`AgentHello` when it starts and every heartbeat until the
+gateway answers :class:`AgentWelcome` for that incarnation (and again whenever
+asked with :class:`AgentHelloRequest`). The gateway starts, signals and stops
+replica processes with :class:`ReplicaStart`, :class:`ReplicaSignal` and
+:class:`ReplicaStop` (answered by :class:`ReplicaState`) and lists them with
+:class:`ReplicaListRequest` (answered by :class:`ReplicaList`). A replica's end is
+reported with :class:`ReplicaExited`, resent every heartbeat until the gateway
+acknowledges it with :class:`ReplicaExitAck`. A request the agent cannot decode or
+carry out is answered with :class:`AgentError`.
 """
 
 from __future__ import annotations
@@ -20,6 +31,11 @@ from nbos.core.wire.base import Message
 
 ReservationStateName = Literal["precommitted", "committed", "released", "expired"]
 RefusalReason = Literal["insufficient", "unknown", "expired", "invalid", "evict_failed"]
+GpuSource = Literal["nvml", "virtual"]
+#: ``malformed``: undecodable bytes; ``unexpected``: a message the agent does not take;
+#: ``unknown_replica``: no such replica here; ``start_failed``: the backend could not start
+#: it; ``invalid``: a request with bad values.
+AgentErrorKind = Literal["malformed", "unexpected", "unknown_replica", "start_failed", "invalid"]
 
 
 class GpuReservation(Message):
@@ -131,6 +147,149 @@ class AgentStatus(Message):
     request_id: int | None = None
 
 
+# --- registration (agent <-> gateway) -----------------------------------------------
+
+
+class GpuInfo(Message):
+    """One device of the host, as its discovery found it."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: int
+
+
+class ReplicaSpec(Message):
+    """A replica process to start: argv, extra environment, a label for logs."""
+
+    argv: list[str]
+    env: dict[str, str] = {}
+    label: str = ""
+
+
+class ReplicaInfo(Message):
+    """A replica process the agent started (or took back after its own restart).
+
+    ``handle`` names it to its backend (``pid:1234``, ``container:NAME``); ``pid`` is
+    0 where the agent cannot see one. ``started_at`` is Unix time. Once it ended,
+    ``running`` is false and ``exit_code`` (normal exit) or ``signal`` (killed by a
+    signal) says how, where known: an adopted local process is not the agent's child,
+    so its status is lost and both stay ``None``.
+    """
+
+    replica_id: str
+    label: str
+    handle: str
+    pid: int
+    started_at: float
+    adopted: bool = False
+    running: bool = True
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+class AgentHello(Message):
+    """Registration: who the agent is, where it listens, what it has.
+
+    ``public_key`` is the agent's CURVE public key (Z85; empty without CURVE): the
+    gateway checks it against the key it holds for ``host_id`` and uses it to
+    connect to ``address``. ``replicas`` are the live and unacknowledged ones.
+    """
+
+    host_id: str
+    incarnation: str
+    address: str
+    version: str
+    backend: str
+    gpu_source: GpuSource
+    gpus: list[GpuInfo] = []
+    public_key: str = ""
+    replicas: list[ReplicaInfo] = []
+    request_id: int | None = None
+
+
+class AgentWelcome(Message):
+    """The gateway took the hello of this agent incarnation (no reply)."""
+
+    host_id: str
+    incarnation: str
+
+
+class AgentHelloRequest(Message):
+    """Ask for an :class:`AgentHello` now (a restarted gateway meeting a host it lost)."""
+
+    request_id: int
+
+
+# --- replica processes -------------------------------------------------------------
+
+
+class ReplicaStart(Message):
+    """Start a replica process; a known ``replica_id`` gets its state, not a second process."""
+
+    request_id: int
+    replica_id: str
+    spec: ReplicaSpec
+
+
+class ReplicaSignal(Message):
+    """Send signal ``signum`` to a replica (its whole process group or container)."""
+
+    request_id: int
+    replica_id: str
+    signum: int
+
+
+class ReplicaStop(Message):
+    """SIGTERM a replica, SIGKILL it after ``grace`` seconds; answered once it ended."""
+
+    request_id: int
+    replica_id: str
+    grace: float = 5.0
+
+
+class ReplicaListRequest(Message):
+    """Ask for every replica the agent holds."""
+
+    request_id: int
+
+
+class ReplicaState(Message):
+    """Answer to start, signal and stop: the replica as it is now."""
+
+    request_id: int
+    replica: ReplicaInfo
+
+
+class ReplicaList(Message):
+    """Answer to :class:`ReplicaListRequest`."""
+
+    request_id: int
+    replicas: list[ReplicaInfo] = []
+
+
+class ReplicaExited(Message):
+    """A replica ended (``replica.running`` is false); resent until acknowledged."""
+
+    host_id: str
+    replica: ReplicaInfo
+
+
+class ReplicaExitAck(Message):
+    """The gateway took note of a :class:`ReplicaExited`; the agent forgets the replica."""
+
+    replica_id: str
+
+
+class AgentError(Message):
+    """A request the agent could not decode or carry out (``request_id`` when it had one)."""
+
+    kind: AgentErrorKind
+    message: str
+    request_id: int | None = None
+    replica_id: str = ""
+
+
 AgentRequest = (
     GpuPrecommit
     | GpuCommit
@@ -141,4 +300,19 @@ AgentRequest = (
     | AgentRestore
 )
 AgentReply = GpuGranted | GpuRefused | GpuFreed | AgentStatus
-AgentMessage = AgentRequest | AgentReply | GpuReservation
+ReplicaRequest = ReplicaStart | ReplicaSignal | ReplicaStop | ReplicaListRequest
+ReplicaReply = ReplicaState | ReplicaList | AgentError
+#: What a gateway sends an agent besides :data:`AgentRequest`.
+AgentControl = ReplicaRequest | AgentHelloRequest | AgentWelcome | ReplicaExitAck
+#: What an agent sends a gateway besides :data:`AgentReply`.
+AgentReport = ReplicaReply | AgentHello | ReplicaExited
+AgentMessage = (
+    AgentRequest
+    | AgentReply
+    | GpuReservation
+    | AgentControl
+    | AgentReport
+    | GpuInfo
+    | ReplicaSpec
+    | ReplicaInfo
+)

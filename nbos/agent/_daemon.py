@@ -1,0 +1,413 @@
+"""``nbos agent``: one host's daemon, serving its GPUs and replica processes to the gateway.
+
+One ZeroMQ endpoint (peer id ``HOST/agent``) at the host's address carries
+everything; with a key directory it speaks CURVE and admits only the gateway.
+The daemon reads every message once and hands it on:
+
+* GPU requests (:data:`~nbos.core.wire.agent.AgentRequest`) go to a
+  :class:`~nbos.agent.HostAgent` serving the host's pool, through
+  :class:`_GpuLink`, a ``Transport`` whose inbox the daemon fills;
+* replica requests go to the :class:`~nbos.agent._replicas.ReplicaService`;
+* registration (``AgentWelcome``, ``AgentHelloRequest``) and exit
+  acknowledgements are handled here;
+* undecodable bytes and messages an agent does not take are answered with
+  ``AgentError`` and logged; messages from anyone but the gateway are logged and
+  dropped (there is no way to answer them).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from nbos._version import __version__
+from nbos.agent._agent import HostAgent
+from nbos.agent._replicas import ReplicaService, UnknownReplicaError
+from nbos.core.errors import (
+    BackendError,
+    ConfigError,
+    DecodeError,
+    TransportClosedError,
+    TransportError,
+)
+from nbos.core.ids import HostId, PeerId
+from nbos.core.wire import AnyMessage, decode, encode
+from nbos.core.wire.agent import (
+    AgentError,
+    AgentErrorKind,
+    AgentHello,
+    AgentHelloRequest,
+    AgentRequest,
+    AgentWelcome,
+    GpuInfo,
+    ReplicaExitAck,
+    ReplicaExited,
+    ReplicaInfo,
+    ReplicaList,
+    ReplicaListRequest,
+    ReplicaRequest,
+    ReplicaSignal,
+    ReplicaStart,
+    ReplicaState,
+    ReplicaStop,
+)
+from nbos.gpu import GpuPool, Inventory, discover_gpus
+from nbos.transport import ZmqTransport
+from nbos.transport.keys import KeyDirectory, check_host_name
+
+log = logging.getLogger(__name__)
+
+#: The gateway's peer id: agents accept requests from this routing id only.
+GATEWAY_PEER = PeerId("gateway")
+#: How long a GPU pre-commit waits for its cell before the agent frees it.
+DEFAULT_PRECOMMIT_TTL = 30.0
+# GPU requests waiting for the HostAgent; beyond this they are dropped (the gateway retries).
+_INBOX_SIZE = 1024
+# Say once, loudly, when the gateway has not welcomed us for this long.
+_UNWELCOMED_WARNING_S = 30.0
+# SIGTERM to SIGKILL, for replicas stopped with the agent.
+_STOP_GRACE = 5.0
+_WILDCARDS = ("0.0.0.0", "*", "[::]", "::")
+
+
+def agent_peer(host: str) -> PeerId:
+    """The peer id of host ``host``'s agent."""
+    return PeerId(f"{host}/agent")
+
+
+def tcp_address(value: str, key: str) -> str:
+    """``HOST:PORT`` (or ``tcp://HOST:PORT``) as a ZeroMQ address; wildcards are refused.
+
+    The address is also what peers are told to connect to, so it must be one
+    they can reach: a wildcard would tell them nothing.
+    """
+    address = value if value.startswith("tcp://") else f"tcp://{value}"
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or host in _WILDCARDS:
+        raise ConfigError(key, value, "HOST:PORT with the address peers reach (no wildcard)")
+    return address
+
+
+@attrs.frozen
+class AgentConfig:
+    """What one ``nbos agent`` runs with (the command's options)."""
+
+    host_id: str
+    address: str
+    gateway_address: str
+    state_dir: Path
+    keys: Path | None = None
+    virtual_gpus: int | None = None
+    fallback_gpus: int = 8
+    virtual_memory_mib: int = 40_960
+    heartbeat_interval: float = 1.0
+    precommit_ttl: float = DEFAULT_PRECOMMIT_TTL
+    stop_replicas_on_exit: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        check_host_name(self.host_id)
+        tcp_address(self.address, "address")
+        tcp_address(self.gateway_address, "gateway")
+        for key in ("heartbeat_interval", "precommit_ttl"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, getattr(self, key), "a positive number of seconds")
+
+
+class _GpuLink:
+    """The ``Transport`` the :class:`HostAgent` sees: sends go out, receives come from the inbox.
+
+    ``add_peer`` passes the peer's CURVE server key, which the agent does not know.
+    """
+
+    def __init__(
+        self,
+        transport: ZmqTransport,
+        inbox: MemoryObjectReceiveStream[tuple[PeerId, bytes]],
+        server_keys: dict[PeerId, bytes],
+    ) -> None:
+        self._transport = transport
+        self._inbox = inbox
+        self._keys = server_keys
+
+    @property
+    def local(self) -> PeerId:
+        return self._transport.local
+
+    @property
+    def dropped(self) -> int:
+        return self._transport.dropped
+
+    def add_peer(self, peer: PeerId, address: str) -> None:
+        self._transport.add_peer(peer, address, server_key=self._keys.get(peer))
+
+    def remove_peer(self, peer: PeerId) -> None:
+        self._transport.remove_peer(peer)
+
+    async def send(self, peer: PeerId, payload: bytes) -> None:
+        await self._transport.send(peer, payload)
+
+    async def receive(self) -> tuple[PeerId, bytes]:
+        try:
+            return await self._inbox.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise TransportClosedError("the agent's GPU link is closed") from None
+
+    async def aclose(self) -> None:
+        await self._inbox.aclose()
+
+
+class AgentDaemon:
+    """One running ``nbos agent``; build it with :meth:`serve`."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        transport: ZmqTransport,
+        inventory: Inventory,
+        public_key: bytes,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self._inventory = inventory
+        self._public_key = public_key.decode()
+        self._welcomed: str | None = None
+        self._gpu: HostAgent | None = None
+        self._replicas: ReplicaService | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(cls, config: AgentConfig) -> AsyncIterator[AgentDaemon]:
+        """Run the agent until the block exits; replicas keep running unless configured."""
+        keys = KeyDirectory(config.keys) if config.keys is not None else None
+        curve = keys.host_curve(config.host_id) if keys is not None else None
+        server_keys = {GATEWAY_PEER: keys.gateway_public()} if keys is not None else {}
+        inventory = await anyio.to_thread.run_sync(_discover, config)
+        inbox_in, inbox_out = anyio.create_memory_object_stream[tuple[PeerId, bytes]](_INBOX_SIZE)
+        async with await ZmqTransport.open(
+            agent_peer(config.host_id), tcp_address(config.address, "address"), curve=curve
+        ) as transport:
+            daemon = cls(config, transport, inventory, curve.public_key if curve else b"")
+            link = _GpuLink(transport, inbox_out, server_keys)
+            pool = GpuPool(inventory.indices, time.monotonic, config.precommit_ttl)
+            gateway = tcp_address(config.gateway_address, "gateway")
+            link.add_peer(GATEWAY_PEER, gateway)
+            async with (
+                anyio.create_task_group() as tg,
+                HostAgent.serve(
+                    config.host_id,
+                    link,
+                    pool,
+                    gateway=GATEWAY_PEER,
+                    gateway_address=gateway,
+                    address=transport.address,
+                    heartbeat_interval=config.heartbeat_interval,
+                ) as gpu,
+            ):
+                daemon._gpu = gpu
+                daemon._replicas = await ReplicaService.open(
+                    HostId(config.host_id), config.state_dir, daemon._report_exit, tg
+                )
+                tg.start_soon(daemon._receive_loop, inbox_in, tg)
+                tg.start_soon(daemon._heartbeat_loop)
+                log.info(
+                    "agent of host %s at %s (%d %s GPUs), gateway %s",
+                    config.host_id,
+                    transport.address,
+                    len(inventory.devices),
+                    inventory.source,
+                    gateway,
+                )
+                try:
+                    yield daemon
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await daemon._leave()
+                    tg.cancel_scope.cancel()
+
+    # --- queries -----------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    @property
+    def incarnation(self) -> str:
+        return self._agent.incarnation
+
+    @property
+    def welcomed(self) -> bool:
+        """Whether the gateway took this incarnation's hello."""
+        return self._welcomed == self.incarnation
+
+    @property
+    def _agent(self) -> HostAgent:
+        assert self._gpu is not None
+        return self._gpu
+
+    @property
+    def replicas(self) -> ReplicaService:
+        assert self._replicas is not None
+        return self._replicas
+
+    def hello(self, request_id: int | None = None) -> AgentHello:
+        return AgentHello(
+            host_id=self.config.host_id,
+            incarnation=self.incarnation,
+            address=self.address,
+            version=__version__,
+            backend="local",
+            gpu_source=self._inventory.source,
+            gpus=[
+                GpuInfo(d.index, d.uuid, d.name, d.memory_total_mib)
+                for d in self._inventory.devices
+            ],
+            public_key=self._public_key,
+            replicas=self.replicas.infos(),
+            request_id=request_id,
+        )
+
+    # --- loops -------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Say hello until welcomed; resend unacknowledged replica exits."""
+        started = anyio.current_time()
+        warned = False
+        while True:
+            if not self.welcomed:
+                await self._send(self.hello())
+                if not warned and anyio.current_time() - started > _UNWELCOMED_WARNING_S:
+                    warned = True
+                    log.warning(
+                        "host %s: no welcome from the gateway at %s yet (is it up, and does it "
+                        "hold this host's public key?)",
+                        self.config.host_id,
+                        self.config.gateway_address,
+                    )
+            await self.replicas.report_unacknowledged()
+            await anyio.sleep(self.config.heartbeat_interval)
+
+    async def _receive_loop(
+        self, inbox: MemoryObjectSendStream[tuple[PeerId, bytes]], tg: anyio.abc.TaskGroup
+    ) -> None:
+        async with inbox:
+            while True:
+                try:
+                    sender, data = await self.transport.receive()
+                except TransportClosedError:
+                    return
+                if sender != GATEWAY_PEER:
+                    log.warning("host %s dropped a message from %r", self.config.host_id, sender)
+                    continue
+                try:
+                    message = decode(data)
+                except DecodeError as exc:
+                    await self._error("malformed", str(exc))
+                    continue
+                if isinstance(message, AgentRequest):
+                    try:
+                        inbox.send_nowait((sender, data))
+                    except anyio.WouldBlock:
+                        log.warning(
+                            "host %s: GPU requests pile up, dropped one", self.config.host_id
+                        )
+                elif isinstance(message, ReplicaRequest):
+                    # A stop waits for the process to end; nothing should wait behind it.
+                    tg.start_soon(self._replica_request, message)
+                else:
+                    await self._control(message)
+
+    # --- handlers ----------------------------------------------------------------
+
+    async def _control(self, message: AnyMessage) -> None:
+        match message:
+            case AgentWelcome(host_id=host, incarnation=incarnation):
+                if host == self.config.host_id and incarnation == self.incarnation:
+                    if not self.welcomed:
+                        log.info("host %s registered with the gateway", host)
+                    self._welcomed = incarnation
+                else:
+                    log.info("welcome for %s/%s is not ours; ignored", host, incarnation)
+            case AgentHelloRequest(request_id=rid):
+                await self._send(self.hello(rid))
+            case ReplicaExitAck(replica_id=replica_id):
+                await self.replicas.acknowledge(replica_id)
+            case _:
+                request_id = getattr(message, "request_id", None)
+                await self._error(
+                    "unexpected",
+                    f"an agent does not take {type(message).__name__}",
+                    request_id if isinstance(request_id, int) else None,
+                )
+
+    async def _replica_request(self, message: ReplicaRequest) -> None:
+        rid = message.request_id
+        if isinstance(message, ReplicaListRequest):
+            await self._send(ReplicaList(rid, self.replicas.infos()))
+            return
+        replica_id = message.replica_id
+        try:
+            match message:
+                case ReplicaStart(spec=spec):
+                    info = await self.replicas.start(replica_id, spec)
+                case ReplicaSignal(signum=signum):
+                    info = await self.replicas.signal(replica_id, signum)
+                case ReplicaStop(grace=grace):
+                    info = await self.replicas.stop(replica_id, grace)
+        except UnknownReplicaError as exc:
+            await self._error("unknown_replica", str(exc), rid, replica_id)
+        except ConfigError as exc:
+            await self._error("invalid", str(exc), rid, replica_id)
+        except BackendError as exc:
+            await self._error("start_failed", str(exc), rid, replica_id)
+        else:
+            await self._send(ReplicaState(rid, info))
+
+    async def _report_exit(self, info: ReplicaInfo) -> None:
+        await self._send(ReplicaExited(self.config.host_id, info))
+
+    async def _error(
+        self,
+        kind: AgentErrorKind,
+        message: str,
+        request_id: int | None = None,
+        replica_id: str = "",
+    ) -> None:
+        log.warning("host %s: %s (%s, request %s)", self.config.host_id, message, kind, request_id)
+        await self._send(AgentError(kind, message, request_id, replica_id))
+
+    async def _send(self, message: AnyMessage) -> None:
+        try:
+            await self.transport.send(GATEWAY_PEER, encode(message))
+        except TransportError as exc:
+            # Replies are retried by the gateway; hellos and exit reports repeat.
+            log.warning("host %s could not reach the gateway: %s", self.config.host_id, exc)
+
+    async def _leave(self) -> None:
+        if self.config.stop_replicas_on_exit and self._replicas is not None:
+            with anyio.move_on_after(2 * _STOP_GRACE):
+                await self._replicas.stop_all(_STOP_GRACE)
+        log.info("agent of host %s stopped", self.config.host_id)
+
+
+def _discover(config: AgentConfig) -> Inventory:
+    if config.virtual_gpus is not None:
+        return discover_gpus(config.virtual_gpus, config.virtual_memory_mib, mode="virtual")
+    return discover_gpus(config.fallback_gpus, config.virtual_memory_mib, mode="auto")
+
+
+async def run_until_signalled(config: AgentConfig) -> None:
+    """Serve ``config`` in the foreground until SIGINT or SIGTERM."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with AgentDaemon.serve(config):
+            async for signum in signals:
+                log.info("agent of host %s: %s, stopping", config.host_id, signal.strsignal(signum))
+                return

@@ -1,0 +1,398 @@
+"""The replica processes of one host: started for the gateway, watched, taken back after a restart.
+
+Processes start through :class:`~nbos.backends.LocalProcessBackend` (own session
+and process group, one log file each under ``STATE/logs``). Every replica has a
+record file under ``STATE/replicas`` holding its PID, the kernel's start time of
+that PID (``/proc/PID/stat``, clock ticks since boot) and the boot id, written
+when it starts and again when it ends. An agent that starts over reads them:
+
+* a record whose process is still there, with the same start time on the same
+  boot, is **adopted**: watched through a pidfd and signalled as before. It is
+  not the new agent's child, so its exit status is lost (reported as unknown);
+* a record whose PID is gone, or now names another process (PID reuse: the start
+  time differs), is reported ended with an unknown status, and that process is
+  never touched;
+* an ended record stays until the gateway acknowledges its ``ReplicaExited``.
+
+Leaving the agent does not stop replicas (the backend is not closed), so a
+restarted agent takes them back; :meth:`ReplicaService.stop_all` is the way to
+stop them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import attrs
+import msgspec
+
+from nbos.backends import LocalProcessBackend, LocalProcessHandle
+from nbos.core.compute_backend import ProcessSpec
+from nbos.core.errors import BackendError, ConfigError
+from nbos.core.ids import HostId
+from nbos.core.wire.agent import ReplicaInfo, ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+_REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+#: How many acknowledged replica ids are remembered, so a late duplicate start is not obeyed.
+_ACKED_MEMORY = 4096
+
+#: ``report(info)``: tell the gateway that a replica ended.
+ExitReport = Callable[[ReplicaInfo], Awaitable[None]]
+
+
+class ReplicaRecord(msgspec.Struct, forbid_unknown_fields=True):
+    """What the state directory keeps of one replica (JSON, strictly decoded)."""
+
+    replica_id: str
+    label: str
+    pid: int
+    start_ticks: int | None
+    boot_id: str
+    started_at: float
+    ended: bool = False
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+@attrs.frozen
+class ExitStatus:
+    """How a process ended; both ``None`` when that is unknown (an adopted process)."""
+
+    exit_code: int | None
+    signal: int | None
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> ExitStatus:
+        return cls(None, -returncode) if returncode < 0 else cls(returncode, None)
+
+
+class _Child:
+    """A replica this agent started: its child, so its exit status is known."""
+
+    def __init__(self, handle: LocalProcessHandle) -> None:
+        self._handle = handle
+        self.pid = handle.pid
+
+    def running(self) -> bool:
+        return self._handle.returncode is None
+
+    async def wait(self) -> ExitStatus:
+        return ExitStatus.from_returncode(await self._handle.wait())
+
+    async def signal(self, signum: int) -> None:
+        await self._handle.signal(signum)
+
+
+class _Adopted:
+    """A replica an earlier agent started, held through a pidfd (which pins its identity)."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._ended = anyio.Event()
+
+    def running(self) -> bool:
+        return not self._ended.is_set()
+
+    async def wait(self) -> ExitStatus:
+        if not self._ended.is_set():
+            # A pidfd turns readable when its process ends.
+            await anyio.wait_readable(self._pidfd)
+            if not self._ended.is_set():
+                self._ended.set()
+                os.close(self._pidfd)
+        return ExitStatus(None, None)
+
+    async def signal(self, signum: int) -> None:
+        if self._ended.is_set():
+            return
+        try:
+            # The process group (as the backend signals its children); the pidfd is
+            # still open and unread, so its leader has not been reaped and the group
+            # id cannot name a newer process.
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            raise BackendError(f"cannot signal process group {self.pid}: {exc}") from exc
+
+
+_Process = _Child | _Adopted
+
+
+@attrs.define
+class _Replica:
+    record: ReplicaRecord
+    process: _Process | None
+    adopted: bool
+    stopping: anyio.Event | None = None
+    ended: anyio.Event = attrs.Factory(anyio.Event)
+
+    def info(self) -> ReplicaInfo:
+        r = self.record
+        return ReplicaInfo(
+            replica_id=r.replica_id,
+            label=r.label,
+            handle=f"pid:{r.pid}",
+            pid=r.pid,
+            started_at=r.started_at,
+            adopted=self.adopted,
+            running=not r.ended,
+            exit_code=r.exit_code,
+            signal=r.signal,
+        )
+
+
+class UnknownReplicaError(BackendError):
+    """No replica of this id is held here."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        super().__init__(f"no replica {replica_id!r} on this host")
+
+
+class ReplicaService:
+    """Starts, watches, signals and stops one host's replicas; build it with :meth:`open`.
+
+    Every method answers for a replica id: an unknown one raises
+    :class:`UnknownReplicaError`, a bad spec or id raises :class:`ConfigError` or
+    :class:`BackendError`. An ended replica's info goes to ``report`` at once and
+    again on every :meth:`report_unacknowledged` until :meth:`acknowledge`.
+    """
+
+    def __init__(
+        self, host: HostId, state_dir: Path, report: ExitReport, tg: anyio.abc.TaskGroup
+    ) -> None:
+        self._host = host
+        self._records = state_dir / "replicas"
+        self._backend = LocalProcessBackend([host], run_dir=state_dir / "logs")
+        self._report = report
+        self._tg = tg
+        self._replicas: dict[str, _Replica] = {}
+        self._acked: OrderedDict[str, None] = OrderedDict()
+        self._boot_id = _read_boot_id()
+
+    @classmethod
+    async def open(
+        cls, host: HostId, state_dir: Path, report: ExitReport, tg: anyio.abc.TaskGroup
+    ) -> ReplicaService:
+        """The service, with the replicas recorded in ``state_dir`` taken back."""
+        service = cls(host, state_dir, report, tg)
+        try:
+            await anyio.Path(service._records).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("state_dir", str(state_dir), f"a writable directory ({exc})") from exc
+        for path in sorted(service._records.glob("*.json")):
+            service._take_back(path)
+        return service
+
+    # --- queries -----------------------------------------------------------------
+
+    def infos(self) -> list[ReplicaInfo]:
+        """Every replica held: running ones and ended ones not yet acknowledged."""
+        return [r.info() for r in self._replicas.values()]
+
+    def info(self, replica_id: str) -> ReplicaInfo:
+        return self._get(replica_id).info()
+
+    # --- requests ----------------------------------------------------------------
+
+    async def start(self, replica_id: str, spec: ReplicaSpec) -> ReplicaInfo:
+        """Start ``spec`` as ``replica_id``; a known or recently acknowledged id starts nothing."""
+        if not _REPLICA_ID.fullmatch(replica_id):
+            raise ConfigError("replica_id", replica_id, "1-128 letters, digits, '_', '.', '-'")
+        existing = self._replicas.get(replica_id)
+        if existing is not None:
+            return existing.info()
+        if replica_id in self._acked:
+            raise UnknownReplicaError(replica_id)
+        handle = await self._backend.start(
+            self._host, ProcessSpec(spec.argv, spec.env, spec.label or replica_id)
+        )
+        record = ReplicaRecord(
+            replica_id,
+            spec.label,
+            handle.pid,
+            _start_ticks(handle.pid),
+            self._boot_id,
+            time.time(),
+        )
+        replica = self._replicas[replica_id] = _Replica(record, _Child(handle), adopted=False)
+        await self._save(record)
+        log.info("replica %s started: pid %d (%s)", replica_id, handle.pid, handle.log_path)
+        self._tg.start_soon(self._watch, replica)
+        return replica.info()
+
+    async def signal(self, replica_id: str, signum: int) -> ReplicaInfo:
+        """Send ``signum`` to a running replica; nothing for an ended one."""
+        try:
+            signal.Signals(signum)
+        except ValueError:
+            raise ConfigError("signum", signum, "a signal number") from None
+        replica = self._get(replica_id)
+        if replica.process is not None and not replica.record.ended:
+            await replica.process.signal(signum)
+            log.info("replica %s: sent signal %d", replica_id, signum)
+        return replica.info()
+
+    async def stop(self, replica_id: str, grace: float) -> ReplicaInfo:
+        """SIGTERM (and SIGCONT), SIGKILL after ``grace`` s; returns once it ended."""
+        replica = self._get(replica_id)
+        if replica.stopping is None:
+            replica.stopping = anyio.Event()
+            self._tg.start_soon(self._terminate, replica, max(grace, 0.0))
+        await replica.stopping.wait()
+        return replica.info()
+
+    async def acknowledge(self, replica_id: str) -> None:
+        """The gateway took note of the replica's end: forget it."""
+        replica = self._replicas.get(replica_id)
+        if replica is None or not replica.record.ended:
+            log.debug("ack for %s, which is not an ended replica here", replica_id)
+            return
+        del self._replicas[replica_id]
+        self._acked[replica_id] = None
+        while len(self._acked) > _ACKED_MEMORY:
+            self._acked.popitem(last=False)
+        await anyio.to_thread.run_sync(self._path(replica_id).unlink, True)
+
+    async def report_unacknowledged(self) -> None:
+        for replica in list(self._replicas.values()):
+            if replica.record.ended:
+                await self._report(replica.info())
+
+    async def stop_all(self, grace: float) -> None:
+        """Stop every running replica (on an agent exit asked to take them along)."""
+        async with anyio.create_task_group() as tg:
+            for replica_id, replica in list(self._replicas.items()):
+                if not replica.record.ended:
+                    tg.start_soon(self.stop, replica_id, grace)
+
+    # --- internals ---------------------------------------------------------------
+
+    def _get(self, replica_id: str) -> _Replica:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            raise UnknownReplicaError(replica_id)
+        return replica
+
+    async def _terminate(self, replica: _Replica, grace: float) -> None:
+        assert replica.stopping is not None
+        process = replica.process
+        if process is not None and process.running():
+            await process.signal(signal.SIGTERM)
+            await process.signal(signal.SIGCONT)  # a stopped process must act on it
+            with anyio.move_on_after(grace) as scope:
+                await replica.ended.wait()
+            if scope.cancelled_caught:
+                name = replica.record.replica_id
+                log.info("replica %s ignored SIGTERM for %.1fs: SIGKILL", name, grace)
+                await process.signal(signal.SIGKILL)
+        await replica.ended.wait()
+        replica.stopping.set()
+
+    async def _watch(self, replica: _Replica) -> None:
+        assert replica.process is not None
+        status = await replica.process.wait()
+        await self._finish(replica, status)
+
+    async def _finish(self, replica: _Replica, status: ExitStatus) -> None:
+        replica.record = msgspec.structs.replace(
+            replica.record, ended=True, exit_code=status.exit_code, signal=status.signal
+        )
+        log.info(
+            "replica %s (pid %d) ended: exit code %s, signal %s",
+            replica.record.replica_id,
+            replica.record.pid,
+            status.exit_code,
+            status.signal,
+        )
+        replica.ended.set()
+        await self._save(replica.record)
+        await self._report(replica.info())
+
+    def _take_back(self, path: Path) -> None:
+        try:
+            record = msgspec.json.decode(path.read_bytes(), type=ReplicaRecord)
+        except (OSError, msgspec.DecodeError) as exc:
+            log.warning("replica record %s unreadable, ignored: %s", path, exc)
+            return
+        process = None if record.ended else self._adopt(record)
+        replica = _Replica(record, process, adopted=True)
+        if record.ended:
+            replica.ended.set()
+        self._replicas[record.replica_id] = replica
+        if process is not None:
+            log.info("replica %s taken back: pid %d", record.replica_id, record.pid)
+            self._tg.start_soon(self._watch, replica)
+        elif not record.ended:
+            self._tg.start_soon(self._finish, replica, ExitStatus(None, None))
+
+    def _adopt(self, record: ReplicaRecord) -> _Adopted | None:
+        """A handle on the recorded process if it is still the one we started, else ``None``."""
+        if record.boot_id != self._boot_id or record.start_ticks is None:
+            log.info("replica %s: recorded on another boot; not adopted", record.replica_id)
+            return None
+        try:
+            pidfd = os.pidfd_open(record.pid)
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:
+                log.warning("replica %s: pidfd_open(%d): %s", record.replica_id, record.pid, exc)
+            return None
+        # Checked after the pidfd is open: from here on the PID cannot change owner.
+        if _start_ticks(record.pid) != record.start_ticks:
+            os.close(pidfd)
+            log.warning(
+                "replica %s: pid %d now belongs to another process (start time differs); "
+                "not adopted",
+                record.replica_id,
+                record.pid,
+            )
+            return None
+        return _Adopted(record.pid, pidfd)
+
+    def _path(self, replica_id: str) -> Path:
+        return self._records / f"{replica_id}.json"
+
+    async def _save(self, record: ReplicaRecord) -> None:
+        await anyio.to_thread.run_sync(_write_atomically, self._path(record.replica_id), record)
+
+
+def _write_atomically(path: Path, record: ReplicaRecord) -> None:
+    scratch = path.with_suffix(".tmp")
+    with scratch.open("wb") as f:
+        f.write(msgspec.json.encode(record))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(scratch, path)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or ``None`` if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = stat.rpartition(")")[2].split()
+    return int(fields[19])  # field 22 of proc(5), counted from field 3
+
+
+def _read_boot_id() -> str:
+    try:
+        return _BOOT_ID.read_text().strip()
+    except OSError:
+        return ""

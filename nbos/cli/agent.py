@@ -1,0 +1,78 @@
+"""``nbos agent``: the daemon of one host, in the foreground until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from nbos.agent import AgentConfig, run_until_signalled
+from nbos.core.config import Settings
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "agent",
+        help="run the agent of one host: its GPUs and replica processes, for the gateway",
+        description="Serve this host's GPUs and replica processes to the gateway over ZeroMQ "
+        "(CURVE with --keys) until SIGINT or SIGTERM. Replicas keep running when the agent "
+        "stops; an agent started again with the same --state-dir takes them back. "
+        "See docs/deploy.md.",
+    )
+    parser.add_argument("--host", required=True, help="this host's name (as in nbos keys)")
+    parser.add_argument(
+        "--address",
+        required=True,
+        metavar="HOST:PORT",
+        help="where the gateway reaches this agent (bound as given; port 0 picks one)",
+    )
+    parser.add_argument("--gateway", required=True, metavar="HOST:PORT", help="the gateway")
+    parser.add_argument(
+        "--state-dir",
+        required=True,
+        type=Path,
+        help="where the agent records its replicas (and their logs) across restarts",
+    )
+    parser.add_argument(
+        "--keys",
+        type=Path,
+        metavar="DIR",
+        help="key directory from nbos keys (needs hosts/HOST.key_secret and gateway.key); "
+        "without it the links are plain TCP",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="N virtual GPUs (default: NVML's GPUs, or [cluster] gpus_per_host virtual ones "
+        "where NVML finds none)",
+    )
+    parser.add_argument(
+        "--heartbeat", type=float, default=1.0, metavar="S", help="report interval (default: 1)"
+    )
+    parser.add_argument(
+        "--stop-replicas-on-exit",
+        action="store_true",
+        help="stop this host's replicas when the agent stops (default: leave them running)",
+    )
+    parser.set_defaults(func=agent_command)
+
+
+def agent_command(args: argparse.Namespace) -> int:
+    settings = Settings.load(args.config)
+    config = AgentConfig(
+        host_id=args.host,
+        address=args.address,
+        gateway_address=args.gateway,
+        state_dir=args.state_dir,
+        keys=args.keys,
+        virtual_gpus=args.gpus,
+        fallback_gpus=settings.cluster.gpus_per_host,
+        virtual_memory_mib=settings.cluster.gpu_memory_mib,
+        heartbeat_interval=args.heartbeat,
+        stop_replicas_on_exit=args.stop_replicas_on_exit,
+    )
+    anyio.run(run_until_signalled, config)
+    return 0

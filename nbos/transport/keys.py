@@ -1,0 +1,128 @@
+"""A cluster's CURVE keys on disk: one key pair for the gateway and one per host.
+
+Layout of a key directory (ZeroMQ certificate files, as :mod:`zmq.auth` writes
+and reads them; every file mode ``0600``, directories ``0700``)::
+
+    DIR/gateway.key            the gateway's public key
+    DIR/gateway.key_secret     the gateway's key pair
+    DIR/hosts/NAME.key         host NAME's public key
+    DIR/hosts/NAME.key_secret  host NAME's key pair
+
+The whole directory stays on the machine that made it. The gateway needs
+``gateway.key_secret`` and every ``hosts/*.key``; the agent of host NAME needs
+``hosts/NAME.key_secret`` and ``gateway.key``, in the same layout (see
+``docs/deploy.md``). :class:`KeyDirectory` reads either subset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import zmq.auth
+
+from nbos.core.errors import ConfigError
+from nbos.transport.zmq import CurveKeys
+
+log = logging.getLogger(__name__)
+
+GATEWAY_KEY = "gateway"
+HOSTS_DIR = "hosts"
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def check_host_name(name: str) -> str:
+    """``name`` if it can name a host (and its key file), else :class:`ConfigError`."""
+    if not _HOST_NAME.fullmatch(name):
+        raise ConfigError("host", name, "letters, digits, '_', '.', '-' (at most 63), not '.'-led")
+    return name
+
+
+def generate_keys(directory: str | os.PathLike[str], hosts: Iterable[str]) -> list[Path]:
+    """Make the gateway's key pair and one per host in ``directory``; returns the new files.
+
+    Key pairs that exist already are kept (so adding a host to a cluster is one more
+    call with its name); only missing ones are made. Each pair is written in a
+    private temporary directory first and moved into place, so a secret key is
+    never readable by others, even for a moment.
+    """
+    root = Path(directory)
+    names = [check_host_name(h) for h in hosts]
+    _private_dir(root)
+    _private_dir(root / HOSTS_DIR)
+    made = _make_pair(root, GATEWAY_KEY)
+    for name in names:
+        made += _make_pair(root / HOSTS_DIR, name)
+    log.info("made %d key files in %s", len(made), root)
+    return made
+
+
+def _private_dir(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("keys", str(path), f"a directory we can create ({exc})") from exc
+
+
+def _make_pair(directory: Path, name: str) -> list[Path]:
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    if secret.exists():
+        return []
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".new-") as scratch:
+        made = zmq.auth.create_certificates(scratch, name)
+        for path in made:
+            os.chmod(path, 0o600)
+        # Secret last: a pair counts as made once its secret file exists.
+        shutil.move(os.path.join(scratch, public.name), public)
+        shutil.move(os.path.join(scratch, secret.name), secret)
+    return [public, secret]
+
+
+class KeyDirectory:
+    """Reads the keys of one cluster from a directory in the layout above."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = Path(directory)
+
+    def gateway_public(self) -> bytes:
+        return _public(self.path / f"{GATEWAY_KEY}.key")
+
+    def host_public(self, host: str) -> bytes:
+        return _public(self.path / HOSTS_DIR / f"{check_host_name(host)}.key")
+
+    def hosts(self) -> list[str]:
+        """Host names that have a public key here, sorted."""
+        return sorted(p.stem for p in (self.path / HOSTS_DIR).glob("*.key"))
+
+    def gateway_curve(self) -> CurveKeys:
+        """The gateway's keys, admitting every host with a public key here."""
+        public, secret = _pair(self.path / f"{GATEWAY_KEY}.key_secret")
+        return CurveKeys(secret, public, frozenset(self.host_public(h) for h in self.hosts()))
+
+    def host_curve(self, host: str) -> CurveKeys:
+        """Host ``host``'s keys, admitting only the gateway."""
+        public, secret = _pair(self.path / HOSTS_DIR / f"{check_host_name(host)}.key_secret")
+        return CurveKeys(secret, public, frozenset({self.gateway_public()}))
+
+
+def _public(path: Path) -> bytes:
+    return _load(path)[0]
+
+
+def _pair(path: Path) -> tuple[bytes, bytes]:
+    public, secret = _load(path)
+    if secret is None:
+        raise ConfigError("keys", str(path), "a key pair file (NAME.key_secret)")
+    return public, secret
+
+
+def _load(path: Path) -> tuple[bytes, bytes | None]:
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("keys", str(path), f"a readable ZeroMQ certificate ({exc})") from exc
