@@ -6,6 +6,9 @@ need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || need+=(docker.io)
+# network namespaces for the multi-host tests: ip netns, veth, a bridge, iptables partitions
+command -v ip >/dev/null || [ -x /usr/sbin/ip ] || need+=(iproute2)
+command -v iptables >/dev/null || [ -x /usr/sbin/iptables ] || need+=(iptables)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then
   echo "missing ${need[*]}: install them (apt-get install ${need[*]}) or run as root" >&2
