@@ -7,11 +7,9 @@ import json
 import logging
 from typing import Any
 
-import attrs
-
 from nbos.core.errors import ConfigError
 from nbos.scaling.autoscaler import AutoscalerConfig
-from nbos.scaling.simulator import MODES, SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.simulator import MODES, SimConfig, metrics_table, simulate
 from nbos.scaling.trace import Trace, load_trace, synthetic_trace
 
 log = logging.getLogger(__name__)
@@ -78,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.json:
         for r in results:
-            print(json.dumps(_as_json(r)))
+            print(json.dumps(r.summary()))
     else:
         print(metrics_table(results))
     return 0
@@ -102,11 +100,3 @@ def _policy_kwargs(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             kwargs[key] = text
     return kwargs
-
-
-def _as_json(result: SimResult) -> dict[str, Any]:
-    data = attrs.asdict(result)
-    data["hosts_timeline"] = [list(point) for point in result.hosts_timeline]
-    data["busy_share"] = result.busy_share
-    data["utilisation"] = result.utilisation
-    return data
