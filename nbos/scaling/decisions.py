@@ -160,4 +160,3 @@ class ClusterDecisions:
     def removable(host: HostView) -> bool:
         """Whether a draining host may leave: it holds no replica and no committed GPU."""
         return not host.schedulable and host.replicas == 0 and host.gpus_committed == 0
-

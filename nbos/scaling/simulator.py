@@ -700,6 +700,7 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
     ("scale-outs / scale-ins", lambda r: f"{r.scale_outs} / {r.scale_ins}"),
     ("hosts mean / max", lambda r: f"{r.hosts_mean:.1f} / {r.hosts_max}"),
     ("peak GPUs committed", lambda r: f"{r.peak_gpus_committed}"),
+    ("hours at host ceiling, work waiting", lambda r: f"{r.hours_at_ceiling:.1f}"),
 )
 
 
