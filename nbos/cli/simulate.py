@@ -130,16 +130,12 @@ def _progress_bar(mode: str, trace: Trace) -> Iterator[Progress | None]:
         return
     try:
         from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
     except ImportError:
         log.debug("no progress bar: tqdm is not installed (pip install 'nbos[simulate]')")
         yield None
         return
     total = max(1, round(trace.end / 3600))
-    with (
-        tqdm(total=total, desc=f"simulating {mode}", unit="h", leave=False) as bar,
-        logging_redirect_tqdm(),
-    ):
+    with tqdm(total=total, desc=f"simulating {mode}", unit="h", leave=False) as bar:
 
         def progress(now: float) -> None:
             hours = min(total, int(now // 3600))
