@@ -293,12 +293,13 @@ class GpuScheduler:
         # The kernel has live replicas on these hosts: nothing is owed for it there.
         self._owed -= {(h, kernel_id) for h in replicas.values()}
         if gpus == 0:
-            replica = (
-                last_executor
-                if last_executor is not None and last_executor in replicas
-                else min(replicas)
-            )
-            return Grant(kernel_id, exec_index, replica, replicas[replica], (), "")
+            # Nothing to pre-commit, but the executor is still the decision's.
+            order = [replicas[r] for r in sorted(replicas)]
+            last = replicas.get(last_executor) if last_executor is not None else None
+            choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
+            host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
+            replica = self._replica_on(host, replicas, last_executor)
+            return Grant(kernel_id, exec_index, replica, host, (), "")
         key = frozenset(replicas.values())
         queue = self._queues.setdefault(key, deque())
         ticket = object()
