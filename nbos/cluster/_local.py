@@ -31,14 +31,13 @@ from nbos.backends.local import LocalProcessBackend
 from nbos.cluster._chooser import GpuChooser
 from nbos.cluster._gpus import ClusterGpus
 from nbos.cluster._kernel import Kernel, stop_processes
-from nbos.cluster._replacement import MemberAddress, Replacer, Spawned, place_one
+from nbos.cluster._replacement import MemberAddress, Replacer, Spawned
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import BackendError, ConfigError, KernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
 from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy, KernelFront, ReplicaEndpoint
-from nbos.scaling import load_policy
 from nbos.transport.ports import free_loopback_address
 
 log = logging.getLogger(__name__)
@@ -265,19 +264,14 @@ class LocalCluster:
                         processes=handles,
                         members=dict(replacing.members),
                         spawn=spawn,
-                        place=lambda k, exclude: place_one(
-                            self._settings.cluster.placement_policy,
-                            gpus.scheduler.view(),
-                            k,
-                            replacing.gpus,
-                            exclude,
+                        place=lambda k, exclude: gpus.scheduler.decisions.place_one(
+                            gpus.scheduler.view(), k, replacing.gpus, exclude
                         ),
                         new_address=free_loopback_address,
                         listeners=(replacing, replacing.chooser),
                     )
                     if isinstance(replacing.chooser, GpuChooser):
                         replacing.chooser.enable_migration(
-                            load_policy(self._settings.cluster.placement_policy),
                             lambda node, host, after: replacer.replace(
                                 node, target=host, after=after
                             ),

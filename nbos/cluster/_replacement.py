@@ -34,9 +34,7 @@ import attrs
 from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError, NbosError, ReplicationError
 from nbos.core.ids import HostId, KernelId
-from nbos.core.placement import ClusterView, PlacementRequest
 from nbos.kernel.front import KernelFront, ReplicaEndpoint
-from nbos.scaling import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +78,6 @@ class ReplacementListener(Protocol):
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         """Replica ``dead`` is gone for good; ``node`` on ``host`` took its place."""
         ...
-
-
-def place_one(
-    policy: str, cluster: ClusterView, kernel_id: KernelId, gpus: int, exclude: frozenset[HostId]
-) -> HostId:
-    """One host for a replacement replica, chosen by placement policy ``policy``.
-
-    Raises :class:`~nbos.core.errors.PlacementError` when no host outside ``exclude``
-    can take it.
-    """
-    request = PlacementRequest(kernel_id, gpus, replicas=1, exclude=exclude)
-    (host,) = load_policy(policy).place(request, cluster)
-    return host
 
 
 class Replacer:

@@ -191,6 +191,12 @@ class PlacementError(NbosError):
     """No placement satisfies the request."""
 
 
+class PolicyContractError(PlacementError):
+    """A placement policy answered with hosts it may not choose (too few, repeated,
+    unknown, excluded, unschedulable, or without the idle GPUs a target needs): a bug
+    in the policy, not a full cluster."""
+
+
 class UnknownPolicyError(PlacementError):
     """No placement policy is registered under this name."""
 
