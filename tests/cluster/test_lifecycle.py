@@ -11,22 +11,13 @@ import pytest
 
 import nbos
 from nbos.cluster import Kernel
+from tests._servers._process import process_running
 from tests.cluster.test_gpus import wait_until
 
 pytestmark = pytest.mark.anyio
 
 #: Generous: the teardown itself needs a few seconds; a hang would never return.
 TEARDOWN_WITHIN_S = 30.0
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 async def cell_running(kernel: Kernel) -> None:
@@ -52,4 +43,4 @@ async def test_cancelling_a_cluster_mid_cell_ends_its_processes_promptly(replace
                     await anyio.sleep_forever()
     assert scope.cancelled_caught
     assert len(pids) == 3
-    assert [p for p in pids if running(p)] == [], "replica processes outlived the cluster"
+    assert [p for p in pids if process_running(p)] == [], "replica processes outlived the cluster"

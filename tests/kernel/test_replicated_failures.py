@@ -139,7 +139,7 @@ async def reply_to(client: AsyncKernelClient, msg_id: str) -> dict[str, Any]:
                 return reply
 
 
-async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel: Kernel) -> None:
+async def test_a_frozen_executor_is_dropped_and_fenced(kernel: Kernel) -> None:
     await run_cells(kernel, STATE)
     before = await kernel.digests()
     async with connected_client(kernel) as client:
@@ -150,10 +150,9 @@ async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel:
         reply = await reply_to(client, msg_id)
     assert reply["content"]["ename"] == "CellLostError"
     assert executor not in kernel.front.alive
-    # Thawed, it finishes the cell, finds its Done refused (cell lost) and leaves.
-    await kernel.signal_replica(executor, signal.SIGCONT)
+    # Declared dead, it is killed: no thaw can let it finish the lost cell.
     with anyio.fail_after(30):
-        assert await kernel.wait_replica(executor) == 3
+        assert await kernel.wait_replica(executor) == -signal.SIGKILL
     result = await kernel.execute(CHECK)
     assert result.status == "ok", result.reply
     after = await kernel.digests()
