@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -55,9 +56,11 @@ class LocalCluster:
     cannot recover from its own disk then). ``heartbeat`` tunes how fast a kernel's
     front gives up on a replica that stopped answering; ``rebase_bytes`` how many bytes
     of deltas pile up before a replica re-images its namespace for Raft snapshots.
-    ``replace_dead_replicas``: a replica whose process exited and was not restarted
-    within ``replace_after_s`` seconds is replaced by a new one on another host
-    (``Kernel.replace_replica`` does it on demand; ``docs/kernel.md``).
+    ``replace_dead_replicas``: a replica whose process exited, or that the front
+    declared dead (missed heartbeats; its process is killed then), and that was not
+    restarted within ``replace_after_s`` seconds is replaced by a new one on another
+    host, retried with backoff (``Kernel.replace_replica`` does it on demand;
+    ``docs/kernel.md``).
 
     GPUs: every host has an agent owning ``settings.cluster.gpus_per_host`` virtual
     GPUs, or this machine's NVML GPUs where there are some (``gpu_discovery``:
@@ -235,6 +238,16 @@ class LocalCluster:
             if self._replace_after_s is not None:
                 await replacer.replace_after_exit(node, handle, self._replace_after_s)
 
+        async def fence(node: int) -> None:
+            # The front gave up on a replica whose process still runs (frozen, or too
+            # slow to answer): it goes, so that it can neither run a cell nor vote again.
+            # Its exit then takes the path of any other (restart in place, replacement).
+            handle = handles.get(node)
+            if handle is None or handle.returncode is not None or front.is_closing:
+                return
+            log.warning("kernel %s: replica %d declared dead: killing %r", kernel_id, node, handle)
+            await handle.signal(signal.SIGKILL)
+
         try:
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
@@ -284,6 +297,12 @@ class LocalCluster:
                         restart if self._durable else None,
                         replacer=replacer,
                     )
+
+                    def declared_dead(node: int, reason: str) -> None:
+                        if not front.is_closing:  # else the kernel's end stops them all
+                            tg.start_soon(fence, node)
+
+                    front.on_dead(declared_dead)
                     for node, handle in handles.items():
                         tg.start_soon(watch, node, handle)
                     await tg.start(front.serve)
@@ -296,6 +315,7 @@ class LocalCluster:
                     kernel.closed.set()
                     tg.cancel_scope.cancel()
         finally:
+            front.closing()
             await gpus.kernel_gone(kernel_id)
 
     async def _start_joining(

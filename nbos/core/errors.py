@@ -161,6 +161,19 @@ class QuorumLostError(KernelError):
     """Fewer than a majority of a kernel's replicas are alive."""
 
 
+class ReplacementError(KernelError):
+    """The cluster gave up replacing a dead replica of a kernel, after every retry."""
+
+    def __init__(self, kernel_id: str, replica: int, attempts: int, last: str) -> None:
+        self.kernel_id = kernel_id
+        self.replica = replica
+        self.attempts = attempts
+        super().__init__(
+            f"kernel {kernel_id}: replica {replica} not replaced in {attempts} attempts "
+            f"(last: {last})"
+        )
+
+
 # --- GPUs and placement --------------------------------------------------------
 
 

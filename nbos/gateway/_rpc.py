@@ -30,7 +30,8 @@ class RequestChannel:
     A request is resent every ``retry_interval`` (the agent's handling is
     idempotent) until a reply arrives or ``timeout`` passes, which raises
     :class:`HostUnreachableError`. Replies nobody waits for (late, duplicated)
-    are dropped.
+    are dropped. Once :meth:`close` was called (nothing delivers replies any
+    more), every call waiting or to come raises :class:`HostUnreachableError` at once.
     """
 
     def __init__(self, transport: Transport, *, timeout: float, retry_interval: float) -> None:
@@ -39,17 +40,20 @@ class RequestChannel:
         self._retry = retry_interval
         self._ids = itertools.count(1)
         self._waiting: dict[int, _Slot] = {}
+        self._closed = False
 
     async def call(
         self, peer: PeerId, host: str, make: Callable[[int], AgentRequest]
     ) -> AgentReply:
         """Send ``make(request_id)`` to ``peer`` (the agent of ``host``) and return its reply."""
+        if self._closed:
+            raise HostUnreachableError(host, "no replies are received any more")
         request_id = next(self._ids)
         payload = encode(make(request_id))
         slot = self._waiting[request_id] = _Slot()
         try:
             with anyio.move_on_after(self._timeout):
-                while True:
+                while not self._closed:
                     await self._send(peer, payload)
                     with anyio.move_on_after(self._retry):
                         await slot.done.wait()
@@ -57,7 +61,19 @@ class RequestChannel:
                         return slot.reply
         finally:
             del self._waiting[request_id]
+        if self._closed:
+            raise HostUnreachableError(host, "no replies are received any more")
         raise HostUnreachableError(host, f"no answer within {self._timeout:g} s")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Nothing delivers replies any more: end every call now, refuse later ones."""
+        self._closed = True
+        for slot in self._waiting.values():
+            slot.done.set()
 
     def deliver(self, request_id: int, reply: AgentReply) -> bool:
         """Hand a reply to its waiting request; ``False`` if none waits for it."""

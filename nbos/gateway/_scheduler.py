@@ -514,7 +514,8 @@ class GpuScheduler:
         try:
             return await self._rpc.call(host.peer, host.host_id, make)
         except HostUnreachableError as exc:
-            self._unreachable(host, str(exc))
+            if not self._rpc.closed:  # else the scheduler stops: the host is not to blame
+                self._unreachable(host, str(exc))
             raise
 
     async def _send_release(self, host: HostRecord, res: str, resident: bool) -> None:
@@ -562,6 +563,14 @@ class GpuScheduler:
     # --- reports ---------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        try:
+            await self._receive()
+        finally:
+            # No reply can reach a call from now on: calls must not wait out their timeout
+            # (a cluster torn down by cancellation would hang in its shielded releases).
+            self._rpc.close()
+
+    async def _receive(self) -> None:
         async for sender, message in received_messages(self._transport, "scheduler"):
             if isinstance(message, AgentStatus) and message.request_id is None:
                 self._on_status(sender, message)

@@ -162,6 +162,8 @@ class KernelFront:
         #: again, in order, before the next cell (which could not run before it anyway).
         self._unsettled: set[int] = set()
         self._settling = anyio.Lock()
+        self._settled_index = 0
+        self._death_listeners: list[Callable[[int, str], None]] = []
         self._last_executor: int | None = None
         self._refused = 0
         self._closing = False
@@ -241,6 +243,14 @@ class KernelFront:
         return self._next_index - 1
 
     @property
+    def settled_exec_index(self) -> int:
+        """The ``exec_index`` of the latest cell whose reply went to the client (0 before).
+
+        Its ``Done`` has committed; a cell in flight has a later index.
+        """
+        return self._settled_index
+
+    @property
     def is_closing(self) -> bool:
         """Whether the kernel is being shut down (:meth:`closing` was called)."""
         return self._closing
@@ -248,6 +258,14 @@ class KernelFront:
     def closing(self) -> None:
         """The kernel is being shut down: replicas that end from now on are expected to."""
         self._closing = True
+
+    def on_dead(self, listener: Callable[[int, str], None]) -> None:
+        """Call ``listener(replica, reason)`` whenever the front declares a replica dead.
+
+        Whoever runs the replica's process fences it there: one the front gave up on
+        (missed heartbeats) may only be frozen, and must not come back.
+        """
+        self._death_listeners.append(listener)
 
     def mark_dead(self, replica: int, reason: str) -> None:
         """Stop using ``replica``; requests in flight there end as lost."""
@@ -260,6 +278,8 @@ class KernelFront:
         for pending in list(self._pending.values()):
             if pending.target == replica or (pending.needs_quorum and not quorum):
                 pending.got_lost()
+        for listener in self._death_listeners:
+            listener(replica, reason)
 
     async def revive(self, replica: int, *, timeout: float = _READY_TIMEOUT_S) -> None:
         """Use ``replica`` again once it answers: it was restarted after :meth:`mark_dead`.
@@ -411,7 +431,10 @@ class KernelFront:
         with anyio.move_on_after(timeout):
             while up.alive:
                 probe = up.signer.new_message("kernel_info_request", {})
-                pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
+                # Not the client's shell request: a probe may run beside a cell.
+                pending = await self._roundtrip(
+                    replica, "shell", probe, [], grace=0.5, client=False
+                )
                 if pending.reply is not None and pending.idled.is_set():
                     return True
         return False
@@ -547,6 +570,7 @@ class KernelFront:
             finally:
                 await self._chooser.release(plan)
             if status is not None:
+                self._settled_index = index
                 return status
             # Another replica holds the index's claim (it claimed early and was not
             # chosen after all): retire the index and send the cell again under a new one.
@@ -742,10 +766,12 @@ class KernelFront:
         grace: float,
         on_reply: Callable[[_wire.Msg], Awaitable[bool]] | None = None,
         needs_quorum: bool = False,
+        client: bool = True,
     ) -> _Pending:
         """Send ``msg`` to ``target``; wait for its reply (``on_reply`` gets it at once and
         says whether it answered the client), then for its idle (at most ``grace`` seconds
-        longer). A request that ``needs_quorum`` ends as lost once no majority is alive."""
+        longer). A request that ``needs_quorum`` ends as lost once no majority is alive; a
+        shell ``msg`` of a ``client`` is the request in flight meanwhile."""
         header = msg["header"]
         expects_reply = header["msg_type"].endswith("_request")
         pending = _Pending(header["msg_id"], target, idents, expects_reply, needs_quorum)
@@ -754,7 +780,8 @@ class KernelFront:
             pending.got_lost()
             return pending
         self._pending[pending.msg_id] = pending
-        if channel == "shell":
+        shell = channel == "shell" and client
+        if shell:
             self._active = pending
         try:
             try:
@@ -763,7 +790,7 @@ class KernelFront:
                 log.info("kernel %s: %s", self._kernel_id, exc)
                 pending.got_lost()
                 return pending
-            if channel == "shell":
+            if shell:
                 await self._flush_busy()
             await pending.replied.wait()
             if pending.reply is not None and on_reply is not None:
@@ -778,7 +805,7 @@ class KernelFront:
             self._pending.pop(pending.msg_id, None)
             if self._active is pending:
                 self._active = None
-            if channel == "shell" and not pending.lost:
+            if shell and not pending.lost:
                 self._finished[pending.msg_id] = target
                 if len(self._finished) > _FINISHED_KEPT:
                     self._finished.popitem(last=False)
