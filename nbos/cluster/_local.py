@@ -60,7 +60,9 @@ class LocalCluster:
     declared dead (missed heartbeats; its process is killed then), and that was not
     restarted within ``replace_after_s`` seconds is replaced by a new one on another
     host, retried with backoff (``Kernel.replace_replica`` does it on demand;
-    ``docs/kernel.md``).
+    ``docs/kernel.md``). ``fence_dead_replicas=False`` leaves a replica declared dead
+    running, as on a host the cluster cannot reach to kill it: the replica's own checks
+    then keep it from running a cell the kernel gave up on.
 
     GPUs: every host has an agent owning ``settings.cluster.gpus_per_host`` virtual
     GPUs, or this machine's NVML GPUs where there are some (``gpu_discovery``:
@@ -83,6 +85,7 @@ class LocalCluster:
         gpu_discovery: DiscoveryMode = "auto",
         replace_dead_replicas: bool = True,
         replace_after_s: float = 1.0,
+        fence_dead_replicas: bool = True,
     ) -> None:
         if hosts < replicas or replicas < 1:
             raise ConfigError("hosts", hosts, f"at least replicas ({replicas}) hosts")
@@ -96,6 +99,7 @@ class LocalCluster:
         self._python = python
         self._gpu_discovery: DiscoveryMode = gpu_discovery
         self._replace_after_s = replace_after_s if replace_dead_replicas else None
+        self._fence = fence_dead_replicas
         self._gpus: ClusterGpus | None = None
         self._run_dir: Path | None = None
         self._backend: LocalProcessBackend | None = None
@@ -299,7 +303,8 @@ class LocalCluster:
                     )
 
                     def declared_dead(node: int, reason: str) -> None:
-                        if not front.is_closing:  # else the kernel's end stops them all
+                        # At the kernel's end, that end stops them all.
+                        if self._fence and not front.is_closing:
                             tg.start_soon(fence, node)
 
                     front.on_dead(declared_dead)
