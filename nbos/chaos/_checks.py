@@ -28,7 +28,7 @@ class Violation:
 def check_outcomes(history: Sequence[CellRecord]) -> list[Violation]:
     """Every cell ended ok or was reported lost: the kernel never leaves a client guessing."""
     return [
-        Violation("ambiguous", f"cell {r.seq} ended with {r.ename}, neither ok nor lost")
+        Violation("outcome", f"cell {r.seq} ended with {r.ename}, neither ok nor reported lost")
         for r in history
         if r.outcome == "unknown"
     ]

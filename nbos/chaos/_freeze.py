@@ -35,7 +35,10 @@ class FreezeReplica:
 
     role: Literal["executor", "follower"] = "executor"
     hold_s: tuple[float, float] = attrs.field(default=(1.0, 8.0), validator=_check_hold)
-    needs: frozenset[Capability] = EMBEDDED
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return EMBEDDED
 
     @property
     def name(self) -> str:

@@ -27,8 +27,13 @@ def _refuse(name: str) -> NemesisUnsupportedError:
 class PartitionHost:
     """Cut one host holding a replica off the network, then heal the partition."""
 
-    name: str = "partition-host"
-    needs: frozenset[Capability] = _GATEWAY
+    @property
+    def name(self) -> str:
+        return "partition-host"
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return _GATEWAY
 
     async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
         raise _refuse(self.name)
@@ -41,8 +46,13 @@ class PartitionHost:
 class KillGateway:
     """``kill -9`` the gateway mid-cell and start it again from its durable state."""
 
-    name: str = "kill-gateway"
-    needs: frozenset[Capability] = _GATEWAY
+    @property
+    def name(self) -> str:
+        return "kill-gateway"
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return _GATEWAY
 
     async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
         raise _refuse(self.name)
@@ -55,8 +65,13 @@ class KillGateway:
 class KillAgent:
     """``kill -9`` the host agent of a host holding a replica, then start it again."""
 
-    name: str = "kill-agent"
-    needs: frozenset[Capability] = _GATEWAY
+    @property
+    def name(self) -> str:
+        return "kill-agent"
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return _GATEWAY
 
     async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
         raise _refuse(self.name)

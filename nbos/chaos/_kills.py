@@ -16,6 +16,7 @@ from nbos.chaos._nemesis import (
     followers_of,
     kill,
     restart_in_place,
+    until,
 )
 from nbos.cluster import Kernel
 from nbos.core.errors import KernelError
@@ -26,22 +27,33 @@ class KillExecutor:
     """``kill -9`` the replica running the cell: the client must get the cell's result
     (if its ``Done`` committed) or ``CellLostError``, and the next cell runs elsewhere.
 
-    ``restart``: start the victim again in place from its durable Raft log, rather
-    than leave it to the cluster's replacement policy.
+    ``mid_cell=False`` waits for the cell to end and kills the replica that ran it
+    (``kill-last-executor``). ``restart``: as soon as the cluster noticed the death,
+    start the victim again in place from its durable Raft log (a crash that a
+    supervisor restarts; ``...+restart``), rather than leave it to the cluster's
+    replacement policy.
     """
 
+    mid_cell: bool = True
     restart: bool = False
-    name: str = "kill-executor"
-    needs: frozenset[Capability] = EMBEDDED
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return EMBEDDED
+
+    @property
+    def name(self) -> str:
+        base = "kill-executor" if self.mid_cell else "kill-last-executor"
+        return f"{base}+restart" if self.restart else base
 
     async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
+        if not self.mid_cell:
+            await until(lambda: kernel.front.running_on is None)
         node = executor_of(kernel)
-        await kill(kernel, node)
-        return Strike(described([node], node), (node,))
+        return await _kill(kernel, node, node, restart=self.restart)
 
     async def heal(self, kernel: Kernel, strike: Strike) -> None:
-        if self.restart:
-            await restart_in_place(kernel, strike.victims[0])
+        """Nothing to do: restarted at once, or left to the cluster."""
 
 
 @attrs.frozen
@@ -52,21 +64,24 @@ class KillFollower:
     """
 
     restart: bool = False
-    name: str = "kill-follower"
-    needs: frozenset[Capability] = EMBEDDED
+
+    @property
+    def name(self) -> str:
+        return "kill-follower+restart" if self.restart else "kill-follower"
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return EMBEDDED
 
     async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
         executor = executor_of(kernel)
         followers = followers_of(kernel, executor)
         if not followers:
             raise KernelError(f"kernel {kernel.kernel_id} has no live follower to kill")
-        node = rng.choice(followers)
-        await kill(kernel, node)
-        return Strike(described([node], executor), (node,))
+        return await _kill(kernel, rng.choice(followers), executor, restart=self.restart)
 
     async def heal(self, kernel: Kernel, strike: Strike) -> None:
-        if self.restart:
-            await restart_in_place(kernel, strike.victims[0])
+        """Nothing to do: restarted at once, or left to the cluster."""
 
 
 @attrs.frozen
@@ -78,8 +93,13 @@ class KillTwo:
     and the kernel must serve again with every acknowledged cell and no lost one.
     """
 
-    name: str = "kill-two"
-    needs: frozenset[Capability] = EMBEDDED
+    @property
+    def name(self) -> str:
+        return "kill-two"
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return EMBEDDED
 
     async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
         executor = executor_of(kernel)
@@ -93,3 +113,12 @@ class KillTwo:
     async def heal(self, kernel: Kernel, strike: Strike) -> None:
         for node in strike.victims:
             await restart_in_place(kernel, node)
+
+
+async def _kill(kernel: Kernel, node: int, executor: int, *, restart: bool) -> Strike:
+    await kill(kernel, node)
+    if not restart:
+        return Strike(described([node], executor), (node,))
+    await until(lambda: node not in kernel.front.alive)
+    await restart_in_place(kernel, node)
+    return Strike(f"{described([node], executor)}, restarted", (node,), noticed=True)

@@ -11,14 +11,18 @@ from __future__ import annotations
 import logging
 import random
 import signal
+from collections.abc import Callable
 from typing import Literal, Protocol
 
+import anyio
 import attrs
 
 from nbos.cluster import Kernel
 from nbos.core.errors import KernelError
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
 
 #: What a nemesis may need of the cluster under test.
 #: ``replica-processes``: signals to a kernel's replica processes (the embedded cluster);
@@ -32,11 +36,16 @@ EMBEDDED: frozenset[Capability] = frozenset({"replica-processes"})
 @attrs.frozen
 class Strike:
     """A fault in force: a readable ``target``, the replica ``victims``, and how long
-    (``lasts_s``, from the strike) the runner keeps it in force before healing."""
+    (``lasts_s``, from the strike) the runner keeps it in force before healing.
+
+    ``noticed``: the kernel noticed the fault before the strike returned (a victim
+    restarted at once was seen dead first); else the runner watches for that.
+    """
 
     target: str
     victims: tuple[int, ...]
     lasts_s: float = 0.0
+    noticed: bool = False
 
 
 class Nemesis(Protocol):
@@ -60,6 +69,12 @@ class Nemesis(Protocol):
     async def heal(self, kernel: Kernel, strike: Strike) -> None:
         """End the fault (thaw, restart ...); the runner then waits for full strength."""
         ...
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Return once ``predicate()`` holds (polled: the front's state has no event to await)."""
+    while not predicate():  # noqa: ASYNC110
+        await anyio.sleep(_POLL_S)
 
 
 def executor_of(kernel: Kernel) -> int:

@@ -6,7 +6,7 @@ import logging
 import random
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -24,7 +24,7 @@ from nbos.chaos._checks import (
 from nbos.chaos._freeze import FreezeReplica
 from nbos.chaos._gateway import KillAgent, KillGateway, PartitionHost
 from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
-from nbos.chaos._nemesis import EMBEDDED, Capability, Nemesis, Strike
+from nbos.chaos._nemesis import EMBEDDED, Capability, Nemesis, Strike, until
 from nbos.chaos._report import ChaosReport, FaultReport
 from nbos.chaos._schedule import PlannedFault, plan_faults
 from nbos.chaos._workload import CellRecord, Workload
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 #: How long the slow cell goes on after the planned strike, so the fault lands in it.
 _SLOW_TAIL_S = 2.0
-_POLL_S = 0.05
 #: Between cells that failed while the kernel recovers: not a busy loop.
 _RETRY_S = 0.25
 
@@ -52,6 +51,7 @@ def default_nemeses() -> tuple[Nemesis, ...]:
     """Every nemesis the embedded cluster can run, with its default settings."""
     return (
         KillExecutor(),
+        KillExecutor(mid_cell=False),
         KillFollower(),
         FreezeReplica("executor"),
         FreezeReplica("follower"),
@@ -190,7 +190,7 @@ class _Run:
             number=planned.number,
             nemesis=planned.nemesis,
             target=strike.target if strike is not None else "not struck",
-            detected=noticed.is_set() or lost > 0,
+            detected=noticed.is_set() or lost > 0 or (strike is not None and strike.noticed),
             recovered_s=recovered,
             cells_lost=lost,
             violations=tuple(new),
@@ -220,7 +220,7 @@ class _Run:
         async with anyio.create_task_group() as tg:
             tg.start_soon(slow)
             front = self._kernel.front
-            await _until(lambda: front.running_on is not None or slow_done.is_set())
+            await until(lambda: front.running_on is not None or slow_done.is_set())
             await anyio.sleep(planned.strike_after_s)
             struck_at = time.time()
             try:
@@ -234,7 +234,7 @@ class _Run:
     async def _watch(self, victims: tuple[int, ...], noticed: anyio.Event) -> None:
         """Set ``noticed`` once the front stopped counting every victim as alive."""
         front = self._kernel.front
-        await _until(lambda: not set(victims) & set(front.alive))
+        await until(lambda: not set(victims) & set(front.alive))
         noticed.set()
 
     async def _recovered(self, fault: int, first: int, struck_at: float) -> float | None:
@@ -252,7 +252,7 @@ class _Run:
 
     async def _full_strength(self) -> list[Violation]:
         with anyio.move_on_after(self._recovery_s):
-            await _until(lambda: len(self._kernel.front.alive) >= self._strength)
+            await until(lambda: len(self._kernel.front.alive) >= self._strength)
             return []
         alive = self._kernel.front.alive
         return [
@@ -277,11 +277,6 @@ class _Run:
         digests = await self._kernel.digests(after=after, timeout=self._cell_timeout_s)
         found += check_digests(digests, self._kernel.front.alive, after)
         return found
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    while not predicate():  # noqa: ASYNC110 - the front's state has no event to await
-        await anyio.sleep(_POLL_S)
 
 
 def _first_ok(records: Sequence[CellRecord], after: float) -> CellRecord | None:

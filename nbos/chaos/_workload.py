@@ -1,8 +1,10 @@
 """The workload: cells whose effects can be counted, and the client's record of each.
 
-Every workload cell ``seq`` does ``n += 1`` and ``L.append(seq)``, optionally sleeps
-(so that a fault can land while it runs), then appends ``"seq time"`` to a file on
-this machine: the file says which cells ran and when, whatever the kernel reported.
+Every workload cell ``seq`` does ``n += 1`` and ``L.append(seq)``, sets a name of its
+own (``cell_<seq>``, never written again: a replica that missed the cell differs by it
+whatever came later), optionally sleeps (so that a fault can land while it runs), then
+appends ``"seq time"`` to a file on this machine: the file says which cells ran and
+when, whatever the kernel reported.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Workload:
         seq = self._next_seq
         self._next_seq += 1
         code = (
-            f"n += 1\nL.append({seq})\ntime.sleep({sleep_s!r})\n"
+            f"n += 1\nL.append({seq})\ncell_{seq} = {seq}\ntime.sleep({sleep_s!r})\n"
             f"open({str(self._run_file)!r}, 'a').write(f'{seq} {{time.time()!r}}\\n')"
         )
         try:

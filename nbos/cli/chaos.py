@@ -89,14 +89,16 @@ async def _chaos(
 
 @contextlib.contextmanager
 def _progress(duration: float) -> Iterator[Observer]:
-    """A rich progress bar with the ``chaos`` extra installed, else plain lines."""
+    """Progress on stderr (the table goes to stdout): a rich bar with the ``chaos``
+    extra installed, else plain lines."""
     if importlib.util.find_spec("rich") is None:
         yield _Lines()
         return
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns) as bar:
+    with Progress(*columns, console=Console(stderr=True)) as bar:
         yield _RichBar(bar, bar.add_task("starting", total=duration))
 
 
