@@ -155,9 +155,33 @@ class _Run:
         self._seen: set[Violation] = set()
 
     async def fault(self, planned: PlannedFault, observer: Observer | None) -> FaultReport:
+        """Run fault ``planned`` from its first workload cell to its checks."""
         for _ in range(planned.cells_before):
             await self._workload.cell(planned.number)
         first = len(self._workload.history)
+        strike, struck_at, noticed = await self._inject(planned, observer)
+        recovered = await self._recovered(planned.number, first, struck_at)
+        new = [v for v in await self._check(recovered) if v not in self._seen]
+        self._seen.update(new)
+        window = self._workload.history[first - planned.cells_before :]
+        lost = sum(r.outcome == "lost" for r in window)
+        return FaultReport(
+            number=planned.number,
+            nemesis=planned.nemesis,
+            target=strike.target if strike is not None else "not struck",
+            detected=noticed or lost > 0,
+            recovered_s=recovered,
+            cells_lost=lost,
+            violations=tuple(new),
+        )
+
+    async def _inject(
+        self, planned: PlannedFault, observer: Observer | None
+    ) -> tuple[Strike | None, float, bool]:
+        """Strike mid-cell, keep the fault in force, heal it.
+
+        The strike, its wall-clock time, and whether the kernel noticed it.
+        """
         nemesis = self._nemeses[planned.nemesis]
         noticed = anyio.Event()
         async with anyio.create_task_group() as watching:
@@ -170,31 +194,22 @@ class _Run:
                 await self._workload.cell(planned.number)
                 await anyio.sleep(max(0.0, struck_at + strike.lasts_s - time.time()))
             watching.cancel_scope.cancel()
-        found: list[Violation] = []
-        if strike is not None:
-            await nemesis.heal(self._kernel, strike)
-        recovered = await self._recovered(planned.number, first, struck_at)
-        found += check_outcomes(self._workload.history)
+        if strike is None:
+            return None, struck_at, False
+        await nemesis.heal(self._kernel, strike)
+        return strike, struck_at, noticed.is_set() or strike.noticed
+
+    async def _check(self, recovered: float | None) -> list[Violation]:
+        """Every check on the history and, if it serves cells, on the kernel."""
+        found = check_outcomes(self._workload.history)
         found += check_execution_counts(self._workload.execution_counts)
         if recovered is None:
             # The kernel serves no cell: reading its state would only time out as well.
             found.append(Violation("no-recovery", f"no cell ok {self._recovery_s} s after"))
-        else:
-            found += await self._full_strength()
-            found += await self._kernel_checks()
-        new = [v for v in found if v not in self._seen]
-        self._seen.update(new)
-        window = self._workload.history[first - planned.cells_before :]
-        lost = sum(r.outcome == "lost" for r in window)
-        return FaultReport(
-            number=planned.number,
-            nemesis=planned.nemesis,
-            target=strike.target if strike is not None else "not struck",
-            detected=noticed.is_set() or lost > 0 or (strike is not None and strike.noticed),
-            recovered_s=recovered,
-            cells_lost=lost,
-            violations=tuple(new),
-        )
+            return found
+        found += await self._full_strength()
+        found += await self._kernel_checks()
+        return found
 
     async def _strike_mid_cell(
         self,
