@@ -133,7 +133,7 @@ def test_nemeses_that_need_a_gateway_are_refused_on_the_embedded_cluster() -> No
     refused = {n.name for n in known_nemeses()} - {n.name for n in default_nemeses()}
     assert refused == {"partition-host", "kill-gateway", "kill-agent"}
     with pytest.raises(ConfigError):
-        check_supported([KillFollower(), KillFollower(restart=True)])  # one name twice
+        check_supported([KillFollower(), KillFollower()])  # one name twice
     with pytest.raises(ConfigError):
         check_supported([])
 
