@@ -7,6 +7,7 @@ facts a caller needs as attributes, not only in the message text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -240,3 +241,17 @@ class HostUnreachableError(BackendError):
 class ScalingError(NbosError):
     """The autoscaler or the simulator got input it cannot use (time going
     backwards, a malformed cluster view, a bad trace)."""
+
+
+# --- chaos ---------------------------------------------------------------------
+
+
+class NemesisUnsupportedError(NbosError):
+    """A chaos nemesis needs something the cluster under test does not have (a gateway ...)."""
+
+    def __init__(self, nemesis: str, missing: Sequence[str], cluster: str) -> None:
+        self.nemesis = nemesis
+        self.missing = list(missing)
+        super().__init__(
+            f"nemesis {nemesis!r} needs {', '.join(missing)}, which the {cluster} does not have"
+        )
