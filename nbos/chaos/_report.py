@@ -12,7 +12,7 @@ _COLUMNS = ("#", "fault", "target", "detected", "recovered", "lost", "violations
 @attrs.frozen
 class FaultReport:
     """One fault: whether the kernel noticed it (``detected``: the victims left the
-    front's live set or a cell was reported lost), seconds from the strike to the next
+    front's live set or a cell did not end ok), seconds from the strike to the next
     ok cell (``recovered_s``, ``None`` if none came), cells reported lost in its window,
     and the violations first found after it."""
 

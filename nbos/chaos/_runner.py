@@ -165,11 +165,12 @@ class _Run:
         self._seen.update(new)
         window = self._workload.history[first - planned.cells_before :]
         lost = sum(r.outcome == "lost" for r in window)
+        failed = sum(r.outcome != "ok" for r in window)
         return FaultReport(
             number=planned.number,
             nemesis=planned.nemesis,
             target=strike.target if strike is not None else "not struck",
-            detected=noticed or lost > 0,
+            detected=noticed or failed > 0,
             recovered_s=recovered,
             cells_lost=lost,
             violations=tuple(new),

@@ -24,11 +24,16 @@ from nbos.core.errors import KernelError
 log = logging.getLogger(__name__)
 
 #: ok: acknowledged, its effect must be there once; lost: the kernel said it did not
-#: happen (its effect must never be there); unknown: any other answer, or none.
-Outcome = Literal["ok", "lost", "unknown"]
+#: happen (its effect must never be there); indeterminate: the kernel said its outcome is
+#: not known yet (applied at most once); unknown: any other answer, or none.
+Outcome = Literal["ok", "lost", "indeterminate", "unknown"]
 
 #: The errors by which the kernel says a cell did not happen.
-LOST_ERRORS = frozenset({"CellLostError", "QuorumLostError"})
+LOST_ERRORS = frozenset({"CellLostError"})
+#: The errors by which the kernel says a cell has no outcome yet: a cell in flight when the
+#: majority went is settled once a majority is back, and its executor's ``Done`` may have
+#: committed first (``docs/kernel.md``, Recovery).
+INDETERMINATE_ERRORS = frozenset({"QuorumLostError"})
 
 _SETUP = "import json\nimport time\nn = 0\nL = []"
 _READ = "print(json.dumps({'n': n, 'L': L}))"
@@ -130,7 +135,7 @@ class Workload:
             outcome, ename = "ok", None
         else:
             ename = result.error[0] if result.error else result.status
-            outcome = "lost" if ename in LOST_ERRORS else "unknown"
+            outcome = _outcome(ename)
         return CellRecord(
             seq, fault, outcome, ename, result.execution_count, result.executor, time.time()
         )
@@ -138,3 +143,9 @@ class Workload:
     def _count(self, result: ExecuteResult) -> None:
         if result.status == "ok" and result.execution_count is not None:
             self.execution_counts.append(result.execution_count)
+
+
+def _outcome(ename: str) -> Outcome:
+    if ename in LOST_ERRORS:
+        return "lost"
+    return "indeterminate" if ename in INDETERMINATE_ERRORS else "unknown"

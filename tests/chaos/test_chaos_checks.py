@@ -38,15 +38,22 @@ def kinds(violations: list[Violation]) -> list[str]:
     return [v.kind for v in violations]
 
 
-HISTORY = [cell(1), cell(2), cell(3, "lost", "CellLostError"), cell(4), cell(5, "unknown", "E")]
+HISTORY = [
+    cell(1),
+    cell(2),
+    cell(3, "lost", "CellLostError"),
+    cell(4),
+    cell(5, "unknown", "E"),
+    cell(6, "indeterminate", "QuorumLostError"),
+]
 
 
 def test_a_clean_history_has_no_violation() -> None:
     observed = Observed(n=3, appended=(1, 2, 4), ran={1: (1.0,), 2: (2.0,), 4: (4.0,)})
     assert check_effects(HISTORY, observed) == []
     assert check_runs(HISTORY, observed.ran) == []
-    # An unknown outcome may have applied once.
-    assert check_effects(HISTORY, Observed(4, (1, 2, 4, 5), {})) == []
+    # An unknown or indeterminate outcome may have applied once.
+    assert check_effects(HISTORY, Observed(5, (1, 2, 4, 5, 6), {})) == []
 
 
 def test_a_duplicated_acknowledged_cell_is_a_violation() -> None:
@@ -71,6 +78,12 @@ def test_an_unknown_cell_applied_twice_a_phantom_and_a_torn_cell_are_violations(
     assert kinds(found) == ["exactly-once", "phantom", "torn-cell", "order"]
 
 
+def test_an_indeterminate_cell_applied_twice_is_a_violation() -> None:
+    found = check_effects(HISTORY, Observed(n=5, appended=(1, 2, 4, 6, 6), ran={}))
+    assert kinds(found) == ["exactly-once", "order"]
+    assert "QuorumLostError" in found[0].detail
+
+
 def test_a_cell_that_ran_twice_or_after_it_was_reported_lost_is_a_violation() -> None:
     lost = cell(3, "lost", "CellLostError", at=100.0)
     assert check_runs([lost], {3: (99.5,)}) == []  # ran, then died: reported after
@@ -79,8 +92,11 @@ def test_a_cell_that_ran_twice_or_after_it_was_reported_lost_is_a_violation() ->
     assert "7.000 s after" in found[1].detail
 
 
-def test_an_outcome_neither_ok_nor_lost_is_a_violation() -> None:
-    assert kinds(check_outcomes(HISTORY)) == ["outcome"]
+def test_an_outcome_the_kernel_does_not_define_is_a_violation() -> None:
+    # Cell 5's "E" is one; cell 6's QuorumLostError (no outcome yet) is not.
+    assert [v.detail for v in check_outcomes(HISTORY)] == [
+        "cell 5 ended with E, not an answer the kernel defines"
+    ]
 
 
 def test_execution_count_must_grow() -> None:

@@ -94,14 +94,15 @@ async def test_kill_a_follower_mid_cell(kernel: Kernel) -> None:
     assert all(f.cells_lost == 0 for f in report.faults), report.table()
 
 
-@pytest.mark.xfail(strict=False, reason="issue 11 item 1, fixed on another branch")
 @pytest.mark.timeout(300)
 async def test_quorum_lost_mid_cell_then_both_restarted(kernel: Kernel) -> None:
     report = await chaos(kernel, [KillTwo()], seed=3, faults=2)
-    assert all(f.cells_lost >= 1 for f in report.faults), report.table()
+    # The cells in flight got QuorumLostError: no outcome until a majority is back, so the
+    # checks allow each at most once; what counts is that the kernel noticed and went on.
+    assert all(f.detected for f in report.faults), report.table()
+    assert report.cells_ok < report.cells, report.table()
 
 
-@pytest.mark.xfail(strict=False, reason="issue 11 item 2, fixed on another branch")
 @pytest.mark.timeout(300)
 async def test_the_last_executor_restarted_in_place_has_every_cell() -> None:
     # Killed once its cell ended and restarted at once, before another replica ran a
@@ -113,7 +114,6 @@ async def test_the_last_executor_restarted_in_place_has_every_cell() -> None:
         await chaos(kernel, [KillExecutor(mid_cell=False, restart=True)], seed=4, faults=1)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 11 item 3, fixed on another branch")
 @pytest.mark.timeout(300)
 async def test_a_frozen_executor_s_lost_cell_never_runs_after_thawing(kernel: Kernel) -> None:
     # Frozen past the heartbeat limit: the cell is reported lost, then the replica thaws.
@@ -121,7 +121,6 @@ async def test_a_frozen_executor_s_lost_cell_never_runs_after_thawing(kernel: Ke
     assert all(f.detected for f in report.faults), report.table()
 
 
-@pytest.mark.xfail(strict=False, reason="issue 11 item 5, fixed on another branch")
 @pytest.mark.timeout(300)
 async def test_a_frozen_follower_is_replaced_or_rejoins(kernel: Kernel) -> None:
     report = await chaos(kernel, [FreezeReplica("follower", hold_s=(5.0, 6.0))], seed=6, faults=2)
