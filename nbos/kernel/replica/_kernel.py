@@ -45,7 +45,7 @@ from nbos.kernel.replica._machine import (
 )
 from nbos.kernel.replica._membership import member_reply
 from nbos.kernel.replica._raftnode import RaftNode
-from nbos.kernel.replica._sync import NamespaceSync, digest
+from nbos.kernel.replica._sync import NamespaceSync
 
 log = logging.getLogger(__name__)
 
@@ -513,7 +513,8 @@ class ReplicaKernel(IPythonKernel):
 
     async def _digest_after(self, index: int) -> tuple[str, int]:
         await self._wait_done(index)
-        return digest(self._user_state()), self._applied_done
+        assert self._sync is not None
+        return self._sync.digest(self._user_state()), self._applied_done
 
     def _user_state(self) -> dict[str, Any]:
         # IPython seeds user_ns with helpers of its own (``open``, ``exit`` ...) and lists
