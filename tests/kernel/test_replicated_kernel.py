@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -460,5 +463,68 @@ async def test_an_unknown_control_request_never_blocks_the_control_channel(
             assert failed["content"]["ename"] == "KernelError"
             _, messages = await run(c, "print('x' in dir())")
             assert stdout(messages) == "False\n"
+    finally:
+        await k.shutdown()
+
+
+# A forked child and a subprocess that print in a loop, and one that is quiet (all
+# bounded, should a run fail): one that prints dies of a broken pipe once its replica
+# is gone, a quiet one would live on.
+CHILDREN = """
+import os, subprocess, time
+pid = os.fork()
+if pid == 0:
+    for _ in range(600):
+        os.write(1, b'forked child\\n')
+        print('forked child print', flush=True)
+        time.sleep(0.1)
+    os._exit(0)
+popen = subprocess.Popen(['sh', '-c', 'for i in $(seq 600); do echo popen child; sleep 0.1; done'])
+quiet = subprocess.Popen(['sleep', '60'])
+print('children', pid, popen.pid, quiet.pid)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_a_cells_children_print_as_that_cell_and_end_with_its_replica(
+    cluster: LocalCluster,
+) -> None:
+    k = await cluster.start_kernel()
+    try:
+        async with connected_client(k) as c:
+            await c.wait_for_ready(timeout=30)
+            reply, messages = await run(c, CHILDREN)
+            assert reply["content"]["status"] == "ok", reply["content"]
+            line = next(x for x in stdout(messages).splitlines() if x.startswith("children"))
+            children = [int(pid) for pid in line.split()[1:]]
+            # What they print later is output of the cell that started them...
+            late: set[str] = set()
+            with anyio.fail_after(30):
+                while len(late) < 3:
+                    msg = await c.get_iopub_msg()
+                    mine = msg["parent_header"].get("msg_id") == reply["parent_header"]["msg_id"]
+                    if mine and msg["msg_type"] == "stream":
+                        late.update(x for x in msg["content"]["text"].splitlines() if x)
+            assert late == {"forked child", "forked child print", "popen child"}
+            # ...and never of a later cell.
+            _, messages = await run(c, "import time\ntime.sleep(1)\nprint('later')")
+            assert stdout(messages) == "later\n"
+            assert all(running(pid) for pid in children)
+        # The replica that started them crashes (its process alone is killed, as the
+        # kernel's OOM killer would): they end with it.
+        executor = next(r for r in k.replicas if r.node == k.front.last_executor)
+        assert executor.pid is not None
+        os.kill(executor.pid, signal.SIGKILL)
+        with anyio.fail_after(30):
+            while any(running(pid) for pid in children):  # noqa: ASYNC110 - /proc has no event
+                await anyio.sleep(0.1)
     finally:
         await k.shutdown()

@@ -44,6 +44,7 @@ from nbos.kernel.replica._machine import (
     Restored,
 )
 from nbos.kernel.replica._membership import member_reply
+from nbos.kernel.replica._output import CellOutput
 from nbos.kernel.replica._raftnode import RaftNode
 from nbos.kernel.replica._sync import NamespaceSync
 
@@ -314,7 +315,9 @@ class ReplicaKernel(IPythonKernel):
             return error_content(KeyboardInterrupt("interrupted before the cell started"), 0)
         self._in_user_code = True
         try:
-            return await run
+            # The cell's processes print on its own descriptors, never into later cells.
+            with CellOutput():
+                return await run
         finally:
             self._in_user_code = False
 
