@@ -12,82 +12,119 @@ the child, as it does for a thread the cell started.
 
 from __future__ import annotations
 
-import array
 import codecs
-import fcntl
+import contextlib
 import logging
 import os
+import select
 import sys
-import termios
 import threading
-import time
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 1 << 16
-#: At most this long, after the cell, for its own last output to be read from the pipe.
-_DRAIN_S = 2.0
 
 
 class _Pump:
-    """One pipe standing in for fd ``fd``; a thread writes what arrives to ``stream``."""
+    """One pipe standing in for fd ``fd`` while a cell runs; its output goes to ``stream``
+    as output of the cell with header ``header``.
+
+    The process's one reader thread (:class:`_Reader`) and :meth:`restore` both read
+    the pipe, one at a time (``lock``), so the cell's last output is published in
+    order, before the cell's reply, without waiting for the thread: a child may hold
+    the pipe open for as long as it lives.
+    """
 
     def __init__(self, fd: int, stream: Any, header: dict[str, Any]) -> None:
         self._fd = fd
+        self._stream = stream
+        self._header = header
         self._saved = os.dup(fd)
-        self._read, write = os.pipe()
+        self.read, write = os.pipe()
+        os.set_blocking(self.read, False)
         os.dup2(write, fd)
         os.close(write)
-        self._waiting = threading.Event()
-        #: Held while the read end is closed, so that :meth:`drained` never looks at
-        #: a descriptor number reused meanwhile.
-        self._closing = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, args=(stream, header), name=f"nbos-cell-fd{fd}", daemon=True
-        )
-        self._thread.start()
+        self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        self.lock = threading.Lock()
+        #: Every writer closed the pipe and all it held was published. Only the reader
+        #: thread closes it then, so its number is not reused while the thread polls it.
+        self.ended = False
 
-    def _run(self, stream: Any, header: dict[str, Any]) -> None:
-        stream.set_thread_parent(header)
-        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+    def pump(self) -> None:
+        """Publish what the pipe holds now; the caller holds ``lock``."""
+        token = self._stream.set_thread_parent(self._header)
         try:
-            while True:
-                self._waiting.set()
-                chunk = os.read(self._read, _READ_SIZE)
-                self._waiting.clear()
-                if not chunk:
-                    break
-                stream.write(decode(chunk))
-            tail = decode(b"", final=True)
-            if tail:
-                stream.write(tail)
-        except (OSError, ValueError) as exc:  # the stream was closed at shutdown
-            log.debug("output pipe of fd %d: %s", self._fd, exc)
+            while not self.ended:
+                try:
+                    chunk = os.read(self.read, _READ_SIZE)
+                except BlockingIOError:
+                    return
+                text = self._decode(chunk, final=not chunk)
+                if text:
+                    self._stream.write(text)
+                self.ended = not chunk
         finally:
-            with self._closing:
-                self._waiting.clear()
-                os.close(self._read)
+            self._stream.reset_thread_parent(token)
 
     def restore(self) -> None:
-        """Give fd back to the kernel; wait until what the cell wrote has been read."""
+        """Give the fd back to the kernel and publish what the cell wrote there."""
         os.dup2(self._saved, self._fd)
         os.close(self._saved)
-        deadline = time.monotonic() + _DRAIN_S
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            if self._drained():
-                return
-            self._thread.join(0.005)
+        with self.lock:
+            self.pump()
 
-    def _drained(self) -> bool:
-        """Whether the thread waits for more with nothing left to read (a child may hold
-        the pipe open for good, so there need not be an end of file)."""
-        with self._closing:
-            if not self._waiting.is_set():
-                return False
-            count = array.array("i", [0])
-            fcntl.ioctl(self._read, termios.FIONREAD, count)
-            return count[0] == 0
+
+class _Reader:
+    """The thread that publishes what arrives on cells' pipes, one for the process."""
+
+    def __init__(self) -> None:
+        self._pumps: dict[int, _Pump] = {}
+        self._guard = threading.Lock()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        threading.Thread(target=self._run, name="nbos-cell-output", daemon=True).start()
+
+    def watch(self, pump: _Pump) -> None:
+        with self._guard:
+            self._pumps[pump.read] = pump
+        os.write(self._wake_write, b"\0")
+
+    def _run(self) -> None:
+        while True:
+            poller = select.poll()
+            poller.register(self._wake_read, select.POLLIN)
+            with self._guard:
+                for fd in self._pumps:
+                    poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll():
+                if fd == self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, _READ_SIZE)
+                    continue
+                self._serve(self._pumps[fd])
+
+    def _serve(self, pump: _Pump) -> None:
+        with pump.lock:
+            try:
+                pump.pump()
+            except (OSError, ValueError) as exc:  # the stream was closed at shutdown
+                log.debug("cell output pipe %d: %s", pump.read, exc)
+                pump.ended = True
+            if pump.ended:
+                with self._guard:
+                    del self._pumps[pump.read]
+                os.close(pump.read)
+
+
+_reader: _Reader | None = None
+
+
+def _watch(pump: _Pump) -> None:
+    global _reader  # noqa: PLW0603 - one reader thread per process, started on first use
+    if _reader is None:
+        _reader = _Reader()
+    _reader.watch(pump)
 
 
 class CellOutput:
@@ -103,8 +140,9 @@ class CellOutput:
         streams: tuple[tuple[int, Any], ...] = ((1, sys.stdout), (2, sys.stderr))
         for fd, stream in streams:
             if hasattr(stream, "set_thread_parent"):
-                stream.flush()
-                self._pumps.append(_Pump(fd, stream, dict(stream.parent_header)))
+                pump = _Pump(fd, stream, dict(stream.parent_header))
+                self._pumps.append(pump)
+                _watch(pump)
         return self
 
     def __exit__(self, *exc: object) -> None:
