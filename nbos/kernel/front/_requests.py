@@ -45,19 +45,19 @@ class _Code(msgspec.Struct):
 
 class _Cursor(msgspec.Struct):
     code: str
-    cursor_pos: int
+    cursor_pos: int | None  # None: the end of the code, as ipykernel reads it
 
 
 class _Inspect(msgspec.Struct):
     code: str
-    cursor_pos: int
+    cursor_pos: int | None
     detail_level: int = 0
     omit_sections: list[str] = []
 
 
 class _History(msgspec.Struct, forbid_unknown_fields=True):
     # ipykernel passes the content as keyword arguments: an extra field is a TypeError.
-    hist_access_type: Literal["range", "tail", "search"]
+    hist_access_type: str
     output: bool
     raw: bool
     session: int | None = None
