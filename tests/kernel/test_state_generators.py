@@ -120,3 +120,32 @@ async def test_a_snapshot_image_keeps_the_process_parts(store: LocalObjectStore)
     image = await dump_namespace({"x": 1}, store, process=parts)
     assert image_process(image) == parts
     assert image_process(await dump_namespace({"x": 1}, store)) == {}
+
+
+@pytest.mark.usefixtures("restore_process")
+def test_an_image_keeps_what_cells_changed_and_restoring_it_undoes_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NBOS_TEST_HOST_OWN", "this host")
+    process = ProcessState()
+    here = os.getcwd()
+    random.seed(5)
+    monkeypatch.setenv("NBOS_TEST_BY_CELL", "1")
+    image = process.image()
+    assert set(image) >= {"random", "env:NBOS_TEST_BY_CELL"}
+    assert "env:NBOS_TEST_HOST_OWN" not in image and "cwd" not in image
+    # A later cell's changes, then the process goes back to the image's state.
+    random.random()
+    os.chdir(tmp_path)
+    monkeypatch.setenv("NBOS_TEST_LATER", "2")
+    monkeypatch.delenv("NBOS_TEST_BY_CELL")
+    process.capture()
+    process.restore(image)
+    assert os.getcwd() == here and "NBOS_TEST_LATER" not in os.environ
+    assert os.environ["NBOS_TEST_BY_CELL"] == "1"
+    assert random.getstate() == random.Random(5).getstate()
+    assert process.capture() == {}
+    # An empty image is the state at start, where the generators are nobody's yet.
+    process.restore({})
+    assert "NBOS_TEST_BY_CELL" not in os.environ
+    assert process.digest() == ProcessState().digest()

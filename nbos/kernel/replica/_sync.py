@@ -63,12 +63,11 @@ class NamespaceSync:
         for name in [n for n in user_ns if state.is_user_name(n)]:
             del user_ns[name]
         user_ns.update(loaded)
-        if image:
-            self._process.apply(state.image_process(image))
+        self._process.restore(state.image_process(image) if image else {})
 
     async def image(self, user_ns: MutableMapping[str, Any]) -> bytes:
         """The user state of ``user_ns`` (and of the process) as a snapshot image."""
-        return await state.dump_namespace(user_ns, self._store, process=self._process.current())
+        return await state.dump_namespace(user_ns, self._store, process=self._process.image())
 
     def digest(self, user_ns: MutableMapping[str, Any]) -> str:
         """Canonical digest of the user state and the global generators, equal on

@@ -118,7 +118,9 @@ class ProcessState:
     """
 
     def __init__(self) -> None:
-        self._known: Parts = {**_environment(), "cwd": _read_cwd()}
+        #: The working directory and environment this process started with.
+        self._initial: Parts = {**_environment(), "cwd": _read_cwd()}
+        self._known: Parts = dict(self._initial)
 
     def current(self) -> Parts:
         """Every part as it is now (a generator of a module not imported is absent)."""
@@ -137,6 +139,25 @@ class ProcessState:
         changed = {n: v for n, v in self.current().items() if n not in known or known[n] != v}
         self._known.update(changed)
         return changed
+
+    def image(self) -> Parts:
+        """What a snapshot keeps: the generators, and the working directory and
+        environment variables as far as cells changed them (not this host's own)."""
+        return {
+            name: data
+            for name, data in self.current().items()
+            if name not in self._initial or self._initial[name] != data
+        }
+
+    def restore(self, parts: Mapping[str, bytes | None]) -> None:
+        """Make the process hold a snapshot's ``parts`` (from :meth:`image`); what they
+        lack is as it was at start (the generators: unknown again)."""
+        changed = self.image()
+        back = {n: self._initial.get(n) for n in changed if n not in parts and n in self._initial}
+        unset = {n: None for n in changed if n.startswith(_ENV) and n not in self._initial}
+        self.apply({**unset, **back, **parts})
+        for name in _PARTS.keys() - parts.keys() - {"cwd"}:
+            self._known.pop(name, None)
 
     def apply(self, parts: Mapping[str, bytes | None]) -> None:
         """Make this process hold the executor's ``parts``; a part that cannot be applied
