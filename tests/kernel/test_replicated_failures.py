@@ -221,6 +221,9 @@ async def test_global_generators_cwd_and_environment_survive_a_failover(
 ) -> None:
     first = await kernel.execute(SEED_AND_DRAW.format(cwd=str(tmp_path)) + DRAW)
     assert first.status == "ok", first.reply
+    async with connected_client(kernel) as client:  # which no replica's generator sees
+        for _ in range(3):
+            await client.kernel_info(reply=True, timeout=30)
     second = await kernel.execute(DRAW)
     assert [first.stdout, second.stdout] == expected_draws(7, 2)
     digests = await kernel.digests()
