@@ -2,7 +2,9 @@
 
 A host is only a name here: every process runs on this machine, in its own
 session and process group (so a signal reaches the whole replica, children
-included), with ``NBOS_HOST_ID`` naming its virtual host. Output goes to one log
+included), with ``NBOS_HOST_ID`` naming its virtual host. When a process ends,
+whatever is left of its group (processes its cells started) is killed: nothing
+outlives the replica that started it. Output goes to one log
 file per process under ``run_dir/<host>/`` instead of pipes that could fill up.
 Uses only anyio APIs (tested on asyncio).
 """
@@ -50,6 +52,7 @@ class LocalProcessHandle(HandleBase):
         self.log_path = log_path
         #: The process id, which is also its process group id.
         self.pid = process.pid
+        self._group_ended = False
 
     def __repr__(self) -> str:
         return f"<LocalProcessHandle host={self._host} pid={self.pid} rc={self.returncode}>"
@@ -60,7 +63,27 @@ class LocalProcessHandle(HandleBase):
         return self._process.returncode
 
     async def wait(self) -> int:
-        return await self._process.wait()
+        status = await self._process.wait()
+        self._end_group()
+        return status
+
+    def _end_group(self) -> None:
+        """SIGKILL what is left of the process group once its leader ended, once.
+
+        Right after the leader is reaped its group id cannot belong to anyone else:
+        Linux does not reuse a number while a process group holds it.
+        """
+        if self._group_ended:
+            return
+        self._group_ended = True
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # nothing was left
+        except PermissionError as exc:
+            logger.warning("cannot end process group %d on %s: %s", self.pid, self._host, exc)
+            return
+        logger.info("ended what was left of process group %d on %s", self.pid, self._host)
 
     async def signal(self, signum: int) -> None:
         """Send ``signum`` to the whole process group; a no-op once the process ended."""

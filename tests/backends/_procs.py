@@ -44,6 +44,13 @@ pathlib.Path(sys.argv[1]).write_text(str(child.pid))
 time.sleep(60)
 """
 
+# Starts a grandchild, says so, and exits: the grandchild must not outlive it.
+LEAVES_A_CHILD = """
+import pathlib, subprocess, sys
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+pathlib.Path(sys.argv[1]).write_text(str(child.pid))
+"""
+
 
 def python(code: str, *args: str | Path) -> list[str]:
     """An argv running ``code`` with this interpreter (mounted into containers at the same path)."""

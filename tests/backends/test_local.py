@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import uuid
 from pathlib import Path
 
 import anyio
@@ -11,7 +14,14 @@ from nbos.backends import LocalProcessBackend
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError
 from nbos.core.ids import HostId
-from tests.backends._procs import python
+from tests.backends._procs import (
+    LEAVES_A_CHILD,
+    MARKER_ENV,
+    marked_pids,
+    python,
+    wait_for_file,
+    wait_until_no_marked,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -59,3 +69,19 @@ async def test_unwritable_run_dir_is_a_backend_error(tmp_path: Path) -> None:
 def test_bad_hosts_are_refused(hosts: list[str]) -> None:
     with pytest.raises(ConfigError):
         LocalProcessBackend(hosts)
+
+
+async def test_what_a_process_left_running_ends_with_it(tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    ready = tmp_path / "child.pid"
+    spec = ProcessSpec(python(LEAVES_A_CHILD, ready), env={MARKER_ENV: marker})
+    backend = LocalProcessBackend([H1], run_dir=tmp_path)
+    try:
+        handle = await backend.start(H1, spec)
+        assert await handle.wait() == 0
+        await wait_for_file(ready)  # the grandchild was started
+        assert await wait_until_no_marked(marker) == []
+    finally:
+        await backend.aclose()
+        for pid in marked_pids(marker):  # left by a failed run: the test started it
+            os.kill(pid, signal.SIGKILL)

@@ -5,8 +5,10 @@ Each test kills replicas, so each gets a kernel of its own (on one shared cluste
 
 from __future__ import annotations
 
+import random
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -174,3 +176,74 @@ async def test_without_a_majority_cells_fail_at_once_with_quorum_lost(kernel: Ke
     with anyio.fail_after(5):
         result = await kernel.execute("x = 2")
     assert result.error is not None and result.error[0] == "QuorumLostError"
+
+
+SEED_AND_DRAW = (
+    "import os, random\nimport numpy as np\nimport torch\n"
+    "random.seed(7)\nnp.random.seed(7)\ntorch.manual_seed(7)\n"
+    "os.chdir({cwd!r})\nos.environ['NBOS_TEST_VAR'] = 'set by a cell'\n"
+)
+DRAW = "print(repr((random.random(), float(np.random.rand()), torch.rand(1).item())))"
+
+
+def expected_draws(seed: int, n: int) -> list[str]:
+    """What ``DRAW`` prints ``n`` times in one ipykernel after ``SEED_AND_DRAW``."""
+    import numpy as np
+    import torch
+
+    py, legacy = random.Random(seed), np.random.RandomState(seed)
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        repr((py.random(), float(legacy.rand()), torch.rand(1, generator=gen).item())) + "\n"
+        for _ in range(n)
+    ]
+
+
+async def test_global_generators_cwd_and_environment_survive_a_failover(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    first = await kernel.execute(SEED_AND_DRAW.format(cwd=str(tmp_path)) + DRAW)
+    assert first.status == "ok", first.reply
+    async with connected_client(kernel) as client:  # which no replica's generator sees
+        for _ in range(3):
+            await client.kernel_info(reply=True, timeout=30)
+    second = await kernel.execute(DRAW)
+    assert [first.stdout, second.stdout] == expected_draws(7, 2)
+    digests = await kernel.digests()
+    assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+    assert second.executor is not None
+    await kernel.kill_replica(second.executor)
+    third = await kernel.execute(DRAW)
+    assert third.executor != second.executor
+    assert third.stdout == expected_draws(7, 3)[-1], third.reply
+    where = await kernel.execute("print(os.getcwd(), os.environ.get('NBOS_TEST_VAR'))")
+    assert where.stdout == f"{tmp_path} set by a cell\n"
+    after = await kernel.digests()
+    assert len(after) == 2 and len(set(after.values())) == 1, after
+
+
+async def test_a_replica_restored_from_a_snapshot_holds_the_executors_generators(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(raft=RaftSettings(snapshot_every=4))
+    async with nbos.LocalCluster(
+        hosts=3, durable=True, settings=settings, rebase_bytes=1, replace_dead_replicas=False
+    ) as cluster:
+        kernel = await cluster.start_kernel()
+        first = await kernel.execute(SEED_AND_DRAW.format(cwd=str(tmp_path)) + DRAW)
+        assert first.status == "ok", first.reply
+        victim = next(r.node for r in kernel.replicas if r.node != first.executor)
+        await kernel.kill_replica(victim)
+        # Cells it misses: the leader compacts past them, so it comes back from a
+        # snapshot, whose image alone holds the second draw's generator states.
+        for code in [DRAW, "n = 1", "n = 2", "n = 3"]:
+            assert (await kernel.execute(code)).status == "ok"
+        await kernel.restart_replica(victim)
+        # The digest covers the generators: the victim holds the executor's.
+        digests = await kernel.digests()
+        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+        executor = kernel.front.last_executor
+        assert executor is not None and executor != victim
+        await kernel.kill_replica(executor)
+        drawn = await kernel.execute(DRAW)
+        assert drawn.stdout == expected_draws(7, 3)[-1], drawn.reply

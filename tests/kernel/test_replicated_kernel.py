@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import anyio
@@ -57,6 +61,18 @@ async def run(
 async def collect(
     client: AsyncKernelClient, msg_id: str, *, timeout: float = 30
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    messages = await published(client, msg_id, timeout=timeout)
+    with anyio.fail_after(timeout):
+        while True:
+            reply = await client.get_shell_msg()
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply, messages
+
+
+async def published(
+    client: AsyncKernelClient, msg_id: str, *, timeout: float = 30
+) -> list[dict[str, Any]]:
+    """The IOPub messages of request ``msg_id``, up to its idle."""
     messages: list[dict[str, Any]] = []
     with anyio.fail_after(timeout):
         while True:
@@ -65,11 +81,7 @@ async def collect(
                 continue
             messages.append(msg)
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                break
-        while True:
-            reply = await client.get_shell_msg()
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return reply, messages
+                return messages
 
 
 def stdout(messages: list[dict[str, Any]]) -> str:
@@ -357,3 +369,162 @@ async def test_late_output_of_a_finished_cell_still_reaches_the_client(
             if mine and msg["msg_type"] == "stream":
                 break
     assert msg["content"]["text"] == "late\n"
+
+
+async def requested(
+    client: AsyncKernelClient, msg_type: str, content: dict[str, Any], *, control: bool = False
+) -> dict[str, Any] | None:
+    """Send a signed request; once its idle is out, its reply (``None`` if it got none).
+
+    The reply of a request the front answers comes before its idle; one it ignores has
+    only the busy/idle pair.
+    """
+    msg = client.session.msg(msg_type, content)
+    channel = client.control_channel if control else client.shell_channel
+    channel.send(msg)
+    messages = await published(client, msg["header"]["msg_id"])
+    statuses = [m["content"]["execution_state"] for m in messages if m["msg_type"] == "status"]
+    assert statuses == ["busy", "idle"]
+    get = client.get_control_msg if control else client.get_shell_msg
+    while True:
+        try:
+            reply: dict[str, Any] = await get(timeout=0.5)
+        except Empty:
+            return None
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            return reply
+
+
+# (msg_type, content, answered with an error reply): the rest is logged and ignored.
+BAD_SHELL_REQUESTS = [
+    ("bogus_request", {}, False),
+    ("execute_request", {}, True),
+    ("execute_request", {"code": 5}, True),
+    ("execute_request", {"code": "bad = 1", "user_expressions": 3}, True),
+    ("complete_request", {}, True),
+    ("history_request", {"hist_access_type": "tail", "output": 0, "raw": True}, True),
+    ("comm_open", {"data": {}}, False),
+    ("nbos_digest_request", {}, False),
+    ("nbos_lost_request", {"exec_index": 1}, False),
+]
+
+
+async def test_signed_requests_of_unknown_type_or_bad_content_never_block_the_shell(
+    cluster: LocalCluster,
+) -> None:
+    k = await cluster.start_kernel()
+    try:
+        async with connected_client(k) as c:
+            await c.wait_for_ready(timeout=30)
+            for n, (msg_type, content, answered) in enumerate(BAD_SHELL_REQUESTS):
+                refused = k.front.refused
+                reply = await requested(c, msg_type, content)
+                assert k.front.refused == refused + 1, msg_type
+                if answered:
+                    assert reply is not None, msg_type
+                    assert reply["content"]["status"] == "error", reply
+                    assert reply["msg_type"] == msg_type.replace("_request", "_reply")
+                else:
+                    assert reply is None, reply
+                after, messages = await run(c, f"print({n})")
+                assert after["content"]["status"] == "ok", (msg_type, after["content"])
+                assert stdout(messages) == f"{n}\n"
+            _, out = await run(c, "print('bad' in dir())")
+            assert stdout(out) == "False\n"
+        digests = await k.digests()
+        assert len(digests) == 3 and len(set(digests.values())) == 1
+    finally:
+        await k.shutdown()
+
+
+async def test_an_unknown_control_request_never_blocks_the_control_channel(
+    cluster: LocalCluster,
+) -> None:
+    k = await cluster.start_kernel()
+    try:
+        async with connected_client(k) as c:
+            await c.wait_for_ready(timeout=30)
+            refused = k.front.refused
+            for msg_type in ("bogus_request", "execute_request", "nbos_digest_request"):
+                content = {"code": "x = 1"} if msg_type == "execute_request" else {}
+                assert await requested(c, msg_type, content, control=True) is None
+            assert k.front.refused == refused + 3
+            info = await requested(c, "kernel_info_request", {}, control=True)
+            assert info is not None and info["content"]["status"] == "ok"
+            assert "kernel subshells" not in info["content"].get("supported_features", [])
+            interrupt = await requested(c, "interrupt_request", {}, control=True)
+            assert interrupt is not None and interrupt["content"]["status"] == "ok"
+            bad = await requested(c, "shutdown_request", {"restart": "yes"}, control=True)
+            assert bad is not None and bad["content"]["status"] == "error"
+            # A replica's handler that fails sends no reply (ipykernel logs it); the
+            # front answers for it once the replica went idle.
+            failed = await requested(c, "debug_request", {}, control=True)
+            assert failed is not None and failed["content"]["status"] == "error"
+            assert failed["content"]["ename"] == "KernelError"
+            _, messages = await run(c, "print('x' in dir())")
+            assert stdout(messages) == "False\n"
+    finally:
+        await k.shutdown()
+
+
+# A forked child and a subprocess that print in a loop, and one that is quiet (all
+# bounded, should a run fail): one that prints dies of a broken pipe once its replica
+# is gone, a quiet one would live on.
+CHILDREN = """
+import os, subprocess, time
+pid = os.fork()
+if pid == 0:
+    for _ in range(600):
+        os.write(1, b'forked child\\n')
+        print('forked child print', flush=True)
+        time.sleep(0.1)
+    os._exit(0)
+popen = subprocess.Popen(['sh', '-c', 'for i in $(seq 600); do echo popen child; sleep 0.1; done'])
+quiet = subprocess.Popen(['sleep', '60'])
+print('children', pid, popen.pid, quiet.pid)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_a_cells_children_print_as_that_cell_and_end_with_its_replica(
+    cluster: LocalCluster,
+) -> None:
+    k = await cluster.start_kernel()
+    try:
+        async with connected_client(k) as c:
+            await c.wait_for_ready(timeout=30)
+            reply, messages = await run(c, CHILDREN)
+            assert reply["content"]["status"] == "ok", reply["content"]
+            line = next(x for x in stdout(messages).splitlines() if x.startswith("children"))
+            children = [int(pid) for pid in line.split()[1:]]
+            # What they print later is output of the cell that started them...
+            late: set[str] = set()
+            with anyio.fail_after(30):
+                while len(late) < 3:
+                    msg = await c.get_iopub_msg()
+                    mine = msg["parent_header"].get("msg_id") == reply["parent_header"]["msg_id"]
+                    if mine and msg["msg_type"] == "stream":
+                        late.update(x for x in msg["content"]["text"].splitlines() if x)
+            assert late == {"forked child", "forked child print", "popen child"}
+            # ...and never of a later cell.
+            _, messages = await run(c, "import time\ntime.sleep(1)\nprint('later')")
+            assert stdout(messages) == "later\n"
+            assert all(running(pid) for pid in children)
+        # The replica that started them crashes (its process alone is killed, as the
+        # kernel's OOM killer would): they end with it.
+        executor = next(r for r in k.replicas if r.node == k.front.last_executor)
+        assert executor.pid is not None
+        os.kill(executor.pid, signal.SIGKILL)
+        with anyio.fail_after(30):
+            while any(running(pid) for pid in children):  # noqa: ASYNC110 - /proc has no event
+                await anyio.sleep(0.1)
+    finally:
+        await k.shutdown()

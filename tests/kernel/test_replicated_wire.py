@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from jupyter_client.session import Session
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import AuthenticationError, ConfigError, DecodeError, KernelError
 from nbos.core.ids import NodeId
+from nbos.kernel.front._requests import Channel, UnknownRequestError, reply_type, screen
 from nbos.kernel.front._wire import Signer
 from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, PeerAddress, parse_peers
 from nbos.kernel.replica._app import parse_raft_settings
@@ -98,3 +101,47 @@ def test_replica_arguments_parse_or_raise_config_errors() -> None:
             parse_peers(text)
     with pytest.raises(ConfigError):
         parse_raft_settings('{"tick_ms": "fast"}')
+
+
+def request(msg_type: str, content: dict[str, object], **header: object) -> dict[str, Any]:
+    return {"header": {"msg_id": "m", "msg_type": msg_type, **header}, "content": content}
+
+
+@pytest.mark.parametrize(
+    ("channel", "msg", "verdict"),
+    [
+        ("shell", request("execute_request", {"code": "1", "silent": False}), None),
+        ("shell", request("complete_request", {"code": "x", "cursor_pos": None}), None),
+        ("shell", request("comm_msg", {"comm_id": "c", "data": {"k": 1}}), None),
+        ("control", request("interrupt_request", {}), None),
+        ("control", request("debug_request", {"command": "anything"}), None),
+        ("shell", request("bogus_request", {}), UnknownRequestError),
+        ("shell", request("nbos_digest_request", {}), UnknownRequestError),
+        ("shell", request("interrupt_request", {}), UnknownRequestError),
+        ("control", request("execute_request", {"code": "1"}), UnknownRequestError),
+        ("control", request("comm_close", {"comm_id": "c"}), UnknownRequestError),
+        ("control", request("create_subshell_request", {}), UnknownRequestError),
+        ("shell", request("execute_request", {}), DecodeError),
+        ("shell", request("execute_request", {"code": 5}), DecodeError),
+        ("shell", request("execute_request", {"code": "1", "silent": 1}), DecodeError),
+        ("shell", request("execute_request", {"code": "1"}, subshell_id="s"), DecodeError),
+        ("shell", request("inspect_request", {"code": "x"}), DecodeError),
+        ("shell", request("history_request", {"hist_access_type": "tail"}), DecodeError),
+        ("shell", request("comm_open", {"comm_id": "c"}), DecodeError),
+        ("control", request("shutdown_request", {"restart": "yes"}), DecodeError),
+    ],
+)
+def test_client_requests_are_screened_by_channel_type_and_content(
+    channel: Channel, msg: dict[str, Any], verdict: type[Exception] | None
+) -> None:
+    if verdict is None:
+        screen(channel, msg)
+        return
+    with pytest.raises(verdict) as caught:
+        screen(channel, msg)
+    assert type(caught.value) is verdict  # an unknown type is not a bad content, and back
+
+
+def test_replies_are_named_after_their_request() -> None:
+    assert reply_type("kernel_info_request") == "kernel_info_reply"
+    assert reply_type("comm_msg") is None

@@ -24,6 +24,9 @@ class StateDelta(Message):
       apply, never pickled.
     * ``unpicklable``: ``(name, reason)`` for values that stay on the executor;
       replicas drop any older value of those names so they hold no stale copy.
+    * ``process``: process-wide state the cell changed (global random generators,
+      working directory, environment variables), part name to its bytes, ``None``
+      for an environment variable unset (see ``nbos.kernel.state._process``).
     """
 
     exec_index: int
@@ -33,6 +36,7 @@ class StateDelta(Message):
     deleted: list[str] = []
     imports: list[tuple[str, str]] = []
     unpicklable: list[tuple[str, str]] = []
+    process: dict[str, bytes | None] = {}
 
 
 StateEntry = StateDelta

@@ -18,7 +18,9 @@ relays, re-signing every message both ways:
   client gets a ``CellLostError`` reply; nothing is re-run.
 
 Every message to clients carries the front's session id. A client message that
-is unsigned, wrongly signed or malformed is refused with a log line.
+is unsigned, wrongly signed or malformed is refused with a log line; a signed
+request of a type the kernel does not serve is logged and ignored, one with bad
+content gets an error reply (:mod:`._requests`), and the channel goes on.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from nbos.core.errors import (
     NbosError,
     QuorumLostError,
 )
-from nbos.kernel.front import _wire
+from nbos.kernel.front import _requests, _wire
 from nbos.kernel.front._chooser import (
     CellPlan,
     ChoiceRequest,
@@ -59,6 +61,9 @@ log = logging.getLogger(__name__)
 
 #: After a replica's reply, how long to wait for its ``idle`` before going on without it.
 IDLE_GRACE_S = 2.0
+#: After a replica's ``idle``, how long to wait for a reply it has not sent (ipykernel
+#: sends none for a request its handler failed on) before the client gets an error.
+NO_REPLY_GRACE_S = 10.0
 _READY_TIMEOUT_S = 60.0
 _LOST_TIMEOUT_S = 30.0
 _CLAIM_ATTEMPTS = 3
@@ -224,7 +229,8 @@ class KernelFront:
 
     @property
     def refused(self) -> int:
-        """How many client messages were refused (unsigned, wrongly signed, malformed)."""
+        """How many client messages were refused: unsigned, wrongly signed or malformed
+        messages, requests of types the kernel does not serve, bad content."""
         return self._refused
 
     @property
@@ -458,6 +464,37 @@ class KernelFront:
             log.warning("kernel %s: client message refused: %s", self._kernel_id, exc)
             return None
 
+    async def _screen(
+        self, idents: list[bytes], msg: _wire.Msg, channel: _requests.Channel
+    ) -> bool:
+        """Whether the front serves ``msg``; if not, it is counted, logged and, when it is
+        a malformed request, answered with an error reply."""
+        try:
+            _requests.screen(channel, msg)
+        except _requests.UnknownRequestError as exc:
+            # Jupyter's rule for a type a kernel does not know: log it and go on.
+            self._refused += 1
+            log.warning("kernel %s: client message ignored: %s", self._kernel_id, exc)
+            return False
+        except DecodeError as exc:
+            self._refused += 1
+            log.warning("kernel %s: client request refused: %s", self._kernel_id, exc)
+            await self._reply_error(idents, msg, channel, exc)
+            return False
+        return True
+
+    async def _reply_error(
+        self, idents: list[bytes], msg: _wire.Msg, channel: _requests.Channel, exc: NbosError
+    ) -> None:
+        """Answer the request ``msg`` with an error reply (nothing for a message without one)."""
+        reply_type = _requests.reply_type(msg["header"]["msg_type"])
+        if reply_type is None:
+            return
+        sock = self._shell if channel == "shell" else self._control
+        await self._flush_busy()
+        reply = self._signer.new_message(reply_type, error_content(exc, 0), msg)
+        await self._to_client(sock, reply, idents)
+
     async def _to_client(
         self, sock: zmq.asyncio.Socket, msg: _wire.Msg, idents: Sequence[bytes]
     ) -> None:
@@ -530,6 +567,8 @@ class KernelFront:
         msg_type = msg["header"]["msg_type"]
         self._busy_for = self._idle_for = msg
         try:
+            if not await self._screen(idents, msg, "shell"):
+                return False
             if msg_type != "execute_request":
                 await self._relay(idents, msg, "shell", self._shell)
                 return False
@@ -735,11 +774,17 @@ class KernelFront:
         return str(content["status"])
 
     async def _relay(
-        self, idents: list[bytes], msg: _wire.Msg, channel: Channel, sock: zmq.asyncio.Socket
+        self,
+        idents: list[bytes],
+        msg: _wire.Msg,
+        channel: _requests.Channel,
+        sock: zmq.asyncio.Socket,
     ) -> None:
         """Relay a request to a live replica (the last executor first) and its reply back."""
 
         async def relay(reply: _wire.Msg) -> bool:
+            if reply["header"]["msg_type"] == "kernel_info_reply":
+                reply = _without_subshells(reply)
             await self._to_client(sock, reply, idents)
             return True
 
@@ -750,10 +795,14 @@ class KernelFront:
             pending = await self._roundtrip(
                 target, channel, msg, idents, grace=IDLE_GRACE_S, on_reply=relay
             )
-            if pending.reply is not None or not pending.lost:
-                return
-            if not expects_reply:
+            if pending.reply is not None or not expects_reply:
                 return  # a comm message may have reached the log; never send it twice
+            if not pending.lost:
+                self._refused += 1
+                failure = KernelError(f"replica {target} sent no reply to {msg['msg_type']}")
+                log.warning("kernel %s: %s", self._kernel_id, failure)
+                await self._reply_error(idents, msg, channel, failure)
+                return
         log.warning("kernel %s: no live replica for %s", self._kernel_id, msg["msg_type"])
 
     async def _roundtrip(
@@ -792,7 +841,7 @@ class KernelFront:
                 return pending
             if shell:
                 await self._flush_busy()
-            await pending.replied.wait()
+            await _wait_reply(pending)
             if pending.reply is not None and on_reply is not None:
                 # The client may have it before the replica's last output: as with any
                 # kernel, a client waits for idle to know a request is complete.
@@ -818,18 +867,21 @@ class KernelFront:
             msg_type = msg["header"]["msg_type"]
             await self._publish_status("busy", msg)
             try:
-                if msg_type == "shutdown_request":
-                    await self._shutdown(idents, msg)
-                elif msg_type.startswith("nbos_"):
-                    log.warning("kernel %s: client sent internal %s", self._kernel_id, msg_type)
-                elif msg_type == "interrupt_request":
-                    await self._interrupt(idents, msg)
-                else:
-                    await self._relay(idents, msg, "control", self._control)
+                if await self._screen(idents, msg, "control"):
+                    await self._serve_control(idents, msg)
             except (NbosError, zmq.ZMQError, KeyError, TypeError, ValueError):
                 log.exception("kernel %s: %s failed", self._kernel_id, msg_type)
             finally:
                 await self._publish_status("idle", msg)
+
+    async def _serve_control(self, idents: list[bytes], msg: _wire.Msg) -> None:
+        msg_type = msg["header"]["msg_type"]
+        if msg_type == "shutdown_request":
+            await self._shutdown(idents, msg)
+        elif msg_type == "interrupt_request":
+            await self._interrupt(idents, msg)
+        else:
+            await self._relay(idents, msg, "control", self._control)
 
     async def _interrupt(self, idents: list[bytes], msg: _wire.Msg) -> None:
         if self._choosing is not None:
@@ -963,6 +1015,30 @@ class KernelFront:
         up.heartbeat.close(0)
         up.heartbeat = up.new_heartbeat()
         return False
+
+
+async def _wait_reply(pending: _Pending) -> None:
+    """Until ``pending`` has its reply, or its replica went idle without sending one."""
+    async with anyio.create_task_group() as tg:
+
+        async def idle_without_reply() -> None:
+            await pending.idled.wait()
+            await anyio.sleep(NO_REPLY_GRACE_S)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(idle_without_reply)
+        await pending.replied.wait()
+        tg.cancel_scope.cancel()
+
+
+def _without_subshells(reply: _wire.Msg) -> _wire.Msg:
+    """``reply`` (a replica's ``kernel_info_reply``) without the subshell feature: the
+    front serves one shell request at a time and refuses subshell requests."""
+    features = reply["content"].get("supported_features")
+    if not isinstance(features, list) or "kernel subshells" not in features:
+        return reply
+    kept = [f for f in features if f != "kernel subshells"]
+    return {**reply, "content": {**reply["content"], "supported_features": kept}}
 
 
 def _claim_lost(reply: _wire.Msg) -> bool:

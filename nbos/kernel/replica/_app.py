@@ -89,6 +89,11 @@ class ReplicaApp(IPKernelApp):
         if not self.kernel_id or not self.store:
             raise ConfigError("kernel-id/store", None, "both given")
         kernel: ReplicaKernel = self.kernel
+        # IPython's banner picks its tip with the global random generator, on every
+        # kernel_info_request: that would move the generator a cell draws from (and
+        # which replicas keep in step) behind the user's back, on one replica only.
+        assert kernel.shell is not None
+        kernel.shell.enable_tip = False
         raft = RaftNode(
             kernel_id=KernelId(self.kernel_id),
             node_id=NodeId(self.node_id),

@@ -44,8 +44,9 @@ from nbos.kernel.replica._machine import (
     Restored,
 )
 from nbos.kernel.replica._membership import member_reply
+from nbos.kernel.replica._output import CellOutput
 from nbos.kernel.replica._raftnode import RaftNode
-from nbos.kernel.replica._sync import NamespaceSync, digest
+from nbos.kernel.replica._sync import NamespaceSync
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +342,9 @@ class ReplicaKernel(IPythonKernel):
             return error_content(KeyboardInterrupt("interrupted before the cell started"), 0)
         self._in_user_code = True
         try:
-            return await run
+            # The cell's processes print on its own descriptors, never into later cells.
+            with CellOutput():
+                return await run
         finally:
             self._in_user_code = False
 
@@ -590,7 +593,8 @@ class ReplicaKernel(IPythonKernel):
 
     async def _digest_after(self, index: int) -> tuple[str, int]:
         await self._wait_done(index)
-        return digest(self._user_state()), self._applied_done
+        assert self._sync is not None
+        return self._sync.digest(self._user_state()), self._applied_done
 
     def _user_state(self) -> dict[str, Any]:
         # IPython seeds user_ns with helpers of its own (``open``, ``exit`` ...) and lists

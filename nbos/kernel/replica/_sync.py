@@ -6,8 +6,11 @@ large values or lays out its images.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import MutableMapping
 from typing import Any
+
+import msgspec
 
 from nbos.core.object_store import ObjectStore
 from nbos.core.wire.state import StateDelta
@@ -25,11 +28,14 @@ class NamespaceSync:
     def __init__(self, store: ObjectStore) -> None:
         self._store = store
         self._capture = state.StateCapture(store)
+        self._process = state.ProcessState()
         self._nothing: bytes | None = None
 
     async def capture(self, user_ns: MutableMapping[str, Any], index: int) -> StateDelta:
-        """What cell ``index``, which just ran here, changed in ``user_ns``."""
-        return await self._capture.capture(user_ns, index)
+        """What cell ``index``, which just ran here, changed in ``user_ns`` and in the
+        process (its global generators, working directory, environment)."""
+        delta = await self._capture.capture(user_ns, index)
+        return msgspec.structs.replace(delta, process=self._process.capture())
 
     async def changes_anything(self, delta: StateDelta) -> bool:
         """Whether ``delta`` changes a namespace at all (an empty one need not be logged)."""
@@ -42,11 +48,13 @@ class NamespaceSync:
             or delta.deleted
             or delta.imports
             or delta.unpicklable
+            or delta.process
         )
 
     async def apply(self, user_ns: MutableMapping[str, Any], delta: StateDelta) -> None:
         """Apply another replica's committed delta to ``user_ns``."""
         await state.apply(user_ns, delta, self._store)
+        self._process.apply(delta.process)
 
     async def restore(self, user_ns: MutableMapping[str, Any], image: bytes) -> None:
         """Replace the user state of ``user_ns`` by a snapshot image (empty: none)."""
@@ -55,6 +63,7 @@ class NamespaceSync:
         for name in [n for n in user_ns if state.is_user_name(n)]:
             del user_ns[name]
         user_ns.update(loaded)
+        self._process.restore(state.image_process(image) if image else {})
 
     async def baseline(self, user_ns: MutableMapping[str, Any]) -> None:
         """``user_ns`` is what every replica holds now (it was restored): the next
@@ -62,10 +71,12 @@ class NamespaceSync:
         await self._capture.baseline(user_ns)
 
     async def image(self, user_ns: MutableMapping[str, Any]) -> bytes:
-        """The user state of ``user_ns`` as a snapshot image."""
-        return await state.dump_namespace(user_ns, self._store)
+        """The user state of ``user_ns`` (and of the process) as a snapshot image."""
+        return await state.dump_namespace(user_ns, self._store, process=self._process.image())
 
-
-def digest(user_ns: MutableMapping[str, Any]) -> str:
-    """Canonical digest of the user state, equal on replicas that applied the same cells."""
-    return state.namespace_digest(user_ns)
+    def digest(self, user_ns: MutableMapping[str, Any]) -> str:
+        """Canonical digest of the user state and the global generators, equal on
+        replicas that applied the same cells."""
+        h = hashlib.sha256(state.namespace_digest(user_ns).encode())
+        h.update(self._process.digest())
+        return h.hexdigest()

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 class _Image(msgspec.Struct, forbid_unknown_fields=True):
     values: _codec.Encoded
     imports: list[tuple[str, str]]
+    #: Process-wide state (:mod:`._process`) as of the image.
+    process: dict[str, bytes | None] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -29,11 +31,16 @@ _decoder = msgspec.msgpack.Decoder(_Image)
 
 
 async def dump_namespace(
-    namespace: Mapping[str, object], store: ObjectStore, *, threshold: int = LARGE
+    namespace: Mapping[str, object],
+    store: ObjectStore,
+    *,
+    threshold: int = LARGE,
+    process: Mapping[str, bytes | None] | None = None,
 ) -> bytes:
     """The user state of ``namespace`` as bytes; large buffers go to ``store``.
 
     Values that cannot be pickled are left out (and logged), as they are from deltas.
+    ``process`` is process-wide state to keep with it (:func:`image_process`).
     """
     imports: list[tuple[str, str]] = []
     values: dict[str, object] = {}
@@ -46,7 +53,7 @@ async def dump_namespace(
     for name, reason in failed.items():
         log.info("snapshot leaves out %s: %s", name, reason)
     encoded = await _codec.encode(pickled, store, {}, threshold)
-    return _encoder.encode(_Image(encoded, imports))
+    return _encoder.encode(_Image(encoded, imports, dict(process or {})))
 
 
 async def load_namespace(
@@ -59,13 +66,25 @@ async def load_namespace(
 
     Raises :class:`~nbos.core.errors.KernelError` for an image that does not decode.
     """
-    try:
-        decoded = _decoder.decode(image)
-    except msgspec.MsgspecError as exc:
-        log.error("namespace image does not decode: %s", exc)  # noqa: TRY400
-        raise KernelError(f"namespace image does not decode: {exc}") from exc
+    decoded = _decode(image)
     namespace: dict[str, object] = {}
     target = namespace if globals_of is None else globals_of
     namespace.update(await _codec.decode(decoded.values, target, store))
     namespace.update({alias: import_module(module, -1) for alias, module in decoded.imports})
     return namespace
+
+
+def image_process(image: bytes) -> dict[str, bytes | None]:
+    """The process-wide state :func:`dump_namespace` kept in ``image``.
+
+    Raises :class:`~nbos.core.errors.KernelError` for an image that does not decode.
+    """
+    return _decode(image).process
+
+
+def _decode(image: bytes) -> _Image:
+    try:
+        return _decoder.decode(image)
+    except msgspec.MsgspecError as exc:
+        log.error("namespace image does not decode: %s", exc)  # noqa: TRY400
+        raise KernelError(f"namespace image does not decode: {exc}") from exc

@@ -1,0 +1,151 @@
+"""A cell's own file descriptors 1 and 2, so that its children's output stays its own.
+
+ipykernel points fds 1 and 2 at one pipe for the kernel's whole life and publishes
+what arrives there as output of whatever request is current. A process a cell starts
+(``subprocess.Popen``, ``os.fork``, ``multiprocessing``) inherits those descriptors,
+so what it prints after the cell showed up as output of later cells. While a cell
+runs, its fds 1 and 2 are pipes of its own, read by a thread that publishes as output
+of that cell; afterwards the kernel's pipes are back, and the cell's pipe lives on only
+while a child holds it. A client shows that late output with the cell that started
+the child, as it does for a thread the cell started.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import logging
+import os
+import select
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_READ_SIZE = 1 << 16
+
+
+class _Pump:
+    """One pipe standing in for fd ``fd`` while a cell runs; its output goes to ``stream``
+    as output of the cell with header ``header``.
+
+    The process's one reader thread (:class:`_Reader`) and :meth:`restore` both read
+    the pipe, one at a time (``lock``), so the cell's last output is published in
+    order, before the cell's reply, without waiting for the thread: a child may hold
+    the pipe open for as long as it lives.
+    """
+
+    def __init__(self, fd: int, stream: Any, header: dict[str, Any]) -> None:
+        self._fd = fd
+        self._stream = stream
+        self._header = header
+        self._saved = os.dup(fd)
+        self.read, write = os.pipe()
+        os.set_blocking(self.read, False)
+        os.dup2(write, fd)
+        os.close(write)
+        self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        self.lock = threading.Lock()
+        #: Every writer closed the pipe and all it held was published. Only the reader
+        #: thread closes it then, so its number is not reused while the thread polls it.
+        self.ended = False
+
+    def pump(self) -> None:
+        """Publish what the pipe holds now; the caller holds ``lock``."""
+        token = self._stream.set_thread_parent(self._header)
+        try:
+            while not self.ended:
+                try:
+                    chunk = os.read(self.read, _READ_SIZE)
+                except BlockingIOError:
+                    return
+                text = self._decode(chunk, final=not chunk)
+                if text:
+                    self._stream.write(text)
+                self.ended = not chunk
+        finally:
+            self._stream.reset_thread_parent(token)
+
+    def restore(self) -> None:
+        """Give the fd back to the kernel and publish what the cell wrote there."""
+        os.dup2(self._saved, self._fd)
+        os.close(self._saved)
+        with self.lock:
+            self.pump()
+
+
+class _Reader:
+    """The thread that publishes what arrives on cells' pipes, one for the process."""
+
+    def __init__(self) -> None:
+        self._pumps: dict[int, _Pump] = {}
+        self._guard = threading.Lock()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        threading.Thread(target=self._run, name="nbos-cell-output", daemon=True).start()
+
+    def watch(self, pump: _Pump) -> None:
+        with self._guard:
+            self._pumps[pump.read] = pump
+        os.write(self._wake_write, b"\0")
+
+    def _run(self) -> None:
+        while True:
+            poller = select.poll()
+            poller.register(self._wake_read, select.POLLIN)
+            with self._guard:
+                for fd in self._pumps:
+                    poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll():
+                if fd == self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, _READ_SIZE)
+                    continue
+                self._serve(self._pumps[fd])
+
+    def _serve(self, pump: _Pump) -> None:
+        with pump.lock:
+            try:
+                pump.pump()
+            except (OSError, ValueError) as exc:  # the stream was closed at shutdown
+                log.debug("cell output pipe %d: %s", pump.read, exc)
+                pump.ended = True
+            if pump.ended:
+                with self._guard:
+                    del self._pumps[pump.read]
+                os.close(pump.read)
+
+
+_reader: _Reader | None = None
+
+
+def _watch(pump: _Pump) -> None:
+    global _reader  # noqa: PLW0603 - one reader thread per process, started on first use
+    if _reader is None:
+        _reader = _Reader()
+    _reader.watch(pump)
+
+
+class CellOutput:
+    """Fds 1 and 2 of the cell running now (see the module doc); a context manager.
+
+    Does nothing where ``sys.stdout``/``sys.stderr`` are not ipykernel's streams.
+    """
+
+    def __init__(self) -> None:
+        self._pumps: list[_Pump] = []
+
+    def __enter__(self) -> CellOutput:
+        streams: tuple[tuple[int, Any], ...] = ((1, sys.stdout), (2, sys.stderr))
+        for fd, stream in streams:
+            if hasattr(stream, "set_thread_parent"):
+                pump = _Pump(fd, stream, dict(stream.parent_header))
+                self._pumps.append(pump)
+                _watch(pump)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pump in self._pumps:
+            pump.restore()
+        self._pumps.clear()
