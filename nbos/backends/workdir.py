@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from nbos.core.errors import ConfigError
 
 #: The token in a replica's argv that stands for its working directory.
 WORKDIR_TOKEN = "{workdir}"
+#: The token in a replica's argv that stands for the starter's Python interpreter.
+PYTHON_TOKEN = "{python}"
 CONNECTION_FILE = "connection.json"
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
@@ -33,9 +36,10 @@ def workdir_path(root: Path, name: str) -> Path:
     return root.joinpath(*parts)
 
 
-def expand_argv(argv: Sequence[str], workdir: Path) -> list[str]:
-    """``argv`` with every :data:`WORKDIR_TOKEN` replaced by ``workdir``."""
-    return [a.replace(WORKDIR_TOKEN, str(workdir)) for a in argv]
+def expand_argv(argv: Sequence[str], workdir: Path, python: str = sys.executable) -> list[str]:
+    """``argv`` with every :data:`WORKDIR_TOKEN` replaced by ``workdir`` and an argument
+    that is :data:`PYTHON_TOKEN` by ``python`` (the host's interpreter, which has nbos)."""
+    return [python if a == PYTHON_TOKEN else a.replace(WORKDIR_TOKEN, str(workdir)) for a in argv]
 
 
 def seed_connection_file(workdir: Path, ip: str, key: str) -> Path:

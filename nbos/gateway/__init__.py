@@ -16,6 +16,7 @@ from nbos.gateway._agent_backend import (
 )
 from nbos.gateway._directory import HostDirectory, HostListener, RegisteredHost
 from nbos.gateway._hosts import Grant, HostRecord
+from nbos.gateway._launch import LocalLauncher, ReplicaLauncher
 from nbos.gateway._scheduler import CellLease, GpuScheduler, WaitCallback
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "HostDirectory",
     "HostListener",
     "HostRecord",
+    "LocalLauncher",
     "RegisteredHost",
+    "ReplicaLauncher",
     "WaitCallback",
 ]

@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 
 from nbos.backends._common import HandleBase, check_start
-from nbos.core.compute_backend import ProcessSpec
+from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.errors import BackendError, HostUnreachableError
 from nbos.core.ids import HostId
 from nbos.core.wire.agent import (
@@ -133,6 +133,9 @@ class AgentBackend:
         """The address ``host`` is reached at."""
         return self._directory.live(host).ip
 
+    def virtual_gpus(self, host: HostId) -> bool:
+        return self._directory.live(host).gpu_source == "virtual"
+
     # --- ComputeBackend ----------------------------------------------------------
 
     async def start(self, host: HostId, spec: ProcessSpec) -> AgentProcessHandle:
@@ -165,13 +168,13 @@ class AgentBackend:
         wire = ReplicaSpec(list(spec.argv), dict(spec.env), spec.label, workdir, connection_key)
         return await self._start(host, wire)
 
-    async def connection_info(
-        self, handle: AgentProcessHandle, timeout: float
-    ) -> Mapping[str, Any]:
+    async def connection_info(self, handle: ProcessHandle, timeout: float) -> Mapping[str, Any]:
         """The replica's connection info once its kernel wrote its ports.
 
         Raises :class:`BackendError` if it ended first or ``timeout`` passed.
         """
+        if not isinstance(handle, AgentProcessHandle):
+            raise BackendError(f"{handle!r} is not a process of an agent")
         with anyio.move_on_after(timeout):
             while handle.returncode is None:
                 reply = await self._request(

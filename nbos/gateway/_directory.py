@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 # Messages for the scheduler waiting to be read; beyond this they are dropped (retried).
 _INBOX_SIZE = 4096
 _RETRY_S = 0.25
+# Replica requests are numbered apart from the scheduler's GPU requests on the same endpoint.
+_FIRST_ID = 1 << 40
 
 
 @attrs.define
@@ -122,7 +124,7 @@ class HostDirectory:
         self._interval = heartbeat_interval
         self._missed = missed_heartbeats
         self._rpc = RequestChannel[ReplicaRequest, ReplicaReply](
-            transport, timeout=rpc_timeout, retry_interval=_RETRY_S
+            transport, timeout=rpc_timeout, retry_interval=_RETRY_S, first_id=_FIRST_ID
         )
         self._hosts: dict[HostId, RegisteredHost] = {}
         self._listeners: list[HostListener] = []

@@ -36,11 +36,15 @@ class RequestChannel(Generic[Req, Rep]):
     are dropped.
     """
 
-    def __init__(self, transport: Transport, *, timeout: float, retry_interval: float) -> None:
+    def __init__(
+        self, transport: Transport, *, timeout: float, retry_interval: float, first_id: int = 1
+    ) -> None:
+        # ``first_id``: channels sharing one endpoint number from apart, so that a reply
+        # type both may get (an ``AgentError``) cannot answer the other's request.
         self._transport = transport
         self._timeout = timeout
         self._retry = retry_interval
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(first_id)
         self._waiting: dict[int, _Slot[Rep]] = {}
 
     async def call(
