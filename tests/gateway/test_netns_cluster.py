@@ -4,7 +4,8 @@ Each host is a namespace with its own address and an ``nbos agent`` (CURVE keys)
 ``nbos gateway`` runs in a fifth, with its control API and kernel fronts at its own
 address, and a client there drives it. Replicas bind their hosts' addresses, so
 Raft and front traffic crosses the bridge. A host whose agent and replicas are
-``kill -9``ed vanishes and its replica is replaced on the spare host, state intact.
+``kill -9``ed, or cut off with iptables, vanishes and its replica is replaced on the
+spare host, state intact; a cut-off host that comes back has its stale replica stopped.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import attrs
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from nbos.transport.keys import generate_keys
 from tests._servers.netns import Netns, netns_or_skip
-from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, end_replicas, start_agent
+from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, alive, end_replicas, start_agent
 from tests.gateway._service import start_gateway
 
 pytestmark = pytest.mark.anyio
@@ -83,9 +85,33 @@ def _alive(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for k in status["kernels"] for r in k["replicas"] if r["alive"]]
 
 
-async def test_a_kernel_across_namespaces_survives_a_host_killed_with_its_replicas(
-    tmp_path: Path, net: Netns
-) -> None:
+@attrs.define
+class Cluster:
+    """The gateway and 4 agents in their namespaces, a client, and a kernel with ``x = 40``."""
+
+    net: Netns
+    agents: dict[str, AgentProcess]
+    ask: Client
+    kernel: dict[str, Any]
+
+    async def replaced(self, victim: str) -> dict[str, Any]:
+        """The status once 3 replicas are alive again, none on ``victim``; checks where."""
+
+        def done(status: dict[str, Any]) -> bool:
+            alive = _alive(status)
+            return len(alive) == 3 and victim not in {r["host"] for r in alive}
+
+        status = await self.ask.status_when(done)
+        assert {h["host_id"]: h["state"] for h in status["hosts"]}[victim] == "vanished"
+        hosts = {r["host"] for r in _alive(status)}
+        assert hosts == set(HOSTS) - {victim}
+        # Each replica listens at its own host's address, as its connection file says.
+        assert {r["ip"] for r in _alive(status)} == {self.net.address(h) for h in hosts}
+        return status
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, net: Netns) -> AsyncIterator[Cluster]:
     keys = tmp_path / "keys"
     generate_keys(keys, HOSTS)
     gw = net.address("gw")
@@ -99,7 +125,7 @@ async def test_a_kernel_across_namespaces_survives_a_host_killed_with_its_replic
         "NBOS_CLUSTER__DATA_DIR": str(tmp_path / "gateway"),
     }
     gateway = start_gateway(env, tmp_path / "gateway.log", lambda argv: net.argv("gw", argv))
-    net.processes.append(gateway)  # stopped by the harness if the test fails
+    net.processes.append(gateway)  # the harness stops it, by PID
     agents: dict[str, AgentProcess] = {}
     try:
         for host in HOSTS:
@@ -118,26 +144,43 @@ async def test_a_kernel_across_namespaces_survives_a_host_killed_with_its_replic
             assert "kernel_id" in kernel, kernel
             ips = {r["ip"] for r in kernel["replicas"]}
             assert len(ips) == 3 and ips <= {net.address(h) for h in HOSTS}
-            assert kernel["connection"]["ip"] == gw
+            assert kernel["connection"]["ip"] == gw  # the front listens at the gateway's
             assert await ask(op="cell", code="x = 40") == {"status": "ok", "stdout": ""}
-
-            victim = kernel["replicas"][0]["host"]
-            agents[victim].kill()
-            agents[victim].wait()
-            end_replicas(agents[victim].state_dir)
-
-            def replaced(status: dict[str, Any]) -> bool:
-                alive = _alive(status)
-                return len(alive) == 3 and victim not in {r["host"] for r in alive}
-
-            status = await ask.status_when(replaced)
-            assert {h["host_id"]: h["state"] for h in status["hosts"]}[victim] == "vanished"
-            hosts = {r["host"] for r in _alive(status)}
-            assert hosts == set(HOSTS) - {victim}
-            assert {r["ip"] for r in _alive(status)} == {net.address(h) for h in hosts}
-            assert await ask(op="cell", code="print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+            yield Cluster(net, agents, ask, kernel)
     finally:
         for agent in agents.values():
             agent.kill()
             agent.wait()
             end_replicas(agent.state_dir)
+
+
+async def test_a_host_killed_with_its_replicas_has_its_replica_replaced_state_intact(
+    cluster: Cluster,
+) -> None:
+    victim = cluster.kernel["replicas"][0]["host"]
+    agent = cluster.agents[victim]
+    agent.kill()
+    agent.wait()
+    end_replicas(agent.state_dir)
+    await cluster.replaced(victim)
+    assert await cluster.ask(op="cell", code="print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+
+
+async def test_a_host_cut_off_is_replaced_and_its_replica_stopped_when_it_returns(
+    cluster: Cluster,
+) -> None:
+    (cut,) = [r for r in cluster.kernel["replicas"] if r["node"] == 2]
+    cluster.net.partition(cut["host"])
+    await cluster.replaced(cut["host"])
+    assert await cluster.ask(op="cell", code="print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+    assert alive(cut["pid"])  # cut off, not dead: it ran on unseen
+
+    cluster.net.heal(cut["host"])
+    # Back: the host registers again and the replica given up for lost is stopped.
+    await cluster.ask.status_when(
+        lambda s: {h["host_id"]: h["state"] for h in s["hosts"]}[cut["host"]] == "up"
+    )
+    with anyio.fail_after(DEADLINE):
+        while alive(cut["pid"]):  # noqa: ASYNC110 (another process's state)
+            await anyio.sleep(0.1)
+    assert await cluster.ask(op="cell", code="print(x)") == {"status": "ok", "stdout": "40\n"}
