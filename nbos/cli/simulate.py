@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
-
-import attrs
 
 from nbos.core.errors import ConfigError
 from nbos.scaling.autoscaler import AutoscalerConfig
-from nbos.scaling.simulator import MODES, SimConfig, SimResult, metrics_table, simulate
-from nbos.scaling.trace import Trace, load_trace, synthetic_trace
+from nbos.scaling.simulator import MODES, SimConfig, metrics_table, simulate
+from nbos.scaling.trace import Trace, first_hours, load_trace, synthetic_trace
+
+Progress = Callable[[float], None]
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +31,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "baseline (GPUs held for a session's life), and print the metrics side by side."
         ),
     )
+    p.add_argument(
+        "trace_file",
+        nargs="?",
+        metavar="TRACE",
+        help="a trace file: nbos .json or .csv, or a task-level .csv (found by its header)",
+    )
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--trace", metavar="FILE", help="a .json or .csv trace file")
+    source.add_argument("--trace", metavar="FILE", help="the same as TRACE")
     source.add_argument(
         "--synthetic",
         metavar="N",
         type=int,
         default=59,
-        help="a synthetic trace of N sessions (default: 59)",
+        help="without a trace file: a synthetic trace of N sessions (default: 59)",
     )
-    p.add_argument("--hours", type=float, default=48.0, help="synthetic trace length (48)")
+    p.add_argument(
+        "--hours",
+        type=float,
+        help="synthetic trace length (48); with a trace file, replay only its first HOURS",
+    )
     p.add_argument("--seed", type=int, default=0, help="synthetic trace seed (0)")
     p.add_argument("--policy", default="least-loaded", help="placement policy name")
     p.add_argument(
@@ -53,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--no-autoscale", action="store_true", help="keep the cluster at --hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="autoscaler ceiling (64)")
     p.add_argument("--json", action="store_true", help="print one JSON object per mode")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="draw GPUs and hosts over time and the delay CDF into FILE (needs nbos[plot])",
+    )
     p.set_defaults(func=run)
 
 
@@ -62,32 +80,69 @@ def run(args: argparse.Namespace) -> int:
     modes = MODES if args.mode == "both" else (args.mode,)
     autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
     kwargs = _policy_kwargs(args.policy_arg)
-    results = [
-        simulate(
-            trace,
-            SimConfig(
-                hosts=args.hosts,
-                gpus_per_host=args.gpus_per_host,
-                mode=mode,
-                policy=args.policy,
-                policy_kwargs=kwargs,
-                autoscaler=autoscaler,
-            ),
+    results = []
+    for mode in modes:
+        config = SimConfig(
+            hosts=args.hosts,
+            gpus_per_host=args.gpus_per_host,
+            mode=mode,
+            policy=args.policy,
+            policy_kwargs=kwargs,
+            autoscaler=autoscaler,
         )
-        for mode in modes
-    ]
+        with _progress_bar(mode, trace) as progress:
+            results.append(simulate(trace, config, progress=progress))
+    if args.plot:
+        from nbos.scaling.plot import plot_results
+
+        plot_results(results, args.plot)
     if args.json:
         for r in results:
-            print(json.dumps(_as_json(r)))
+            print(json.dumps(r.summary()))
     else:
         print(metrics_table(results))
+    for r in results:
+        if r.hours_at_ceiling:
+            print(
+                f"warning: {r.mode}: work waited {r.hours_at_ceiling:.1f} h while the autoscaler "
+                f"was at its ceiling of {args.max_hosts} hosts (--max-hosts)",
+                file=sys.stderr,
+            )
     return 0
 
 
 def _trace(args: argparse.Namespace) -> Trace:
-    if args.trace:
-        return load_trace(args.trace)
-    return synthetic_trace(args.synthetic, args.hours, args.seed)
+    if args.trace_file and args.trace:
+        raise ConfigError("--trace", args.trace, "not given together with a TRACE argument")
+    path = args.trace_file or args.trace
+    if path is None:
+        hours = 48.0 if args.hours is None else args.hours
+        return synthetic_trace(args.synthetic, hours, args.seed)
+    trace = load_trace(path)
+    return trace if args.hours is None else first_hours(trace, args.hours)
+
+
+@contextlib.contextmanager
+def _progress_bar(mode: str, trace: Trace) -> Iterator[Progress | None]:
+    """A bar of simulated hours on a terminal (with tqdm installed), else nothing."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        log.debug("no progress bar: tqdm is not installed (pip install 'nbos[simulate]')")
+        yield None
+        return
+    total = max(1, round(trace.end / 3600))
+    with tqdm(total=total, desc=f"simulating {mode}", unit="h", leave=False) as bar:
+
+        def progress(now: float) -> None:
+            hours = min(total, int(now // 3600))
+            if hours > bar.n:
+                bar.update(hours - bar.n)
+
+        yield progress
 
 
 def _policy_kwargs(pairs: list[str]) -> dict[str, Any]:
@@ -102,11 +157,3 @@ def _policy_kwargs(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             kwargs[key] = text
     return kwargs
-
-
-def _as_json(result: SimResult) -> dict[str, Any]:
-    data = attrs.asdict(result)
-    data["hosts_timeline"] = [list(point) for point in result.hosts_timeline]
-    data["busy_share"] = result.busy_share
-    data["utilisation"] = result.utilisation
-    return data

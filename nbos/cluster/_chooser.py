@@ -16,13 +16,14 @@ guards the time a cell waits for its executor's host, and its TTL frees GPUs
 whose front died before the commit.
 
 Migration (design, "Failures, migration, scaling"): while a cell waits because no
-replica's host can commit its GPUs, and :func:`~nbos.scaling.plan_migration` finds a
-host with enough idle GPUs that holds none of the kernel's replicas, the chooser
-stops waiting, has the replica on the plan's source host moved there (the
-:class:`Migrate` callable, a replacement with an explicit target) and waits again
-with the new replica's host. At most one migration per waiting cell, and only while
-every replica is alive, so the kernel never drops below a quorum; a failed one is
-logged and the cell keeps waiting.
+replica's host can commit its GPUs, and the scheduler's decision for it
+(:meth:`~nbos.scaling.ClusterDecisions.cell`, the simulator's too) is a
+:class:`~nbos.scaling.MigrationPlan`, the chooser stops waiting, has the replica on
+the plan's source host moved to its target (the :class:`Migrate` callable, a
+replacement with an explicit target) and waits again with the new replica's host.
+At most one migration per waiting cell, and only while every replica is alive, so
+the kernel never drops below a quorum; a failed one is logged and the cell keeps
+waiting.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ import anyio
 
 from nbos.core.errors import NbosError, QuorumLostError
 from nbos.core.ids import HostId, KernelId
-from nbos.core.placement import PlacementPolicy, PlacementRequest
 from nbos.gateway import GpuScheduler, Grant
 from nbos.gateway.requests import cell_gpus
 from nbos.kernel.front import CellPlan, ChoiceRequest
-from nbos.scaling.migration import MigrationPlan, plan_migration
+from nbos.scaling.migration import MigrationPlan
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,12 @@ class GpuChooser:
         self._default = default_gpus
         # Plan identity -> its grant: plans of equal value may be in flight at once.
         self._grants: dict[int, tuple[CellPlan, Grant]] = {}
-        self._migration: tuple[PlacementPolicy, Migrate] | None = None
+        self._migration: Migrate | None = None
         self._migrating = False
 
-    def enable_migration(self, policy: PlacementPolicy, migrate: Migrate) -> None:
-        """Let waiting cells migrate a replica: ``policy`` picks the target host."""
-        self._migration = (policy, migrate)
+    def enable_migration(self, migrate: Migrate) -> None:
+        """Let waiting cells migrate a replica where the scheduler's decision says."""
+        self._migration = migrate
 
     @property
     def default_gpus(self) -> int:
@@ -149,19 +149,26 @@ class GpuChooser:
     async def _wait(
         self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, *, may_migrate: bool
     ) -> Grant | MigrationPlan:
-        """The grant, or a migration plan found while the cell waited (if ``may_migrate``)."""
+        """The grant, or the scheduler's migration plan for the cell (if ``may_migrate``)."""
         planned: MigrationPlan | None = None
         notify = request.notify
 
         async def on_wait(reason: str) -> None:
-            nonlocal planned
             if notify is not None:
                 await notify(f"nbos: the cell waits: {reason}\n")
-            if may_migrate:
-                planned = self._plan(replicas, gpus)
-                if planned is not None:
-                    scope.cancel()
 
+        async def on_migrate(plan: MigrationPlan) -> None:
+            nonlocal planned
+            planned = plan
+            scope.cancel()
+
+        # Only with every replica alive: moving one leaves a quorum of the others.
+        migrating = (
+            may_migrate
+            and self._migration is not None
+            and not self._migrating
+            and set(replicas) == set(self._hosts)
+        )
         with anyio.CancelScope() as scope:
             return await self._scheduler.acquire(
                 self._kernel_id,
@@ -170,24 +177,10 @@ class GpuChooser:
                 last_executor=request.last_executor,
                 gpus=gpus,
                 on_wait=on_wait,
+                on_migrate=on_migrate if migrating else None,
             )
         assert planned is not None
         return planned
-
-    def _plan(self, replicas: Mapping[int, HostId], gpus: int) -> MigrationPlan | None:
-        # Only with every replica alive: moving one leaves a quorum of the others.
-        if self._migration is None or self._migrating or set(replicas) != set(self._hosts):
-            return None
-        hosts = [replicas[n] for n in sorted(replicas)]
-        view = self._scheduler.view()
-        if any(h.host_id in hosts and h.gpus_idle >= gpus for h in view.hosts):
-            return None  # queued behind other cells, not short of GPUs: no reason to move
-        request = PlacementRequest(self._kernel_id, gpus, replicas=1)
-        try:
-            return plan_migration(hosts, request, view, self._migration[0])
-        except NbosError as exc:
-            log.warning("kernel %s: no migration: %s", self._kernel_id, exc)
-            return None
 
     async def _migrate(self, source: int, target: HostId, after: int) -> int | None:
         """The new replica's node id, or ``None`` (logged) if the migration failed."""
@@ -195,7 +188,7 @@ class GpuChooser:
         log.info("kernel %s: migrating replica %d to %s", self._kernel_id, source, target)
         self._migrating = True
         try:
-            return await self._migration[1](source, target, after)
+            return await self._migration(source, target, after)
         except NbosError as exc:
             log.warning("kernel %s: migrating replica %d failed: %s", self._kernel_id, source, exc)
             return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import signal
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -30,14 +31,13 @@ import msgspec
 from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
 from nbos.cluster._chooser import GpuChooser
 from nbos.cluster._kernel import Kernel, stop_processes
-from nbos.cluster._replacement import MemberAddress, Replacer, Spawned, place_one
+from nbos.cluster._replacement import MemberAddress, Replacer, Spawned
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, UnknownKernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
 from nbos.gateway import GpuScheduler, ReplicaLauncher
 from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy, KernelFront, ReplicaEndpoint
-from nbos.scaling import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,10 @@ class KernelOptions:
 
     ``store`` is the object store every replica opens (a directory all hosts share,
     or a Redis URL); ``durable`` keeps Raft logs on the hosts' disks;
-    ``replace_after_s`` replaces a replica whose process ended and was not restarted
-    within that many seconds (``None``: never by itself).
+    ``replace_after_s`` replaces a replica whose process ended, or that the front
+    declared dead, and that was not restarted within that many seconds (``None``: never
+    by itself); ``fence_dead_replicas`` kills a replica declared dead whose process still
+    runs (``False``: it runs on, as on a host nobody can reach to kill it).
     """
 
     settings: Settings
@@ -75,6 +77,7 @@ class KernelOptions:
     heartbeat: HeartbeatPolicy | None = None
     rebase_bytes: int | None = None
     replace_after_s: float | None = 1.0
+    fence_dead_replicas: bool = True
     front_ip: str = "127.0.0.1"
 
 
@@ -232,6 +235,16 @@ class Gateway:
             if options.replace_after_s is not None:
                 await replacer.replace_after_exit(node, handle, options.replace_after_s)
 
+        async def fence(node: int) -> None:
+            # The front gave up on a replica whose process still runs (frozen, or too
+            # slow to answer): it goes, so that it can neither run a cell nor vote again.
+            # Its exit then takes the path of any other (restart in place, replacement).
+            handle = handles.get(node)
+            if handle is None or handle.returncode is not None or front.is_closing:
+                return
+            log.warning("kernel %s: replica %d declared dead: killing %r", kernel_id, node, handle)
+            await handle.signal(signal.SIGKILL)
+
         try:
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
@@ -262,19 +275,14 @@ class Gateway:
                         processes=handles,
                         members=dict(replacing.members),
                         spawn=spawn,
-                        place=lambda k, exclude: place_one(
-                            options.settings.cluster.placement_policy,
-                            gpus.scheduler.view(),
-                            k,
-                            replacing.gpus,
-                            exclude,
+                        place=lambda k, exclude: gpus.scheduler.decisions.place_one(
+                            gpus.scheduler.view(), k, replacing.gpus, exclude
                         ),
                         new_member=self._member,
                         listeners=(replacing, replacing.chooser),
                     )
                     if isinstance(replacing.chooser, GpuChooser):
                         replacing.chooser.enable_migration(
-                            load_policy(options.settings.cluster.placement_policy),
                             lambda node, host, after: replacer.replace(
                                 node, target=host, after=after
                             ),
@@ -287,6 +295,13 @@ class Gateway:
                         restart if options.durable else None,
                         replacer=replacer,
                     )
+
+                    def declared_dead(node: int, reason: str) -> None:
+                        # At the kernel's end, that end stops them all.
+                        if options.fence_dead_replicas and not front.is_closing:
+                            tg.start_soon(fence, node)
+
+                    front.on_dead(declared_dead)
                     for node, handle in handles.items():
                         tg.start_soon(watch, node, handle)
                     await tg.start(front.serve)
@@ -299,6 +314,7 @@ class Gateway:
                     kernel.closed.set()
                     tg.cancel_scope.cancel()
         finally:
+            front.closing()
             for key in [k for k in self._ips if k[0] == kernel_id]:
                 del self._ips[key]
             await gpus.kernel_gone(kernel_id)

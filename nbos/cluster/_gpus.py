@@ -47,6 +47,9 @@ PRECOMMIT_TTL_S = 30.0
 #: How long a replica may take to move its resident tensors off a device.
 EVICT_TIMEOUT_S = 30.0
 _HOSTS_TIMEOUT_S = 10.0
+#: How long freeing a gone kernel's GPUs may hold up its caller; an agent that did not
+#: answer by then is told when it reports again (the scheduler owes it the release).
+_CLEANUP_TIMEOUT_S = 5.0
 
 
 @attrs.frozen
@@ -162,13 +165,13 @@ class ClusterGpus:
 
     async def replica_gone(self, kernel_id: KernelId, host: HostId) -> None:
         """The kernel's replica on ``host`` died: what it held there is free again."""
-        with anyio.CancelScope(shield=True):
+        with _cleanup_scope():
             await self.scheduler.replica_gone(kernel_id, host)
 
     async def kernel_gone(self, kernel_id: KernelId) -> None:
         """The kernel ended: free its GPUs, residency and placement on every host."""
         self._routes.pop(kernel_id, None)
-        with anyio.CancelScope(shield=True):
+        with _cleanup_scope():
             await self.scheduler.kernel_gone(kernel_id)
 
     def idle(self) -> bool:
@@ -197,3 +200,9 @@ class ClusterGpus:
             self.evictions.append(Eviction(host, kernel_id, devices))
 
         return evict
+
+
+def _cleanup_scope() -> anyio.CancelScope:
+    # Shielded: a kernel torn down by cancellation still frees its GPUs; bounded: that
+    # teardown must not wait on agents that may be gone with it.
+    return anyio.CancelScope(shield=True, deadline=anyio.current_time() + _CLEANUP_TIMEOUT_S)

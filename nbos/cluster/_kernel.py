@@ -16,7 +16,7 @@ from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.cluster._replacement import Replacer
 from nbos.core.compute_backend import ProcessHandle
-from nbos.core.errors import KernelError
+from nbos.core.errors import KernelError, ReplacementError
 from nbos.core.ids import HostId, KernelId
 from nbos.kernel.front import KernelFront
 
@@ -113,6 +113,18 @@ class Kernel:
             ReplicaInfo(node, h.host, getattr(h, "pid", None), node in alive)
             for node, h in sorted(self._processes.items())
         )
+
+    @property
+    def replacement_failures(self) -> Mapping[int, ReplacementError]:
+        """Dead replicas the cluster gave up replacing, after its retries, with why."""
+        if self._replacer is None:
+            return {}
+        alive = set(self.front.alive)
+        return {
+            node: error
+            for node, error in self._replacer.failures.items()
+            if node in self._processes and node not in alive
+        }
 
     async def execute(
         self,

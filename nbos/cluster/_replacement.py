@@ -32,17 +32,19 @@ import anyio
 import attrs
 
 from nbos.core.compute_backend import ProcessHandle
-from nbos.core.errors import KernelError, NbosError, ReplicationError
+from nbos.core.errors import KernelError, NbosError, ReplacementError, ReplicationError
 from nbos.core.ids import HostId, KernelId
-from nbos.core.placement import ClusterView, PlacementRequest
 from nbos.kernel.front import KernelFront, ReplicaEndpoint
-from nbos.scaling import load_policy
 
 log = logging.getLogger(__name__)
 
 _REQUEST_TIMEOUT_S = 5.0
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 0.5
+#: The policy's attempts at replacing one dead replica, and the waits between them
+#: (doubling): a replacement that failed for want of a majority takes once one is back.
+POLICY_ATTEMPTS = 6
+POLICY_BACKOFF_S = (1.0, 16.0)
 
 
 @attrs.frozen
@@ -82,19 +84,6 @@ class ReplacementListener(Protocol):
         ...
 
 
-def place_one(
-    policy: str, cluster: ClusterView, kernel_id: KernelId, gpus: int, exclude: frozenset[HostId]
-) -> HostId:
-    """One host for a replacement replica, chosen by placement policy ``policy``.
-
-    Raises :class:`~nbos.core.errors.PlacementError` when no host outside ``exclude``
-    can take it.
-    """
-    request = PlacementRequest(kernel_id, gpus, replicas=1, exclude=exclude)
-    (host,) = load_policy(policy).place(request, cluster)
-    return host
-
-
 class Replacer:
     """Replaces dead replicas of one kernel, one at a time.
 
@@ -128,6 +117,8 @@ class Replacer:
         self._closed = False
         self._replacing: int | None = None
         self._next_node = itertools.count(max(members, default=0) + 1)
+        #: Dead replicas the policy gave up on, with why.
+        self.failures: dict[int, ReplacementError] = {}
 
     async def replace(
         self,
@@ -141,7 +132,8 @@ class Replacer:
 
         ``target`` is the new replica's host (a migration), else the placement policy
         picks one. Cells go to the new replica once it applied cell ``after`` (default:
-        the kernel's latest; a migration for a waiting cell passes the one before it).
+        the kernel's latest settled one, not a cell running meanwhile: the replacement
+        does not wait for it; a migration for a waiting cell passes the one before it).
         Raises :class:`KernelError` if ``dead`` is not a replica of the kernel, no
         host can take the replacement, ``target`` holds a live replica, or it did not
         join within ``timeout`` seconds.
@@ -170,18 +162,41 @@ class Replacer:
         """The policy: ``handle`` (replica ``node``) exited; replace it after ``delay`` s.
 
         Not when it was restarted in place or replaced meanwhile, nor while the kernel
-        shuts down. A failed replacement is logged: the kernel goes on with the others.
+        shuts down. A failed replacement is logged and retried with backoff, up to
+        :data:`POLICY_ATTEMPTS` attempts; then a :class:`ReplacementError` is logged and
+        kept in :attr:`failures`: the kernel goes on with the others.
         """
         await anyio.sleep(delay)
-        if self._processes.get(node) is not handle or self._closed or self._front.is_closing:
-            return
-        try:
-            await self.replace(node)
-        except NbosError as exc:
-            log.warning("kernel %s: replica %d not replaced: %s", self._kernel_id, node, exc)
-        except Exception:
-            # A background policy: whatever went wrong, the kernel and the cluster go on.
-            log.exception("kernel %s: replacing replica %d failed", self._kernel_id, node)
+        backoff, most = POLICY_BACKOFF_S
+        why = ""
+        for attempt in range(1, POLICY_ATTEMPTS + 1):
+            if attempt > 1:
+                log.warning(
+                    "kernel %s: replica %d not replaced (attempt %d of %d, next in %.0f s): %s",
+                    self._kernel_id,
+                    node,
+                    attempt - 1,
+                    POLICY_ATTEMPTS,
+                    backoff,
+                    why,
+                )
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, most)
+            if self._processes.get(node) is not handle or self._closed or self._front.is_closing:
+                return
+            try:
+                await self.replace(node)
+            except NbosError as exc:
+                why = str(exc)
+            except Exception:
+                # A background policy: whatever went wrong, the kernel and the cluster go on.
+                log.exception("kernel %s: replacing replica %d failed", self._kernel_id, node)
+                return
+            else:
+                return
+        error = ReplacementError(self._kernel_id, node, POLICY_ATTEMPTS, why)
+        log.error("%s", error)
+        self.failures[node] = error
 
     async def introduce(self, node: int) -> None:
         """Tell replica ``node`` (restarted in place) where every other member's forwarder is.
@@ -228,6 +243,7 @@ class Replacer:
             with anyio.CancelScope(shield=True):
                 await self._abandon(node, spawned.handle)
             raise
+        self.failures.pop(dead, None)
         for listener in self._listeners:
             listener.replica_replaced(dead, node, host)
         self._front.remove_replica(dead)
@@ -276,7 +292,7 @@ class Replacer:
         reply = await self._front.control_request(
             node,
             "nbos_digest_request",
-            {"after": self._front.last_exec_index if after is None else after},
+            {"after": self._front.settled_exec_index if after is None else after},
             timeout=_REQUEST_TIMEOUT_S * 6,
         )
         if reply is None or reply["content"].get("status") != "ok":
@@ -291,13 +307,17 @@ class Replacer:
         live = list(self._front.alive)
         if self._closed or not live:
             return  # the kernel is going away: its membership no longer matters
-        with anyio.move_on_after(10.0):
+        # Shielded by the caller, so bounded here; and cut short if the kernel shuts down.
+        with anyio.move_on_after(10.0) as scope:
+            self._scopes.add(scope)
             try:
                 await self._change(live, "remove", node)
             except NbosError as exc:
                 log.warning(
                     "kernel %s: failed replica %d not removed: %s", self._kernel_id, node, exc
                 )
+            finally:
+                self._scopes.discard(scope)
 
     async def _change(
         self, live: Sequence[int], op: str, node: int, address: MemberAddress | None = None

@@ -7,6 +7,7 @@ facts a caller needs as attributes, not only in the message text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -161,6 +162,19 @@ class QuorumLostError(KernelError):
     """Fewer than a majority of a kernel's replicas are alive."""
 
 
+class ReplacementError(KernelError):
+    """The cluster gave up replacing a dead replica of a kernel, after every retry."""
+
+    def __init__(self, kernel_id: str, replica: int, attempts: int, last: str) -> None:
+        self.kernel_id = kernel_id
+        self.replica = replica
+        self.attempts = attempts
+        super().__init__(
+            f"kernel {kernel_id}: replica {replica} not replaced in {attempts} attempts "
+            f"(last: {last})"
+        )
+
+
 # --- GPUs and placement --------------------------------------------------------
 
 
@@ -189,6 +203,12 @@ class UnknownReservationError(GpuError):
 
 class PlacementError(NbosError):
     """No placement satisfies the request."""
+
+
+class PolicyContractError(PlacementError):
+    """A placement policy answered with hosts it may not choose (too few, repeated,
+    unknown, excluded, unschedulable, or without the idle GPUs a target needs): a bug
+    in the policy, not a full cluster."""
 
 
 class UnknownPolicyError(PlacementError):
@@ -221,3 +241,17 @@ class HostUnreachableError(BackendError):
 class ScalingError(NbosError):
     """The autoscaler or the simulator got input it cannot use (time going
     backwards, a malformed cluster view, a bad trace)."""
+
+
+# --- chaos ---------------------------------------------------------------------
+
+
+class NemesisUnsupportedError(NbosError):
+    """A chaos nemesis needs something the cluster under test does not have (a gateway ...)."""
+
+    def __init__(self, nemesis: str, missing: Sequence[str], cluster: str) -> None:
+        self.nemesis = nemesis
+        self.missing = list(missing)
+        super().__init__(
+            f"nemesis {nemesis!r} needs {', '.join(missing)}, which the {cluster} does not have"
+        )

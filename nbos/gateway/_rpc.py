@@ -33,7 +33,8 @@ class RequestChannel(Generic[Req, Rep]):
     A request is resent every ``retry_interval`` (the agent's handling is
     idempotent) until a reply arrives or ``timeout`` passes, which raises
     :class:`HostUnreachableError`. Replies nobody waits for (late, duplicated)
-    are dropped.
+    are dropped. Once :meth:`close` was called (nothing delivers replies any
+    more), every call waiting or to come raises :class:`HostUnreachableError` at once.
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class RequestChannel(Generic[Req, Rep]):
         self._retry = retry_interval
         self._ids = itertools.count(first_id)
         self._waiting: dict[int, _Slot[Rep]] = {}
+        self._closed = False
 
     async def call(
         self, peer: PeerId, host: str, make: Callable[[int], Req], timeout: float | None = None
@@ -54,13 +56,15 @@ class RequestChannel(Generic[Req, Rep]):
 
         ``timeout`` replaces the channel's for a request whose answer takes long (a stop).
         """
+        if self._closed:
+            raise HostUnreachableError(host, "no replies are received any more")
         request_id = next(self._ids)
         payload = encode(make(request_id))
         slot = self._waiting[request_id] = _Slot[Rep]()
         timeout = self._timeout if timeout is None else timeout
         try:
             with anyio.move_on_after(timeout):
-                while True:
+                while not self._closed:
                     await self._send(peer, payload)
                     with anyio.move_on_after(self._retry):
                         await slot.done.wait()
@@ -68,7 +72,19 @@ class RequestChannel(Generic[Req, Rep]):
                         return slot.reply
         finally:
             del self._waiting[request_id]
+        if self._closed:
+            raise HostUnreachableError(host, "no replies are received any more")
         raise HostUnreachableError(host, f"no answer within {timeout:g} s")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Nothing delivers replies any more: end every call now, refuse later ones."""
+        self._closed = True
+        for slot in self._waiting.values():
+            slot.done.set()
 
     def deliver(self, request_id: int, reply: Rep) -> bool:
         """Hand a reply to its waiting request; ``False`` if none waits for it."""

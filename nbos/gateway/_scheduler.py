@@ -31,7 +31,7 @@ from nbos.core.errors import (
     UnknownReservationError,
 )
 from nbos.core.ids import HostId, KernelId, PeerId
-from nbos.core.placement import ClusterView, PlacementPolicy, PlacementRequest
+from nbos.core.placement import ClusterView, PlacementPolicy
 from nbos.core.transport import Transport
 from nbos.core.wire.agent import (
     AgentReply,
@@ -50,13 +50,22 @@ from nbos.core.wire.agent import (
 )
 from nbos.gateway._hosts import Grant, HostRecord, subscriptions
 from nbos.gateway._rpc import RequestChannel
-from nbos.scaling import Execute, Migrate, choose_executor, load_policy, smoothed_demand_ratio
+from nbos.scaling import (
+    ClusterDecisions,
+    Execute,
+    MigrationPlan,
+    Wait,
+    check_cell_gpus,
+    smoothed_demand_ratio,
+)
 from nbos.transport import received_messages
 
 log = logging.getLogger(__name__)
 
 #: ``on_wait(reason)``: called when a cell starts waiting for GPUs and whenever the reason changes.
 WaitCallback = Callable[[str], Awaitable[None]]
+#: ``on_migrate(plan)``: called when the decision for a waiting cell becomes a new migration.
+MigrateCallback = Callable[[MigrationPlan], Awaitable[None]]
 
 
 @attrs.define
@@ -96,7 +105,7 @@ class GpuScheduler:
     def __init__(
         self,
         transport: Transport,
-        policy: PlacementPolicy,
+        policy: PlacementPolicy | ClusterDecisions,
         *,
         rpc_timeout: float,
         retry_interval: float,
@@ -106,7 +115,11 @@ class GpuScheduler:
         registered: bool = False,
     ) -> None:
         self._transport = transport
-        self._policy = policy
+        self._decisions = (
+            policy
+            if isinstance(policy, ClusterDecisions)
+            else ClusterDecisions(policy, replicas_per_kernel)
+        )
         self._rpc = RequestChannel[AgentRequest, AgentReply](
             transport, timeout=rpc_timeout, retry_interval=retry_interval
         )
@@ -135,7 +148,7 @@ class GpuScheduler:
     async def serve(
         cls,
         transport: Transport,
-        policy: PlacementPolicy | str = "least-loaded",
+        policy: PlacementPolicy | ClusterDecisions | str = "least-loaded",
         *,
         rpc_timeout: float = 2.0,
         retry_interval: float = 0.25,
@@ -146,7 +159,9 @@ class GpuScheduler:
     ) -> AsyncIterator[GpuScheduler]:
         """Run the scheduler on ``transport`` (the gateway's endpoint) until the block exits.
 
-        ``policy`` is a :class:`PlacementPolicy` or the name of a registered one.
+        ``policy`` is the cluster's :class:`~nbos.scaling.ClusterDecisions` (shared
+        with whatever else decides for the cluster), a :class:`PlacementPolicy`, or
+        the name of a registered one.
         Agents are configured with this transport's peer id and address and
         announce themselves; the scheduler learns the hosts from them. With
         ``registered``, a host counts only once :meth:`admit` named it (the host
@@ -163,7 +178,11 @@ class GpuScheduler:
                 raise ConfigError(key, value, "a positive number of seconds")
         if replicas_per_kernel < 1:
             raise ConfigError("replicas_per_kernel", replicas_per_kernel, "at least 1")
-        chosen = load_policy(policy) if isinstance(policy, str) else policy
+        chosen = (
+            policy
+            if isinstance(policy, ClusterDecisions)
+            else ClusterDecisions.load(policy, replicas_per_kernel)
+        )
         scheduler = cls(
             transport,
             chosen,
@@ -194,6 +213,11 @@ class GpuScheduler:
             for h in sorted(self._hosts.values(), key=lambda h: h.host_id)
         ]
         return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
+
+    @property
+    def decisions(self) -> ClusterDecisions:
+        """The cluster's decisions (its one placement policy), as the simulator makes them."""
+        return self._decisions
 
     def host(self, host_id: HostId) -> HostRecord:
         """The scheduler's record of a host (``KeyError`` if none reported)."""
@@ -239,19 +263,11 @@ class GpuScheduler:
     ) -> tuple[HostId, ...]:
         """Choose distinct hosts for a kernel's replicas and subscribe ``gpus`` on each.
 
-        Raises :class:`PlacementError` when the policy cannot place it, or when
-        it answers with anything but ``replicas_per_kernel`` distinct known hosts.
+        Raises :class:`PlacementError` when the policy cannot place it, and
+        :class:`~nbos.core.errors.PolicyContractError` when it answers with anything
+        but ``replicas_per_kernel`` distinct known, schedulable hosts outside ``exclude``.
         """
-        request = PlacementRequest(kernel_id, gpus, self._replicas_per_kernel, frozenset(exclude))
-        hosts = tuple(self._policy.place(request, self.view()))
-        if (
-            len(set(hosts)) != len(hosts)
-            or len(hosts) != request.replicas
-            or not set(hosts) <= set(self._hosts)
-        ):
-            message = f"policy {self._policy.name!r} placed kernel {kernel_id} on {list(hosts)}"
-            log.warning("%s: not %d distinct known hosts", message, request.replicas)
-            raise PlacementError(f"{message}: not {request.replicas} distinct known hosts")
+        hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
         self._placements[kernel_id] = (hosts, gpus)
         self._owed -= {(h, kernel_id) for h in hosts}
         log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
@@ -280,19 +296,21 @@ class GpuScheduler:
         last_executor: int | None,
         gpus: int,
         on_wait: WaitCallback | None = None,
+        on_migrate: MigrateCallback | None = None,
     ) -> Grant:
         """Choose the executor of a cell and pre-commit its GPUs on that replica's host.
 
-        ``replicas`` maps the live replicas' ids to their hosts. The choice: the
-        last executor if its host can commit ``gpus`` now, else the replica whose
-        host has the most idle GPUs, else the cell waits (``on_wait`` gets the
-        reason; so does :meth:`waiting`). Raises :class:`InsufficientGpusError` at
-        once if no known host has ``gpus`` GPUs, :class:`GpuError` for a negative
-        count and :class:`QuorumLostError` for no replicas.
+        ``replicas`` maps the live replicas' ids to their hosts. The choice is
+        :meth:`ClusterDecisions.cell`'s: the last executor if its host can commit
+        ``gpus`` now, else the replica whose host has the most idle GPUs, else the
+        cell waits (``on_wait`` gets the reason; so does :meth:`waiting`). While it
+        waits because moving a replica would let it run, ``on_migrate`` gets each new
+        :class:`MigrationPlan` (carrying it out is the caller's). Raises
+        :class:`InsufficientGpusError` at once if no known host has ``gpus`` GPUs,
+        :class:`GpuError` for a negative count and :class:`QuorumLostError` for no
+        replicas.
         """
-        if gpus < 0:
-            log.warning("kernel %s cell %d asks for %d GPUs", kernel_id, exec_index, gpus)
-            raise GpuError(f"a cell cannot ask for {gpus} GPUs")
+        check_cell_gpus(gpus, max((len(h.devices) for h in self._hosts.values()), default=0))
         if not replicas:
             raise QuorumLostError(
                 f"kernel {kernel_id} has no live replica to run cell {exec_index}"
@@ -300,34 +318,31 @@ class GpuScheduler:
         # The kernel has live replicas on these hosts: nothing is owed for it there.
         self._owed -= {(h, kernel_id) for h in replicas.values()}
         if gpus == 0:
-            replica = (
-                last_executor
-                if last_executor is not None and last_executor in replicas
-                else min(replicas)
-            )
-            return Grant(kernel_id, exec_index, replica, replicas[replica], (), "")
-        largest = max((len(h.devices) for h in self._hosts.values()), default=0)
-        if gpus > largest:
-            log.info(
-                "kernel %s cell %d asks for %d GPUs; largest host has %d",
-                kernel_id,
-                exec_index,
-                gpus,
-                largest,
-            )
-            raise InsufficientGpusError(gpus, largest, "cluster (no host has that many GPUs)")
+            # Nothing to pre-commit, but the executor is still the decision's.
+            order = [replicas[r] for r in sorted(replicas)]
+            last = replicas.get(last_executor) if last_executor is not None else None
+            choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
+            host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
+            replica = self._replica_on(host, replicas, last_executor)
+            return Grant(kernel_id, exec_index, replica, host, (), "")
         key = frozenset(replicas.values())
         queue = self._queues.setdefault(key, deque())
         ticket = object()
         queue.append(ticket)
         shown: str | None = None
+        proposed: MigrationPlan | None = None
         try:
             while True:
                 version = self._version
                 if queue[0] is ticket:
-                    outcome = await self._try(kernel_id, exec_index, replicas, last_executor, gpus)
-                    if isinstance(outcome, Grant):
-                        return outcome
+                    decided = await self._try(kernel_id, exec_index, replicas, last_executor, gpus)
+                    if isinstance(decided, Grant):
+                        return decided
+                    if isinstance(decided, MigrationPlan) and decided != proposed:
+                        proposed = decided
+                        if on_migrate is not None:
+                            await on_migrate(decided)
+                    outcome = _wait_reason(decided, gpus)
                 else:
                     outcome = f"waiting for {gpus} GPUs behind {queue.index(ticket)} earlier cells"
                 if outcome != shown:
@@ -452,22 +467,21 @@ class GpuScheduler:
         replicas: Mapping[int, HostId],
         last_executor: int | None,
         gpus: int,
-    ) -> Grant | str:
-        """One attempt over the replicas' hosts: a grant, or why the cell must wait."""
+    ) -> Grant | Wait | MigrationPlan:
+        """One attempt over the replicas' hosts: a grant, or the decision to wait or migrate."""
         order = [replicas[r] for r in sorted(replicas)]
         last_host = replicas.get(last_executor) if last_executor is not None else None
         refused: set[HostId] = set()
         while True:
             view = self._exec_view(refused)
             try:
-                choice = choose_executor(last_host, order, view, gpus)
+                choice = self._decisions.cell(view, kernel_id, order, last_host, gpus)
             except InsufficientGpusError:
-                return f"waiting for {gpus} GPUs: no reachable host has that many"
-            if isinstance(choice, Migrate):
-                # The cluster's chooser may move a replica; until then the cell waits.
-                return f"waiting for {gpus} GPUs: {choice.reason} (a migration can make room)"
+                return Wait(f"waiting for {gpus} GPUs: no reachable host has that many")
+            except PlacementError as exc:
+                return Wait(f"waiting for {gpus} GPUs: no migration ({exc})")
             if not isinstance(choice, Execute):
-                return choice.reason
+                return choice
             replica = self._replica_on(choice.host, replicas, last_executor)
             grant = await self._precommit(kernel_id, exec_index, replica, choice.host, gpus)
             if grant is not None:
@@ -525,7 +539,8 @@ class GpuScheduler:
         try:
             return await self._rpc.call(host.peer, host.host_id, make)
         except HostUnreachableError as exc:
-            self._unreachable(host, str(exc))
+            if not self._rpc.closed:  # else the scheduler stops: the host is not to blame
+                self._unreachable(host, str(exc))
             raise
 
     async def _send_release(self, host: HostRecord, res: str, resident: bool) -> None:
@@ -573,6 +588,14 @@ class GpuScheduler:
     # --- reports ---------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        try:
+            await self._receive()
+        finally:
+            # No reply can reach a call from now on: calls must not wait out their timeout
+            # (a cluster torn down by cancellation would hang in its shielded releases).
+            self._rpc.close()
+
+    async def _receive(self) -> None:
         async for sender, message in received_messages(self._transport, "scheduler"):
             if isinstance(message, AgentStatus) and message.request_id is None:
                 self._on_status(sender, message)
@@ -682,6 +705,15 @@ class GpuScheduler:
     def _spawn(self, func: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
         if self._tg is not None:
             self._tg.start_soon(func, *args)
+
+
+def _wait_reason(decided: Wait | MigrationPlan, gpus: int) -> str:
+    if isinstance(decided, Wait):
+        return decided.reason
+    return (
+        f"waiting for {gpus} GPUs: no replica's host has them idle "
+        f"(moving the replica on {decided.source} to {decided.target} can make room)"
+    )
 
 
 def _refusal_error(reply: object, n: int, host: HostId) -> GpuError:

@@ -1,5 +1,9 @@
 """Placement policies, executor choice, migration, autoscaling and the trace-driven simulator.
 
+:class:`ClusterDecisions` makes every scheduling decision of one cluster, for the
+gateway and the simulator alike; :class:`ClusterModel` is the cluster the
+simulator keeps up to date event by event.
+
 Policies are found by name through the entry point group ``nbos.placement_policies``;
 see ``docs/placement.md`` for writing one.
 """
@@ -14,12 +18,14 @@ from nbos.scaling.autoscaler import (
     ScaleOut,
     smoothed_demand_ratio,
 )
-from nbos.scaling.executor import Choice, Execute, Migrate, Wait, choose_executor
+from nbos.scaling.decisions import CellDecision, ClusterDecisions
+from nbos.scaling.executor import Choice, Execute, Migrate, Wait, check_cell_gpus, choose_executor
 from nbos.scaling.migration import MigrationPlan, plan_migration
+from nbos.scaling.model import ClusterModel
 from nbos.scaling.policies import BinPackingPolicy, LeastLoadedPolicy, RandomPolicy
 from nbos.scaling.registry import GROUP, available_policies, load_policy
-from nbos.scaling.simulator import SimConfig, SimResult, metrics_table, simulate
-from nbos.scaling.trace import Cell, Session, Trace, load_trace, synthetic_trace
+from nbos.scaling.simulator import Sample, SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.trace import Cell, Session, Trace, first_hours, load_trace, synthetic_trace
 
 __all__ = [
     "GROUP",
@@ -27,13 +33,17 @@ __all__ = [
     "AutoscalerConfig",
     "BinPackingPolicy",
     "Cell",
+    "CellDecision",
     "Choice",
+    "ClusterDecisions",
+    "ClusterModel",
     "Execute",
     "Hold",
     "LeastLoadedPolicy",
     "Migrate",
     "MigrationPlan",
     "RandomPolicy",
+    "Sample",
     "ScaleDecision",
     "ScaleIn",
     "ScaleOut",
@@ -44,7 +54,9 @@ __all__ = [
     "Wait",
     "admissible",
     "available_policies",
+    "check_cell_gpus",
     "choose_executor",
+    "first_hours",
     "load_policy",
     "load_trace",
     "metrics_table",

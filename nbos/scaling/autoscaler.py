@@ -327,13 +327,16 @@ def smoothed_demand_ratio(
 
 
 def _figures(view: ClusterView) -> _Load:
-    schedulable = tuple(h for h in view.hosts if h.schedulable)
-    return _Load(
-        schedulable,
-        capacity=sum(h.gpus_total for h in schedulable),
-        committed=sum(h.gpus_committed for h in view.hosts),
-        subscribed=sum(h.gpus_subscribed for h in view.hosts),
-    )
+    # One pass: the simulator asks this every tick of a month-long trace.
+    schedulable: list[HostView] = []
+    capacity = committed = subscribed = 0
+    for h in view.hosts:
+        committed += h.gpus_committed
+        subscribed += h.gpus_subscribed
+        if h.schedulable:
+            schedulable.append(h)
+            capacity += h.gpus_total
+    return _Load(tuple(schedulable), capacity, committed, subscribed)
 
 
 def _ratio(part: int, whole: int) -> float:

@@ -63,13 +63,7 @@ def choose_executor(
     Raises :class:`GpuError` for a negative count and
     :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
     """
-    if gpus < 0:
-        log.warning("cell asks for %d GPUs", gpus)
-        raise GpuError(f"a cell cannot ask for {gpus} GPUs")
-    largest = max((h.gpus_total for h in cluster_view.hosts), default=0)
-    if gpus > largest:
-        log.info("cell asks for %d GPUs; the largest host has %d", gpus, largest)
-        raise InsufficientGpusError(gpus, largest, "cluster (no host has that many GPUs)")
+    check_cell_gpus(gpus, max((h.gpus_total for h in cluster_view.hosts), default=0))
     replicas = _views(replica_hosts, cluster_view)
     last = next((h for h in replicas if h.host_id == last_executor_host), None)
     if last is not None and last.gpus_idle >= gpus:
@@ -87,6 +81,21 @@ def choose_executor(
     if movable:
         return Migrate(tuple(movable), f"no replica's host has {gpus} idle GPUs")
     return Wait(f"waiting for {gpus} GPUs: no host has them idle")
+
+
+def check_cell_gpus(gpus: int, largest: int) -> None:
+    """Refuse a cell's GPU count that no waiting can satisfy, given the ``largest`` host's GPUs.
+
+    :class:`GpuError` for a negative count, :class:`InsufficientGpusError` for more
+    than the largest host has. The gateway and the simulator both ask this before
+    choosing an executor.
+    """
+    if gpus < 0:
+        log.warning("cell asks for %d GPUs", gpus)
+        raise GpuError(f"a cell cannot ask for {gpus} GPUs")
+    if gpus > largest:
+        log.info("cell asks for %d GPUs; the largest host has %d", gpus, largest)
+        raise InsufficientGpusError(gpus, largest, "cluster (no host has that many GPUs)")
 
 
 def _views(replica_hosts: Sequence[HostId], cluster: ClusterView) -> list[HostView]:

@@ -17,6 +17,7 @@ import attrs
 from nbos.core.errors import PlacementError
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
+from nbos.scaling._validate import validate_hosts
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,10 @@ def plan_migration(
     higher subscription, then the earlier host in ``replica_hosts``. The target is
     ``policy.migration_target`` with every replica host (and ``request.exclude``)
     excluded. Returns ``None`` when the policy finds no target. Raises
-    :class:`PlacementError` when ``replica_hosts`` is empty or repeats a host, or
-    when the policy breaks its contract (a target that is excluded, unknown,
-    unschedulable or without ``request.gpus`` idle GPUs).
+    :class:`PlacementError` when ``replica_hosts`` is empty or repeats a host, and
+    :class:`~nbos.core.errors.PolicyContractError` (a ``PlacementError``) when the
+    policy breaks its contract (a target that is excluded, unknown, unschedulable or
+    without ``request.gpus`` idle GPUs).
     """
     if not replica_hosts or len(set(replica_hosts)) != len(replica_hosts):
         raise _refused(
@@ -62,7 +64,13 @@ def plan_migration(
             request.gpus,
         )
         return None
-    _check_target(target, exclude, request, cluster, policy)
+    validate_hosts(
+        policy.name,
+        attrs.evolve(request, replicas=1, exclude=exclude),
+        (target,),
+        cluster,
+        commit_now=True,
+    )
     log.debug("kernel %s: migrate replica %s -> %s", request.kernel_id, source, target)
     return MigrationPlan(request.kernel_id, source, target)
 
@@ -78,30 +86,6 @@ def _busiest(replica_hosts: Sequence[HostId], cluster: ClusterView) -> HostId:
         return (view.gpus_idle, -view.gpus_subscribed, index)
 
     return min(enumerate(replica_hosts), key=rank)[1]
-
-
-def _check_target(
-    target: HostId,
-    exclude: frozenset[HostId],
-    request: PlacementRequest,
-    cluster: ClusterView,
-    policy: PlacementPolicy,
-) -> None:
-    view = next((h for h in cluster.hosts if h.host_id == target), None)
-    problem = None
-    if target in exclude:
-        problem = "an excluded host"
-    elif view is None:
-        problem = "a host not in the cluster"
-    elif not view.schedulable:
-        problem = "an unschedulable host"
-    elif view.gpus_idle < request.gpus:
-        problem = f"a host with {view.gpus_idle} idle GPUs"
-    if problem is not None:
-        raise _refused(
-            f"policy {policy.name!r} chose {target} for migrating kernel {request.kernel_id} "
-            f"({request.gpus} GPUs): {problem}"
-        )
 
 
 def _refused(message: str) -> PlacementError:

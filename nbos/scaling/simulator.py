@@ -1,22 +1,29 @@
 """A discrete-event simulator that replays a session trace against the real scheduling code.
 
-It runs the same objects the cluster runs: the placement policy loaded by name
-through :func:`~nbos.scaling.load_policy` (so a user's policy registered by entry
-point works here unchanged), :func:`~nbos.scaling.choose_executor`,
-:func:`~nbos.scaling.migration.plan_migration`, the
-:class:`~nbos.scaling.autoscaler.Autoscaler`, and a real
-:class:`~nbos.gpu.GpuPool` per host driven by the simulated clock. Two modes:
+Every decision is made by one :class:`~nbos.scaling.decisions.ClusterDecisions`,
+the object the gateway's scheduler uses too: the placement policy loaded by
+name through :func:`~nbos.scaling.load_policy` (so a user's policy registered by
+entry point works here unchanged), the executor choice and migration plan, and
+the :class:`~nbos.scaling.autoscaler.Autoscaler`. The cluster is a
+:class:`~nbos.scaling.model.ClusterModel` kept up to date event by event, with a
+real :class:`~nbos.gpu.GpuPool` per host driven by the simulated clock. Two modes:
 
 ``"nbos"``
     Each session's kernel has ``replicas_per_kernel`` replicas placed by the
     policy (subscription-ratio admission, so hosts are oversubscribed). A cell
-    commits its GPUs on the host ``choose_executor`` picks, only while it runs;
+    commits its GPUs on the replica host the decision names, only while it runs;
     when no replica's host can, one replica migrates (taking ``migration_time``)
     or the cell waits.
 ``"reservation"``
     The baseline: a session commits its GPUs on one host (the policy's
     ``migration_target``: a host that can commit them now) for its whole life,
     and its cells run at once.
+
+Waiting work is woken only by the events that can unblock it: waiting cells when
+GPUs are released or hosts join; kernels not yet placed when a session ends, a
+host joins or (nbos mode, where admission follows the drifting demand ratio) at
+every tick. A cheap test on the model's counts of hosts by idle GPUs skips work
+that no host could take, so a cluster at its host ceiling costs little per event.
 
 Both modes run the autoscaler (unless ``SimConfig.autoscaler`` is ``None``)
 every ``tick`` seconds. Events at equal times run in a fixed order (ends,
@@ -34,24 +41,24 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import attrs
 
-from nbos.core.errors import ConfigError, InsufficientGpusError, PlacementError, ScalingError
-from nbos.core.ids import HostId, KernelId
-from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
-from nbos.gpu.pool import GpuPool
-from nbos.scaling.autoscaler import (
-    Autoscaler,
-    AutoscalerConfig,
-    ScaleIn,
-    ScaleOut,
-    smoothed_demand_ratio,
+from nbos.core.errors import (
+    ConfigError,
+    InsufficientGpusError,
+    PlacementError,
+    PolicyContractError,
+    ScalingError,
 )
-from nbos.scaling.executor import Execute, Migrate, choose_executor
-from nbos.scaling.migration import plan_migration
-from nbos.scaling.registry import load_policy
+from nbos.core.ids import HostId, KernelId
+from nbos.gpu.pool import GpuPool
+from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, ScaleOut
+from nbos.scaling.decisions import ClusterDecisions
+from nbos.scaling.executor import Execute, Wait
+from nbos.scaling.migration import MigrationPlan
+from nbos.scaling.model import ClusterModel
 from nbos.scaling.trace import Cell, Session, Trace, validated
 
 log = logging.getLogger(__name__)
@@ -60,7 +67,7 @@ Mode = Literal["nbos", "reservation"]
 MODES: tuple[Mode, ...] = ("nbos", "reservation")
 
 # Order of simultaneous events: what frees GPUs first, what looks at the result last.
-_END, _HOST, _START, _SUBMIT, _STOP, _TICK = range(6)
+_END, _HOST, _START, _SUBMIT, _STOP, _TICK, _CLOSE = range(7)
 
 
 def _check_config(instance: SimConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -105,8 +112,19 @@ class SimConfig:
     migration_time: float = attrs.field(default=10.0, validator=_check_config)
     #: A cell is *interactive* if it starts within this many seconds of being ready.
     interactive_within: float = attrs.field(default=1.0, validator=_check_config)
-    #: Ticks stop this long after the trace ends; work still waiting then is unserved.
+    #: The run stops taking work this long after the trace ends: cells not started then
+    #: are reported as never run (running ones finish).
     overrun_limit: float = attrs.field(default=6 * 3600.0, validator=_check_config)
+
+
+class Sample(NamedTuple):
+    """The cluster at one moment: GPUs committed, running cells, of the hosts, and hosts."""
+
+    time: float
+    gpus_committed: int
+    gpus_busy: int
+    gpus_provisioned: int
+    hosts: int
 
 
 @attrs.frozen
@@ -134,8 +152,23 @@ class SimResult:
     hosts_mean: float
     hosts_max: int
     peak_gpus_committed: int
+    #: Hours at the autoscaler's host ceiling while work waited (ticks counted).
+    hours_at_ceiling: float
     #: ``(time, hosts)`` at start and at each change of the host count.
     hosts_timeline: tuple[tuple[float, int], ...]
+    #: The cluster at every tick and at the end, for plots.
+    samples: tuple[Sample, ...] = ()
+    #: Every started cell's delay (seconds), sorted.
+    delays: tuple[float, ...] = ()
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as plain values (no samples or delays), with the two shares."""
+        fields = attrs.fields(SimResult)
+        data = attrs.asdict(self, filter=attrs.filters.exclude(fields.samples, fields.delays))
+        data["hosts_timeline"] = [list(point) for point in self.hosts_timeline]
+        data["busy_share"] = self.busy_share
+        data["utilisation"] = self.utilisation
+        return data
 
     @property
     def busy_share(self) -> float:
@@ -148,13 +181,20 @@ class SimResult:
         return _share(self.gpu_hours_busy, self.gpu_hours_provisioned)
 
 
-def simulate(trace: Trace, config: SimConfig | None = None) -> SimResult:
+def simulate(
+    trace: Trace,
+    config: SimConfig | None = None,
+    *,
+    progress: Callable[[float], None] | None = None,
+) -> SimResult:
     """Replay ``trace`` on the cluster ``config`` describes.
 
-    Raises :class:`ScalingError` for a malformed trace or one with a session
+    ``progress``, if given, is called with the simulated time (seconds) at every
+    tick. Raises :class:`ScalingError` for a malformed trace or one with a session
     asking for more GPUs than a host has, :class:`~nbos.core.errors.UnknownPolicyError`
     / :class:`PlacementError` for a policy that cannot be loaded, and
-    :class:`ScalingError` if the policy returns an invalid placement.
+    :class:`~nbos.core.errors.PolicyContractError` if the policy answers with hosts
+    it may not choose.
     """
     config = config if config is not None else SimConfig()
     trace = validated(trace)
@@ -163,46 +203,39 @@ def simulate(trace: Trace, config: SimConfig | None = None) -> SimResult:
         message = f"sessions {too_big} ask for more than the {config.gpus_per_host} GPUs of a host"
         log.warning("%s", message)
         raise ScalingError(message)
-    policy = load_policy(config.policy, **config.policy_kwargs)
-    return _Simulation(trace, config, policy).run()
+    autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
+    decisions = ClusterDecisions.load(
+        config.policy, config.replicas_per_kernel, autoscaler, **config.policy_kwargs
+    )
+    return _Simulation(trace, config, decisions, progress).run()
 
 
 # --- state -----------------------------------------------------------------------------
 
 
 @attrs.define
-class _Host:
-    host_id: HostId
-    pool: GpuPool
-    subscribed: int = 0
-    replicas: set[KernelId] = attrs.field(factory=set)
-    schedulable: bool = True
-
-
-@attrs.define
 class _Kernel:
     session: Session
     kernel_id: KernelId
-    hosts: list[HostId] = attrs.field(factory=list)
     last: HostId | None = None
     #: Submitted cells not finished, each with when it would start on an unlimited cluster.
     queue: deque[tuple[Cell, float]] = attrs.field(factory=deque)
     #: When the last submitted cell would end on an unlimited cluster.
     ideal_end: float = 0.0
     executing_on: HostId | None = None
+    placed: bool = False
     stop_requested: bool = False
     finished: bool = False
     #: The lifetime reservation in reservation mode.
     reservation: str | None = None
     reservations: int = 0
 
-    @property
-    def placed(self) -> bool:
-        return bool(self.hosts)
-
     def next_reservation(self) -> str:
         self.reservations += 1
         return f"{self.kernel_id}#{self.reservations}"
+
+    def head_gpus(self) -> int:
+        return self.session.cell_gpus(self.queue[0][0])
 
 
 @attrs.define
@@ -212,36 +245,49 @@ class _Counters:
     scale_outs: int = 0
     scale_ins: int = 0
     peak_committed: int = 0
+    busy: int = 0
     busy_gpu_seconds: float = 0.0
     committed_gpu_seconds: float = 0.0
     provisioned_gpu_seconds: float = 0.0
     host_seconds: float = 0.0
+    ceiling_seconds: float = 0.0
     delays: list[float] = attrs.field(factory=list)
+    samples: list[Sample] = attrs.field(factory=list)
 
 
 class _Simulation:
-    def __init__(self, trace: Trace, config: SimConfig, policy: PlacementPolicy) -> None:
+    """The event loop over a :class:`ClusterModel`; every decision is ``decisions``'."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        config: SimConfig,
+        decisions: ClusterDecisions,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
         self._trace = trace
         self._cfg = config
-        self._policy = policy
-        self._autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
+        self.decisions = decisions
+        self._progress = progress
+        self.model = ClusterModel(config.replicas_per_kernel)
+        self.pools: dict[HostId, GpuPool] = {}
         self._now = 0.0
         self._events: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = 0
-        self._hosts: dict[HostId, _Host] = {}
         self._host_serial = 0
         self._kernels: dict[KernelId, _Kernel] = {}
-        self._pending: dict[KernelId, _Kernel] = {}  # not placed yet, FIFO
-        self._waiting: dict[KernelId, _Kernel] = {}  # head cell waits for GPUs, FIFO
+        # Both FIFO by insertion: kernels not placed yet, kernels whose head cell waits.
+        self._pending: dict[KernelId, _Kernel] = {}
+        self._waiting: dict[KernelId, _Kernel] = {}
         self._unfinished = len(trace.sessions)
         self._provisioning = 0
-        self._committed = 0
-        self._ratio = 1.0
+        self._closed = False
+        self._warned_ceiling = False
         self._n = _Counters()
         self._timeline: list[tuple[float, int]] = []
         for _ in range(config.hosts):
             self._new_host()
-        self._timeline.append((0.0, len(self._hosts)))
+        self._timeline.append((0.0, len(self.pools)))
 
     # --- the loop ------------------------------------------------------------------
 
@@ -249,13 +295,16 @@ class _Simulation:
         for s in self._trace.sessions:
             self._schedule_session(s)
         self._at(0.0, _TICK, self._tick)
+        self._at(self._trace.end + self._cfg.overrun_limit, _CLOSE, self._close)
         while self._events:
             when, order, _, action = heapq.heappop(self._events)
-            if order == _TICK and not self._unfinished:
-                continue  # the run ends with its last session, not a tick later
+            if order >= _TICK and (self._closed or not self._unfinished):
+                continue  # the run ends with its last session (or the overrun limit)
             self._advance(when)
             action()
-            self._update_ratio()
+            if self._cfg.mode == "nbos":
+                self.model.observe_demand()
+        self._sample()
         return self._result()
 
     def _at(self, when: float, order: int, action: Callable[[], None]) -> None:
@@ -265,11 +314,9 @@ class _Simulation:
     def _advance(self, when: float) -> None:
         dt = when - self._now
         if dt > 0:
-            self._n.host_seconds += len(self._hosts) * dt
-            self._n.provisioned_gpu_seconds += (
-                sum(h.pool.counts().total for h in self._hosts.values()) * dt
-            )
-            self._n.committed_gpu_seconds += self._committed * dt
+            self._n.host_seconds += len(self.pools) * dt
+            self._n.provisioned_gpu_seconds += self.model.capacity * dt
+            self._n.committed_gpu_seconds += self.model.committed * dt
             self._now = when
 
     def _schedule_session(self, s: Session) -> None:
@@ -280,41 +327,72 @@ class _Simulation:
             self._at(cell.start, _SUBMIT, functools.partial(self._submit, kernel, cell))
         self._at(s.stop, _STOP, lambda: self._stop(kernel))
 
+    def _close(self) -> None:
+        """The overrun limit: cells not started are dropped (never run), running ones finish,
+        and every session ends once it runs nothing, so it holds nothing any longer."""
+        dropped = 0
+        self._closed = True
+        for kernel in self._kernels.values():
+            keep = 1 if kernel.executing_on is not None else 0
+            dropped += len(kernel.queue) - keep
+            while len(kernel.queue) > keep:
+                kernel.queue.pop()
+        self._waiting.clear()
+        log.warning(
+            "t=%.0f: overrun limit reached %.0f s after the trace ended; "
+            "%d cells not started are reported as never run",
+            self._now,
+            self._cfg.overrun_limit,
+            dropped,
+        )
+        for kernel in list(self._kernels.values()):
+            self._maybe_finish(kernel)
+
     # --- sessions ------------------------------------------------------------------
 
     def _start(self, kernel: _Kernel) -> None:
         self._pending[kernel.kernel_id] = kernel
-        self._place_pending()
+        self._place_kernel(kernel)
 
     def _place_pending(self) -> None:
+        """Try to place waiting kernels, first come first served."""
         for kernel in list(self._pending.values()):
             # A nested call (a kernel finishing frees room) may have placed it already.
-            if kernel.kernel_id in self._pending and self._place(kernel):
-                del self._pending[kernel.kernel_id]
-                self._try_run(kernel)
-                self._maybe_finish(kernel)
+            if kernel.kernel_id in self._pending:
+                self._place_kernel(kernel)
+
+    def _place_kernel(self, kernel: _Kernel) -> None:
+        if self._place(kernel):
+            del self._pending[kernel.kernel_id]
+            self._try_run(kernel)
+            self._maybe_finish(kernel)
 
     def _place(self, kernel: _Kernel) -> bool:
         gpus = kernel.session.gpus
+        if self._closed:
+            return False
         if self._cfg.mode == "reservation":
-            request = PlacementRequest(kernel.kernel_id, gpus, 1)
-            target = self._policy.migration_target(request, self._view())
+            # The policy contract: a target can commit the GPUs now. No host can: no call.
+            if not self.model.could_commit(gpus, schedulable=True):
+                return False
+            target = self.decisions.reserve(self.model.view(), kernel.kernel_id, gpus)
             if target is None:
                 return False
-            self._check_hosts(kernel, [target], 1)
             kernel.reservation = kernel.next_reservation()
             self._commit(target, kernel, gpus, kernel.reservation)
-            self._subscribe(kernel, target)
-            return True
-        request = PlacementRequest(kernel.kernel_id, gpus, self._cfg.replicas_per_kernel)
-        try:
-            hosts = list(self._policy.place(request, self._view()))
-        except PlacementError as exc:
-            log.debug("t=%.0f: %s", self._now, exc)
-            return False
-        self._check_hosts(kernel, hosts, self._cfg.replicas_per_kernel)
-        for h in hosts:
-            self._subscribe(kernel, h)
+            hosts: tuple[HostId, ...] = (target,)
+        else:
+            if self.model.schedulable_hosts < self._cfg.replicas_per_kernel:
+                return False
+            try:
+                hosts = self.decisions.place(self.model.view(), kernel.kernel_id, gpus)
+            except PolicyContractError:
+                raise
+            except PlacementError as exc:
+                log.debug("t=%.0f: %s", self._now, exc)
+                return False
+        self.model.place(kernel.kernel_id, hosts, gpus)
+        kernel.placed = True
         return True
 
     def _stop(self, kernel: _Kernel) -> None:
@@ -331,16 +409,18 @@ class _Simulation:
         ):
             return
         kernel.finished = True
-        if kernel.kernel_id in self._pending:
-            del self._pending[kernel.kernel_id]
-        for h in list(kernel.hosts):
-            host = self._hosts[h]
+        self._pending.pop(kernel.kernel_id, None)
+        self._unfinished -= 1
+        if not kernel.placed:
+            return
+        for h in self.model.replica_hosts(kernel.kernel_id):
             if kernel.reservation is not None:
                 self._release(h, kernel.reservation)
-            host.pool.release_kernel(kernel.kernel_id)
-            self._unsubscribe(kernel, h)
-        self._unfinished -= 1
-        self._retry()
+            self.pools[h].release_kernel(kernel.kernel_id)
+        self.model.forget(kernel.kernel_id)
+        kernel.placed = False
+        # Subscriptions (and, reserving, GPUs) freed: room for kernels not placed yet.
+        self._place_pending()
 
     # --- cells ---------------------------------------------------------------------
 
@@ -352,73 +432,94 @@ class _Simulation:
         kernel.queue.append((cell, ideal_start))
         self._try_run(kernel)
 
-    def _try_run(self, kernel: _Kernel) -> bool:
-        """Start the kernel's next cell if it can start now; True if it did."""
-        if not kernel.placed or kernel.executing_on is not None or not kernel.queue:
-            return False
-        gpus = kernel.session.cell_gpus(kernel.queue[0][0])
+    def _try_run(self, kernel: _Kernel) -> None:
+        """Start the kernel's next cell if it can start now; else it waits."""
+        if self._closed or not kernel.placed or kernel.executing_on is not None or not kernel.queue:
+            return
+        hosts = self.model.replica_hosts(kernel.kernel_id)
         if self._cfg.mode == "reservation":
-            self._begin(kernel, kernel.hosts[0], self._now, None)
-            return True
-        view = self._view()
+            self._begin(kernel, hosts[0], self._now, None)
+            return
+        gpus = kernel.head_gpus()
         try:
-            choice = choose_executor(kernel.last, kernel.hosts, view, gpus)
+            decision = self.decisions.cell(
+                self.model.view(), kernel.kernel_id, hosts, kernel.last, gpus
+            )
         except InsufficientGpusError:
-            choice = None  # only while no host is up; hosts are all large enough
-        if isinstance(choice, Execute):
-            reservation = self._commit(choice.host, kernel, gpus, kernel.next_reservation())
-            self._begin(kernel, choice.host, self._now, reservation)
-            return True
-        if isinstance(choice, Migrate):
-            request = PlacementRequest(kernel.kernel_id, gpus, self._cfg.replicas_per_kernel)
-            plan = plan_migration(kernel.hosts, request, view, self._policy)
-            if plan is not None:
-                self._move(kernel, plan.source, plan.target)
-                self._n.migrations += 1
-                reservation = self._commit(plan.target, kernel, gpus, kernel.next_reservation())
-                ready = self._now + self._cfg.migration_time
-                self._begin(kernel, plan.target, ready, reservation)
-                return True
-        self._waiting.setdefault(kernel.kernel_id, kernel)
-        return False
+            decision = Wait("no host up")  # only while no host is up; hosts are all large enough
+        if isinstance(decision, Execute):
+            reservation = self._commit(decision.host, kernel, gpus, kernel.next_reservation())
+            self._begin(kernel, decision.host, self._now, reservation)
+        elif isinstance(decision, MigrationPlan):
+            self._move(kernel, decision.source, decision.target)
+            self._n.migrations += 1
+            reservation = self._commit(decision.target, kernel, gpus, kernel.next_reservation())
+            ready = self._now + self._cfg.migration_time
+            self._begin(kernel, decision.target, ready, reservation)
+        else:
+            self._waiting.setdefault(kernel.kernel_id, kernel)
+
+    def _could_run(self, kernel: _Kernel) -> bool:
+        """Cheap necessary condition for a waiting cell: a replica host, or a schedulable
+        host it could migrate to, has its GPUs idle."""
+        gpus = kernel.head_gpus()
+        return self.model.could_commit(gpus, schedulable=True) or any(
+            self.model.idle(h) >= gpus for h in self.model.replica_hosts(kernel.kernel_id)
+        )
 
     def _begin(self, kernel: _Kernel, host: HostId, at: float, reservation: str | None) -> None:
         """Run the kernel's head cell on ``host`` from ``at`` (later than now after a migration)."""
         self._waiting.pop(kernel.kernel_id, None)
         kernel.executing_on = host
         cell, ideal_start = kernel.queue[0]
+        gpus = kernel.session.cell_gpus(cell)
         self._n.delays.append(at - ideal_start)
-        self._n.busy_gpu_seconds += kernel.session.cell_gpus(cell) * cell.duration
-        self._at(at + cell.duration, _END, lambda: self._end(kernel, host, reservation))
+        self._n.busy_gpu_seconds += gpus * cell.duration
+        if at > self._now:
+            self._at(at, _END, lambda: self._busy(gpus))
+        else:
+            self._busy(gpus)
+        self._at(at + cell.duration, _END, lambda: self._end(kernel, host, reservation, gpus))
 
-    def _end(self, kernel: _Kernel, host: HostId, reservation: str | None) -> None:
-        if reservation is not None:
-            self._release(host, reservation, resident=True)
+    def _busy(self, gpus: int) -> None:
+        self._n.busy += gpus
+
+    def _end(self, kernel: _Kernel, host: HostId, reservation: str | None, gpus: int) -> None:
+        self._n.busy -= gpus
         kernel.last, kernel.executing_on = host, None
         kernel.queue.popleft()
-        self._retry()
+        if reservation is not None:
+            self._release(host, reservation, resident=True)
+            self._wake_cells()
         self._try_run(kernel)
         self._maybe_finish(kernel)
 
-    def _retry(self) -> None:
-        """Give freed capacity to waiting cells (longest waiting first), then pending kernels."""
+    def _wake_cells(self) -> None:
+        """Give freed GPUs to waiting cells, longest waiting first."""
         for kernel in list(self._waiting.values()):
-            self._try_run(kernel)
-        self._place_pending()
+            if not self.model.could_commit(1, schedulable=False):
+                return  # every GPU of the cluster is committed
+            if kernel.kernel_id in self._waiting and self._could_run(kernel):
+                self._try_run(kernel)
 
     # --- hosts and scaling -------------------------------------------------------
 
     def _tick(self) -> None:
-        self._place_pending()
+        if self._cfg.mode == "nbos":
+            # The demand ratio drifts every event; placements it now admits are retried here.
+            self._place_pending()
         self._drain()
-        if self._autoscaler is not None:
-            self._autoscale(self._autoscaler)
-        if self._unfinished and self._now <= self._trace.end + self._cfg.overrun_limit:
-            self._at(self._now + self._cfg.tick, _TICK, self._tick)
+        self._autoscale()
+        self._sample()
+        if self._progress is not None:
+            self._progress(self._now)
+        self._at(self._now + self._cfg.tick, _TICK, self._tick)
 
-    def _autoscale(self, autoscaler: Autoscaler) -> None:
+    def _autoscale(self) -> None:
         failed = bool(self._pending or self._waiting)
-        decision = autoscaler.decide(self._view(), self._now, failed, self._provisioning)
+        self._watch_ceiling(failed)
+        view = self.model.view()
+        decision = self.decisions.scale(view, self._now, failed, self._provisioning)
         if isinstance(decision, ScaleOut):
             self._n.scale_outs += 1
             count = decision.count
@@ -427,124 +528,97 @@ class _Simulation:
         elif isinstance(decision, ScaleIn):
             self._n.scale_ins += 1
             for h in decision.hosts:
-                self._hosts[h].schedulable = False
+                self.model.set_schedulable(h, False)
             self._drain()
+
+    def _watch_ceiling(self, failed: bool) -> None:
+        """Count (and warn once about) ticks where work waits and no host may be added."""
+        limits = self._cfg.autoscaler
+        if limits is None or not failed:
+            return
+        if len(self.pools) + self._provisioning < limits.max_hosts:
+            return
+        self._n.ceiling_seconds += self._cfg.tick
+        if not self._warned_ceiling:
+            self._warned_ceiling = True
+            log.warning(
+                "t=%.0f: the autoscaler is at its ceiling of %d hosts while %d kernels wait "
+                "(raise max_hosts to serve them sooner)",
+                self._now,
+                limits.max_hosts,
+                len(self._pending) + len(self._waiting),
+            )
 
     def _join(self, count: int) -> None:
         self._provisioning -= count
         for _ in range(count):
             self._new_host()
         self._mark_hosts()
-        self._retry()
+        self._wake_cells()
+        self._place_pending()
 
     def _new_host(self) -> None:
         host_id = HostId(f"h{self._host_serial:03d}")
         self._host_serial += 1
-        pool = GpuPool(range(self._cfg.gpus_per_host), lambda: self._now, precommit_ttl=60.0)
-        self._hosts[host_id] = _Host(host_id, pool)
+        self.pools[host_id] = GpuPool(
+            range(self._cfg.gpus_per_host), lambda: self._now, precommit_ttl=60.0
+        )
+        self.model.add_host(host_id, self._cfg.gpus_per_host)
 
     def _drain(self) -> None:
-        """Move replicas off draining hosts; remove those left empty and idle."""
-        draining = [h for h in self._hosts.values() if not h.schedulable]
-        for host in draining:
-            for kernel_id in sorted(host.replicas):
-                self._evacuate(self._kernels[kernel_id], host.host_id)
-            if not host.replicas and host.pool.counts().idle == host.pool.counts().total:
-                del self._hosts[host.host_id]
+        """Move replicas off draining hosts; remove those that hold nothing any more."""
+        draining = self.model.draining()
+        for host_id in draining:
+            for kernel_id in sorted(self.model.kernels_on(host_id)):
+                self._evacuate(self._kernels[kernel_id], host_id)
+            if self.decisions.removable(self.model.host(host_id)):
+                self.model.remove_host(host_id)
+                del self.pools[host_id]
                 self._mark_hosts()
         if draining:
-            self._retry()
+            self._wake_cells()  # a moved replica may find its GPUs on its new host
 
     def _evacuate(self, kernel: _Kernel, source: HostId) -> None:
-        if kernel.executing_on == source:
-            return  # a running cell finishes first
-        request = PlacementRequest(
-            kernel.kernel_id, kernel.session.gpus, 1, frozenset(kernel.hosts)
-        )
+        if kernel.executing_on == source or kernel.reservation is not None:
+            return  # a running cell (or a session's reservation) finishes first
+        hosts = self.model.replica_hosts(kernel.kernel_id)
         try:
-            chosen = list(self._policy.place(request, self._view()))
+            target = self.decisions.place_one(
+                self.model.view(), kernel.kernel_id, kernel.session.gpus, hosts
+            )
+        except PolicyContractError:
+            raise
         except PlacementError:
             log.debug("t=%.0f: cannot move %s off %s yet", self._now, kernel.kernel_id, source)
             return
-        self._check_hosts(kernel, chosen, 1, request.exclude)
-        self._move(kernel, source, chosen[0])
+        self._move(kernel, source, target)
         self._n.drain_moves += 1
 
     def _mark_hosts(self) -> None:
-        self._timeline.append((self._now, len(self._hosts)))
+        self._timeline.append((self._now, len(self.pools)))
 
     # --- accounting --------------------------------------------------------------
 
     def _commit(self, host: HostId, kernel: _Kernel, gpus: int, reservation: str) -> str:
-        self._hosts[host].pool.commit(reservation, kernel.kernel_id, gpus)
-        self._committed += gpus
-        self._n.peak_committed = max(self._n.peak_committed, self._committed)
+        self.pools[host].commit(reservation, kernel.kernel_id, gpus)
+        self.model.commit(host, gpus)
+        self._n.peak_committed = max(self._n.peak_committed, self.model.committed)
         return reservation
 
     def _release(self, host: HostId, reservation: str, *, resident: bool = False) -> None:
-        self._committed -= len(self._hosts[host].pool.release(reservation, resident=resident))
-
-    def _subscribe(self, kernel: _Kernel, host_id: HostId) -> None:
-        host = self._hosts[host_id]
-        host.subscribed += kernel.session.gpus
-        host.replicas.add(kernel.kernel_id)
-        kernel.hosts.append(host_id)
-
-    def _unsubscribe(self, kernel: _Kernel, host_id: HostId) -> None:
-        host = self._hosts[host_id]
-        host.subscribed -= kernel.session.gpus
-        host.replicas.discard(kernel.kernel_id)
-        kernel.hosts.remove(host_id)
+        self.model.release(host, len(self.pools[host].release(reservation, resident=resident)))
 
     def _move(self, kernel: _Kernel, source: HostId, target: HostId) -> None:
-        index = kernel.hosts.index(source)
-        self._unsubscribe(kernel, source)
-        self._hosts[source].pool.evicted(kernel.kernel_id)
-        self._subscribe(kernel, target)
-        # Keep the replica order: choose_executor breaks ties by it.
-        kernel.hosts.insert(index, kernel.hosts.pop())
+        self.model.move(kernel.kernel_id, source, target)
+        self.pools[source].evicted(kernel.kernel_id)
         if kernel.last == source:
             kernel.last = None
 
-    def _update_ratio(self) -> None:
-        if self._cfg.mode != "nbos":
-            return
-        demand = sum(k.session.gpus for k in self._kernels.values() if k.placed)
-        self._ratio = smoothed_demand_ratio(self._ratio, demand, self._committed)
-
-    def _view(self) -> ClusterView:
-        hosts = []
-        for h in self._hosts.values():
-            counts = h.pool.counts()
-            busy = counts.total - counts.idle
-            hosts.append(
-                HostView(
-                    h.host_id, counts.total, busy, h.subscribed, len(h.replicas), h.schedulable
-                )
-            )
-        return ClusterView(hosts, self._cfg.replicas_per_kernel, self._ratio)
-
-    def _check_hosts(
-        self,
-        kernel: _Kernel,
-        chosen: Sequence[HostId],
-        count: int,
-        exclude: frozenset[HostId] = frozenset(),
-    ) -> None:
-        valid = (
-            len(chosen) == count
-            and len(set(chosen)) == count
-            and all(h in self._hosts and self._hosts[h].schedulable for h in chosen)
-            and not exclude & set(chosen)
+    def _sample(self) -> None:
+        m = self.model
+        self._n.samples.append(
+            Sample(self._now, m.committed, self._n.busy, m.capacity, len(self.pools))
         )
-        if not valid:
-            message = (
-                f"policy {self._policy.name!r} placed kernel {kernel.kernel_id} on "
-                f"{list(chosen)}: needs {count} distinct schedulable hosts "
-                f"outside {sorted(exclude)}"
-            )
-            log.warning("%s", message)
-            raise ScalingError(message)
 
     # --- results -----------------------------------------------------------------
 
@@ -556,7 +630,7 @@ class _Simulation:
         fast = sum(1 for d in delays if d <= self._cfg.interactive_within)
         return SimResult(
             mode=self._cfg.mode,
-            policy=self._policy.name,
+            policy=self.decisions.policy.name,
             sessions=len(self._trace.sessions),
             cells=total_cells,
             cells_unserved=total_cells - served,
@@ -573,10 +647,13 @@ class _Simulation:
             drain_moves=n.drain_moves,
             scale_outs=n.scale_outs,
             scale_ins=n.scale_ins,
-            hosts_mean=n.host_seconds / end if end > 0 else float(len(self._hosts)),
+            hosts_mean=n.host_seconds / end if end > 0 else float(len(self.pools)),
             hosts_max=max(count for _, count in self._timeline),
             peak_gpus_committed=n.peak_committed,
+            hours_at_ceiling=n.ceiling_seconds / 3600,
             hosts_timeline=tuple(self._timeline),
+            samples=tuple(n.samples),
+            delays=tuple(delays),
         )
 
 
@@ -623,6 +700,7 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
     ("scale-outs / scale-ins", lambda r: f"{r.scale_outs} / {r.scale_ins}"),
     ("hosts mean / max", lambda r: f"{r.hosts_mean:.1f} / {r.hosts_max}"),
     ("peak GPUs committed", lambda r: f"{r.peak_gpus_committed}"),
+    ("hours at host ceiling, work waiting", lambda r: f"{r.hours_at_ceiling:.1f}"),
 )
 
 

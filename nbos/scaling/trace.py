@@ -67,6 +67,24 @@ class Trace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return sum(s.cell_gpus(c) * c.duration for s in self.sessions for c in s.cells) / 3600
 
 
+def first_hours(trace: Trace, hours: float) -> Trace:
+    """The part of ``trace`` in its first ``hours``: sessions that start by then, with the
+    cells they submit by then, stopping then at the latest (a stop with cells still
+    queued still waits for them, as always)."""
+    if not hours >= 0:
+        raise _bad(f"cannot cut a trace to {hours} hours")
+    end = hours * 3600
+    return Trace(
+        tuple(
+            msgspec.structs.replace(
+                s, stop=min(s.stop, end), cells=tuple(c for c in s.cells if c.start <= end)
+            )
+            for s in trace.sessions
+            if s.start <= end
+        )
+    )
+
+
 def validated(trace: Trace) -> Trace:
     """``trace`` with each session's cells sorted by submit time, or :class:`ScalingError`.
 
@@ -109,6 +127,8 @@ def _check_session(s: Session) -> None:
 # --- files ---------------------------------------------------------------------------
 
 CSV_FIELDS = ("session", "event", "time", "duration", "gpus")
+#: The columns of a task-level trace (the Tiresias scheduler's format) that the importer reads.
+TASK_FIELDS = ("job_id", "num_gpu", "submit_time", "duration")
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -124,8 +144,17 @@ def load_trace(path: str | Path) -> Trace:
     if path.suffix.lower() == ".json":
         return parse_json(data, str(path))
     if path.suffix.lower() == ".csv":
-        return parse_csv(data.decode("utf-8", errors="replace"), str(path))
+        text = data.decode("utf-8", errors="replace")
+        if is_task_csv(text):
+            return parse_task_csv(text, str(path))
+        return parse_csv(text, str(path))
     raise _bad(f"trace {path}: unknown format {path.suffix!r} (expected .json or .csv)")
+
+
+def is_task_csv(text: str) -> bool:
+    """Whether ``text`` is a task-level trace (its header names the Tiresias task columns)."""
+    header = next(csv.reader(io.StringIO(text.partition("\n")[0])), [])
+    return set(TASK_FIELDS) <= {name.strip() for name in header}
 
 
 def parse_json(data: bytes | str, source: str = "<json>") -> Trace:
@@ -179,6 +208,38 @@ def dump_csv(trace: Trace) -> str:
             writer.writerow((s.id, "cell", c.start, c.duration, "" if c.gpus is None else c.gpus))
         writer.writerow((s.id, "stop", s.stop, "", ""))
     return out.getvalue()
+
+
+def parse_task_csv(text: str, source: str = "<tasks>") -> Trace:
+    """Sessions from a task-level trace: rows ``job_id,num_gpu,submit_time,duration`` (minutes).
+
+    The session rule (``docs/simulator.md``, "Task-level traces"): the tasks of one
+    session are consecutive rows with non-decreasing ``submit_time``; a row whose
+    ``submit_time`` goes backwards starts a new session. A session starts at its
+    first task's submission and stops when its last task ends as the trace ran it
+    (the latest ``submit_time + duration``), holding a reservation of its largest
+    task's GPUs for that whole time. Each task is a cell of ``num_gpu`` GPUs.
+    """
+    reader = csv.DictReader(io.StringIO(text))
+    if reader.fieldnames is None or not set(TASK_FIELDS) <= set(reader.fieldnames):
+        raise _bad(f"trace {source}: header must name {', '.join(TASK_FIELDS)}")
+    groups: list[list[Cell]] = []
+    previous = math.inf
+    for line, row in enumerate(reader, start=2):
+        where = f"trace {source} line {line}"
+        submit = _number(row, "submit_time", where) * 60
+        cell = Cell(submit, _number(row, "duration", where) * 60, _integer(row, "num_gpu", where))
+        if submit < previous:
+            groups.append([])
+        groups[-1].append(cell)
+        previous = submit
+    return _validated_from(Trace(tuple(_task_session(i, g) for i, g in enumerate(groups))), source)
+
+
+def _task_session(index: int, cells: list[Cell]) -> Session:
+    stop = max(c.start + c.duration for c in cells)
+    gpus = max(c.gpus or 0 for c in cells)
+    return Session(f"task-session-{index:04d}", cells[0].start, stop, gpus, tuple(cells))
 
 
 def _csv_row(

@@ -40,6 +40,16 @@ def free_port() -> int:
         return port
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The command name is in parentheses and may contain spaces; the state follows it.
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
 def wait_ready(
     process: subprocess.Popen[bytes],
     probe: Callable[[], bool],

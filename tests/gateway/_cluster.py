@@ -19,6 +19,7 @@ from nbos.agent import EvictHook, HostAgent
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import GpuScheduler
 from nbos.gpu import GpuPool
+from nbos.scaling import ClusterDecisions
 from nbos.transport import MemoryNetwork, MemoryTransport
 
 GATEWAY = "gateway"
@@ -107,7 +108,7 @@ async def cluster(
     hosts: Mapping[str, Sequence[int]],
     *,
     ttl: float = 30.0,
-    policy: str = "least-loaded",
+    policy: str | ClusterDecisions = "least-loaded",
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[Cluster]:
     """Agents for ``hosts`` (host -> device indices) and a scheduler that has heard from all."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 from jupyter_client import AsyncKernelClient
@@ -49,6 +50,56 @@ async def connected_client(kernel: Kernel) -> AsyncIterator[AsyncKernelClient]:
         yield client
     finally:
         client.stop_channels()
+
+
+@asynccontextmanager
+async def replica_client(
+    cluster: LocalCluster, kernel: Kernel, node: int
+) -> AsyncIterator[AsyncKernelClient]:
+    """A Jupyter client on replica ``node`` itself (not the front), for the block."""
+    client = AsyncKernelClient()
+    client.load_connection_file(
+        str(cluster.run_dir / "kernels" / kernel.kernel_id / f"replica-{node}.json")
+    )
+    client.start_channels()
+    try:
+        yield client
+    finally:
+        client.stop_channels()
+
+
+async def replica_digest(client: AsyncKernelClient, after: int, *, timeout: float = 60) -> str:
+    """The namespace digest of the replica ``client`` is connected to, once cell ``after``
+    applied there."""
+    msg = client.session.msg("nbos_digest_request", {"after": after})
+    client.control_channel.send(msg)
+    with anyio.fail_after(timeout):
+        while True:
+            reply: dict[str, Any] = await client.get_control_msg()
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return str(reply["content"]["digest"])
+
+
+async def start_cell(client: AsyncKernelClient, code: str) -> str:
+    """Send ``code``; returns its msg_id once the cell is running."""
+    msg_id: str = client.execute(code)
+    with anyio.fail_after(20):
+        while True:
+            msg = await client.get_iopub_msg()
+            mine = msg["parent_header"].get("msg_id") == msg_id
+            if mine and msg["msg_type"] == "execute_input":
+                return msg_id
+
+
+async def reply_to(
+    client: AsyncKernelClient, msg_id: str, *, timeout: float = 30
+) -> dict[str, Any]:
+    """The shell reply to request ``msg_id``; ``TimeoutError`` after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while True:
+            reply: dict[str, Any] = await client.get_shell_msg()
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
 
 
 async def run_cells(kernel: Kernel, cells: list[str]) -> int:

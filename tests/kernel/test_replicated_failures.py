@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import signal
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
 import pytest
-from jupyter_client.asynchronous.client import AsyncKernelClient
 
 import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.kernel.front import HeartbeatPolicy
-from tests.kernel.conftest import connected_client, run_cells
+from tests.kernel.conftest import (
+    connected_client,
+    reply_to,
+    run_cells,
+    start_cell,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -120,26 +123,7 @@ async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
     assert len(after) == 2
 
 
-async def start_cell(client: AsyncKernelClient, code: str) -> str:
-    """Send ``code``; returns its msg_id once the cell is running."""
-    msg_id: str = client.execute(code)
-    with anyio.fail_after(20):
-        while True:
-            msg = await client.get_iopub_msg()
-            mine = msg["parent_header"].get("msg_id") == msg_id
-            if mine and msg["msg_type"] == "execute_input":
-                return msg_id
-
-
-async def reply_to(client: AsyncKernelClient, msg_id: str) -> dict[str, Any]:
-    with anyio.fail_after(30):
-        while True:
-            reply: dict[str, Any] = await client.get_shell_msg()
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return reply
-
-
-async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel: Kernel) -> None:
+async def test_a_frozen_executor_is_dropped_and_fenced(kernel: Kernel) -> None:
     await run_cells(kernel, STATE)
     before = await kernel.digests()
     async with connected_client(kernel) as client:
@@ -150,10 +134,9 @@ async def test_a_frozen_executor_is_dropped_and_its_late_done_is_ignored(kernel:
         reply = await reply_to(client, msg_id)
     assert reply["content"]["ename"] == "CellLostError"
     assert executor not in kernel.front.alive
-    # Thawed, it finishes the cell, finds its Done refused (cell lost) and leaves.
-    await kernel.signal_replica(executor, signal.SIGCONT)
+    # Declared dead, it is killed: no thaw can let it finish the lost cell.
     with anyio.fail_after(30):
-        assert await kernel.wait_replica(executor) == 3
+        assert await kernel.wait_replica(executor) == -signal.SIGKILL
     result = await kernel.execute(CHECK)
     assert result.status == "ok", result.reply
     after = await kernel.digests()

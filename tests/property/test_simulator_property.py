@@ -16,7 +16,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nbos.scaling import AutoscalerConfig, Cell, Session, SimConfig, Trace, load_policy, simulate
+from nbos.scaling import (
+    Autoscaler,
+    AutoscalerConfig,
+    Cell,
+    ClusterDecisions,
+    Session,
+    SimConfig,
+    Trace,
+    simulate,
+)
 from nbos.scaling.simulator import _Simulation
 from nbos.scaling.trace import validated
 from tests.property._support import sized
@@ -101,11 +110,14 @@ def test_simulator_invariants(trace: Trace, config: SimConfig) -> None:
 @sized()
 @given(trace=traces, config=configs())
 def test_every_path_releases_what_it_committed(trace: Trace, config: SimConfig) -> None:
-    sim = _Simulation(validated(trace), config, load_policy(config.policy, **config.policy_kwargs))
-    result = sim.run()
-    if result.cells_unserved:
-        return  # work was left waiting when the run gave up; nothing to check at the end
-    for host in sim._hosts.values():  # the end state is the property
-        counts = host.pool.counts()
-        assert counts.idle == counts.total, host.host_id
-        assert (host.subscribed, host.replicas) == (0, set()), host.host_id
+    autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
+    decisions = ClusterDecisions.load(config.policy, 3, autoscaler, **config.policy_kwargs)
+    sim = _Simulation(validated(trace), config, decisions)
+    sim.run()
+    # The end state is the property: the overrun limit ends waiting work, so even a run
+    # that left cells unserved must have released everything.
+    for host_id, pool in sim.pools.items():
+        counts = pool.counts()
+        assert counts.idle == counts.total, host_id
+        view = sim.model.host(host_id)
+        assert (view.gpus_committed, view.gpus_subscribed, view.replicas) == (0, 0, 0), host_id

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from nbos.core.errors import PlacementError
+from nbos.core.errors import PlacementError, PolicyContractError
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView, PlacementRequest
 from nbos.scaling import (
@@ -111,10 +111,10 @@ class FixedTarget:
         ("a", "excluded"),  # holds a replica
         ("zz", "not in the cluster"),
         ("e", "with 4 idle GPUs"),  # asks 5
-        ("f", "unschedulable"),
+        ("f", "not schedulable"),
     ],
 )
 def test_a_policy_breaking_its_contract_is_refused(target: str, why: str) -> None:
     view = cluster(*BUSY.hosts, hv("f", 0, schedulable=False))
-    with pytest.raises(PlacementError, match=why):
+    with pytest.raises(PolicyContractError, match=why):
         plan_migration(ids("a", "b", "c"), PlacementRequest(K, 5), view, FixedTarget(target))

@@ -93,6 +93,9 @@ class _Pending:
     target: int
     idents: list[bytes]
     expects_reply: bool
+    #: It is useless without a majority of replicas (a cell, a settle): it ends as lost
+    #: once the front loses its majority.
+    needs_quorum: bool = False
     reply: _wire.Msg | None = None
     lost: bool = False
     #: The reply went to the client as the request's final answer.
@@ -155,6 +158,12 @@ class KernelFront:
         #: Set while the chooser picks a cell's executor (it may wait for GPUs).
         self._choosing: anyio.CancelScope | None = None
         self._next_index = 1
+        #: Indices whose settle (``Done(index, lost)``) found no majority: each is settled
+        #: again, in order, before the next cell (which could not run before it anyway).
+        self._unsettled: set[int] = set()
+        self._settling = anyio.Lock()
+        self._settled_index = 0
+        self._death_listeners: list[Callable[[int, str], None]] = []
         self._last_executor: int | None = None
         self._refused = 0
         self._closing = False
@@ -209,6 +218,11 @@ class KernelFront:
         )
 
     @property
+    def has_quorum(self) -> bool:
+        """Whether a majority of the kernel's replicas is alive (its log can commit)."""
+        return len(self.alive) * 2 > len(self._upstreams) - len(self._standby)
+
+    @property
     def refused(self) -> int:
         """How many client messages were refused (unsigned, wrongly signed, malformed)."""
         return self._refused
@@ -229,6 +243,14 @@ class KernelFront:
         return self._next_index - 1
 
     @property
+    def settled_exec_index(self) -> int:
+        """The ``exec_index`` of the latest cell whose reply went to the client (0 before).
+
+        Its ``Done`` has committed; a cell in flight has a later index.
+        """
+        return self._settled_index
+
+    @property
     def is_closing(self) -> bool:
         """Whether the kernel is being shut down (:meth:`closing` was called)."""
         return self._closing
@@ -237,6 +259,14 @@ class KernelFront:
         """The kernel is being shut down: replicas that end from now on are expected to."""
         self._closing = True
 
+    def on_dead(self, listener: Callable[[int, str], None]) -> None:
+        """Call ``listener(replica, reason)`` whenever the front declares a replica dead.
+
+        Whoever runs the replica's process fences it there: one the front gave up on
+        (missed heartbeats) may only be frozen, and must not come back.
+        """
+        self._death_listeners.append(listener)
+
     def mark_dead(self, replica: int, reason: str) -> None:
         """Stop using ``replica``; requests in flight there end as lost."""
         up = self._upstreams.get(replica)
@@ -244,9 +274,12 @@ class KernelFront:
             return
         level = logging.INFO if self._closing else logging.WARNING
         log.log(level, "kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)
+        quorum = self.has_quorum
         for pending in list(self._pending.values()):
-            if pending.target == replica:
+            if pending.target == replica or (pending.needs_quorum and not quorum):
                 pending.got_lost()
+        for listener in self._death_listeners:
+            listener(replica, reason)
 
     async def revive(self, replica: int, *, timeout: float = _READY_TIMEOUT_S) -> None:
         """Use ``replica`` again once it answers: it was restarted after :meth:`mark_dead`.
@@ -262,20 +295,30 @@ class KernelFront:
             raise KernelError(f"replica {replica} did not answer within {timeout} s")
         self._tg.start_soon(self._watch_heartbeat, up)
         log.info("kernel %s: replica %d is back", self._kernel_id, replica)
+        self._settle_soon()
 
     async def control_request(
-        self, replica: int, msg_type: str, content: Mapping[str, Any], *, timeout: float
+        self,
+        replica: int,
+        msg_type: str,
+        content: Mapping[str, Any],
+        *,
+        timeout: float,
+        needs_quorum: bool = False,
     ) -> _wire.Msg | None:
         """Send a control request of the front's own to ``replica``; its reply or ``None``.
 
-        ``None`` too when the replica is gone (dead, or removed by a replacement).
+        ``None`` too when the replica is gone (dead, or removed by a replacement), or,
+        for a request that ``needs_quorum``, once no majority of replicas is alive.
         """
         up = self._upstreams.get(replica)
         if up is None:
             return None
         msg = up.signer.new_message(msg_type, dict(content))
         with anyio.move_on_after(timeout):
-            pending = await self._roundtrip(replica, "control", msg, [], grace=0.0)
+            pending = await self._roundtrip(
+                replica, "control", msg, [], grace=0.0, needs_quorum=needs_quorum
+            )
             return pending.reply
         return None
 
@@ -330,6 +373,7 @@ class KernelFront:
         self._standby.discard(replica)
         self._tg.start_soon(self._watch_heartbeat, self._upstreams[replica])
         log.info("kernel %s: replica %d joined", self._kernel_id, replica)
+        self._settle_soon()
 
     def remove_replica(self, replica: int) -> None:
         """Forget ``replica`` for good (it was replaced): requests there end as lost."""
@@ -371,7 +415,7 @@ class KernelFront:
         for replica in self._upstreams:
             if not await self._probe(replica, timeout=_READY_TIMEOUT_S):
                 self.mark_dead(replica, "it did not answer at start")
-        if len(self.alive) * 2 <= len(self._upstreams):
+        if not self.has_quorum:
             raise QuorumLostError(
                 f"kernel {self._kernel_id}: only replicas {self.alive} of "
                 f"{sorted(self._upstreams)} started"
@@ -387,7 +431,10 @@ class KernelFront:
         with anyio.move_on_after(timeout):
             while up.alive:
                 probe = up.signer.new_message("kernel_info_request", {})
-                pending = await self._roundtrip(replica, "shell", probe, [], grace=0.5)
+                # Not the client's shell request: a probe may run beside a cell.
+                pending = await self._roundtrip(
+                    replica, "shell", probe, [], grace=0.5, client=False
+                )
                 if pending.reply is not None and pending.idled.is_set():
                     return True
         return False
@@ -502,14 +549,9 @@ class KernelFront:
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Run one cell; returns the status of the reply the client got."""
-        if len(self.alive) * 2 <= len(self._upstreams) - len(self._standby):
+        if not self.has_quorum or not await self._settle_unsettled():
             # Without a majority nothing can commit: say so now rather than time out.
-            lost = QuorumLostError(
-                f"only replicas {list(self.alive)} of {sorted(self._upstreams)} are alive"
-            )
-            log.warning("kernel %s: %s", self._kernel_id, lost)
-            await self._reply(idents, msg, "execute_reply", error_content(lost, 0))
-            return "error"
+            return await self._quorum_lost(idents, msg)
         for _ in range(_CLAIM_ATTEMPTS):
             index = self._next_index
             self._next_index += 1
@@ -528,12 +570,26 @@ class KernelFront:
             finally:
                 await self._chooser.release(plan)
             if status is not None:
+                self._settled_index = index
                 return status
             # Another replica holds the index's claim (it claimed early and was not
             # chosen after all): retire the index and send the cell again under a new one.
-            await self._settle(index)
+            if await self._settle(index) is None:
+                return await self._quorum_lost(idents, msg)
         failure = KernelError(f"no replica could claim the cell in {_CLAIM_ATTEMPTS} attempts")
         await self._reply(idents, msg, "execute_reply", error_content(failure, 0))
+        return "error"
+
+    async def _quorum_lost(self, idents: list[bytes], msg: _wire.Msg) -> str:
+        """Reply ``QuorumLostError`` to a cell that cannot run: no majority, or an earlier
+        index still unsettled."""
+        lost = QuorumLostError(
+            f"only replicas {list(self.alive)} of {sorted(self._upstreams)} are alive"
+            if not self.has_quorum
+            else f"cells {sorted(self._unsettled)} could not be settled: no majority answered"
+        )
+        log.warning("kernel %s: %s", self._kernel_id, lost)
+        await self._reply(idents, msg, "execute_reply", error_content(lost, 0))
         return "error"
 
     async def _choose(self, msg: _wire.Msg, index: int) -> CellPlan:
@@ -574,7 +630,11 @@ class KernelFront:
             return True
 
         metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
-        content = msg["content"] if plan.code is None else {**msg["content"], "code": plan.code}
+        # The front aborts what is queued behind a failed cell (stop_on_error); a replica
+        # doing it too would abort the front's next request, sent after the failure.
+        content = {**msg["content"], "stop_on_error": False}
+        if plan.code is not None:
+            content["code"] = plan.code
         pending = await self._roundtrip(
             plan.replica,
             "shell",
@@ -582,6 +642,7 @@ class KernelFront:
             idents,
             grace=IDLE_GRACE_S,
             on_reply=relay,
+            needs_quorum=True,
         )
         if pending.reply is None:
             return await self._cell_lost(idents, msg, index, plan.replica)
@@ -590,15 +651,55 @@ class KernelFront:
         return str(pending.reply["content"].get("status", "error"))
 
     async def _settle(self, index: int) -> dict[str, Any] | None:
-        """Have a live replica commit ``Done(index, lost)``; what it says counts for the cell."""
+        """Have a live replica commit ``Done(index, lost)``; what it says counts for the cell.
+
+        ``None`` (at once when no majority is alive) if none could: the index is then
+        kept and settled again once a majority is back (:meth:`_settle_unsettled`).
+        """
         for survivor in self.alive:
+            if not self.has_quorum:
+                break
             reply = await self.control_request(
-                survivor, "nbos_lost_request", {"exec_index": index}, timeout=_LOST_TIMEOUT_S
+                survivor,
+                "nbos_lost_request",
+                {"exec_index": index},
+                timeout=_LOST_TIMEOUT_S,
+                needs_quorum=True,
             )
             if reply is not None and reply["content"].get("status") == "ok":
+                self._unsettled.discard(index)
                 settled: dict[str, Any] = reply["content"]
                 return settled
+        self._unsettled.add(index)
+        log.warning("kernel %s: cell %d is not settled yet", self._kernel_id, index)
         return None
+
+    async def _settle_unsettled(self) -> bool:
+        """Settle the indices whose settle found no majority, in order; whether all are."""
+        async with self._settling:
+            for index in sorted(self._unsettled):
+                settled = await self._settle(index)
+                if settled is None:
+                    return False
+                log.info(
+                    "kernel %s: cell %d settled as %s",
+                    self._kernel_id,
+                    index,
+                    settled.get("cell_status"),
+                )
+            return True
+
+    def _settle_soon(self) -> None:
+        """A replica is back: settle what waits for a majority now, not at the next cell."""
+        if self._unsettled and self.has_quorum and self._tg is not None:
+            self._tg.start_soon(self._settle_in_background)
+
+    async def _settle_in_background(self) -> None:
+        try:
+            await self._settle_unsettled()
+        except (NbosError, zmq.ZMQError):
+            # The next cell tries again; the front must not go down with this.
+            log.exception("kernel %s: settling cells failed", self._kernel_id)
 
     async def _cell_lost(
         self, idents: list[bytes], msg: _wire.Msg, index: int, executor: int
@@ -607,7 +708,10 @@ class KernelFront:
         self._last_executor = None
         settled = await self._settle(index)
         if settled is None:
-            exc: NbosError = QuorumLostError(f"no live replica could settle cell {index}")
+            exc: NbosError = QuorumLostError(
+                f"cell {index} stopped with its kernel's majority of replicas: it is settled "
+                "(committed or lost) once a majority is back"
+            )
             content = error_content(exc, 0)
         elif settled.get("cell_status") == "lost":
             content = error_content(
@@ -661,19 +765,23 @@ class KernelFront:
         *,
         grace: float,
         on_reply: Callable[[_wire.Msg], Awaitable[bool]] | None = None,
+        needs_quorum: bool = False,
+        client: bool = True,
     ) -> _Pending:
         """Send ``msg`` to ``target``; wait for its reply (``on_reply`` gets it at once and
         says whether it answered the client), then for its idle (at most ``grace`` seconds
-        longer)."""
+        longer). A request that ``needs_quorum`` ends as lost once no majority is alive; a
+        shell ``msg`` of a ``client`` is the request in flight meanwhile."""
         header = msg["header"]
         expects_reply = header["msg_type"].endswith("_request")
-        pending = _Pending(header["msg_id"], target, idents, expects_reply)
+        pending = _Pending(header["msg_id"], target, idents, expects_reply, needs_quorum)
         up = self._upstreams[target]
-        if not up.alive:
+        if not up.alive or (needs_quorum and not self.has_quorum):
             pending.got_lost()
             return pending
         self._pending[pending.msg_id] = pending
-        if channel == "shell":
+        shell = channel == "shell" and client
+        if shell:
             self._active = pending
         try:
             try:
@@ -682,7 +790,7 @@ class KernelFront:
                 log.info("kernel %s: %s", self._kernel_id, exc)
                 pending.got_lost()
                 return pending
-            if channel == "shell":
+            if shell:
                 await self._flush_busy()
             await pending.replied.wait()
             if pending.reply is not None and on_reply is not None:
@@ -697,7 +805,7 @@ class KernelFront:
             self._pending.pop(pending.msg_id, None)
             if self._active is pending:
                 self._active = None
-            if channel == "shell" and not pending.lost:
+            if shell and not pending.lost:
                 self._finished[pending.msg_id] = target
                 if len(self._finished) > _FINISHED_KEPT:
                     self._finished.popitem(last=False)

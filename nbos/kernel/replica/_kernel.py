@@ -114,6 +114,13 @@ class ReplicaKernel(IPythonKernel):
         self._applied_comm = 0
         self._applied_changed = asyncio.Event()
         self._cell: _Cell | None = None
+        #: The cell whose user code ran here and whose ``Done`` has not applied yet: the
+        #: namespace holds its changes, which count only if that Done is ours.
+        self._dirty: int | None = None
+        #: The committed state to go back to, once the dirty cell's index went to a
+        #: ``Done`` other than ours (it was declared lost).
+        self._rollback: Restored | None = None
+        #: The running cell lost its index to such a ``Done``.
         self._diverged = False
         #: Whether user code runs now, and whether an interrupt came before it did.
         self._in_user_code = False
@@ -203,25 +210,45 @@ class ReplicaKernel(IPythonKernel):
                 self._reply_error(stream, ident, parent, CellLostError(index, self.node))
                 return
             self._cell = _Cell(index, devices, wait_s=waited)
+            self._dirty, self._diverged = index, False
             try:
                 await super().execute_request(stream, ident, parent)  # type: ignore[no-untyped-call]
             finally:
                 self._cell = None
         assert self._raft is not None
-        self._raft.want_leadership()
         if self._diverged:
-            log.error("cell %d was declared lost while it ran here; leaving the group", index)
-            os._exit(3)
+            # The applier rolls the namespace back as soon as the lock is free.
+            log.error("cell %d was declared lost while it ran here; its changes are undone", index)
+        else:
+            self._raft.want_leadership()
 
     async def _claim(self, index: int) -> int:
         """The replica whose claim of cell ``index`` committed first (maybe ours, made early)."""
         early = self._preclaims.pop(index, None)
         if early is not None:
             try:
-                return (await early).winner
+                winner = (await early).winner
             except NbosError as exc:
                 log.info("early claim of cell %d failed (%s); claiming again", index, exc)
+            else:
+                return await self._still_ours(index) if winner == self.node else winner
+        # A claim committed now is its own barrier: had a Done for the index committed
+        # before it, the claim would have lost.
         return await self._propose_claim(index)
+
+    async def _still_ours(self, index: int) -> int:
+        """Our early claim of ``index``, checked against the log as of now: ``-1`` if lost.
+
+        It committed a while ago; since then the front may have had the index settled
+        as lost (this replica was frozen or cut off meanwhile), and a lost cell must
+        never run. The read barrier makes this replica apply what committed until now.
+        """
+        assert self._raft is not None and self._machine is not None
+        await self._raft.caught_up()
+        if self._machine.claim_stands(index, self.node):
+            return self.node
+        log.warning("cell %d was settled without this replica; it does not run", index)
+        return -1
 
     def _preclaim(self, index: int) -> None:
         """Claim cell ``index`` before its request arrives.
@@ -328,7 +355,10 @@ class ReplicaKernel(IPythonKernel):
         done = Done(cell.index, self.node, count, status, cell.code, state)
         outcome = await self._raft.propose(done)
         if not outcome.accepted:
+            # Another Done for the index committed first (the cell was declared lost):
+            # the applier rolls our changes back once this cell ends.
             self._diverged = True
+            return
         await self._wait_done(cell.index)
 
     def _tell_unpicklable(self, delta: StateDelta) -> None:
@@ -390,6 +420,9 @@ class ReplicaKernel(IPythonKernel):
                 # A delta that cannot apply must not stop the applier: later cells still
                 # need their Done to be seen. The namespace digest shows the divergence.
                 log.exception("applying %s failed", type(event).__name__)
+            if self._rollback is not None:
+                # Before the watermark moves: nothing may see or build on the old state.
+                await self._roll_back(self._rollback)
             if isinstance(event, CommDelivered):
                 self._applied_comm = event.index
             else:
@@ -402,12 +435,34 @@ class ReplicaKernel(IPythonKernel):
             if not isinstance(event, CommDelivered):
                 await self._maybe_rebase()
 
+    async def _roll_back(self, committed: Restored) -> None:
+        """Make the namespace the kernel's committed state (a snapshot, or the state a
+        cell that ran here but lost its index started from).
+
+        Waits for a running cell to end (it holds the namespace lock; a cell whose Done
+        was refused does not wait for the applier). Later entries wait for this, so they
+        apply on the committed state, as on every other replica.
+        """
+        assert self._sync is not None
+        async with self._namespace_lock:
+            self._rollback = None
+            try:
+                await self._restore(committed)
+                # What the last capture remembered may no longer be in the namespace.
+                await self._sync.baseline(self._shell.user_ns)
+            except Exception:
+                log.exception("restoring the state of cell %d failed", committed.last_done)
+            else:
+                log.info("namespace set to the committed state of cell %d", committed.last_done)
+
     async def _maybe_rebase(self) -> None:
         """Image the namespace for Raft snapshots once enough deltas piled up on the last one."""
         assert self._machine is not None and self._sync is not None and self._events is not None
         if not self._events.empty() or self._machine.replay_bytes < self.rebase_bytes:
             return
         async with self._namespace_lock:
+            if self._dirty is not None:
+                return  # a cell's changes are in it that may not count
             cell = self._applied_done
             try:
                 image = await self._sync.image(self._user_state())
@@ -420,32 +475,54 @@ class ReplicaKernel(IPythonKernel):
         assert self._sync is not None
         user_ns = self._shell.user_ns
         if isinstance(event, CellCommitted):
-            mine = event.replica == self.node
-            running = self._cell
-            if event.status == "lost" and running is not None and running.index == event.exec_index:
-                # Declared lost (we were thought dead) while it ran here: our namespace
-                # now holds a cell the others never will.
-                self._diverged = True
-            if not mine and event.state is not None:
+            # Only the process that ran the cell has its changes already: a replica
+            # replaying its own log after a restart applies its own cells too.
+            ran_here = self._dirty == event.exec_index
+            if ran_here:
+                self._dirty = None
+                if not (event.counts and event.replica == self.node):
+                    self._lost_here(event)
+            elif event.state is not None:
                 await self._sync.apply(user_ns, event.state)
-            if not mine and event.code:
+            if not ran_here and event.code:
                 # The cell's number is the one before the counter it left behind.
                 self._shell.history_manager.store_inputs(event.execution_count - 1, event.code)
             self._shell.execution_count = event.execution_count
         elif isinstance(event, Restored):
-            log.info(
-                "restoring the namespace from a snapshot: %d bytes of image, %d deltas, "
-                "last cell %d",
-                len(event.namespace),
-                len(event.deltas),
-                event.last_done,
-            )
-            await self._sync.restore(user_ns, event.namespace)
-            for delta in event.deltas:
-                await self._sync.apply(user_ns, delta)
-            self._shell.execution_count = event.execution_count
+            self._restore_snapshot(event)
         else:
             self._dispatch_comm(event)
+
+    def _lost_here(self, event: CellCommitted) -> None:
+        """Cell ``event.exec_index`` ran here, and another ``Done`` than ours settled it
+        (declared lost while this replica was thought dead or cut off): its changes
+        are in our namespace only. Roll back, after the cell if it still runs."""
+        running = self._cell
+        if running is not None and running.index == event.exec_index:
+            self._diverged = True
+        log.warning(
+            "cell %d ran here but was settled as %s: its changes are undone",
+            event.exec_index,
+            event.status,
+        )
+        self._rollback = event.committed
+
+    def _restore_snapshot(self, snapshot: Restored) -> None:
+        log.info("restoring the namespace from a snapshot (last cell %d)", snapshot.last_done)
+        dirty = self._dirty
+        if dirty is None or snapshot.last_done >= dirty:
+            # The snapshot settled the cell that ran here (if any) either way: take it,
+            # after that cell ends.
+            self._dirty, self._rollback = None, snapshot
+        # Else it is the state the running cell started from, which the namespace has.
+
+    async def _restore(self, state: Restored) -> None:
+        assert self._sync is not None
+        user_ns = self._shell.user_ns
+        await self._sync.restore(user_ns, state.namespace)
+        for delta in state.deltas:
+            await self._sync.apply(user_ns, delta)
+        self._shell.execution_count = state.execution_count
 
     # --- comms: state, so they go through the log ------------------------------------
 

@@ -43,8 +43,24 @@ class Outcome(msgspec.Struct, array_like=True, frozen=True):
 
 
 @attrs.frozen
+class Restored:
+    """The state was replaced by a snapshot: load ``namespace``, then apply ``deltas``."""
+
+    namespace: bytes
+    deltas: tuple[StateDelta, ...]
+    last_done: int
+    execution_count: int
+
+
+@attrs.frozen
 class CellCommitted:
-    """Cell ``exec_index``'s ``Done`` committed; ``state`` is what it changed, if it counts."""
+    """Cell ``exec_index``'s ``Done`` committed; ``state`` is what it changed, if it counts.
+
+    ``counts``: the ``Done`` came from the claim winner with status ``ok`` or
+    ``error``. When it does not, ``committed`` is the kernel's committed state as of
+    this entry, for the replica that ran the cell anyway: its namespace holds changes
+    no other replica has, and it rolls back to this.
+    """
 
     exec_index: int
     replica: int
@@ -52,6 +68,8 @@ class CellCommitted:
     execution_count: int
     state: StateDelta | None = None
     code: str = ""
+    counts: bool = True
+    committed: Restored | None = None
 
 
 @attrs.frozen
@@ -62,16 +80,6 @@ class CommDelivered:
     replica: int
     message: bytes
     buffers: tuple[bytes, ...]
-
-
-@attrs.frozen
-class Restored:
-    """The state was replaced by a snapshot: load ``namespace``, then apply ``deltas``."""
-
-    namespace: bytes
-    deltas: tuple[StateDelta, ...]
-    last_done: int
-    execution_count: int
 
 
 Event = CellCommitted | CommDelivered | Restored
@@ -184,10 +192,21 @@ class KernelStateMachine:
         for old in [c for c in self._claims if c <= cell]:
             del self._claims[old]
         code = done.code if counts else ""
+        committed = None if counts else self._committed()
+        count = self.execution_count
         self._on_event(
-            CellCommitted(cell, done.replica, done.status, self.execution_count, state, code)
+            CellCommitted(cell, done.replica, done.status, count, state, code, counts, committed)
         )
         return self._outcome(index, accepted=True, cell=cell)
+
+    def claim_stands(self, cell: int, replica: int) -> bool:
+        """Whether ``replica``'s claim of ``cell`` won and no ``Done`` for it committed yet."""
+        with self._lock:
+            return cell > self.last_done and self._claims.get(cell) == replica
+
+    def _committed(self) -> Restored:
+        # The image and the deltas after it are the namespace as of the last counted Done.
+        return Restored(self._namespace, tuple(self._replay), self.last_done, self.execution_count)
 
     def _outcome(self, index: int, *, accepted: bool, cell: int | None = None) -> bytes:
         winner = self._claims.get(cell, -1) if cell is not None else -1
@@ -226,6 +245,4 @@ class KernelStateMachine:
         self._namespace, self._namespace_cell = state.namespace, state.namespace_cell
         self._replay = list(state.replay)
         self._replay_bytes = sum(len(d.set) for d in self._replay)
-        self._on_event(
-            Restored(state.namespace, tuple(self._replay), state.last_done, state.execution_count)
-        )
+        self._on_event(self._committed())

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _RETRY_S = 0.02
 _FORWARD_TIMEOUT_S = 2.0
+#: One read-index attempt: a deposed leader or a dead one never answers it.
+_READ_ATTEMPT_S = 1.0
 _OK, _REFUSED = b"1", b"0"
 _PROPOSE, _TRANSFER = b"P", b"T"
 
@@ -143,6 +145,29 @@ class RaftNode:
         data = encode(entry)
         # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
         return self._submit(self._propose(data, timeout))
+
+    async def caught_up(self, *, timeout: float = 30.0) -> None:
+        """Return once this member has applied every entry committed before the call.
+
+        A read-index barrier: the leader confirms with a majority what its commit
+        index is, and this member waits until it has applied that far. A member that
+        was frozen or cut off learns here what was decided without it.
+        """
+        await asyncio.wrap_future(self._submit(self._caught_up(timeout)))
+
+    async def _caught_up(self, timeout: float) -> None:
+        assert self._log is not None
+        with anyio.move_on_after(timeout):
+            while True:
+                try:
+                    await self._log.read_index(timeout=_READ_ATTEMPT_S)
+                except (NotLeaderError, ProposalTimeoutError) as exc:
+                    # No leader known yet, or this member was deposed meanwhile.
+                    log.debug("read index not confirmed (%s); asking again", exc)
+                else:
+                    return
+                await anyio.sleep(_RETRY_S)
+        raise ProposalTimeoutError(f"the kernel log's commit index not confirmed in {timeout} s")
 
     def want_leadership(self) -> None:
         """Ask the leader, in the background, to hand leadership to this member.

@@ -56,6 +56,11 @@ class NamespaceSync:
             del user_ns[name]
         user_ns.update(loaded)
 
+    async def baseline(self, user_ns: MutableMapping[str, Any]) -> None:
+        """``user_ns`` is what every replica holds now (it was restored): the next
+        capture sends what changes from here."""
+        await self._capture.baseline(user_ns)
+
     async def image(self, user_ns: MutableMapping[str, Any]) -> bytes:
         """The user state of ``user_ns`` as a snapshot image."""
         return await state.dump_namespace(user_ns, self._store)

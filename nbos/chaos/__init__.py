@@ -1,0 +1,72 @@
+"""Chaos testing for replicated kernels: nemeses, a checked workload, a report.
+
+::
+
+    async with nbos.LocalCluster(hosts=4) as cluster:
+        kernel = await cluster.start_kernel()
+        report = await run_chaos(kernel, seed=7, duration_s=60)
+        print(report.table())
+
+:func:`run_chaos` runs a workload of cells with countable effects (``n += 1`` and
+``L.append(i)``) while a seeded schedule of :class:`Nemesis` faults strikes; after
+each fault it checks exactly-once, that no lost cell ran or left a trace, that
+replicas hold equal namespaces and that ``execution_count`` only grows. The
+``nbos chaos`` command does the same on an embedded cluster; see ``docs/chaos.md``.
+"""
+
+from nbos.chaos._checks import (
+    Violation,
+    check_digests,
+    check_effects,
+    check_execution_counts,
+    check_outcomes,
+    check_runs,
+)
+from nbos.chaos._freeze import FreezeReplica
+from nbos.chaos._gateway import KillAgent, KillGateway, PartitionHost
+from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
+from nbos.chaos._nemesis import EMBEDDED, Capability, Nemesis, Strike
+from nbos.chaos._report import ChaosReport, FaultReport
+from nbos.chaos._runner import (
+    Observer,
+    check_supported,
+    default_nemeses,
+    known_nemeses,
+    run_chaos,
+)
+from nbos.chaos._schedule import PlannedFault, plan_faults
+from nbos.chaos._workload import LOST_ERRORS, CellRecord, Observed, Outcome, Workload
+
+__all__ = [
+    "EMBEDDED",
+    "LOST_ERRORS",
+    "Capability",
+    "CellRecord",
+    "ChaosReport",
+    "FaultReport",
+    "FreezeReplica",
+    "KillAgent",
+    "KillExecutor",
+    "KillFollower",
+    "KillGateway",
+    "KillTwo",
+    "Nemesis",
+    "Observed",
+    "Observer",
+    "Outcome",
+    "PartitionHost",
+    "PlannedFault",
+    "Strike",
+    "Violation",
+    "Workload",
+    "check_digests",
+    "check_effects",
+    "check_execution_counts",
+    "check_outcomes",
+    "check_runs",
+    "check_supported",
+    "default_nemeses",
+    "known_nemeses",
+    "plan_faults",
+    "run_chaos",
+]

@@ -1,0 +1,105 @@
+"""The checks run after each fault: pure functions of what the client recorded and read.
+
+Each returns the :class:`Violation` s it found; none means the property held.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from nbos.chaos._workload import CellRecord, Observed
+
+
+@attrs.frozen
+class Violation:
+    """A broken promise: ``kind`` names the property, ``detail`` the evidence."""
+
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+def check_outcomes(history: Sequence[CellRecord]) -> list[Violation]:
+    """Every cell got a defined answer (ok, lost, or no outcome yet for want of a majority):
+    the kernel never leaves a client guessing."""
+    return [
+        Violation("outcome", f"cell {r.seq} ended with {r.ename}, not an answer the kernel defines")
+        for r in history
+        if r.outcome == "unknown"
+    ]
+
+
+def check_effects(history: Sequence[CellRecord], observed: Observed) -> list[Violation]:
+    """Acknowledged cells applied exactly once, lost ones never, unknown ones at most once.
+
+    Also: ``n`` counts ``L`` (a cell's two effects go together) and ``L`` is in the
+    order the cells were sent (cells run one at a time).
+    """
+    applied = Counter(observed.appended)
+    found: list[Violation] = []
+    for r in history:
+        times = applied.pop(r.seq, 0)
+        if r.outcome == "ok" and times != 1:
+            found.append(Violation("exactly-once", f"acknowledged cell {r.seq} applied {times}x"))
+        elif r.outcome == "lost" and times:
+            found.append(Violation("lost-applied", f"cell {r.seq} ({r.ename}) applied {times}x"))
+        elif r.outcome in ("indeterminate", "unknown") and times > 1:
+            found.append(Violation("exactly-once", f"cell {r.seq} ({r.ename}) applied {times}x"))
+    found += [Violation("phantom", f"cell {seq} was never sent") for seq in sorted(applied)]
+    if observed.n != len(observed.appended):
+        found.append(
+            Violation("torn-cell", f"n is {observed.n} but L has {len(observed.appended)} items")
+        )
+    if list(observed.appended) != sorted(set(observed.appended)):
+        found.append(Violation("order", f"L is not in the order sent: {observed.appended}"))
+    return found
+
+
+def check_runs(
+    history: Sequence[CellRecord], ran: Mapping[int, Sequence[float]]
+) -> list[Violation]:
+    """No cell ran twice, and no cell reported lost ran (finished) after the report."""
+    found = [
+        Violation("ran-twice", f"cell {seq} ran {len(times)} times")
+        for seq, times in sorted(ran.items())
+        if len(times) > 1
+    ]
+    for r in history:
+        late = [t for t in ran.get(r.seq, ()) if t > r.replied_at]
+        if r.outcome == "lost" and late:
+            found.append(
+                Violation(
+                    "ran-after-lost",
+                    f"cell {r.seq} ran {late[0] - r.replied_at:.3f} s after the client got "
+                    f"{r.ename}",
+                )
+            )
+    return found
+
+
+def check_execution_counts(counts: Sequence[int]) -> list[Violation]:
+    """The ``execution_count`` of successive ok replies increases strictly."""
+    return [
+        Violation("execution-count", f"execution_count went from {a} to {b}")
+        for a, b in itertools.pairwise(counts)
+        if b <= a
+    ]
+
+
+def check_digests(digests: Mapping[int, str], alive: Sequence[int], after: int) -> list[Violation]:
+    """Every live replica reached cell ``after`` and they all hold the same namespace."""
+    found = [
+        Violation("unsettled", f"replica {node} did not apply cell {after}")
+        for node in alive
+        if node not in digests
+    ]
+    if len(set(digests.values())) > 1:
+        groups = ", ".join(f"{node}={d[:12]}" for node, d in sorted(digests.items()))
+        found.append(Violation("diverged", f"namespace digests after cell {after}: {groups}"))
+    return found

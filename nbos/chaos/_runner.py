@@ -1,0 +1,299 @@
+"""The chaos run: the workload under a seeded schedule of faults, checked after each."""
+
+from __future__ import annotations
+
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+import anyio.abc
+
+from nbos.chaos._checks import (
+    Violation,
+    check_digests,
+    check_effects,
+    check_execution_counts,
+    check_outcomes,
+    check_runs,
+)
+from nbos.chaos._freeze import FreezeReplica
+from nbos.chaos._gateway import KillAgent, KillGateway, PartitionHost
+from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
+from nbos.chaos._nemesis import EMBEDDED, Capability, Nemesis, Strike, until
+from nbos.chaos._report import ChaosReport, FaultReport
+from nbos.chaos._schedule import PlannedFault, plan_faults
+from nbos.chaos._workload import CellRecord, Workload
+from nbos.cluster import Kernel
+from nbos.core.errors import ConfigError, KernelError, NemesisUnsupportedError
+
+log = logging.getLogger(__name__)
+
+#: How long the slow cell goes on after the planned strike, so the fault lands in it.
+_SLOW_TAIL_S = 2.0
+#: Between cells that failed while the kernel recovers: not a busy loop.
+_RETRY_S = 0.25
+
+
+class Observer(Protocol):
+    """Told of each fault as it strikes and once it has been checked (progress output)."""
+
+    def fault_started(self, fault: PlannedFault, strike: Strike) -> None: ...
+
+    def fault_done(self, report: FaultReport) -> None: ...
+
+
+def default_nemeses() -> tuple[Nemesis, ...]:
+    """Every nemesis the embedded cluster can run, with its default settings."""
+    return (
+        KillExecutor(),
+        KillExecutor(mid_cell=False),
+        KillFollower(),
+        FreezeReplica("executor"),
+        FreezeReplica("follower"),
+        KillTwo(),
+    )
+
+
+def known_nemeses() -> tuple[Nemesis, ...]:
+    """:func:`default_nemeses` and the extension points that need a gateway."""
+    return (*default_nemeses(), PartitionHost(), KillGateway(), KillAgent())
+
+
+def check_supported(nemeses: Sequence[Nemesis], offered: frozenset[Capability] = EMBEDDED) -> None:
+    """Raise :class:`NemesisUnsupportedError` for the first nemesis the cluster cannot run."""
+    names = [n.name for n in nemeses]
+    if not nemeses or len(set(names)) != len(names):
+        raise ConfigError("nemeses", names, "at least one nemesis, each name once")
+    for nemesis in nemeses:
+        missing = sorted(nemesis.needs - offered)
+        if missing:
+            raise NemesisUnsupportedError(nemesis.name, missing, "embedded cluster")
+
+
+async def run_chaos(
+    kernel: Kernel,
+    *,
+    seed: int = 0,
+    duration_s: float = 60.0,
+    nemeses: Sequence[Nemesis] | None = None,
+    max_faults: int | None = None,
+    recovery_s: float = 60.0,
+    cell_timeout_s: float = 45.0,
+    observer: Observer | None = None,
+) -> ChaosReport:
+    """Run the workload on ``kernel`` (a kernel of the embedded cluster) under faults.
+
+    Faults follow the schedule of ``seed`` over ``nemeses`` (default: all of
+    :func:`default_nemeses`); no fault starts after ``duration_s`` seconds or past
+    ``max_faults``. After each, the kernel has ``recovery_s`` seconds to serve a cell
+    and to get back to as many live replicas as it started with (the run ends at the
+    first fault it did not recover from); a cell, and each replica's digest, gets
+    ``cell_timeout_s`` seconds to answer. The report lists every violation found.
+    """
+    chosen = tuple(nemeses) if nemeses is not None else default_nemeses()
+    check_supported(chosen)
+    for key, value in (
+        ("duration_s", duration_s),
+        ("recovery_s", recovery_s),
+        ("cell_timeout_s", cell_timeout_s),
+        ("max_faults", 1 if max_faults is None else max_faults),
+    ):
+        if not value > 0:
+            raise ConfigError(key, value, "a positive number")
+    with tempfile.TemporaryDirectory(prefix="nbos-chaos-") as tmp:
+        workload = Workload(kernel, Path(tmp) / "ran", cell_timeout_s=cell_timeout_s)
+        await workload.setup()
+        nemesis_by_name = {n.name: n for n in chosen}
+        run = _Run(
+            kernel,
+            workload,
+            nemesis_by_name,
+            recovery_s=recovery_s,
+            cell_timeout_s=cell_timeout_s,
+        )
+        faults: list[FaultReport] = []
+        end = anyio.current_time() + duration_s
+        for planned in plan_faults(seed, [n.name for n in chosen]):
+            over = max_faults is not None and planned.number > max_faults
+            if over or anyio.current_time() >= end:
+                break
+            report = await run.fault(planned, observer)
+            log.info("chaos fault %d: %s", report.number, report)
+            faults.append(report)
+            if observer is not None:
+                observer.fault_done(report)
+            if report.recovered_s is None:
+                log.warning("chaos: the kernel did not recover from fault %d", report.number)
+                break
+    history = workload.history
+    return ChaosReport(seed, tuple(faults), len(history), sum(r.outcome == "ok" for r in history))
+
+
+class _Run:
+    """One run's state: the kernel, the workload, and the violations reported so far."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        workload: Workload,
+        nemeses: dict[str, Nemesis],
+        *,
+        recovery_s: float,
+        cell_timeout_s: float,
+    ) -> None:
+        self._kernel = kernel
+        self._workload = workload
+        self._nemeses = nemeses
+        self._recovery_s = recovery_s
+        self._cell_timeout_s = cell_timeout_s
+        self._strength = len(kernel.front.alive)
+        self._seen: set[Violation] = set()
+
+    async def fault(self, planned: PlannedFault, observer: Observer | None) -> FaultReport:
+        """Run fault ``planned`` from its first workload cell to its checks."""
+        for _ in range(planned.cells_before):
+            await self._workload.cell(planned.number)
+        first = len(self._workload.history)
+        strike, struck_at, noticed = await self._inject(planned, observer)
+        recovered = await self._recovered(planned.number, first, struck_at)
+        new = [v for v in await self._check(recovered) if v not in self._seen]
+        self._seen.update(new)
+        window = self._workload.history[first - planned.cells_before :]
+        lost = sum(r.outcome == "lost" for r in window)
+        failed = sum(r.outcome != "ok" for r in window)
+        return FaultReport(
+            number=planned.number,
+            nemesis=planned.nemesis,
+            target=strike.target if strike is not None else "not struck",
+            detected=noticed or failed > 0,
+            recovered_s=recovered,
+            cells_lost=lost,
+            violations=tuple(new),
+        )
+
+    async def _inject(
+        self, planned: PlannedFault, observer: Observer | None
+    ) -> tuple[Strike | None, float, bool]:
+        """Strike mid-cell, keep the fault in force, heal it.
+
+        The strike, its wall-clock time, and whether the kernel noticed it.
+        """
+        nemesis = self._nemeses[planned.nemesis]
+        noticed = anyio.Event()
+        async with anyio.create_task_group() as watching:
+            strike, struck_at = await self._strike_mid_cell(planned, nemesis, watching, noticed)
+            if strike is not None:
+                if observer is not None:
+                    observer.fault_started(planned, strike)
+                # One more cell while the fault is in force: the kernel must serve it or
+                # say the quorum is lost, never leave it hanging.
+                await self._workload.cell(planned.number)
+                await anyio.sleep(max(0.0, struck_at + strike.lasts_s - time.time()))
+            watching.cancel_scope.cancel()
+        if strike is None:
+            return None, struck_at, False
+        await nemesis.heal(self._kernel, strike)
+        return strike, struck_at, noticed.is_set() or strike.noticed
+
+    async def _check(self, recovered: float | None) -> list[Violation]:
+        """Every check on the history and, if it serves cells, on the kernel."""
+        found = check_outcomes(self._workload.history)
+        found += check_execution_counts(self._workload.execution_counts)
+        if recovered is None:
+            # The kernel serves no cell: reading its state would only time out as well.
+            found.append(Violation("no-recovery", f"no cell ok {self._recovery_s} s after"))
+            return found
+        found += await self._full_strength()
+        found += await self._kernel_checks()
+        return found
+
+    async def _strike_mid_cell(
+        self,
+        planned: PlannedFault,
+        nemesis: Nemesis,
+        watching: anyio.abc.TaskGroup,
+        noticed: anyio.Event,
+    ) -> tuple[Strike | None, float]:
+        """Start a slow cell, strike ``strike_after_s`` into it; return once the cell ended.
+
+        The strike (``None`` if there was nothing to strike) and its wall-clock time.
+        """
+        slow_done = anyio.Event()
+        strike: Strike | None = None
+
+        async def slow() -> None:
+            try:
+                sleep_s = planned.strike_after_s + _SLOW_TAIL_S
+                await self._workload.cell(planned.number, sleep_s=sleep_s)
+            finally:
+                slow_done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(slow)
+            front = self._kernel.front
+            await until(lambda: front.running_on is not None or slow_done.is_set())
+            await anyio.sleep(planned.strike_after_s)
+            struck_at = time.time()
+            try:
+                strike = await nemesis.strike(self._kernel, random.Random(planned.seed))
+            except KernelError as exc:  # nothing to strike: the kernel was not whole
+                log.warning("chaos fault %d not struck: %s", planned.number, exc)
+            else:
+                watching.start_soon(self._watch, strike.victims, noticed)
+        return strike, struck_at
+
+    async def _watch(self, victims: tuple[int, ...], noticed: anyio.Event) -> None:
+        """Set ``noticed`` once the front stopped counting every victim as alive."""
+        front = self._kernel.front
+        await until(lambda: not set(victims) & set(front.alive))
+        noticed.set()
+
+    async def _recovered(self, fault: int, first: int, struck_at: float) -> float | None:
+        """Seconds from the strike to the first ok cell after it; cells sent until one is."""
+        deadline = anyio.current_time() + self._recovery_s
+        while True:
+            ok = _first_ok(self._workload.history[first:], struck_at)
+            if ok is not None:
+                return ok.replied_at - struck_at
+            if anyio.current_time() >= deadline:
+                return None
+            if self._workload.history[first:]:
+                await anyio.sleep(_RETRY_S)
+            await self._workload.cell(fault)
+
+    async def _full_strength(self) -> list[Violation]:
+        with anyio.move_on_after(self._recovery_s):
+            await until(lambda: len(self._kernel.front.alive) >= self._strength)
+            return []
+        alive = self._kernel.front.alive
+        return [
+            Violation(
+                "degraded",
+                f"replicas {list(alive)} alive, {self._strength} wanted, "
+                f"{self._recovery_s} s after healing",
+            )
+        ]
+
+    async def _kernel_checks(self) -> list[Violation]:
+        """Read the kernel's state and its replicas' digests, and check them."""
+        workload = self._workload
+        found: list[Violation] = []
+        observed = await workload.observe()
+        if isinstance(observed, str):
+            found.append(Violation("unreadable", observed))
+        else:
+            found += check_effects(workload.history, observed)
+            found += check_runs(workload.history, observed.ran)
+        after = self._kernel.front.last_exec_index
+        digests = await self._kernel.digests(after=after, timeout=self._cell_timeout_s)
+        found += check_digests(digests, self._kernel.front.alive, after)
+        return found
+
+
+def _first_ok(records: Sequence[CellRecord], after: float) -> CellRecord | None:
+    return next((r for r in records if r.outcome == "ok" and r.replied_at >= after), None)

@@ -1,0 +1,262 @@
+"""The cluster as the scheduling decisions see it, kept up to date event by event.
+
+:class:`ClusterModel` holds every host's GPUs (total and committed), its
+subscriptions and replicas, whether it is schedulable, each placed kernel's
+hosts, and the smoothed demand-to-busy ratio. Each change costs O(1) (a move
+O(replicas)); :meth:`ClusterModel.view` rebuilds the
+:class:`~nbos.core.placement.ClusterView` that policies take only after a change,
+reusing the :class:`~nbos.core.placement.HostView` of every host that did not
+change. Counts of hosts by idle GPUs answer "could any host commit N GPUs now?"
+without a view, which is what lets waiting work be skipped cheaply.
+
+The model does no I/O and keeps no clock; what it holds is what its owner told it.
+Inconsistent changes (releasing more than committed, removing a host that still
+holds something, an unknown host or kernel) raise :class:`ScalingError`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+import attrs
+
+from nbos.core.errors import ScalingError
+from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import ClusterView, HostView
+from nbos.scaling.autoscaler import smoothed_demand_ratio
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class _Host:
+    total: int
+    committed: int = 0
+    subscribed: int = 0
+    kernels: set[KernelId] = attrs.Factory(set)
+    schedulable: bool = True
+
+
+class ClusterModel:
+    """Hosts, placements, commitments and the demand ratio of one cluster."""
+
+    def __init__(self, replicas_per_kernel: int = 3) -> None:
+        self._replicas_per_kernel = replicas_per_kernel
+        self._hosts: dict[HostId, _Host] = {}
+        self._placements: dict[KernelId, tuple[list[HostId], int]] = {}
+        # Host views in host id order, rebuilt one slot at a time for the hosts that changed.
+        self._order: list[HostId] = []
+        self._slots: list[HostView | None] = []
+        self._slot: dict[HostId, int] = {}
+        self._stale: set[HostId] = set()
+        self._view: ClusterView | None = None
+        # How many hosts have each number of idle GPUs (all hosts; schedulable ones).
+        self._idle_all: Counter[int] = Counter()
+        self._idle_schedulable: Counter[int] = Counter()
+        self._ratio = 1.0
+        self.capacity = 0
+        self.committed = 0
+        self.demand = 0
+
+    # --- reading -------------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        """The cluster as policies see it, hosts sorted by id."""
+        if self._view is None:
+            for host_id in self._stale:
+                self._slots[self._slot[host_id]] = None
+            self._stale.clear()
+            slots = self._slots
+            for i, view in enumerate(slots):
+                if view is None:
+                    slots[i] = self._host_view(self._order[i])
+            hosts: tuple[HostView, ...] = tuple(slots)  # type: ignore[arg-type]
+            self._view = ClusterView(hosts, self._replicas_per_kernel, self._ratio)
+        return self._view
+
+    def host(self, host_id: HostId) -> HostView:
+        """One host's view (``ScalingError`` if unknown)."""
+        self._get(host_id)
+        return self.view().hosts[self._slot[host_id]]
+
+    @property
+    def hosts(self) -> tuple[HostId, ...]:
+        """Host ids, in the order they were added."""
+        return tuple(self._hosts)
+
+    def draining(self) -> list[HostId]:
+        """Hosts marked unschedulable, in the order they were added."""
+        return [h for h, s in self._hosts.items() if not s.schedulable]
+
+    def kernels_on(self, host_id: HostId) -> set[KernelId]:
+        """Kernels with a replica on the host (a copy)."""
+        return set(self._get(host_id).kernels)
+
+    def replica_hosts(self, kernel_id: KernelId) -> tuple[HostId, ...]:
+        """The kernel's replica hosts, in placement order (empty if not placed)."""
+        placed = self._placements.get(kernel_id)
+        return tuple(placed[0]) if placed is not None else ()
+
+    def idle(self, host_id: HostId) -> int:
+        host = self._get(host_id)
+        return host.total - host.committed
+
+    def could_commit(self, gpus: int, *, schedulable: bool) -> bool:
+        """Whether some host (some schedulable one) has ``gpus`` idle GPUs now."""
+        counts = self._idle_schedulable if schedulable else self._idle_all
+        return any(idle >= gpus for idle, n in counts.items() if n)
+
+    @property
+    def schedulable_hosts(self) -> int:
+        return sum(self._idle_schedulable.values())
+
+    @property
+    def demand_to_busy_ratio(self) -> float:
+        return self._ratio
+
+    # --- hosts ---------------------------------------------------------------------
+
+    def add_host(self, host_id: HostId, gpus: int) -> None:
+        if host_id in self._hosts or gpus < 0:
+            raise _bad(f"cannot add host {host_id} with {gpus} GPUs")
+        self._hosts[host_id] = _Host(gpus)
+        bisect.insort(self._order, host_id)
+        self._reindex()
+        self.capacity += gpus
+        self._count(host_id, +1)
+
+    def remove_host(self, host_id: HostId) -> None:
+        """Remove a host that holds no replica and no committed GPU."""
+        host = self._get(host_id)
+        if host.kernels or host.committed:
+            raise _bad(
+                f"host {host_id} still holds {len(host.kernels)} replicas "
+                f"and {host.committed} committed GPUs"
+            )
+        self._count(host_id, -1)
+        del self._hosts[host_id]
+        self._order.remove(host_id)
+        self._stale.discard(host_id)
+        self._reindex()
+        self.capacity -= host.total
+
+    def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
+        self._count(host_id, -1)
+        self._get(host_id).schedulable = schedulable
+        self._count(host_id, +1)
+        self._changed(host_id)
+
+    # --- GPUs ----------------------------------------------------------------------
+
+    def commit(self, host_id: HostId, gpus: int) -> None:
+        host = self._get(host_id)
+        if not 0 <= gpus <= host.total - host.committed:
+            raise _bad(f"host {host_id}: cannot commit {gpus} of {host.total - host.committed}")
+        self._count(host_id, -1)
+        host.committed += gpus
+        self.committed += gpus
+        self._count(host_id, +1)
+        self._changed(host_id)
+
+    def release(self, host_id: HostId, gpus: int) -> None:
+        host = self._get(host_id)
+        if not 0 <= gpus <= host.committed:
+            raise _bad(f"host {host_id}: cannot release {gpus} of {host.committed} committed")
+        self._count(host_id, -1)
+        host.committed -= gpus
+        self.committed -= gpus
+        self._count(host_id, +1)
+        self._changed(host_id)
+
+    # --- placements ----------------------------------------------------------------
+
+    def place(self, kernel_id: KernelId, hosts: Sequence[HostId], gpus: int) -> None:
+        """Subscribe ``gpus`` for a replica of the kernel on each of ``hosts``."""
+        if kernel_id in self._placements or len(set(hosts)) != len(hosts):
+            raise _bad(f"cannot place kernel {kernel_id} on {list(hosts)}")
+        for h in hosts:
+            self._get(h)
+        self._placements[kernel_id] = (list(hosts), gpus)
+        self.demand += gpus
+        for h in hosts:
+            self._subscribe(kernel_id, h, gpus, +1)
+
+    def forget(self, kernel_id: KernelId) -> None:
+        """The kernel ended: its subscriptions go."""
+        hosts, gpus = self._placement(kernel_id)
+        del self._placements[kernel_id]
+        self.demand -= gpus
+        for h in hosts:
+            self._subscribe(kernel_id, h, gpus, -1)
+
+    def move(self, kernel_id: KernelId, source: HostId, target: HostId) -> None:
+        """Move the kernel's replica from ``source`` to ``target``, keeping its place in order."""
+        hosts, gpus = self._placement(kernel_id)
+        self._get(target)
+        if source not in hosts or target in hosts:
+            raise _bad(f"cannot move kernel {kernel_id} from {source} to {target} ({hosts})")
+        hosts[hosts.index(source)] = target
+        self._subscribe(kernel_id, source, gpus, -1)
+        self._subscribe(kernel_id, target, gpus, +1)
+
+    # --- demand ratio ----------------------------------------------------------------
+
+    def observe_demand(self) -> float:
+        """Move the demand-to-busy ratio one step towards demand / committed (call per change)."""
+        ratio = smoothed_demand_ratio(self._ratio, self.demand, self.committed)
+        if ratio != self._ratio:
+            self._ratio = ratio
+            self._view = None
+        return ratio
+
+    # --- internals -------------------------------------------------------------------
+
+    def _get(self, host_id: HostId) -> _Host:
+        try:
+            return self._hosts[host_id]
+        except KeyError:
+            raise _bad(f"unknown host {host_id}") from None
+
+    def _placement(self, kernel_id: KernelId) -> tuple[list[HostId], int]:
+        try:
+            return self._placements[kernel_id]
+        except KeyError:
+            raise _bad(f"kernel {kernel_id} is not placed") from None
+
+    def _subscribe(self, kernel_id: KernelId, host_id: HostId, gpus: int, sign: int) -> None:
+        host = self._hosts[host_id]
+        host.subscribed += sign * gpus
+        if sign > 0:
+            host.kernels.add(kernel_id)
+        else:
+            host.kernels.discard(kernel_id)
+        self._changed(host_id)
+
+    def _count(self, host_id: HostId, sign: int) -> None:
+        host = self._get(host_id)
+        idle = host.total - host.committed
+        self._idle_all[idle] += sign
+        if host.schedulable:
+            self._idle_schedulable[idle] += sign
+
+    def _changed(self, host_id: HostId) -> None:
+        self._stale.add(host_id)
+        self._view = None
+
+    def _reindex(self) -> None:
+        # Hosts come and go rarely: every slot is rebuilt then.
+        self._slot = {h: i for i, h in enumerate(self._order)}
+        self._slots = [None] * len(self._order)
+        self._view = None
+
+    def _host_view(self, host_id: HostId) -> HostView:
+        h = self._hosts[host_id]
+        return HostView(host_id, h.total, h.committed, h.subscribed, len(h.kernels), h.schedulable)
+
+
+def _bad(message: str) -> ScalingError:
+    log.warning("%s", message)
+    return ScalingError(message)

@@ -1,0 +1,77 @@
+"""``nbos chaos`` as a user runs it: a real process on a real embedded cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+
+import pytest
+
+from nbos.chaos import FaultReport, PlannedFault, Strike
+from nbos.cli import chaos as chaos_cli
+
+
+def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nbos", "--log-level", "ERROR", "chaos", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_short_run_ends_with_a_table_and_exits_0() -> None:
+    result = run_cli(
+        "--duration", "3", "--seed", "3", "--nemesis", "kill-follower", timeout=240
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["#", "fault", "target", "detected", "recovered", "lost",
+                                "violations"]  # fmt: skip
+    assert lines[2].split()[:2] == ["1", "kill-follower"]
+    assert lines[-1].startswith("seed 3: ") and lines[-1].endswith(" 0 violations")
+    assert "fault 1:" in result.stderr  # progress
+    assert "Traceback" not in result.stderr
+
+
+def test_a_nemesis_that_needs_a_gateway_is_refused() -> None:
+    result = run_cli("--nemesis", "kill-follower", "--nemesis", "kill-gateway", timeout=60)
+    assert result.returncode == 1
+    assert "nemesis 'kill-gateway' needs gateway" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_an_unknown_nemesis_is_a_usage_error() -> None:
+    result = run_cli("--nemesis", "kill-everything", timeout=60)
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+FAULT = PlannedFault(1, "kill-follower", 2, 0.5, 42)
+DONE = FaultReport(1, "kill-follower", "replica 3", True, 1.25, 0, ())
+
+
+def test_progress_without_rich_is_one_line_per_fault_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "rich", None)  # as if the `chaos` extra were missing
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), chaos_cli._progress(10.0) as observer:
+        observer.fault_started(FAULT, Strike("replica 3", (3,)))
+        observer.fault_done(DONE)
+    assert err.getvalue().splitlines() == [
+        "fault 1: kill-follower replica 3",
+        "fault 1: recovered in 1.2 s, 0 cells lost, 0 violations",
+    ]
+
+
+def test_progress_with_rich_names_each_fault() -> None:
+    pytest.importorskip("rich")
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out), chaos_cli._progress(10.0) as observer:
+        observer.fault_started(FAULT, Strike("replica 3", (3,)))
+        observer.fault_done(DONE)
+    assert "fault 1: kill-follower: recovered in 1.2 s" in out.getvalue()

@@ -1,0 +1,114 @@
+"""Every dead replica is replaced: one that exited, one that stopped answering, one lost
+while a cell runs; a replacement that failed for want of a majority is retried.
+
+Real replica processes on a LocalCluster of 4 hosts, real signals (SIGSTOP, SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import nbos
+from nbos.cluster import Kernel, LocalCluster
+from nbos.kernel.front import HeartbeatPolicy
+from tests._servers._process import process_running
+from tests.cluster.test_gpus import hold_until, wait_until
+from tests.kernel.conftest import connected_client, run_cells
+from tests.kernel.test_replicated_failures import reply_to, start_cell
+from tests.kernel.test_replicated_replacement import STATE, check_converged, replaced
+
+pytestmark = pytest.mark.anyio
+
+#: A frozen replica is given up on after 3 pings in a row went unanswered for 1.5 s.
+HEARTBEAT = HeartbeatPolicy(interval_s=0.5, timeout_s=1.5, misses=3)
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[LocalCluster]:
+    async with nbos.LocalCluster(
+        hosts=4, durable=False, heartbeat=HEARTBEAT, replace_after_s=0.2
+    ) as c:
+        yield c
+
+
+def pid_of(kernel: Kernel, node: int) -> int:
+    pid = next(r.pid for r in kernel.replicas if r.node == node)
+    assert pid is not None
+    return pid
+
+
+@pytest.mark.parametrize("role", ["follower", "executor"])
+async def test_a_frozen_replica_is_fenced_and_replaced(kernel: Kernel, role: str) -> None:
+    executor = await run_cells(kernel, STATE)
+    victim = executor if role == "executor" else max(n for n in kernel.front.alive if n != executor)
+    pid = pid_of(kernel, victim)
+    await kernel.signal_replica(victim, signal.SIGSTOP)  # it does not exit: it stops answering
+    new = await replaced(kernel, victim)
+    # Killed by PID, so a thaw cannot bring it back as a member nobody counts on.
+    assert not process_running(pid)
+    await check_converged(kernel, new)
+
+
+async def test_a_replica_lost_while_a_cell_runs_is_replaced_before_the_cell_ends(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    executor = await run_cells(kernel, STATE)
+    first, second = sorted(n for n in kernel.front.alive if n != executor)
+    flag = tmp_path / "go"
+    async with connected_client(kernel) as client:
+        msg_id = await start_cell(client, f"{hold_until(flag)}xs.append(len(xs))")
+        await kernel.kill_replica(first)
+        new = await replaced(kernel, first)
+        assert kernel.front.running_on == executor  # the cell has not ended meanwhile
+        # A second failure while the same cell runs: the kernel still has a majority.
+        await kernel.kill_replica(second)
+        flag.touch()
+        reply = await reply_to(client, msg_id)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    result = await kernel.execute("print(len(xs))")
+    assert (result.status, result.stdout) == ("ok", "5\n"), result.reply
+    digests = await kernel.digests()
+    assert new in digests and len(set(digests.values())) == 1, digests
+
+
+async def test_a_replacement_that_lacked_a_majority_is_retried_once_one_is_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="nbos.cluster._replacement")
+    # Durable, so a dead replica can come back in place and restore the majority.
+    async with nbos.LocalCluster(hosts=4, durable=True, replace_after_s=0.2) as cluster:
+        kernel = await cluster.start_kernel()
+        executor = await run_cells(kernel, STATE)
+        first, second = sorted(n for n in kernel.front.alive if n != executor)
+        await kernel.kill_replica(first)
+        await kernel.kill_replica(second)
+        # One of three left: no membership change can commit, the policy's attempt fails.
+        await wait_until(lambda: f"replica {first} not replaced" in caplog.text, timeout=60)
+        await kernel.restart_replica(second)
+        new = await replaced(kernel, first)
+        await check_converged(kernel, new)
+        assert kernel.replacement_failures == {}
+
+
+async def test_a_frozen_replica_is_fenced_even_without_replacements(tmp_path: Path) -> None:
+    async with nbos.LocalCluster(
+        hosts=3, durable=True, heartbeat=HEARTBEAT, replace_dead_replicas=False
+    ) as cluster:
+        kernel = await cluster.start_kernel()
+        executor = await run_cells(kernel, STATE)
+        victim = max(n for n in kernel.front.alive if n != executor)
+        pid = pid_of(kernel, victim)
+        await kernel.signal_replica(victim, signal.SIGSTOP)
+        with anyio.fail_after(60):
+            # Not left running, dead to the kernel: killed once it is declared dead.
+            assert await kernel.wait_replica(victim) == -signal.SIGKILL
+        assert victim not in kernel.front.alive and not process_running(pid)
+        await kernel.restart_replica(victim)  # from its own log, as any dead replica
+        await check_converged(kernel, victim)
+

@@ -1,0 +1,209 @@
+"""Recovery: a majority lost mid-cell, a restarted executor, a cell declared lost while
+its executor was frozen. Real replica processes, real SIGKILL / SIGSTOP.
+
+Each test gets a kernel of its own on one shared durable cluster (restarts need the
+replicas' Raft logs on disk).
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import attrs
+import pytest
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+import nbos
+from nbos.cluster import Kernel, LocalCluster
+from nbos.kernel.front import CellPlan, ChoiceRequest, HeartbeatPolicy
+from tests.kernel.conftest import (
+    connected_client,
+    replica_client,
+    replica_digest,
+    reply_to,
+    run_cells,
+    start_cell,
+)
+
+pytestmark = pytest.mark.anyio
+
+# A counter and an append-only list: a cell that counts shows in both or in neither.
+CELLS = ["import os, time\nn = 0\nL = []", *["n += 1\nL.append(n)"] * 3]
+AFTER = "3 [1, 2, 3]\n"  # print(n, L) after CELLS
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
+    # Heartbeats fast enough to notice a frozen replica in a few seconds, slow enough
+    # that a busy machine does not drop a live one. No replacements: these tests are
+    # about restarts (tests/kernel/test_replicated_replacement.py has replacements). No
+    # fencing: a frozen replica must stay alive to show what it does once thawed.
+    heartbeat = HeartbeatPolicy(interval_s=0.25, timeout_s=1.0, misses=3)
+    async with nbos.LocalCluster(
+        hosts=3,
+        durable=True,
+        heartbeat=heartbeat,
+        replace_dead_replicas=False,
+        fence_dead_replicas=False,
+        run_dir=tmp_path_factory.mktemp("cluster"),  # kept: the replicas' logs
+    ) as c:
+        yield c
+
+
+async def assert_recovered(kernel: Kernel, expected: str, *, replicas: int = 3) -> None:
+    """The kernel serves a cell again, its state is ``expected``, its ``replicas`` live
+    replicas agree."""
+    result = await kernel.execute("print(n, L)", timeout=120)
+    assert result.status == "ok", result.reply
+    assert result.stdout == expected
+    digests = await kernel.digests(timeout=60)
+    assert len(digests) == replicas and len(set(digests.values())) == 1, digests
+
+
+async def test_a_majority_lost_with_the_executor_mid_cell_fails_at_once_and_recovers(
+    kernel: Kernel,
+) -> None:
+    executor = await run_cells(kernel, CELLS)
+    other = next(r.node for r in kernel.replicas if r.node != executor)
+    async with connected_client(kernel) as client:
+        msg_id = await start_cell(client, "n += 1\nL.append(99)\ntime.sleep(60)")
+        await kernel.kill_replica(executor)
+        await kernel.kill_replica(other)
+        # At once: not after a commit timeout (30 s) of the survivor's settle.
+        reply = await reply_to(client, msg_id, timeout=20)
+    assert reply["content"]["ename"] == "QuorumLostError", reply["content"]
+    with anyio.fail_after(20):
+        refused = await kernel.execute("print(n)")
+    assert refused.error is not None and refused.error[0] == "QuorumLostError"
+    for node in (executor, other):
+        await kernel.restart_replica(node)
+    # The cell's executor died before its Done: it is settled as lost, and nothing of it
+    # is kept. The restarted executor replays its own cells from its log.
+    await assert_recovered(kernel, AFTER)
+
+
+async def test_a_majority_lost_around_the_running_executor_rolls_its_cell_back(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    executor = await run_cells(kernel, CELLS)
+    others = [r.node for r in kernel.replicas if r.node != executor]
+    go = tmp_path / "go"
+    async with connected_client(kernel) as client:
+        msg_id = await start_cell(
+            client,
+            f"n += 1\nL.append(99)\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)",
+        )
+        lost = kernel.front.last_exec_index
+        for node in others:
+            await kernel.kill_replica(node)
+        reply = await reply_to(client, msg_id, timeout=20)
+    assert reply["content"]["ename"] == "QuorumLostError", reply["content"]
+    for node in others:
+        await kernel.restart_replica(node)
+    # With a majority back, the front settles the cell (as lost: its executor still runs
+    # it, so no Done of its own could commit first). The restarted replicas apply that.
+    for node in others:
+        reply_msg = await kernel.front.control_request(
+            node, "nbos_digest_request", {"after": lost}, timeout=90
+        )
+        assert reply_msg is not None and reply_msg["content"]["status"] == "ok"
+    go.touch()  # the executor's cell ends; its Done is refused and it rolls back
+    await assert_recovered(kernel, AFTER)
+
+
+@attrs.define
+class Preferring:
+    """An ``ExecutorChooser`` that runs cells on ``node`` while it is alive."""
+
+    node: int | None = None
+
+    async def choose(self, request: ChoiceRequest) -> CellPlan:
+        if self.node in request.alive:
+            return CellPlan(self.node)
+        if request.last_executor in request.alive:
+            return CellPlan(request.last_executor)
+        return CellPlan(min(request.alive))
+
+    async def release(self, plan: CellPlan) -> None:
+        return None
+
+
+async def test_a_restarted_executor_replays_the_cells_it_ran_itself(cluster: LocalCluster) -> None:
+    chooser = Preferring()
+    kernel = await cluster.start_kernel(chooser=chooser)
+    try:
+        cells = ["a = 'A'", "def f():\n    return 'F'", "n = 0", "n += 1"]
+        executor = await run_cells(kernel, cells)
+        await kernel.kill_replica(executor)
+        await kernel.restart_replica(executor)
+        chooser.node = executor
+        result = await kernel.execute("print(a, f(), n)")
+        assert result.executor == executor
+        assert (result.status, result.stdout) == ("ok", "A F 1\n"), result.reply
+        digests = await kernel.digests()
+        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+    finally:
+        await kernel.shutdown()
+
+
+async def committed_claims(client: AsyncKernelClient) -> None:
+    """Return once the last executor's early claim of the next cell has committed.
+
+    A comm message goes to the last executor, which puts it through the kernel's log
+    after that claim (its proposals commit in order); the front's idle for it follows.
+    """
+    content = {"comm_id": uuid.uuid4().hex, "target_name": "nbos-test-barrier", "data": {}}
+    msg = client.session.msg("comm_open", content)
+    client.shell_channel.send(msg)
+    with anyio.fail_after(30):
+        while True:
+            status = await client.get_iopub_msg()
+            if (
+                status["parent_header"].get("msg_id") == msg["header"]["msg_id"]
+                and status["msg_type"] == "status"
+                and status["content"]["execution_state"] == "idle"
+            ):
+                return
+
+
+async def test_a_cell_declared_lost_never_runs_on_its_thawed_executor(
+    cluster: LocalCluster, kernel: Kernel, tmp_path: Path
+) -> None:
+    executor = await run_cells(kernel, CELLS)
+    ran = tmp_path / "ran"
+    async with connected_client(kernel) as client:
+        await committed_claims(client)
+    # Frozen between cells, with the next cell's claim already won.
+    await kernel.signal_replica(executor, signal.SIGSTOP)
+    result = await kernel.execute(f"open({str(ran)!r}, 'w').write('ran')", timeout=120)
+    assert result.error is not None and result.error[0] == "CellLostError", result.reply
+    lost = kernel.front.last_exec_index
+    await kernel.signal_replica(executor, signal.SIGCONT)
+    # The thawed replica takes up the lost cell's request, then this one (a replica
+    # handles shell requests in order); if it ran the cell, it may exit after that.
+    async with replica_client(cluster, kernel, executor) as direct:
+        async with anyio.create_task_group() as tg:
+
+            async def answered() -> None:
+                await direct.kernel_info(reply=True, timeout=90)
+                tg.cancel_scope.cancel()
+
+            async def exited() -> None:
+                await kernel.wait_replica(executor)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(answered)
+            tg.start_soon(exited)
+        assert not ran.exists(), "a cell answered with CellLostError ran afterwards"
+        digests = await kernel.digests()
+        assert await replica_digest(direct, lost) in set(digests.values())
+    await assert_recovered(kernel, AFTER, replicas=2)  # the front dropped the frozen one
