@@ -286,14 +286,15 @@ class ReplicaService:
     async def acknowledge(self, replica_id: str) -> None:
         """The gateway took note of the replica's end: forget it."""
         replica = self._replicas.get(replica_id)
-        if replica is None or not replica.record.ended:
+        if replica is None or not replica.ended.is_set():
             log.debug("ack for %s, which is not an ended replica here", replica_id)
             return
-        del self._replicas[replica_id]
+        # The record goes first: once the replica is no longer listed, it is gone from disk.
+        await anyio.to_thread.run_sync(self._path(replica_id).unlink, True)
+        self._replicas.pop(replica_id, None)  # a duplicate ack may have come meanwhile
         self._acked[replica_id] = None
         while len(self._acked) > _ACKED_MEMORY:
             self._acked.popitem(last=False)
-        await anyio.to_thread.run_sync(self._path(replica_id).unlink, True)
 
     async def report_unacknowledged(self) -> None:
         for replica in list(self._replicas.values()):
@@ -354,8 +355,10 @@ class ReplicaService:
             status.exit_code,
             status.signal,
         )
-        replica.ended.set()
+        # On disk before anyone hears of the end: an acknowledgement (which removes the
+        # record) must not be overtaken by this write.
         await self._save(replica.record)
+        replica.ended.set()
         await self._report(replica.info())
 
     def _take_back(self, path: Path) -> None:

@@ -111,8 +111,8 @@ class Gateway:
         self.options = options
         self._tg = tg
         self._kernels: dict[KernelId, Kernel] = {}
-        # Each replica's address as its connection file says (where it listens).
-        self._ips: dict[tuple[KernelId, int], str] = {}
+        # Each replica's connection info, as its connection file says.
+        self._connections: dict[tuple[KernelId, int], Mapping[str, Any]] = {}
 
     @classmethod
     @asynccontextmanager
@@ -143,9 +143,10 @@ class Gateway:
             raise UnknownKernelError(KernelId(kernel_id))
         return kernel
 
-    def replica_ip(self, kernel_id: str, node: int) -> str:
-        """The address replica ``node`` of the kernel listens at (its connection file's ``ip``)."""
-        return self._ips.get((KernelId(kernel_id), node), "")
+    def replica_connection(self, kernel_id: str, node: int) -> Mapping[str, Any]:
+        """Replica ``node``'s own connection info (its connection file; ``{}`` if unknown):
+        a client on the replica itself, not the front, and where it listens (``ip``)."""
+        return self._connections.get((KernelId(kernel_id), node), {})
 
     async def shutdown_kernels(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -209,7 +210,7 @@ class Gateway:
         self, kernel_id: KernelId, node: int, handle: ProcessHandle
     ) -> Mapping[str, Any]:
         info = await self.launcher.connection_info(handle, _START_TIMEOUT_S)
-        self._ips[(kernel_id, node)] = str(info.get("ip", ""))
+        self._connections[(kernel_id, node)] = info
         return info
 
     async def _member(self, host: HostId) -> MemberAddress:
@@ -315,8 +316,8 @@ class Gateway:
                     tg.cancel_scope.cancel()
         finally:
             front.closing()
-            for key in [k for k in self._ips if k[0] == kernel_id]:
-                del self._ips[key]
+            for key in [k for k in self._connections if k[0] == kernel_id]:
+                del self._connections[key]
             await gpus.kernel_gone(kernel_id)
 
     def _launch(

@@ -144,12 +144,13 @@ class GatewayService:
             if isinstance(v, str | int | bytes)
         }
         replicas = [
-            ReplicaStatus(
-                r.node, r.host, self.gateway.replica_ip(kernel.kernel_id, r.node), r.pid, r.alive
-            )
+            ReplicaStatus(r.node, r.host, self._replica_ip(kernel, r.node), r.pid, r.alive)
             for r in kernel.replicas
         ]
         return KernelInfo(kernel.kernel_id, connection, replicas)
+
+    def _replica_ip(self, kernel: Kernel, node: int) -> str:
+        return str(self.gateway.replica_connection(kernel.kernel_id, node).get("ip", ""))
 
     def host_status(self) -> list[HostStatus]:
         out = []
