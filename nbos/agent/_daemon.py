@@ -5,8 +5,8 @@ everything; with a key directory it speaks CURVE and admits only the gateway.
 The daemon reads every message once and hands it on:
 
 * GPU requests (:data:`~nbos.core.wire.agent.AgentRequest`) go to a
-  :class:`~nbos.agent.HostAgent` serving the host's pool, through
-  :class:`_GpuLink`, a ``Transport`` whose inbox the daemon fills;
+  :class:`~nbos.agent.HostAgent` serving the host's pool, through an
+  :class:`~nbos.transport.inbox.InboxLink`, a ``Transport`` whose inbox the daemon fills;
 * replica requests go to the :class:`~nbos.agent._replicas.ReplicaService`;
 * registration (``AgentWelcome``, ``AgentHelloRequest``) and exit
   acknowledgements are handled here;
@@ -27,7 +27,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import attrs
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from nbos._version import __version__
 from nbos.agent._agent import HostAgent
@@ -49,6 +49,10 @@ from nbos.core.wire.agent import (
     AgentRequest,
     AgentWelcome,
     GpuInfo,
+    PortsGranted,
+    PortsRequest,
+    ReplicaConnection,
+    ReplicaConnectionRequest,
     ReplicaExitAck,
     ReplicaExited,
     ReplicaInfo,
@@ -62,7 +66,9 @@ from nbos.core.wire.agent import (
 )
 from nbos.gpu import GpuPool, Inventory, discover_gpus
 from nbos.transport import ZmqTransport
+from nbos.transport.inbox import InboxLink
 from nbos.transport.keys import KeyDirectory, check_host_name
+from nbos.transport.ports import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,13 @@ _UNWELCOMED_WARNING_S = 30.0
 # SIGTERM to SIGKILL, for replicas stopped with the agent.
 _STOP_GRACE = 5.0
 _WILDCARDS = ("0.0.0.0", "*", "[::]", "::")
+# The most ports one request may ask for (a kernel's replica needs two).
+_MAX_PORTS = 64
+
+
+def address_ip(address: str) -> str:
+    """The host part of a ``tcp://HOST:PORT`` address."""
+    return address.removeprefix("tcp://").rpartition(":")[0]
 
 
 def agent_peer(host: str) -> PeerId:
@@ -122,49 +135,6 @@ class AgentConfig:
                 raise ConfigError(key, getattr(self, key), "a positive number of seconds")
 
 
-class _GpuLink:
-    """The ``Transport`` the :class:`HostAgent` sees: sends go out, receives come from the inbox.
-
-    ``add_peer`` passes the peer's CURVE server key, which the agent does not know.
-    """
-
-    def __init__(
-        self,
-        transport: ZmqTransport,
-        inbox: MemoryObjectReceiveStream[tuple[PeerId, bytes]],
-        server_keys: dict[PeerId, bytes],
-    ) -> None:
-        self._transport = transport
-        self._inbox = inbox
-        self._keys = server_keys
-
-    @property
-    def local(self) -> PeerId:
-        return self._transport.local
-
-    @property
-    def dropped(self) -> int:
-        return self._transport.dropped
-
-    def add_peer(self, peer: PeerId, address: str) -> None:
-        self._transport.add_peer(peer, address, server_key=self._keys.get(peer))
-
-    def remove_peer(self, peer: PeerId) -> None:
-        self._transport.remove_peer(peer)
-
-    async def send(self, peer: PeerId, payload: bytes) -> None:
-        await self._transport.send(peer, payload)
-
-    async def receive(self) -> tuple[PeerId, bytes]:
-        try:
-            return await self._inbox.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise TransportClosedError("the agent's GPU link is closed") from None
-
-    async def aclose(self) -> None:
-        await self._inbox.aclose()
-
-
 class AgentDaemon:
     """One running ``nbos agent``; build it with :meth:`serve`."""
 
@@ -196,7 +166,7 @@ class AgentDaemon:
             agent_peer(config.host_id), tcp_address(config.address, "address"), curve=curve
         ) as transport:
             daemon = cls(config, transport, inventory, curve.public_key if curve else b"")
-            link = _GpuLink(transport, inbox_out, server_keys)
+            link = InboxLink(transport, inbox_out, server_keys)
             pool = GpuPool(inventory.indices, time.monotonic, config.precommit_ttl)
             gateway = tcp_address(config.gateway_address, "gateway")
             link.add_peer(GATEWAY_PEER, gateway)
@@ -214,7 +184,11 @@ class AgentDaemon:
             ):
                 daemon._gpu = gpu
                 daemon._replicas = await ReplicaService.open(
-                    HostId(config.host_id), config.state_dir, daemon._report_exit, tg
+                    HostId(config.host_id),
+                    config.state_dir,
+                    address_ip(transport.address),
+                    daemon._report_exit,
+                    tg,
                 )
                 tg.start_soon(daemon._receive_loop, inbox_in, tg)
                 tg.start_soon(daemon._heartbeat_loop)
@@ -353,15 +327,22 @@ class AgentDaemon:
         if isinstance(message, ReplicaListRequest):
             await self._send(ReplicaList(rid, self.replicas.infos()))
             return
+        if isinstance(message, PortsRequest):
+            await self._ports(message)
+            return
         replica_id = message.replica_id
+        reply: AnyMessage
         try:
             match message:
                 case ReplicaStart(spec=spec):
-                    info = await self.replicas.start(replica_id, spec)
+                    reply = ReplicaState(rid, await self.replicas.start(replica_id, spec))
                 case ReplicaSignal(signum=signum):
-                    info = await self.replicas.signal(replica_id, signum)
+                    reply = ReplicaState(rid, await self.replicas.signal(replica_id, signum))
                 case ReplicaStop(grace=grace):
-                    info = await self.replicas.stop(replica_id, grace)
+                    reply = ReplicaState(rid, await self.replicas.stop(replica_id, grace))
+                case ReplicaConnectionRequest():
+                    info = await self.replicas.connection(replica_id)
+                    reply = ReplicaConnection(rid, replica_id, info)
         except UnknownReplicaError as exc:
             await self._error("unknown_replica", str(exc), rid, replica_id)
         except ConfigError as exc:
@@ -369,7 +350,20 @@ class AgentDaemon:
         except BackendError as exc:
             await self._error("start_failed", str(exc), rid, replica_id)
         else:
-            await self._send(ReplicaState(rid, info))
+            await self._send(reply)
+
+    async def _ports(self, message: PortsRequest) -> None:
+        """Ports free on this host's address, for replicas that are told them before binding."""
+        if not 0 < message.count <= _MAX_PORTS:
+            await self._error("invalid", f"ports: 1 to {_MAX_PORTS}", message.request_id)
+            return
+        ip = address_ip(self.address)
+        try:
+            ports = await anyio.to_thread.run_sync(free_ports, message.count, ip)
+        except TransportError as exc:
+            await self._error("invalid", str(exc), message.request_id)
+            return
+        await self._send(PortsGranted(message.request_id, ip, ports))
 
     async def _report_exit(self, info: ReplicaInfo) -> None:
         await self._send(ReplicaExited(self.config.host_id, info))

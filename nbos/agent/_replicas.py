@@ -37,6 +37,12 @@ import attrs
 import msgspec
 
 from nbos.backends import LocalProcessBackend, LocalProcessHandle
+from nbos.backends.workdir import (
+    expand_argv,
+    read_connection_file,
+    seed_connection_file,
+    workdir_path,
+)
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError
 from nbos.core.ids import HostId
@@ -65,6 +71,7 @@ class ReplicaRecord(msgspec.Struct, forbid_unknown_fields=True):
     ended: bool = False
     exit_code: int | None = None
     signal: int | None = None
+    workdir: str = ""
 
 
 @attrs.frozen
@@ -174,10 +181,12 @@ class ReplicaService:
     """
 
     def __init__(
-        self, host: HostId, state_dir: Path, report: ExitReport, tg: anyio.abc.TaskGroup
+        self, host: HostId, state_dir: Path, ip: str, report: ExitReport, tg: anyio.abc.TaskGroup
     ) -> None:
         self._host = host
+        self._ip = ip
         self._records = state_dir / "replicas"
+        self._work = state_dir / "work"
         self._backend = LocalProcessBackend([host], run_dir=state_dir / "logs")
         self._report = report
         self._tg = tg
@@ -187,10 +196,13 @@ class ReplicaService:
 
     @classmethod
     async def open(
-        cls, host: HostId, state_dir: Path, report: ExitReport, tg: anyio.abc.TaskGroup
+        cls, host: HostId, state_dir: Path, ip: str, report: ExitReport, tg: anyio.abc.TaskGroup
     ) -> ReplicaService:
-        """The service, with the replicas recorded in ``state_dir`` taken back."""
-        service = cls(host, state_dir, report, tg)
+        """The service, with the replicas recorded in ``state_dir`` taken back.
+
+        ``ip`` is the host's address, which Jupyter connection files name.
+        """
+        service = cls(host, state_dir, ip, report, tg)
         try:
             await anyio.Path(service._records).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -208,6 +220,14 @@ class ReplicaService:
     def info(self, replica_id: str) -> ReplicaInfo:
         return self._get(replica_id).info()
 
+    async def connection(self, replica_id: str) -> dict[str, str | int]:
+        """The replica's connection info, empty until its kernel wrote its ports."""
+        name = self._get(replica_id).record.workdir
+        if not name:
+            raise ConfigError("replica_id", replica_id, "a replica started with a workdir")
+        info = await anyio.to_thread.run_sync(read_connection_file, workdir_path(self._work, name))
+        return {k: v for k, v in (info or {}).items() if isinstance(v, str | int)}
+
     # --- requests ----------------------------------------------------------------
 
     async def start(self, replica_id: str, spec: ReplicaSpec) -> ReplicaInfo:
@@ -219,8 +239,13 @@ class ReplicaService:
             return existing.info()
         if replica_id in self._acked:
             raise UnknownReplicaError(replica_id)
+        argv = spec.argv
+        if spec.workdir:
+            workdir = workdir_path(self._work, spec.workdir)
+            await anyio.to_thread.run_sync(self._prepare, workdir, spec.connection_key)
+            argv = expand_argv(argv, workdir)
         handle = await self._backend.start(
-            self._host, ProcessSpec(spec.argv, spec.env, spec.label or replica_id)
+            self._host, ProcessSpec(argv, spec.env, spec.label or replica_id)
         )
         record = ReplicaRecord(
             replica_id,
@@ -229,6 +254,7 @@ class ReplicaService:
             _start_ticks(handle.pid),
             self._boot_id,
             time.time(),
+            workdir=spec.workdir,
         )
         replica = self._replicas[replica_id] = _Replica(record, _Child(handle), adopted=False)
         await self._save(record)
@@ -260,14 +286,15 @@ class ReplicaService:
     async def acknowledge(self, replica_id: str) -> None:
         """The gateway took note of the replica's end: forget it."""
         replica = self._replicas.get(replica_id)
-        if replica is None or not replica.record.ended:
+        if replica is None or not replica.ended.is_set():
             log.debug("ack for %s, which is not an ended replica here", replica_id)
             return
-        del self._replicas[replica_id]
+        # The record goes first: once the replica is no longer listed, it is gone from disk.
+        await anyio.to_thread.run_sync(self._path(replica_id).unlink, True)
+        self._replicas.pop(replica_id, None)  # a duplicate ack may have come meanwhile
         self._acked[replica_id] = None
         while len(self._acked) > _ACKED_MEMORY:
             self._acked.popitem(last=False)
-        await anyio.to_thread.run_sync(self._path(replica_id).unlink, True)
 
     async def report_unacknowledged(self) -> None:
         for replica in list(self._replicas.values()):
@@ -282,6 +309,14 @@ class ReplicaService:
                     tg.start_soon(self.stop, replica_id, grace)
 
     # --- internals ---------------------------------------------------------------
+
+    def _prepare(self, workdir: Path, connection_key: str) -> None:
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+            if connection_key:
+                seed_connection_file(workdir, self._ip, connection_key)
+        except OSError as exc:
+            raise BackendError(f"cannot prepare {workdir}: {exc}") from exc
 
     def _get(self, replica_id: str) -> _Replica:
         replica = self._replicas.get(replica_id)
@@ -320,8 +355,10 @@ class ReplicaService:
             status.exit_code,
             status.signal,
         )
-        replica.ended.set()
+        # On disk before anyone hears of the end: an acknowledgement (which removes the
+        # record) must not be overtaken by this write.
         await self._save(replica.record)
+        replica.ended.set()
         await self._report(replica.info())
 
     def _take_back(self, path: Path) -> None:

@@ -74,7 +74,9 @@ class _KernelRoute:
 class ClusterGpus:
     """The host agents and the GPU scheduler of one embedded cluster; build with :meth:`serve`."""
 
-    def __init__(self, inventory: Inventory, scheduler: GpuScheduler) -> None:
+    def __init__(self, inventory: Inventory | None, scheduler: GpuScheduler) -> None:
+        # ``inventory``: the in-process agents' GPUs; None where agents are remote
+        # (``nbos gateway``), which report their own.
         self.inventory = inventory
         self.scheduler = scheduler
         self.agents: dict[HostId, HostAgent] = {}
@@ -131,6 +133,7 @@ class ClusterGpus:
         task_status: anyio.abc.TaskStatus[HostAgent],
     ) -> None:
         endpoint = network.endpoint(f"{host}/agent")
+        assert self.inventory is not None  # serve() found it
         pool = GpuPool(self.inventory.indices, anyio.current_time, PRECOMMIT_TTL_S)
         try:
             async with HostAgent.serve(

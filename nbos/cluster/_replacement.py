@@ -100,7 +100,7 @@ class Replacer:
         members: dict[int, MemberAddress],
         spawn: Spawn,
         place: Place,
-        new_address: Callable[[], str],
+        new_member: Callable[[HostId], Awaitable[MemberAddress]],
         listeners: Sequence[object] = (),
     ) -> None:
         # Those of ``listeners`` that are ReplacementListeners hear of each replacement.
@@ -110,7 +110,7 @@ class Replacer:
         self._members = members
         self._spawn = spawn
         self._place = place
-        self._new_address = new_address
+        self._new_member = new_member
         self._listeners = [x for x in listeners if isinstance(x, ReplacementListener)]
         self._lock = anyio.Lock()
         self._scopes: set[anyio.CancelScope] = set()
@@ -230,8 +230,9 @@ class Replacer:
             # Without a majority of the membership no change can commit.
             raise KernelError(f"kernel {self._kernel_id}: only replicas {live} are alive")
         node = next(self._next_node)
-        address = MemberAddress(self._new_address(), self._new_address())
         host = target if target is not None else self._pick_host(dead, live)
+        # Ports on the host that will run it: only its own host knows which are free.
+        address = await self._new_member(host)
         log.info("kernel %s: replacing replica %d by %d on %s", self._kernel_id, dead, node, host)
         peers = {n: self._members[n] for n in live} | {node: address}
         spawned = await self._spawn(node, host, peers)

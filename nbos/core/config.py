@@ -76,6 +76,27 @@ class StoreSettings(_Section, frozen=True):
     redis_url: str = "redis://127.0.0.1:6379/0"
 
 
+class GatewaySettings(_Section, frozen=True):
+    """``nbos gateway``: where it listens and how it watches its agents.
+
+    ``address``: the control endpoint (``nbos status``, kernel requests) and the
+    address kernel fronts bind; ``agent_address``: where agents register. Both
+    ``HOST:PORT``, bound as given and told to peers, so not a wildcard.
+    ``keys``: the key directory of ``nbos keys`` (CURVE with agents; empty: plain
+    TCP). An agent silent for ``missed_heartbeats`` times ``heartbeat_s`` (the
+    agents' interval) is given up and its replicas replaced. ``local_agents``:
+    start ``[cluster] hosts`` agents with ``[cluster] gpus_per_host`` virtual GPUs
+    on this machine, else wait for agents started elsewhere.
+    """
+
+    address: str = "127.0.0.1:7070"
+    agent_address: str = "127.0.0.1:7071"
+    keys: str = ""
+    heartbeat_s: float = 1.0
+    missed_heartbeats: int = 5
+    local_agents: bool = True
+
+
 class Settings(_Section, frozen=True):
     """All nbos settings."""
 
@@ -83,6 +104,7 @@ class Settings(_Section, frozen=True):
     raft: RaftSettings = msgspec.field(default_factory=RaftSettings)
     transport: TransportSettings = msgspec.field(default_factory=TransportSettings)
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
+    gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:

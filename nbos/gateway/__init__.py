@@ -2,10 +2,36 @@
 
 * :class:`GpuScheduler` places kernels' replicas and grants GPUs to cells through
   the host agents (:mod:`nbos.agent`); see ``docs/placement.md``.
+* :class:`HostDirectory` registers ``nbos agent`` daemons (CURVE), watches their
+  heartbeats and feeds the scheduler; :class:`AgentBackend` starts processes
+  through them (``docs/deploy.md``).
 * :mod:`nbos.gateway.requests` works out how many GPUs a cell asks for.
 """
 
+from nbos.gateway._agent_backend import (
+    HOST_LOST_STATUS,
+    UNKNOWN_STATUS,
+    AgentBackend,
+    AgentProcessHandle,
+)
+from nbos.gateway._directory import HostDirectory, HostListener, RegisteredHost
 from nbos.gateway._hosts import Grant, HostRecord
+from nbos.gateway._launch import LocalLauncher, ReplicaLauncher
 from nbos.gateway._scheduler import CellLease, GpuScheduler, WaitCallback
 
-__all__ = ["CellLease", "GpuScheduler", "Grant", "HostRecord", "WaitCallback"]
+__all__ = [
+    "HOST_LOST_STATUS",
+    "UNKNOWN_STATUS",
+    "AgentBackend",
+    "AgentProcessHandle",
+    "CellLease",
+    "GpuScheduler",
+    "Grant",
+    "HostDirectory",
+    "HostListener",
+    "HostRecord",
+    "LocalLauncher",
+    "RegisteredHost",
+    "ReplicaLauncher",
+    "WaitCallback",
+]

@@ -45,6 +45,8 @@ class HostRecord:
     devices: tuple[int, ...]
     last_seen: float
     reported: dict[str, GpuReservation] = attrs.Factory(dict)
+    #: Idle devices still holding a kernel's tensors, as ``(device, kernel)``.
+    resident: tuple[tuple[int, str], ...] = ()
     reachable: bool = True
     schedulable: bool = True
 
@@ -54,6 +56,7 @@ class HostRecord:
         self.peer, self.address, self.incarnation = peer, status.address, status.incarnation
         self.devices = tuple(status.devices)
         self.reported = {r.reservation_id: r for r in status.reservations if r.state in _LIVE}
+        self.resident = tuple(status.resident)
         self.last_seen = now
         self.reachable = True
         return restarted
@@ -68,6 +71,18 @@ class HostRecord:
         held = {d for r in self.reported.values() for d in r.devices}
         held.update(d for g in own if g.host == self.host_id for d in g.devices)
         return held & set(self.devices)
+
+    def by_state(self) -> dict[str, int]:
+        """Devices by state as the agent last reported: idle, precommitted, committed,
+        resident (idle but holding tensors)."""
+        held = {d: r.state for r in self.reported.values() for d in r.devices}
+        counts = {s: sum(v == s for v in held.values()) for s in _LIVE}
+        resident = {d for d, _ in self.resident} - set(held)
+        return {
+            "idle": len(self.devices) - len(held),
+            **counts,
+            "resident": len(resident),
+        }
 
     def view(self, own: Iterable[Grant], subscribed: int, replicas: int) -> HostView:
         return HostView(

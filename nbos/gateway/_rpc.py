@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import anyio
 import attrs
@@ -12,20 +13,22 @@ import attrs
 from nbos.core.errors import HostUnreachableError, TransportError
 from nbos.core.ids import PeerId
 from nbos.core.transport import Transport
-from nbos.core.wire import encode
-from nbos.core.wire.agent import AgentReply, AgentRequest
+from nbos.core.wire import AnyMessage, encode
 
 log = logging.getLogger(__name__)
 
+Req = TypeVar("Req", bound=AnyMessage)
+Rep = TypeVar("Rep", bound=AnyMessage)
+
 
 @attrs.define
-class _Slot:
+class _Slot(Generic[Rep]):
     done: anyio.Event = attrs.Factory(anyio.Event)
-    reply: AgentReply | None = None
+    reply: Rep | None = None
 
 
-class RequestChannel:
-    """Sends agent requests and matches replies to them by ``request_id``.
+class RequestChannel(Generic[Req, Rep]):
+    """Sends requests (``Req``) to agents and matches replies (``Rep``) to them by ``request_id``.
 
     A request is resent every ``retry_interval`` (the agent's handling is
     idempotent) until a reply arrives or ``timeout`` passes, which raises
@@ -34,25 +37,33 @@ class RequestChannel:
     more), every call waiting or to come raises :class:`HostUnreachableError` at once.
     """
 
-    def __init__(self, transport: Transport, *, timeout: float, retry_interval: float) -> None:
+    def __init__(
+        self, transport: Transport, *, timeout: float, retry_interval: float, first_id: int = 1
+    ) -> None:
+        # ``first_id``: channels sharing one endpoint number from apart, so that a reply
+        # type both may get (an ``AgentError``) cannot answer the other's request.
         self._transport = transport
         self._timeout = timeout
         self._retry = retry_interval
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, _Slot] = {}
+        self._ids = itertools.count(first_id)
+        self._waiting: dict[int, _Slot[Rep]] = {}
         self._closed = False
 
     async def call(
-        self, peer: PeerId, host: str, make: Callable[[int], AgentRequest]
-    ) -> AgentReply:
-        """Send ``make(request_id)`` to ``peer`` (the agent of ``host``) and return its reply."""
+        self, peer: PeerId, host: str, make: Callable[[int], Req], timeout: float | None = None
+    ) -> Rep:
+        """Send ``make(request_id)`` to ``peer`` (the agent of ``host``) and return its reply.
+
+        ``timeout`` replaces the channel's for a request whose answer takes long (a stop).
+        """
         if self._closed:
             raise HostUnreachableError(host, "no replies are received any more")
         request_id = next(self._ids)
         payload = encode(make(request_id))
-        slot = self._waiting[request_id] = _Slot()
+        slot = self._waiting[request_id] = _Slot[Rep]()
+        timeout = self._timeout if timeout is None else timeout
         try:
-            with anyio.move_on_after(self._timeout):
+            with anyio.move_on_after(timeout):
                 while not self._closed:
                     await self._send(peer, payload)
                     with anyio.move_on_after(self._retry):
@@ -63,7 +74,7 @@ class RequestChannel:
             del self._waiting[request_id]
         if self._closed:
             raise HostUnreachableError(host, "no replies are received any more")
-        raise HostUnreachableError(host, f"no answer within {self._timeout:g} s")
+        raise HostUnreachableError(host, f"no answer within {timeout:g} s")
 
     @property
     def closed(self) -> bool:
@@ -75,7 +86,7 @@ class RequestChannel:
         for slot in self._waiting.values():
             slot.done.set()
 
-    def deliver(self, request_id: int, reply: AgentReply) -> bool:
+    def deliver(self, request_id: int, reply: Rep) -> bool:
         """Hand a reply to its waiting request; ``False`` if none waits for it."""
         slot = self._waiting.get(request_id)
         if slot is None or slot.reply is not None:

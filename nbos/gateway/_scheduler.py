@@ -112,6 +112,7 @@ class GpuScheduler:
         host_timeout: float,
         poll_interval: float,
         replicas_per_kernel: int,
+        registered: bool = False,
     ) -> None:
         self._transport = transport
         self._decisions = (
@@ -119,7 +120,9 @@ class GpuScheduler:
             if isinstance(policy, ClusterDecisions)
             else ClusterDecisions(policy, replicas_per_kernel)
         )
-        self._rpc = RequestChannel(transport, timeout=rpc_timeout, retry_interval=retry_interval)
+        self._rpc = RequestChannel[AgentRequest, AgentReply](
+            transport, timeout=rpc_timeout, retry_interval=retry_interval
+        )
         self._host_timeout = host_timeout
         self._poll = poll_interval
         self._replicas_per_kernel = replicas_per_kernel
@@ -132,6 +135,9 @@ class GpuScheduler:
         self._pending_release: dict[str, tuple[HostId, bool]] = {}
         # (host, kernel) whose ReleaseKernel the host has not confirmed yet.
         self._owed: set[tuple[HostId, KernelId]] = set()
+        # Peers admitted by registration (HostDirectory), or None: hosts are learnt
+        # from their reports, the scheduler connecting to the address they give.
+        self._admitted: dict[HostId, PeerId] | None = {} if registered else None
         self._ratio = 1.0
         self._version = 0
         self._changed = anyio.Event()
@@ -149,6 +155,7 @@ class GpuScheduler:
         host_timeout: float = 5.0,
         poll_interval: float = 1.0,
         replicas_per_kernel: int = 3,
+        registered: bool = False,
     ) -> AsyncIterator[GpuScheduler]:
         """Run the scheduler on ``transport`` (the gateway's endpoint) until the block exits.
 
@@ -156,7 +163,10 @@ class GpuScheduler:
         with whatever else decides for the cluster), a :class:`PlacementPolicy`, or
         the name of a registered one.
         Agents are configured with this transport's peer id and address and
-        announce themselves; the scheduler learns the hosts from them.
+        announce themselves; the scheduler learns the hosts from them. With
+        ``registered``, a host counts only once :meth:`admit` named it (the host
+        directory, which connects to agents with their keys, does that), and the
+        scheduler never adds peers to the transport itself.
         """
         for key, value in (
             ("rpc_timeout", rpc_timeout),
@@ -181,6 +191,7 @@ class GpuScheduler:
             host_timeout=host_timeout,
             poll_interval=poll_interval,
             replicas_per_kernel=replicas_per_kernel,
+            registered=registered,
         )
         async with anyio.create_task_group() as tg:
             scheduler._tg = tg
@@ -225,6 +236,20 @@ class GpuScheduler:
         with anyio.fail_after(timeout):
             while sum(h.reachable for h in self._hosts.values()) < n:
                 await self._wait_change(self._version)
+
+    def admit(self, host_id: HostId, peer: PeerId) -> None:
+        """Registration took ``host_id``'s agent at ``peer``: its reports count from now on."""
+        if self._admitted is None:
+            raise ConfigError("registered", False, "a scheduler serving registered hosts")
+        self._admitted[host_id] = peer
+
+    def host_vanished(self, host_id: HostId, why: str) -> None:
+        """The host's agent stopped answering: unreachable until it registers again."""
+        if self._admitted is not None:
+            self._admitted.pop(host_id, None)
+        host = self._hosts.get(host_id)
+        if host is not None:
+            self._unreachable(host, why)
 
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
         """Drain a host (no new replicas; cells of replicas there still run) or undrain it."""
@@ -588,7 +613,13 @@ class GpuScheduler:
         host_id = HostId(status.host_id)
         now = anyio.current_time()
         host = self._hosts.get(host_id)
-        if host is None or (host.peer, host.address) != (sender, status.address):
+        if self._admitted is not None:
+            # Registration connected to the host (with its key); reports count only
+            # from the peer it admitted, and the address it checked stays.
+            if self._admitted.get(host_id) != sender:
+                log.debug("status of %s from %s, not an admitted host: dropped", host_id, sender)
+                return
+        elif host is None or (host.peer, host.address) != (sender, status.address):
             try:
                 self._transport.add_peer(sender, status.address)
             except TransportError as exc:

@@ -58,9 +58,7 @@ async def replica_client(
 ) -> AsyncIterator[AsyncKernelClient]:
     """A Jupyter client on replica ``node`` itself (not the front), for the block."""
     client = AsyncKernelClient()
-    client.load_connection_file(
-        str(cluster.run_dir / "kernels" / kernel.kernel_id / f"replica-{node}.json")
-    )
+    client.load_connection_info(dict(cluster.gateway.replica_connection(kernel.kernel_id, node)))
     client.start_channels()
     try:
         yield client

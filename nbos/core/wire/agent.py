@@ -160,11 +160,21 @@ class GpuInfo(Message):
 
 
 class ReplicaSpec(Message):
-    """A replica process to start: argv, extra environment, a label for logs."""
+    """A replica process to start: argv, extra environment, a label for logs.
+
+    ``workdir`` (a relative path of names) asks for a directory on the host, under
+    the agent's state directory, kept across restarts of the replica; every
+    ``{workdir}`` in ``argv`` becomes its absolute path. ``connection_key`` makes it
+    a Jupyter kernel: the agent seeds ``{workdir}/connection.json`` with the host's
+    address, this HMAC key and ports 0 (the kernel binds free ports and writes them
+    back), and :class:`ReplicaConnectionRequest` reads it.
+    """
 
     argv: list[str]
     env: dict[str, str] = {}
     label: str = ""
+    workdir: str = ""
+    connection_key: str = ""
 
 
 class ReplicaInfo(Message):
@@ -254,6 +264,24 @@ class ReplicaListRequest(Message):
     request_id: int
 
 
+class ReplicaConnectionRequest(Message):
+    """Ask for a replica's Jupyter connection info (answered by :class:`ReplicaConnection`)."""
+
+    request_id: int
+    replica_id: str
+
+
+class PortsRequest(Message):
+    """Ask for ``count`` TCP ports free on the host's address (answered by :class:`PortsGranted`).
+
+    The agent never hands out a port twice, so the gateway can give them to processes
+    that are told their peers' addresses before any of them binds.
+    """
+
+    request_id: int
+    count: int
+
+
 class ReplicaState(Message):
     """Answer to start, signal and stop: the replica as it is now."""
 
@@ -266,6 +294,22 @@ class ReplicaList(Message):
 
     request_id: int
     replicas: list[ReplicaInfo] = []
+
+
+class ReplicaConnection(Message):
+    """A replica's connection file; ``info`` is empty until the kernel wrote its ports."""
+
+    request_id: int
+    replica_id: str
+    info: dict[str, str | int] = {}
+
+
+class PortsGranted(Message):
+    """Answer to :class:`PortsRequest`: ``ip`` is the host's address, ``ports`` free on it."""
+
+    request_id: int
+    ip: str
+    ports: list[int]
 
 
 class ReplicaExited(Message):
@@ -300,8 +344,15 @@ AgentRequest = (
     | AgentRestore
 )
 AgentReply = GpuGranted | GpuRefused | GpuFreed | AgentStatus
-ReplicaRequest = ReplicaStart | ReplicaSignal | ReplicaStop | ReplicaListRequest
-ReplicaReply = ReplicaState | ReplicaList | AgentError
+ReplicaRequest = (
+    ReplicaStart
+    | ReplicaSignal
+    | ReplicaStop
+    | ReplicaListRequest
+    | ReplicaConnectionRequest
+    | PortsRequest
+)
+ReplicaReply = ReplicaState | ReplicaList | ReplicaConnection | PortsGranted | AgentError
 #: What a gateway sends an agent besides :data:`AgentRequest`.
 AgentControl = ReplicaRequest | AgentHelloRequest | AgentWelcome | ReplicaExitAck
 #: What an agent sends a gateway besides :data:`AgentReply`.

@@ -1,7 +1,7 @@
 """The replica kernel process: an ``IPKernelApp`` that joins its kernel's Raft group.
 
 Run as ``python -m nbos.kernel.replica --connection-file F --kernel-id K --node-id N
---raft-peers JSON --store DIR [--data-dir DIR] [--join]``. ``--raft-peers`` maps every
+--raft-peers JSON --store DIR|URL [--data-dir DIR] [--join]``. ``--raft-peers`` maps every
 node id of the group to ``[raft address, forwarder address]``; with ``--join`` the
 replica starts empty and waits for the leader to add it as a learner (a replacement).
 """
@@ -21,6 +21,7 @@ from traitlets import Bool, Dict, Int, Type, Unicode
 from nbos.core.config import RaftSettings
 from nbos.core.errors import ConfigError, NbosError
 from nbos.core.ids import KernelId, NodeId
+from nbos.core.object_store import ObjectStore
 from nbos.kernel.replica._kernel import ReplicaKernel
 from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
 from nbos.store.local import LocalObjectStore
@@ -37,6 +38,19 @@ def parse_peers(text: str) -> dict[NodeId, PeerAddress]:
     if not raw:
         raise ConfigError("raft-peers", text, "at least one peer")
     return {NodeId(n): PeerAddress(raft, fwd) for n, (raft, fwd) in raw.items()}
+
+
+def open_store(where: str) -> ObjectStore:
+    """``--store``: a Redis URL (``redis://``, ``rediss://``, ``unix://``) or a directory.
+
+    Replicas of one kernel run on several hosts and must share the store: a directory
+    only where every host sees the same one, Redis across machines.
+    """
+    if where.startswith(("redis://", "rediss://", "unix://")):
+        from nbos.store.redis import RedisObjectStore  # the optional redis extra
+
+        return RedisObjectStore(where)
+    return LocalObjectStore(Path(where))
 
 
 def parse_raft_settings(text: str) -> RaftSettings:
@@ -57,7 +71,7 @@ class ReplicaApp(IPKernelApp):
     raft_peers = Unicode("", help="JSON {node id: [raft address, forwarder address]}.").tag(
         config=True
     )
-    store = Unicode("", help="Directory of the local object store.").tag(config=True)
+    store = Unicode("", help="The object store: a directory, or a Redis URL.").tag(config=True)
     data_dir = Unicode("", help="Directory of this replica's Raft log (empty: in memory).").tag(
         config=True
     )
@@ -103,7 +117,7 @@ class ReplicaApp(IPKernelApp):
             settings=parse_raft_settings(self.raft_settings),
             join=self.join,
         )
-        kernel.attach(raft, LocalObjectStore(Path(self.store)))
+        kernel.attach(raft, open_store(self.store))
         if self.virtual_gpus:
             kernel.use_virtual_gpus()
 

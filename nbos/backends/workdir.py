@@ -1,0 +1,76 @@
+"""A replica's working directory on its host, and the Jupyter connection file in it.
+
+Whoever starts a replica process on a host (the embedded cluster on this
+machine, an ``nbos agent`` on its own) gives it a directory there, named by a
+relative path the gateway chooses (``KERNEL/replica-N``), and writes a seed
+connection file with the address the host is reached at and the kernel's HMAC
+key, ports 0: the kernel binds free ports on that address and writes them back,
+and the starter reads them (:func:`read_connection_file`) to tell the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nbos.core.errors import ConfigError
+
+#: The token in a replica's argv that stands for its working directory.
+WORKDIR_TOKEN = "{workdir}"
+#: The token in a replica's argv that stands for the starter's Python interpreter.
+PYTHON_TOKEN = "{python}"
+CONNECTION_FILE = "connection.json"
+_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
+
+
+def workdir_path(root: Path, name: str) -> Path:
+    """``root/name``, where ``name`` is 1 to 4 ``/``-separated safe names (no ``..``)."""
+    parts = name.split("/")
+    if not 0 < len(parts) <= 4 or not all(_PART.fullmatch(p) for p in parts):
+        raise ConfigError("workdir", name, "1-4 '/'-separated names of letters, digits, _.-")
+    return root.joinpath(*parts)
+
+
+def expand_argv(argv: Sequence[str], workdir: Path, python: str = sys.executable) -> list[str]:
+    """``argv`` with every :data:`WORKDIR_TOKEN` replaced by ``workdir`` and an argument
+    that is :data:`PYTHON_TOKEN` by ``python`` (the host's interpreter, which has nbos)."""
+    return [python if a == PYTHON_TOKEN else a.replace(WORKDIR_TOKEN, str(workdir)) for a in argv]
+
+
+def seed_connection_file(workdir: Path, ip: str, key: str) -> Path:
+    """Write the seed connection file into ``workdir`` unless one is there; its path.
+
+    One that is there belongs to an earlier run of the same replica (a restart in
+    place), whose ports its clients already know: it is kept.
+    """
+    path = workdir / CONNECTION_FILE
+    if path.exists():
+        return path
+    info = {
+        "transport": "tcp",
+        "ip": ip,
+        "key": key,
+        "signature_scheme": "hmac-sha256",
+        **{f"{c}_port": 0 for c in _CHANNELS},
+    }
+    workdir.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(".tmp")
+    scratch.write_text(json.dumps(info))
+    scratch.replace(path)
+    return path
+
+
+def read_connection_file(workdir: Path) -> dict[str, Any] | None:
+    """The connection info once the kernel wrote its ports, else ``None``."""
+    try:
+        info = json.loads((workdir / CONNECTION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not all(info.get(f"{c}_port") for c in _CHANNELS):
+        return None
+    return info

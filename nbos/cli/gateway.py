@@ -1,0 +1,31 @@
+"""``nbos gateway``: the cluster's daemon, in the foreground until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+
+from nbos.core.config import Settings
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gateway",
+        help="run the cluster's gateway: hosts, GPU scheduler, every kernel, control API",
+        description="Run the gateway in the foreground until SIGINT or SIGTERM, which shut it "
+        "down cleanly (kernels, replicas and local agents with it). Settings: [gateway] "
+        "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents), "
+        "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
+        "See docs/deploy.md.",
+    )
+    parser.set_defaults(func=gateway_command)
+
+
+def gateway_command(args: argparse.Namespace) -> int:
+    # Imported here: every nbos command builds this parser, few need the kernel stack.
+    from nbos.gateway.service import run_until_signalled
+
+    anyio.run(run_until_signalled, Settings.load(args.config))
+    return 0

@@ -1,0 +1,297 @@
+"""A ``ComputeBackend`` whose hosts are the registered ``nbos agent`` daemons.
+
+``start(host, spec)`` asks the host's agent to start the process
+(``ReplicaStart``, resent until answered: the agent starts a replica id once);
+the handle's ``wait()`` ends when the agent reports ``ReplicaExited`` (which the
+directory acknowledges) or when the host vanishes; ``signal`` and ``terminate``
+go through ``ReplicaSignal`` and ``ReplicaStop``. So the gateway's kernel code runs
+unchanged over remote hosts.
+
+What loopback hid, the backend adds for replicas (:meth:`AgentBackend.addresses`,
+:meth:`AgentBackend.start_replica`, :meth:`AgentBackend.connection_info`): ports
+free on the replica's own host, a working directory and a seeded connection file
+there, and the connection info read back from that host.
+
+A host that vanishes takes its processes with it as far as the gateway knows:
+their handles end with :data:`HOST_LOST_STATUS`. They may still run there, cut off;
+if the host comes back they are stopped (they were replaced meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from nbos.backends._common import HandleBase, check_start
+from nbos.core.compute_backend import ProcessHandle, ProcessSpec
+from nbos.core.errors import BackendError, HostUnreachableError
+from nbos.core.ids import HostId
+from nbos.core.wire.agent import (
+    AgentError,
+    PortsGranted,
+    PortsRequest,
+    ReplicaConnection,
+    ReplicaConnectionRequest,
+    ReplicaInfo,
+    ReplicaReply,
+    ReplicaRequest,
+    ReplicaSignal,
+    ReplicaSpec,
+    ReplicaStart,
+    ReplicaState,
+    ReplicaStop,
+)
+from nbos.gateway._directory import HostDirectory, RegisteredHost
+
+log = logging.getLogger(__name__)
+
+#: The exit status of a process whose host vanished (it may still run there, cut off).
+HOST_LOST_STATUS = -255
+#: The exit status of a process that ended while its agent was down (not its child then).
+UNKNOWN_STATUS = -254
+_CONNECTION_POLL_S = 0.1
+# How long after SIGKILL a stop may take on the agent, on top of the grace.
+_STOP_SLACK_S = 10.0
+
+
+class AgentProcessHandle(HandleBase):
+    """A process an agent runs for the gateway; see the module docstring."""
+
+    def __init__(self, backend: AgentBackend, host: HostId, replica_id: str) -> None:
+        super().__init__(host)
+        self._backend = backend
+        self.replica_id = replica_id
+        self.pid: int | None = None
+        self._returncode: int | None = None
+        self._ended = anyio.Event()
+
+    def __repr__(self) -> str:
+        return f"<AgentProcessHandle {self.replica_id} on {self._host} rc={self._returncode}>"
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    async def wait(self) -> int:
+        await self._ended.wait()
+        assert self._returncode is not None
+        return self._returncode
+
+    async def signal(self, signum: int) -> None:
+        if self._returncode is None:
+            await self._backend._request(
+                self, lambda rid: ReplicaSignal(rid, self.replica_id, signum)
+            )
+
+    async def terminate(self, grace: float = 5.0) -> int:
+        """``ReplicaStop`` on the agent: SIGTERM, SIGKILL after ``grace``; the exit status."""
+        if self._returncode is None:
+            await self._backend._request(
+                self,
+                lambda rid: ReplicaStop(rid, self.replica_id, grace),
+                timeout=grace + _STOP_SLACK_S,
+            )
+        return await self.wait()
+
+    def _end(self, status: int) -> None:
+        if self._returncode is None:
+            self._returncode = status
+            self._ended.set()
+
+
+class AgentBackend:
+    """Starts processes through the agents of ``directory``'s hosts; build with :meth:`serve`."""
+
+    def __init__(self, directory: HostDirectory, tg: anyio.abc.TaskGroup) -> None:
+        self._directory = directory
+        self._tg = tg
+        self._handles: dict[str, AgentProcessHandle] = {}
+        # Replicas whose hosts vanished: stopped if those hosts come back.
+        self._lost: dict[str, HostId] = {}
+        self._closed = False
+
+    @classmethod
+    async def open(cls, directory: HostDirectory, tg: anyio.abc.TaskGroup) -> AgentBackend:
+        """The backend of ``directory``'s hosts; ``tg`` runs its background stops."""
+        backend = cls(directory, tg)
+        directory.add_listener(backend)
+        return backend
+
+    @property
+    def name(self) -> str:
+        return "agent"
+
+    def hosts(self) -> Sequence[HostId]:
+        return [h.host_id for h in self._directory.hosts() if not h.vanished]
+
+    def ip(self, host: HostId) -> str:
+        """The address ``host`` is reached at."""
+        return self._directory.live(host).ip
+
+    def virtual_gpus(self, host: HostId) -> bool:
+        return self._directory.live(host).gpu_source == "virtual"
+
+    # --- ComputeBackend ----------------------------------------------------------
+
+    async def start(self, host: HostId, spec: ProcessSpec) -> AgentProcessHandle:
+        check_start(self.name, self._closed, host, self.hosts(), spec)
+        return await self._start(host, ReplicaSpec(list(spec.argv), dict(spec.env), spec.label))
+
+    async def aclose(self) -> None:
+        """Stop every process still running on a live host."""
+        self._closed = True
+        with anyio.move_on_after(2 * _STOP_SLACK_S):
+            async with anyio.create_task_group() as tg:
+                for handle in list(self._handles.values()):
+                    tg.start_soon(self._stop_quietly, handle, 1.0)
+
+    # --- replicas ----------------------------------------------------------------
+
+    async def addresses(self, host: HostId, count: int) -> list[str]:
+        """``count`` ``tcp://IP:PORT`` addresses free on ``host`` (its agent picks them)."""
+        reply = await self._directory.call(host, lambda rid: PortsRequest(rid, count))
+        if not isinstance(reply, PortsGranted) or len(reply.ports) != count:
+            raise BackendError(f"host {host} gave no ports: {_describe(reply)}")
+        return [f"tcp://{reply.ip}:{p}" for p in reply.ports]
+
+    async def start_replica(
+        self, host: HostId, spec: ProcessSpec, *, workdir: str, connection_key: str
+    ) -> AgentProcessHandle:
+        """Start a Jupyter kernel replica: ``{workdir}`` in its argv names a directory on
+        ``host``, holding a connection file seeded with ``host``'s address and the key."""
+        check_start(self.name, self._closed, host, self.hosts(), spec)
+        wire = ReplicaSpec(list(spec.argv), dict(spec.env), spec.label, workdir, connection_key)
+        return await self._start(host, wire)
+
+    async def connection_info(self, handle: ProcessHandle, timeout: float) -> Mapping[str, Any]:
+        """The replica's connection info once its kernel wrote its ports.
+
+        Raises :class:`BackendError` if it ended first or ``timeout`` passed.
+        """
+        if not isinstance(handle, AgentProcessHandle):
+            raise BackendError(f"{handle!r} is not a process of an agent")
+        with anyio.move_on_after(timeout):
+            while handle.returncode is None:
+                reply = await self._request(
+                    handle, lambda rid: ReplicaConnectionRequest(rid, handle.replica_id)
+                )
+                if isinstance(reply, ReplicaConnection) and reply.info:
+                    return reply.info
+                await anyio.sleep(_CONNECTION_POLL_S)
+            raise BackendError(f"replica exited with status {handle.returncode} at start")
+        raise BackendError(f"replica {handle.replica_id} gave no connection within {timeout} s")
+
+    # --- HostListener ------------------------------------------------------------
+
+    def host_registered(self, host: RegisteredHost, replicas: list[ReplicaInfo]) -> None:
+        for info in replicas:
+            handle = self._handles.get(info.replica_id)
+            if info.running and self._lost.get(info.replica_id) == host.host_id:
+                log.warning(
+                    "host %s is back with replica %s, given up for lost: stopping it",
+                    host.host_id,
+                    info.replica_id,
+                )
+                self._tg.start_soon(self._stop_lost, host.host_id, info.replica_id)
+            elif handle is not None and not info.running:
+                self._exited(handle, info)
+
+    def host_vanished(self, host: RegisteredHost) -> None:
+        for handle in list(self._handles.values()):
+            if handle.host == host.host_id:
+                log.warning("replica %s lost with host %s", handle.replica_id, host.host_id)
+                self._lost[handle.replica_id] = host.host_id
+                self._forget(handle, HOST_LOST_STATUS)
+
+    def replica_exited(self, host: HostId, replica: ReplicaInfo) -> None:
+        handle = self._handles.get(replica.replica_id)
+        if handle is not None and handle.host == host:
+            self._exited(handle, replica)
+        self._lost.pop(replica.replica_id, None)
+
+    # --- internals ---------------------------------------------------------------
+
+    async def _start(self, host: HostId, spec: ReplicaSpec) -> AgentProcessHandle:
+        replica_id = uuid.uuid4().hex
+        handle = self._handles[replica_id] = AgentProcessHandle(self, host, replica_id)
+        try:
+            reply = await self._directory.call(
+                host, lambda rid: ReplicaStart(rid, replica_id, spec)
+            )
+        except BaseException:
+            # The agent may have started it before we gave up: it must not live on.
+            self._handles.pop(replica_id, None)
+            self._lost[replica_id] = host
+            self._tg.start_soon(self._stop_lost, host, replica_id)
+            raise
+        if not isinstance(reply, ReplicaState):
+            self._handles.pop(replica_id, None)
+            raise BackendError(f"host {host} did not start {spec.label!r}: {_describe(reply)}")
+        handle.pid = reply.replica.pid
+        if not reply.replica.running:
+            self._exited(handle, reply.replica)
+        log.info("started %r on %s as %s (pid %d)", spec.label, host, replica_id, handle.pid)
+        return handle
+
+    async def _request(
+        self,
+        handle: AgentProcessHandle,
+        make: Callable[[int], ReplicaRequest],
+        timeout: float | None = None,
+    ) -> ReplicaReply | None:
+        """A request about ``handle``'s process; an unreachable host ends it as lost."""
+        try:
+            reply = await self._directory.call(handle.host, make, timeout)
+        except HostUnreachableError as exc:
+            log.warning("replica %s: %s; given up for lost", handle.replica_id, exc)
+            self._lost[handle.replica_id] = handle.host
+            self._forget(handle, HOST_LOST_STATUS)
+            return None
+        if isinstance(reply, ReplicaState) and not reply.replica.running:
+            self._exited(handle, reply.replica)
+        elif isinstance(reply, AgentError) and reply.kind == "unknown_replica":
+            # Its end was reported and acknowledged already.
+            self._forget(handle, UNKNOWN_STATUS)
+        elif isinstance(reply, AgentError):
+            raise BackendError(f"host {handle.host}: {reply.message}")
+        return reply
+
+    def _exited(self, handle: AgentProcessHandle, info: ReplicaInfo) -> None:
+        if info.exit_code is not None:
+            status = info.exit_code
+        elif info.signal is not None:
+            status = -info.signal
+        else:
+            status = UNKNOWN_STATUS
+        self._forget(handle, status)
+
+    def _forget(self, handle: AgentProcessHandle, status: int) -> None:
+        self._handles.pop(handle.replica_id, None)
+        handle._end(status)
+
+    async def _stop_quietly(self, handle: AgentProcessHandle, grace: float) -> None:
+        try:
+            await handle.terminate(grace)
+        except BackendError as exc:
+            log.warning("could not stop replica %s: %s", handle.replica_id, exc)
+
+    async def _stop_lost(self, host: HostId, replica_id: str) -> None:
+        try:
+            await self._directory.call(
+                host,
+                lambda rid: ReplicaStop(rid, replica_id, 1.0),
+                timeout=1.0 + _STOP_SLACK_S,
+            )
+        except HostUnreachableError as exc:
+            log.info("replica %s on %s not stopped yet: %s", replica_id, host, exc)
+
+
+def _describe(reply: ReplicaReply) -> str:
+    if isinstance(reply, AgentError):
+        return f"{reply.kind}: {reply.message}"
+    return type(reply).__name__

@@ -1,0 +1,378 @@
+"""The gateway's host directory: agents register over ZeroMQ (CURVE), are watched, vanish.
+
+The directory owns the gateway's one endpoint (peer id ``gateway``) and reads
+every message once:
+
+* ``AgentHello``: registration. With a key directory the hello's public key must
+  be the one on file for its host; the directory then connects to the agent's
+  address with that key as the CURVE server key (only the holder of the host's
+  secret completes that handshake), admits the host to the scheduler and answers
+  ``AgentWelcome``. Registration is the only place that adds agent peers.
+* GPU replies and ``AgentStatus`` heartbeats go, undecoded, to the
+  :class:`~nbos.gateway.GpuScheduler` through an inbox link.
+* Replica replies go to the directory's request channel (:meth:`HostDirectory.call`);
+  ``ReplicaExited`` goes to the listeners (the agent backend), then is acknowledged.
+
+Every message from an admitted agent counts as a sign of life. A host silent for
+``missed_heartbeats`` heartbeat intervals is **vanished**: unschedulable, and its
+listeners are told (the agent backend reports its replicas lost). A vanished host
+that speaks again is asked for a hello and registers anew.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Protocol
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.streams.memory import MemoryObjectSendStream
+
+from nbos.agent import GATEWAY_PEER, address_ip, agent_peer, tcp_address
+from nbos.core.errors import (
+    ConfigError,
+    DecodeError,
+    HostUnreachableError,
+    TransportClosedError,
+    TransportError,
+)
+from nbos.core.ids import HostId, PeerId
+from nbos.core.placement import PlacementPolicy
+from nbos.core.wire import AnyMessage, decode, encode
+from nbos.core.wire.agent import (
+    AgentError,
+    AgentHello,
+    AgentHelloRequest,
+    AgentReply,
+    AgentWelcome,
+    GpuInfo,
+    ReplicaExitAck,
+    ReplicaExited,
+    ReplicaInfo,
+    ReplicaReply,
+    ReplicaRequest,
+)
+from nbos.gateway._rpc import RequestChannel
+from nbos.gateway._scheduler import GpuScheduler
+from nbos.transport import ZmqTransport
+from nbos.transport.inbox import InboxLink
+from nbos.transport.keys import KeyDirectory, check_host_name
+
+log = logging.getLogger(__name__)
+
+# Messages for the scheduler waiting to be read; beyond this they are dropped (retried).
+_INBOX_SIZE = 4096
+_RETRY_S = 0.25
+# Replica requests are numbered apart from the scheduler's GPU requests on the same endpoint.
+_FIRST_ID = 1 << 40
+
+
+@attrs.define
+class RegisteredHost:
+    """One host whose agent registered: where it is, what it has, whether it vanished."""
+
+    host_id: HostId
+    peer: PeerId
+    address: str
+    incarnation: str
+    gpus: tuple[GpuInfo, ...]
+    gpu_source: str
+    last_seen: float
+    vanished: bool = False
+
+    @property
+    def ip(self) -> str:
+        """The address the host is reached at (replicas and their ports bind it)."""
+        return address_ip(self.address)
+
+
+class HostListener(Protocol):
+    """Hears of hosts and replica exits (the agent backend)."""
+
+    def host_registered(self, host: RegisteredHost, replicas: list[ReplicaInfo]) -> None:
+        """``host`` (re)registered, holding ``replicas`` (live and unacknowledged ones)."""
+        ...
+
+    def host_vanished(self, host: RegisteredHost) -> None:
+        """``host`` stopped answering."""
+        ...
+
+    def replica_exited(self, host: HostId, replica: ReplicaInfo) -> None:
+        """A replica process on ``host`` ended (acknowledged to the agent after this)."""
+        ...
+
+
+class HostDirectory:
+    """The registered hosts and the scheduler over them; build it with :meth:`serve`."""
+
+    def __init__(
+        self,
+        transport: ZmqTransport,
+        keys: KeyDirectory | None,
+        scheduler_inbox: MemoryObjectSendStream[tuple[PeerId, bytes]],
+        *,
+        heartbeat_interval: float,
+        missed_heartbeats: int,
+        rpc_timeout: float,
+    ) -> None:
+        self.transport = transport
+        self._keys = keys
+        self._scheduler_inbox = scheduler_inbox
+        self._interval = heartbeat_interval
+        self._missed = missed_heartbeats
+        self._rpc = RequestChannel[ReplicaRequest, ReplicaReply](
+            transport, timeout=rpc_timeout, retry_interval=_RETRY_S, first_id=_FIRST_ID
+        )
+        self._hosts: dict[HostId, RegisteredHost] = {}
+        self._listeners: list[HostListener] = []
+        self._changed = anyio.Event()
+        self._scheduler: GpuScheduler | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(
+        cls,
+        transport: ZmqTransport,
+        *,
+        keys: KeyDirectory | None = None,
+        policy: PlacementPolicy | str = "least-loaded",
+        replicas_per_kernel: int = 3,
+        heartbeat_interval: float = 1.0,
+        missed_heartbeats: int = 5,
+        rpc_timeout: float = 5.0,
+    ) -> AsyncIterator[HostDirectory]:
+        """Serve registrations on ``transport`` (peer id ``gateway``) until the block exits.
+
+        ``keys``: admit only hosts with a public key there, over CURVE (the
+        transport must have been opened with ``keys.gateway_curve()``); ``None``:
+        admit any host, over plain TCP. ``heartbeat_interval`` is the agents'.
+        """
+        if transport.local != GATEWAY_PEER:
+            raise ConfigError("peer", transport.local, f"the gateway's peer id {GATEWAY_PEER!r}")
+        if not heartbeat_interval > 0 or not rpc_timeout > 0:
+            raise ConfigError("heartbeat_interval", heartbeat_interval, "positive seconds")
+        if missed_heartbeats < 1:
+            raise ConfigError("missed_heartbeats", missed_heartbeats, "at least 1")
+        inbox_in, inbox_out = anyio.create_memory_object_stream[tuple[PeerId, bytes]](_INBOX_SIZE)
+        directory = cls(
+            transport,
+            keys,
+            inbox_in,
+            heartbeat_interval=heartbeat_interval,
+            missed_heartbeats=missed_heartbeats,
+            rpc_timeout=rpc_timeout,
+        )
+        link = InboxLink(transport, inbox_out, {})
+        async with (
+            GpuScheduler.serve(
+                link,
+                policy,
+                rpc_timeout=rpc_timeout,
+                host_timeout=heartbeat_interval * missed_heartbeats,
+                replicas_per_kernel=replicas_per_kernel,
+                registered=True,
+            ) as scheduler,
+            anyio.create_task_group() as tg,
+        ):
+            directory._scheduler = scheduler
+            tg.start_soon(directory._receive_loop)
+            tg.start_soon(directory._liveness_loop)
+            try:
+                yield directory
+            finally:
+                tg.cancel_scope.cancel()
+                await inbox_in.aclose()
+
+    # --- queries -----------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> GpuScheduler:
+        assert self._scheduler is not None
+        return self._scheduler
+
+    def hosts(self) -> tuple[RegisteredHost, ...]:
+        """Every host that registered, vanished ones included, by name."""
+        return tuple(sorted(self._hosts.values(), key=lambda h: h.host_id))
+
+    def live(self, host_id: HostId) -> RegisteredHost:
+        """The registered, not vanished ``host_id``; :class:`HostUnreachableError` otherwise."""
+        host = self._hosts.get(host_id)
+        if host is None:
+            raise HostUnreachableError(host_id, "no agent registered")
+        if host.vanished:
+            raise HostUnreachableError(host_id, "its agent stopped answering")
+        return host
+
+    def add_listener(self, listener: HostListener) -> None:
+        self._listeners.append(listener)
+
+    async def wait_for_hosts(self, n: int, timeout: float = 30.0) -> None:
+        """Return once ``n`` hosts are registered and live; ``TimeoutError`` after ``timeout``."""
+        with anyio.fail_after(timeout):
+            while sum(not h.vanished for h in self._hosts.values()) < n:
+                await self._changed.wait()
+        await self.scheduler.wait_for_hosts(n, timeout)
+
+    # --- requests ----------------------------------------------------------------
+
+    async def call(
+        self,
+        host_id: HostId,
+        make: Callable[[int], ReplicaRequest],
+        timeout: float | None = None,
+    ) -> ReplicaReply:
+        """Send a replica request to ``host_id``'s agent (resent until answered); its reply.
+
+        Raises :class:`HostUnreachableError` for a host that is not live or does not
+        answer in time. An ``AgentError`` is returned like any reply.
+        """
+        host = self.live(host_id)
+        return await self._rpc.call(host.peer, host_id, make, timeout)
+
+    # --- loops -------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                sender, data = await self.transport.receive()
+            except TransportClosedError:
+                return
+            try:
+                message = decode(data)
+            except DecodeError as exc:
+                log.warning("gateway dropped a message from %s: %s", sender, exc)
+                continue
+            if isinstance(message, AgentHello):
+                await self._on_hello(sender, message)
+                continue
+            host = self._sender_host(sender)
+            if host is None:
+                log.debug(
+                    "%s from %s, not a registered agent: dropped", type(message).__name__, sender
+                )
+                continue
+            host.last_seen = anyio.current_time()
+            if host.vanished:
+                # Back after we gave up on it: register again (its replicas may be gone).
+                await self._send(sender, AgentHelloRequest(0))
+                continue
+            await self._route(sender, host, message, data)
+
+    async def _route(
+        self, sender: PeerId, host: RegisteredHost, message: AnyMessage, data: bytes
+    ) -> None:
+        if isinstance(message, AgentReply):
+            try:
+                self._scheduler_inbox.send_nowait((sender, data))
+            except anyio.WouldBlock:
+                log.warning("scheduler messages pile up; dropped one from %s", sender)
+        elif isinstance(message, ReplicaExited):
+            for listener in self._listeners:
+                listener.replica_exited(host.host_id, message.replica)
+            await self._send(sender, ReplicaExitAck(message.replica.replica_id))
+        elif isinstance(message, AgentError) and message.request_id is None:
+            log.warning("host %s: %s (%s)", host.host_id, message.message, message.kind)
+        elif isinstance(message, ReplicaReply):
+            if not self._rpc.deliver(message.request_id or 0, message):
+                log.debug("late or duplicate %s from %s", type(message).__name__, sender)
+        else:
+            log.warning("gateway dropped unexpected %s from %s", type(message).__name__, sender)
+
+    async def _liveness_loop(self) -> None:
+        limit = self._interval * self._missed
+        while True:
+            await anyio.sleep(self._interval)
+            now = anyio.current_time()
+            for host in self._hosts.values():
+                if not host.vanished and now - host.last_seen > limit:
+                    self._vanish(host, f"no word for {now - host.last_seen:.1f} s")
+
+    # --- registration ------------------------------------------------------------
+
+    async def _on_hello(self, sender: PeerId, hello: AgentHello) -> None:
+        server_key = self._admissible(sender, hello)
+        if server_key is None:
+            return
+        host_id = HostId(hello.host_id)
+        known = self._hosts.get(host_id)
+        now = anyio.current_time()
+        try:
+            # Re-adding at the same address and key keeps the connection.
+            self.transport.add_peer(sender, hello.address, server_key=server_key or None)
+        except TransportError as exc:
+            log.warning("host %s: cannot connect to %s: %s", host_id, hello.address, exc)
+            return
+        host = self._hosts[host_id] = RegisteredHost(
+            host_id,
+            sender,
+            hello.address,
+            hello.incarnation,
+            tuple(hello.gpus),
+            hello.gpu_source,
+            now,
+        )
+        if known is None or known.vanished or known.incarnation != hello.incarnation:
+            log.info(
+                "host %s registered at %s: %d %s GPUs, %d replicas",
+                host_id,
+                hello.address,
+                len(hello.gpus),
+                hello.gpu_source,
+                len(hello.replicas),
+            )
+        self.scheduler.admit(host_id, sender)
+        await self._send(sender, AgentWelcome(host_id, hello.incarnation))
+        for listener in self._listeners:
+            listener.host_registered(host, list(hello.replicas))
+        self._notify()
+
+    def _admissible(self, sender: PeerId, hello: AgentHello) -> bytes | None:
+        """The CURVE server key to reach the agent with (``b""``: plain), or ``None``: refused."""
+        try:
+            check_host_name(hello.host_id)
+            tcp_address(hello.address, "address")
+        except ConfigError as exc:
+            log.warning("hello from %s refused: %s", sender, exc)
+            return None
+        if sender != agent_peer(hello.host_id):
+            log.warning("hello for %s from peer %s refused", hello.host_id, sender)
+            return None
+        if self._keys is None:
+            return b""
+        try:
+            key = self._keys.host_public(hello.host_id)
+        except ConfigError:
+            log.warning("hello from host %s refused: no public key on file", hello.host_id)
+            return None
+        if hello.public_key.encode() != key:
+            log.warning("hello from host %s refused: not the public key on file", hello.host_id)
+            return None
+        return key
+
+    def _sender_host(self, sender: PeerId) -> RegisteredHost | None:
+        host_id, _, role = sender.rpartition("/")
+        host = self._hosts.get(HostId(host_id))
+        if role != "agent" or host is None or host.peer != sender:
+            return None
+        return host
+
+    def _vanish(self, host: RegisteredHost, why: str) -> None:
+        host.vanished = True
+        log.warning("host %s vanished (%s): its replicas are lost", host.host_id, why)
+        self.scheduler.host_vanished(host.host_id, why)
+        for listener in self._listeners:
+            listener.host_vanished(host)
+        self._notify()
+
+    async def _send(self, peer: PeerId, message: AnyMessage) -> None:
+        try:
+            await self.transport.send(peer, encode(message))
+        except TransportError as exc:
+            log.warning("gateway could not send to %s: %s", peer, exc)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()

@@ -1,0 +1,158 @@
+"""The gateway's control API: msgspec requests and replies over one ZeroMQ endpoint.
+
+A client sends one request on a ``REQ`` (or ``DEALER``) socket to ``[gateway]
+address`` and gets one reply: msgpack of the structs below, tagged by class name,
+decoded strictly. Anything that does not decode, or that the gateway cannot do, is
+answered with :class:`ControlError` (and logged); the endpoint goes on.
+
+=========================  ==========================
+request                    reply
+=========================  ==========================
+``StartKernel(gpus)``      ``KernelInfo``
+``ListKernels()``          ``KernelList``
+``ShutdownKernel(id)``     ``KernelList`` (the rest)
+``StatusRequest()``        ``ClusterStatus``
+=========================  ==========================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from nbos.core.errors import NbosError, TransportError
+
+log = logging.getLogger(__name__)
+
+HostState = Literal["up", "vanished"]
+ControlErrorKind = Literal["malformed", "failed"]
+
+
+class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, tag_field="t"):
+    pass
+
+
+class StartKernel(_Msg):
+    """Start a kernel whose cells ask for ``gpus`` GPUs by default."""
+
+    gpus: int = 0
+
+
+class ListKernels(_Msg):
+    pass
+
+
+class ShutdownKernel(_Msg):
+    kernel_id: str
+
+
+class StatusRequest(_Msg):
+    pass
+
+
+class ReplicaStatus(_Msg):
+    """One replica: its Raft node id, host, the address it listens at, pid, liveness."""
+
+    node: int
+    host: str
+    ip: str
+    pid: int | None
+    alive: bool
+
+
+class KernelInfo(_Msg):
+    """A kernel: its front's connection info (what a Jupyter client loads) and replicas."""
+
+    kernel_id: str
+    connection: dict[str, str | int]
+    replicas: list[ReplicaStatus]
+
+
+class KernelList(_Msg):
+    kernels: list[KernelInfo]
+
+
+class HostStatus(_Msg):
+    """One host and its GPUs by state (``resident``: idle, holding a kernel's tensors)."""
+
+    host_id: str
+    address: str
+    state: HostState
+    gpus: int
+    idle: int
+    precommitted: int
+    committed: int
+    resident: int
+
+
+class ClusterStatus(_Msg):
+    hosts: list[HostStatus]
+    kernels: list[KernelInfo]
+
+
+class ControlError(_Msg):
+    kind: ControlErrorKind
+    message: str
+
+
+ControlRequest = StartKernel | ListKernels | ShutdownKernel | StatusRequest
+ControlReply = KernelInfo | KernelList | ClusterStatus | ControlError
+
+_requests = msgspec.msgpack.Decoder(ControlRequest)
+_replies = msgspec.msgpack.Decoder(ControlReply)
+_encoder = msgspec.msgpack.Encoder()
+
+#: ``handle(request)``: the gateway's answer; an ``NbosError`` becomes a ``ControlError``.
+Handler = Callable[[ControlRequest], Awaitable[ControlReply]]
+
+
+async def serve_control(socket: zmq.asyncio.Socket, handle: Handler) -> None:
+    """Answer requests on ``socket`` (a bound ``ROUTER``), each in its own task, forever.
+
+    A kernel start takes seconds; status requests meanwhile are answered at once.
+    """
+
+    async def answer(route: list[bytes], body: bytes) -> None:
+        reply: ControlReply
+        try:
+            request = _requests.decode(body)
+        except msgspec.DecodeError as exc:
+            log.warning("control: malformed request: %s", exc)
+            reply = ControlError("malformed", str(exc))
+        else:
+            try:
+                reply = await handle(request)
+            except NbosError as exc:
+                log.warning("control: %s failed: %s", type(request).__name__, exc)
+                reply = ControlError("failed", str(exc))
+        await socket.send_multipart([*route, _encoder.encode(reply)])
+
+    async with anyio.create_task_group() as tg:
+        while True:
+            *route, body = await socket.recv_multipart()
+            tg.start_soon(answer, route, body)
+
+
+async def call(address: str, request: ControlRequest, timeout: float = 120.0) -> ControlReply:
+    """Send ``request`` to the gateway at ``address`` (``HOST:PORT``); its reply.
+
+    Raises :class:`TransportError` when no reply came within ``timeout`` seconds.
+    """
+    ctx = zmq.asyncio.Context.instance()
+    socket = ctx.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address if address.startswith("tcp://") else f"tcp://{address}")
+    try:
+        await socket.send(_encoder.encode(request))
+        if not await socket.poll(int(timeout * 1000)):
+            raise TransportError(f"no answer from the gateway at {address} in {timeout:g} s")
+        reply: ControlReply = _replies.decode(await socket.recv())
+        return reply
+    finally:
+        socket.close()

@@ -1,0 +1,44 @@
+"""A client of the gateway inside a network namespace, driven line by line from stdin.
+
+Run as ``python -m tests.gateway._netns_client ADDRESS`` where the gateway's control
+address is reachable (nothing outside the namespaces reaches their addresses). Each
+stdin line is a JSON command; each answer one JSON line on stdout:
+
+* ``{"op": "status"}``: the gateway's ``ClusterStatus``;
+* ``{"op": "start", "gpus": N}``: a new kernel's ``KernelInfo`` (kept for cells);
+* ``{"op": "cell", "code": C}``: the cell's status and stdout, through a Jupyter
+  client on the kept kernel's front.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import anyio
+import msgspec
+
+from nbos.gateway.control import KernelInfo, StartKernel, StatusRequest
+from tests.gateway._service import ask, run_cell
+
+
+async def main(address: str) -> None:
+    kernel: KernelInfo | None = None
+    while line := await anyio.to_thread.run_sync(sys.stdin.readline):
+        command = json.loads(line)
+        answer: object
+        if command["op"] == "status":
+            answer = await ask(address, StatusRequest())
+        elif command["op"] == "start":
+            answer = await ask(address, StartKernel(gpus=command["gpus"]))
+            if isinstance(answer, KernelInfo):
+                kernel = answer
+        else:
+            assert kernel is not None
+            answer = await run_cell(kernel, command["code"])
+        sys.stdout.write(msgspec.json.encode(answer).decode() + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1])

@@ -1,0 +1,76 @@
+"""``nbos gateway`` as a process, and its control API, for the gateway tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from nbos.core.errors import TransportError
+from nbos.gateway.control import (
+    ClusterStatus,
+    ControlReply,
+    ControlRequest,
+    KernelInfo,
+    StatusRequest,
+    call,
+)
+from tests.agent._daemons import DEADLINE, ROOT
+
+
+def start_gateway(
+    env: Mapping[str, str], log: Path, where: Callable[[Sequence[str]], list[str]] = list
+) -> subprocess.Popen[bytes]:
+    """``python -m nbos gateway`` with ``NBOS_*`` settings ``env``, its output in ``log``."""
+    argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", "gateway"]
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            where(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        )
+
+
+async def ask(address: str, request: ControlRequest) -> ControlReply:
+    return await call(address, request, timeout=DEADLINE)
+
+
+async def status_when(
+    address: str, ready: Callable[[ClusterStatus], bool], timeout: float = 2 * DEADLINE
+) -> ClusterStatus:
+    """Poll the gateway's status until ``ready`` accepts it (it may not listen yet)."""
+    with anyio.fail_after(timeout):
+        while True:
+            try:
+                status = await call(address, StatusRequest(), timeout=5.0)
+            except TransportError:  # not up yet: ask again
+                status = None
+            if isinstance(status, ClusterStatus) and ready(status):
+                return status
+            await anyio.sleep(0.2)
+
+
+async def run_cell(info: KernelInfo, code: str) -> dict[str, Any]:
+    """Run ``code`` through a fresh Jupyter client on the kernel's front; stdout and reply."""
+    client = AsyncKernelClient()
+    client.load_connection_info(dict(info.connection))
+    client.start_channels()
+    try:
+        out: list[str] = []
+        reply = await client.execute_interactive(
+            code,
+            timeout=DEADLINE,
+            output_hook=lambda m: out.append(m["content"].get("text", "")),
+        )
+        return {"status": reply["content"]["status"], "stdout": "".join(out)}
+    finally:
+        client.stop_channels()

@@ -1,0 +1,186 @@
+"""The cluster across machines, for real on one: 4 hosts and the gateway in network namespaces.
+
+Each host is a namespace with its own address and an ``nbos agent`` (CURVE keys);
+``nbos gateway`` runs in a fifth, with its control API and kernel fronts at its own
+address, and a client there drives it. Replicas bind their hosts' addresses, so
+Raft and front traffic crosses the bridge. A host whose agent and replicas are
+``kill -9``ed, or cut off with iptables, vanishes and its replica is replaced on the
+spare host, state intact; a cut-off host that comes back has its stale replica stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from nbos.transport.keys import generate_keys
+from tests._servers.netns import Netns, netns_or_skip
+from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, alive, end_replicas, start_agent
+from tests.gateway._service import start_gateway
+
+pytestmark = pytest.mark.anyio
+
+HOSTS = ["a", "b", "c", "d"]
+
+
+@pytest.fixture
+def net() -> Iterator[Netns]:
+    yield from netns_or_skip(["gw", *HOSTS])
+
+
+class Client:
+    """The client process in the gateway's namespace (``_netns_client``)."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self._process = process
+        assert process.stdout is not None
+        self._lines = BufferedByteReceiveStream(process.stdout)
+
+    async def __call__(self, **command: Any) -> Any:
+        assert self._process.stdin is not None
+        await self._process.stdin.send((json.dumps(command) + "\n").encode())
+        with anyio.fail_after(3 * DEADLINE):
+            return json.loads(await self._lines.receive_until(b"\n", 1 << 24))
+
+    async def status_when(self, ready: Any) -> Any:
+        with anyio.fail_after(4 * DEADLINE):
+            while not ready(status := await self(op="status")):  # noqa: ASYNC110 (polled)
+                await anyio.sleep(0.5)
+        return status
+
+
+@asynccontextmanager
+async def client(net: Netns, address: str, log: Path) -> AsyncIterator[Client]:
+    argv = net.argv("gw", [sys.executable, "-m", "tests.gateway._netns_client", address])
+    with log.open("ab") as stderr:
+        process = await anyio.open_process(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    try:
+        yield Client(process)
+    finally:
+        process.kill()
+        with anyio.CancelScope(shield=True):
+            await process.wait()
+
+
+def _alive(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for k in status["kernels"] for r in k["replicas"] if r["alive"]]
+
+
+@attrs.define
+class Cluster:
+    """The gateway and 4 agents in their namespaces, a client, and a kernel with ``x = 40``."""
+
+    net: Netns
+    agents: dict[str, AgentProcess]
+    ask: Client
+    kernel: dict[str, Any]
+
+    async def replaced(self, victim: str) -> dict[str, Any]:
+        """The status once 3 replicas are alive again, none on ``victim``; checks where."""
+
+        def done(status: dict[str, Any]) -> bool:
+            alive = _alive(status)
+            return len(alive) == 3 and victim not in {r["host"] for r in alive}
+
+        status = await self.ask.status_when(done)
+        assert {h["host_id"]: h["state"] for h in status["hosts"]}[victim] == "vanished"
+        hosts = {r["host"] for r in _alive(status)}
+        assert hosts == set(HOSTS) - {victim}
+        # Each replica listens at its own host's address, as its connection file says.
+        assert {r["ip"] for r in _alive(status)} == {self.net.address(h) for h in hosts}
+        return status
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, net: Netns) -> AsyncIterator[Cluster]:
+    keys = tmp_path / "keys"
+    generate_keys(keys, HOSTS)
+    gw = net.address("gw")
+    env = {
+        "NBOS_GATEWAY__ADDRESS": f"{gw}:7070",
+        "NBOS_GATEWAY__AGENT_ADDRESS": f"{gw}:7071",
+        "NBOS_GATEWAY__KEYS": str(keys),
+        "NBOS_GATEWAY__LOCAL_AGENTS": "false",
+        "NBOS_GATEWAY__HEARTBEAT_S": "0.2",
+        "NBOS_GATEWAY__MISSED_HEARTBEATS": "15",
+        "NBOS_CLUSTER__DATA_DIR": str(tmp_path / "gateway"),
+    }
+    gateway = start_gateway(env, tmp_path / "gateway.log", lambda argv: net.argv("gw", argv))
+    net.processes.append(gateway)  # the harness stops it, by PID
+    agents: dict[str, AgentProcess] = {}
+    try:
+        for host in HOSTS:
+            agents[host] = start_agent(
+                host,
+                f"{gw}:7071",
+                tmp_path,
+                address=f"{net.address(host)}:7001",
+                keys=keys,
+                where=lambda argv, host=host: net.argv(host, argv),
+            )
+            net.processes.append(agents[host].process)
+        async with client(net, f"{gw}:7070", tmp_path / "client.log") as ask:
+            await ask.status_when(lambda s: sum(h["state"] == "up" for h in s["hosts"]) == 4)
+            kernel = await ask(op="start", gpus=1)
+            assert "kernel_id" in kernel, kernel
+            ips = {r["ip"] for r in kernel["replicas"]}
+            assert len(ips) == 3 and ips <= {net.address(h) for h in HOSTS}
+            assert kernel["connection"]["ip"] == gw  # the front listens at the gateway's
+            assert await ask(op="cell", code="x = 40") == {"status": "ok", "stdout": ""}
+            yield Cluster(net, agents, ask, kernel)
+    finally:
+        for agent in agents.values():
+            agent.kill()
+            agent.wait()
+            end_replicas(agent.state_dir)
+
+
+async def test_a_host_killed_with_its_replicas_has_its_replica_replaced_state_intact(
+    cluster: Cluster,
+) -> None:
+    victim = cluster.kernel["replicas"][0]["host"]
+    agent = cluster.agents[victim]
+    agent.kill()
+    agent.wait()
+    end_replicas(agent.state_dir)
+    await cluster.replaced(victim)
+    assert await cluster.ask(op="cell", code="print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+
+
+async def test_a_host_cut_off_is_replaced_and_its_replica_stopped_when_it_returns(
+    cluster: Cluster,
+) -> None:
+    (cut,) = [r for r in cluster.kernel["replicas"] if r["node"] == 2]
+    cluster.net.partition(cut["host"])
+    await cluster.replaced(cut["host"])
+    assert await cluster.ask(op="cell", code="print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+    assert alive(cut["pid"])  # cut off, not dead: it ran on unseen
+
+    cluster.net.heal(cut["host"])
+    # Back: the host registers again and the replica given up for lost is stopped.
+    await cluster.ask.status_when(
+        lambda s: {h["host_id"]: h["state"] for h in s["hosts"]}[cut["host"]] == "up"
+    )
+    with anyio.fail_after(DEADLINE):
+        while alive(cut["pid"]):  # noqa: ASYNC110 (another process's state)
+            await anyio.sleep(0.1)
+    assert await cluster.ask(op="cell", code="print(x)") == {"status": "ok", "stdout": "40\n"}

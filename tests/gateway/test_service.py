@@ -1,0 +1,86 @@
+"""``nbos gateway`` with local agents: kernels through the control API, status, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from nbos.gateway.control import (
+    ControlError,
+    KernelInfo,
+    KernelList,
+    ShutdownKernel,
+    StartKernel,
+)
+from nbos.transport.ports import free_loopback_ports
+from tests.agent._daemons import DEADLINE, ROOT, alive
+from tests.gateway._service import ask, run_cell, start_gateway, status_when
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    control, agents = free_loopback_ports(2)
+    env = {
+        "NBOS_GATEWAY__ADDRESS": f"127.0.0.1:{control}",
+        "NBOS_GATEWAY__AGENT_ADDRESS": f"127.0.0.1:{agents}",
+        "NBOS_GATEWAY__HEARTBEAT_S": "0.2",
+        "NBOS_GATEWAY__MISSED_HEARTBEATS": "25",
+        "NBOS_CLUSTER__HOSTS": "3",
+        "NBOS_CLUSTER__GPUS_PER_HOST": "1",
+        "NBOS_CLUSTER__DATA_DIR": str(tmp_path / "run"),
+    }
+    log = tmp_path / "gateway.log"
+    process = start_gateway(env, log)
+    yield process, f"127.0.0.1:{control}", log
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+async def test_kernels_through_the_control_api_then_a_clean_stop_on_sigterm(
+    gateway: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    process, address, log = gateway
+    status = await status_when(address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    assert [(h.host_id, h.gpus, h.idle) for h in status.hosts] == [
+        (f"host-{i}", 1, 1) for i in (1, 2, 3)
+    ]
+
+    started = await ask(address, StartKernel(gpus=1))
+    assert isinstance(started, KernelInfo), started
+    assert len({r.host for r in started.replicas}) == 3
+    assert await run_cell(started, "x = 40") == {"status": "ok", "stdout": ""}
+    assert await run_cell(started, "print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+
+    shown = await anyio.run_process(
+        [sys.executable, "-m", "nbos", "status"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NBOS_GATEWAY__ADDRESS": address},
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    table = shown.stdout.decode()
+    assert "PRE-COMMITTED" in table and started.kernel_id in table and "host-3" in table
+
+    refused = await ask(address, ShutdownKernel("no-such-kernel"))
+    assert isinstance(refused, ControlError) and "no-such-kernel" in refused.message
+    second = await ask(address, StartKernel())
+    assert isinstance(second, KernelInfo)
+    left = await ask(address, ShutdownKernel(started.kernel_id))
+    assert isinstance(left, KernelList)
+    assert [k.kernel_id for k in left.kernels] == [second.kernel_id]
+
+    pids = [r.pid for r in second.replicas if r.pid is not None]
+    assert pids and all(alive(p) for p in pids)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=DEADLINE) == 0, log.read_text()
+    assert not [p for p in pids if alive(p)]
