@@ -1,12 +1,14 @@
 """Recovery: a majority lost mid-cell, a restarted executor, a cell declared lost while
-its executor was frozen. Real replica processes, real SIGKILL / SIGSTOP.
+its executor was frozen, a restart while a heartbeat waits. Real replica processes, real
+SIGKILL / SIGSTOP.
 
 Each test gets a kernel of its own on one shared durable cluster (restarts need the
-replicas' Raft logs on disk).
+replicas' Raft logs on disk); the heartbeat test has a cluster of its own.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import uuid
 from collections.abc import AsyncIterator
@@ -153,6 +155,42 @@ async def test_a_restarted_executor_replays_the_cells_it_ran_itself(cluster: Loc
         assert len(digests) == 3 and len(set(digests.values())) == 1, digests
     finally:
         await kernel.shutdown()
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes received and not read yet on the established TCP connections to local ``port``."""
+    unread = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, queues = fields[1], fields[3], fields[4]
+        if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+            unread += int(queues.split(":")[1], 16)
+    return unread
+
+
+async def test_a_replica_restarted_while_a_ping_awaits_its_echo_comes_back(
+    tmp_path: Path,
+) -> None:
+    """A restart does not take the front down when it comes while a heartbeat ping to the
+    killed replica still waits for its echo (the front once closed that ping's socket
+    under its watcher, which cancelled the front's every task)."""
+    # Pings that wait for their echo longer than the test: one is sure to be waiting.
+    heartbeat = HeartbeatPolicy(interval_s=0.1, timeout_s=600.0)
+    async with nbos.LocalCluster(
+        hosts=3, durable=True, heartbeat=heartbeat, replace_dead_replicas=False, run_dir=tmp_path
+    ) as cluster:
+        kernel = await cluster.start_kernel()
+        executor = await run_cells(kernel, CELLS)
+        node = next(r.node for r in kernel.replicas if r.node != executor)
+        file = cluster.run_dir / "kernels" / kernel.kernel_id / f"replica-{node}.json"
+        hb_port = int(json.loads(file.read_text())["hb_port"])
+        await kernel.signal_replica(node, signal.SIGSTOP)
+        with anyio.fail_after(30):  # until a ping waits in the frozen replica's socket
+            while not unread_bytes(hb_port):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        await kernel.kill_replica(node)
+        await kernel.restart_replica(node)
+        await assert_recovered(kernel, AFTER)
 
 
 async def committed_claims(client: AsyncKernelClient) -> None:

@@ -987,33 +987,47 @@ class KernelFront:
             return None
 
     async def _watch_heartbeat(self, up: Upstream) -> None:
-        """Ping ``up`` until it is marked dead (a revival starts a new watcher)."""
+        """Ping ``up`` until it is marked dead (a revival starts a new watcher).
+
+        The watcher's REQ socket is its own, closed by nobody else: a receive pending on
+        a zmq.asyncio socket that is closed ends in a bare ``CancelledError``, which
+        would cancel every task of the front.
+        """
         policy = self._heartbeat
         life = up.life
-        misses = 0
-        while up.alive and up.life == life:
-            await anyio.sleep(policy.interval_s)
-            if not (up.alive and up.life == life):
-                return
-            if await self._ping(up, policy.timeout_s):
-                misses = 0
-                continue
-            misses += 1
-            if misses >= policy.misses:
-                self.mark_dead(up.replica, f"{misses} heartbeats missed")
 
-    async def _ping(self, up: Upstream, timeout: float) -> bool:
+        def current() -> bool:
+            return up.alive and up.life == life
+
+        misses = 0
+        sock = up.new_heartbeat()
+        try:
+            while current():
+                await anyio.sleep(policy.interval_s)
+                if not current():
+                    return
+                if await self._ping(up.replica, sock, policy.timeout_s):
+                    misses = 0
+                    continue
+                # A REQ socket that got no answer is stuck mid-exchange: start a fresh one.
+                sock.close(0)
+                sock = up.new_heartbeat()
+                misses += 1
+                # A watcher of an earlier life never counts against a revived replica.
+                if misses >= policy.misses and current():
+                    self.mark_dead(up.replica, f"{misses} heartbeats missed")
+        finally:
+            sock.close(0)
+
+    async def _ping(self, replica: int, sock: zmq.asyncio.Socket, timeout: float) -> bool:
         with anyio.move_on_after(timeout):
             try:
-                await up.heartbeat.send(b"ping")
-                await up.heartbeat.recv()
+                await sock.send(b"ping")
+                await sock.recv()
             except zmq.ZMQError as exc:
-                log.debug("heartbeat of replica %d: %s", up.replica, exc)
+                log.debug("heartbeat of replica %d: %s", replica, exc)
             else:
                 return True
-        # A REQ socket that got no answer is stuck mid-exchange: start a fresh one.
-        up.heartbeat.close(0)
-        up.heartbeat = up.new_heartbeat()
         return False
 
 

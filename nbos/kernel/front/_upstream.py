@@ -50,7 +50,6 @@ class Upstream:
         }
         self.iopub = self._connect(zmq.SUB, "iopub_port")
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.heartbeat = self.new_heartbeat()
 
     def _url(self, port_key: str) -> str:
         c = self._connection
@@ -67,7 +66,10 @@ class Upstream:
         return sock
 
     def new_heartbeat(self) -> zmq.asyncio.Socket:
-        """A fresh REQ socket to the replica's heartbeat (a REQ that timed out is stuck)."""
+        """A fresh REQ socket to the replica's heartbeat (a REQ that timed out is stuck).
+
+        Its heartbeat watcher owns it and closes it.
+        """
         return self._connect(zmq.REQ, "hb_port")
 
     async def send(self, channel: Channel, msg: _wire.Msg) -> None:
@@ -92,9 +94,7 @@ class Upstream:
         """The replica runs again (restarted on the same ports); ZeroMQ reconnects on its own."""
         self.alive = True
         self.life += 1
-        self.heartbeat.close(0)
-        self.heartbeat = self.new_heartbeat()
 
     def close(self) -> None:
-        for sock in (*self.sockets.values(), self.iopub, self.heartbeat):
+        for sock in (*self.sockets.values(), self.iopub):
             sock.close(0)
