@@ -1,9 +1,11 @@
-"""Extension points: nemeses that need a gateway, its host agents and real hosts.
+"""Extension points: nemeses that need a gateway daemon, its host agents and real hosts.
 
-nbos has no gateway process yet: the embedded cluster runs every replica on this
-machine under one Python process. These nemeses declare ``needs={"gateway"}``, so
-:func:`~nbos.chaos.run_chaos` refuses them with :class:`NemesisUnsupportedError`
-before anything runs; they get a body once there is a gateway to run them against.
+The chaos runner drives a kernel of the embedded cluster, whose hosts are virtual: none
+can be cut off, and its gateway and agents live in the runner's own process. These
+nemeses declare ``needs={"gateway"}``, so :func:`~nbos.chaos.run_chaos` refuses them with
+:class:`NemesisUnsupportedError` before anything runs; they get a body once the runner can
+drive a kernel of a ``nbos gateway`` by address (the multi-host tests under
+``tests/gateway`` partition hosts and kill agents directly meanwhile).
 """
 
 from __future__ import annotations
@@ -16,65 +18,48 @@ from nbos.chaos._nemesis import Capability, Strike
 from nbos.cluster import Kernel
 from nbos.core.errors import NemesisUnsupportedError
 
-_GATEWAY: frozenset[Capability] = frozenset({"gateway"})
 
+@attrs.frozen
+class _NeedsGateway:
+    """A nemesis that only a gateway deployment can carry out; refused elsewhere."""
 
-def _refuse(name: str) -> NemesisUnsupportedError:
-    return NemesisUnsupportedError(name, ["gateway"], "embedded cluster")
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def needs(self) -> frozenset[Capability]:
+        return frozenset({"gateway"})
+
+    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
+        raise NemesisUnsupportedError(self.name, ["gateway"], "embedded cluster")
+
+    async def heal(self, kernel: Kernel, strike: Strike) -> None:
+        raise NemesisUnsupportedError(self.name, ["gateway"], "embedded cluster")
 
 
 @attrs.frozen
-class PartitionHost:
+class PartitionHost(_NeedsGateway):
     """Cut one host holding a replica off the network, then heal the partition."""
 
     @property
     def name(self) -> str:
         return "partition-host"
 
-    @property
-    def needs(self) -> frozenset[Capability]:
-        return _GATEWAY
-
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
-        raise _refuse(self.name)
-
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
-        raise _refuse(self.name)
-
 
 @attrs.frozen
-class KillGateway:
+class KillGateway(_NeedsGateway):
     """``kill -9`` the gateway mid-cell and start it again from its durable state."""
 
     @property
     def name(self) -> str:
         return "kill-gateway"
 
-    @property
-    def needs(self) -> frozenset[Capability]:
-        return _GATEWAY
-
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
-        raise _refuse(self.name)
-
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
-        raise _refuse(self.name)
-
 
 @attrs.frozen
-class KillAgent:
+class KillAgent(_NeedsGateway):
     """``kill -9`` the host agent of a host holding a replica, then start it again."""
 
     @property
     def name(self) -> str:
         return "kill-agent"
-
-    @property
-    def needs(self) -> frozenset[Capability]:
-        return _GATEWAY
-
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
-        raise _refuse(self.name)
-
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
-        raise _refuse(self.name)
