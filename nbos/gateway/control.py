@@ -30,7 +30,9 @@ from nbos.core.errors import NbosError, TransportError
 
 log = logging.getLogger(__name__)
 
-HostState = Literal["up", "vanished"]
+#: ``joining``: registered, its GPUs not yet reported to the scheduler (nothing is placed
+#: there yet); ``up``: schedulable; ``vanished``: silent past the missed-heartbeat limit.
+HostState = Literal["joining", "up", "vanished"]
 ControlErrorKind = Literal["malformed", "failed"]
 
 

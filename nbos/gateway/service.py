@@ -41,6 +41,7 @@ from nbos.gateway.control import (
     ClusterStatus,
     ControlReply,
     ControlRequest,
+    HostState,
     HostStatus,
     KernelInfo,
     KernelList,
@@ -155,15 +156,17 @@ class GatewayService:
     def host_status(self) -> list[HostStatus]:
         out = []
         for host in self.directory.hosts():
+            state: HostState = "vanished" if host.vanished else "up"
             try:
                 counts = self.directory.scheduler.host(host.host_id).by_state()
-            except KeyError:  # registered, no GPU report yet
+            except KeyError:  # registered, no GPU report yet: placement cannot use it
                 counts = {"idle": len(host.gpus)}
+                state = "vanished" if host.vanished else "joining"
             out.append(
                 HostStatus(
                     host.host_id,
                     host.address,
-                    "vanished" if host.vanished else "up",
+                    state,
                     len(host.gpus),
                     counts.get("idle", 0),
                     counts.get("precommitted", 0),

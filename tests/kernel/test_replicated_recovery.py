@@ -8,7 +8,6 @@ replicas' Raft logs on disk); the heartbeat test has a cluster of its own.
 
 from __future__ import annotations
 
-import json
 import signal
 import uuid
 from collections.abc import AsyncIterator
@@ -182,8 +181,7 @@ async def test_a_replica_restarted_while_a_ping_awaits_its_echo_comes_back(
         kernel = await cluster.start_kernel()
         executor = await run_cells(kernel, CELLS)
         node = next(r.node for r in kernel.replicas if r.node != executor)
-        file = cluster.run_dir / "kernels" / kernel.kernel_id / f"replica-{node}.json"
-        hb_port = int(json.loads(file.read_text())["hb_port"])
+        hb_port = int(cluster.gateway.replica_connection(kernel.kernel_id, node)["hb_port"])
         await kernel.signal_replica(node, signal.SIGSTOP)
         with anyio.fail_after(30):  # until a ping waits in the frozen replica's socket
             while not unread_bytes(hb_port):  # noqa: ASYNC110
