@@ -187,6 +187,8 @@ class Replacer:
             try:
                 await self.replace(node)
             except NbosError as exc:
+                if self._closed or self._front.is_closing:
+                    return  # the kernel is going away: no replica of it is wanted any more
                 why = str(exc)
             except Exception:
                 # A background policy: whatever went wrong, the kernel and the cluster go on.
