@@ -182,13 +182,13 @@ class Replacer:
                 )
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, most)
-            if self._processes.get(node) is not handle or self._closed or self._front.is_closing:
+            if self._processes.get(node) is not handle or self._kernel_ending():
                 return
             try:
                 await self.replace(node)
             except NbosError as exc:
-                if self._closed or self._front.is_closing:
-                    return  # the kernel is going away: no replica of it is wanted any more
+                if self._kernel_ending():
+                    return  # no replica of it is wanted any more
                 why = str(exc)
             except Exception:
                 # A background policy: whatever went wrong, the kernel and the cluster go on.
@@ -199,6 +199,9 @@ class Replacer:
         error = ReplacementError(self._kernel_id, node, POLICY_ATTEMPTS, why)
         log.error("%s", error)
         self.failures[node] = error
+
+    def _kernel_ending(self) -> bool:
+        return self._closed or self._front.is_closing
 
     async def introduce(self, node: int) -> None:
         """Tell replica ``node`` (restarted in place) where every other member's forwarder is.
