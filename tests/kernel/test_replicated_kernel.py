@@ -481,7 +481,9 @@ if pid == 0:
     os._exit(0)
 popen = subprocess.Popen(['sh', '-c', 'for i in $(seq 600); do echo popen child; sleep 0.1; done'])
 quiet = subprocess.Popen(['sleep', '60'])
-print('children', pid, popen.pid, quiet.pid)
+# One write of one line to the pipe is atomic: the children's lines cannot cut into it
+# (a print could be flushed in pieces with a child's line between them).
+os.write(1, f'children {pid} {popen.pid} {quiet.pid}\\n'.encode())
 """
 
 
