@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -23,11 +22,12 @@ from nbos.chaos import (
     known_nemeses,
     run_chaos,
 )
+from nbos.cli._progress import progress_bar
 from nbos.cluster import LocalCluster
 from nbos.core.config import Settings
 
 if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
+    from tqdm import tqdm
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -89,21 +89,14 @@ async def _chaos(
 
 @contextlib.contextmanager
 def _progress(duration: float) -> Iterator[Observer]:
-    """Progress on stderr (the table goes to stdout): a rich bar with the ``chaos``
-    extra installed, else plain lines."""
-    if importlib.util.find_spec("rich") is None:
-        yield _Lines()
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        yield _RichBar(bar, bar.add_task("starting", total=duration))
+    """Progress on stderr (the table goes to stdout): a bar over the run on a terminal,
+    else one line per fault event."""
+    with progress_bar(duration, "starting", "s") as bar:
+        yield _Lines() if bar is None else _Bar(bar)
 
 
 class _Lines:
-    """Progress as one line per fault on stderr."""
+    """Progress as one line per fault event on stderr."""
 
     def fault_started(self, fault: PlannedFault, strike: Strike) -> None:
         print(f"fault {fault.number}: {fault.nemesis} {strike.target}", file=sys.stderr)
@@ -112,23 +105,26 @@ class _Lines:
         print(f"fault {report.number}: {_outcome(report)}", file=sys.stderr)
 
 
-class _RichBar:
+class _Bar:
     """Progress as a bar over the run's duration, naming the fault in force."""
 
-    def __init__(self, bar: Progress, task: TaskID) -> None:
+    def __init__(self, bar: tqdm[None]) -> None:
         self._bar = bar
-        self._task = task
         self._begun = time.monotonic()
 
     def fault_started(self, fault: PlannedFault, strike: Strike) -> None:
         self._update(f"fault {fault.number}: {fault.nemesis} {strike.target}")
 
     def fault_done(self, report: FaultReport) -> None:
-        self._bar.console.print(f"fault {report.number}: {report.nemesis}: {_outcome(report)}")
+        self._bar.write(
+            f"fault {report.number}: {report.nemesis}: {_outcome(report)}", file=sys.stderr
+        )
         self._update(f"after fault {report.number}")
 
     def _update(self, text: str) -> None:
-        self._bar.update(self._task, description=text, completed=time.monotonic() - self._begun)
+        self._bar.set_description_str(text, refresh=False)
+        self._bar.n = min(self._bar.total, time.monotonic() - self._begun)
+        self._bar.refresh()
 
 
 def _outcome(report: FaultReport) -> str:

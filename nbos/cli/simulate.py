@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from nbos.cli._progress import progress_bar
 from nbos.core.errors import ConfigError
 from nbos.scaling.autoscaler import AutoscalerConfig
 from nbos.scaling.simulator import MODES, SimConfig, metrics_table, simulate
@@ -124,18 +125,12 @@ def _trace(args: argparse.Namespace) -> Trace:
 
 @contextlib.contextmanager
 def _progress_bar(mode: str, trace: Trace) -> Iterator[Progress | None]:
-    """A bar of simulated hours on a terminal (with tqdm installed), else nothing."""
-    if not sys.stderr.isatty():
-        yield None
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        log.debug("no progress bar: tqdm is not installed (pip install 'nbos[simulate]')")
-        yield None
-        return
+    """A bar of simulated hours on a terminal, else nothing."""
     total = max(1, round(trace.end / 3600))
-    with tqdm(total=total, desc=f"simulating {mode}", unit="h", leave=False) as bar:
+    with progress_bar(total, f"simulating {mode}", "h") as bar:
+        if bar is None:
+            yield None
+            return
 
         def progress(now: float) -> None:
             hours = min(total, int(now // 3600))

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
+import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
 
@@ -54,10 +59,7 @@ FAULT = PlannedFault(1, "kill-follower", 2, 0.5, 42)
 DONE = FaultReport(1, "kill-follower", "replica 3", True, 1.25, 0, ())
 
 
-def test_progress_without_rich_is_one_line_per_fault_event(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setitem(sys.modules, "rich", None)  # as if the `chaos` extra were missing
+def test_progress_off_a_terminal_is_one_line_per_fault_event() -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), chaos_cli._progress(10.0) as observer:
         observer.fault_started(FAULT, Strike("replica 3", (3,)))
@@ -68,10 +70,21 @@ def test_progress_without_rich_is_one_line_per_fault_event(
     ]
 
 
-def test_progress_with_rich_names_each_fault() -> None:
-    pytest.importorskip("rich")
-    out = io.StringIO()
-    with contextlib.redirect_stderr(out), chaos_cli._progress(10.0) as observer:
-        observer.fault_started(FAULT, Strike("replica 3", (3,)))
-        observer.fault_done(DONE)
-    assert "fault 1: kill-follower: recovered in 1.2 s" in out.getvalue()
+def test_progress_on_a_terminal_is_a_bar_naming_each_fault() -> None:
+    primary, secondary = pty.openpty()
+    # A terminal has a size; tqdm draws nothing on a 0-column one.
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    try:
+        with (
+            os.fdopen(secondary, "w") as terminal,
+            contextlib.redirect_stderr(terminal),
+            chaos_cli._progress(10.0) as observer,
+        ):
+            observer.fault_started(FAULT, Strike("replica 3", (3,)))
+            observer.fault_done(DONE)
+        shown = os.read(primary, 65536).decode(errors="replace")
+    finally:
+        os.close(primary)
+    assert "fault 1: kill-follower replica 3" in shown  # the bar's description
+    assert "fault 1: kill-follower: recovered in 1.2 s" in shown
+    assert "%|" in shown  # a bar, not plain lines
