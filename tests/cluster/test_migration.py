@@ -12,6 +12,7 @@ import pytest
 
 from nbos.cluster import ExecuteResult
 from nbos.core.ids import KernelId
+from tests._digests import assert_replicas_agree
 from tests.cluster.test_gpus import subscribed, virtual_cluster, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -42,8 +43,7 @@ async def test_a_cell_no_replica_host_can_serve_migrates_a_replica_and_runs_ther
         assert result.executor is not None and live[result.executor] == free
         (moved,) = set(before) - set(live)  # exactly one replica left its host
         assert before[moved] not in live.values()
-        digests = await k.digests()
-        assert len(digests) == 3 and len(set(digests.values())) == 1
+        await assert_replicas_agree(k)
         await k.shutdown()
         await wait_until(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
 

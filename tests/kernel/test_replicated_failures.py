@@ -17,6 +17,7 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.kernel.front import HeartbeatPolicy
+from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import (
     connected_client,
     reply_to,
@@ -161,8 +162,7 @@ async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> N
             assert (await kernel.execute("xs.append(len(xs))")).status == "ok"
         await kernel.restart_replica(victim)
         assert victim in kernel.front.alive
-        digests = await kernel.digests()
-        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+        await assert_replicas_agree(kernel)
         # Once the others are gone from under it, it runs cells on that state.
         await kernel.kill_replica(executor)
         result = await kernel.execute("print(xs[-1], len(alias), p.norm())")
@@ -209,8 +209,7 @@ async def test_global_generators_cwd_and_environment_survive_a_failover(
             await client.kernel_info(reply=True, timeout=30)
     second = await kernel.execute(DRAW)
     assert [first.stdout, second.stdout] == expected_draws(7, 2)
-    digests = await kernel.digests()
-    assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+    await assert_replicas_agree(kernel)
     assert second.executor is not None
     await kernel.kill_replica(second.executor)
     third = await kernel.execute(DRAW)
@@ -240,8 +239,7 @@ async def test_a_replica_restored_from_a_snapshot_holds_the_executors_generators
             assert (await kernel.execute(code)).status == "ok"
         await kernel.restart_replica(victim)
         # The digest covers the generators: the victim holds the executor's.
-        digests = await kernel.digests()
-        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+        await assert_replicas_agree(kernel)
         executor = kernel.front.last_executor
         assert executor is not None and executor != victim
         await kernel.kill_replica(executor)

@@ -22,6 +22,7 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.errors import KernelError
 from nbos.kernel.front import CellPlan, ChoiceRequest
+from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import connected_client
 
 pytestmark = pytest.mark.anyio
@@ -113,8 +114,7 @@ async def test_cells_run_once_and_state_reaches_every_replica(
         assert reply["header"]["session"] == kernel.front.session_id
     assert stdout(messages) == "4 True 2\n"
     assert counts == sorted(counts) and len(set(counts)) == len(counts)
-    digests = await kernel.digests()
-    assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+    await assert_replicas_agree(kernel)
 
 
 async def test_execute_result_reports_executor_and_timings(kernel: Kernel) -> None:
@@ -346,8 +346,7 @@ async def test_cells_moving_between_replicas_each_run_once(cluster: LocalCluster
         assert all(a != b for a, b in itertools.pairwise(executors))
         counts = [r.execution_count for r in results]
         assert counts == [1, 2, 3, 4]
-        digests = await k.digests()
-        assert len(digests) == 3 and len(set(digests.values())) == 1
+        await assert_replicas_agree(k)
     finally:
         await k.shutdown()
 
@@ -431,8 +430,7 @@ async def test_signed_requests_of_unknown_type_or_bad_content_never_block_the_sh
                 assert stdout(messages) == f"{n}\n"
             _, out = await run(c, "print('bad' in dir())")
             assert stdout(out) == "False\n"
-        digests = await k.digests()
-        assert len(digests) == 3 and len(set(digests.values())) == 1
+        await assert_replicas_agree(k)
     finally:
         await k.shutdown()
 

@@ -111,4 +111,3 @@ async def test_a_frozen_replica_is_fenced_even_without_replacements(tmp_path: Pa
         assert victim not in kernel.front.alive and not process_running(pid)
         await kernel.restart_replica(victim)  # from its own log, as any dead replica
         await check_converged(kernel, victim)
-

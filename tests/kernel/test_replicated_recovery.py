@@ -21,6 +21,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.kernel.front import CellPlan, ChoiceRequest, HeartbeatPolicy
+from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import (
     connected_client,
     replica_client,
@@ -66,8 +67,7 @@ async def assert_recovered(kernel: Kernel, expected: str, *, replicas: int = 3) 
     result = await kernel.execute("print(n, L)", timeout=120)
     assert result.status == "ok", result.reply
     assert result.stdout == expected
-    digests = await kernel.digests(timeout=60)
-    assert len(digests) == replicas and len(set(digests.values())) == 1, digests
+    await assert_replicas_agree(kernel, replicas, timeout=60)
 
 
 async def test_a_majority_lost_with_the_executor_mid_cell_fails_at_once_and_recovers(
@@ -150,8 +150,7 @@ async def test_a_restarted_executor_replays_the_cells_it_ran_itself(cluster: Loc
         result = await kernel.execute("print(a, f(), n)")
         assert result.executor == executor
         assert (result.status, result.stdout) == ("ok", "A F 1\n"), result.reply
-        digests = await kernel.digests()
-        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+        await assert_replicas_agree(kernel)
     finally:
         await kernel.shutdown()
 

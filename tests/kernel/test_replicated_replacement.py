@@ -16,6 +16,7 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.core.errors import KernelError
+from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import run_cells
 
 pytestmark = pytest.mark.anyio
@@ -81,8 +82,7 @@ async def test_a_dead_non_executor_is_replaced_and_the_new_membership_carries_on
     assert result.status == "ok", result.reply
     assert result.executor not in originals
     assert result.stdout.split()[0] == "5"
-    digests = await kernel.digests()
-    assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+    await assert_replicas_agree(kernel)
 
 
 async def test_a_dead_executor_is_replaced(kernel: Kernel) -> None:
