@@ -176,10 +176,11 @@ def convert_strictly(raw: Mapping[str, Any], into: type[T]) -> T:
         message = str(exc)
         match = _PATH.search(message)
         key = match.group(1).lstrip(".") if match else ""
-        if message.startswith("Object contains unknown field"):
-            unknown = message.split("`")[1]
-            key = f"{key}.{unknown}" if key else unknown
-            raise ConfigError(key, _value_at(raw, key), "a known setting") from None
+        if message.startswith(("Object contains unknown field", "Object missing required")):
+            field = message.split("`")[1]
+            key = f"{key}.{field}" if key else field
+            expected = "a known setting" if "unknown" in message else "a value (it is required)"
+            raise ConfigError(key, _value_at(raw, key), expected) from None
         key = key or "<root>"
         expected = message.split(" - at ", maxsplit=1)[0].removeprefix("Expected ")
         raise ConfigError(key, _value_at(raw, key), expected) from None
