@@ -17,6 +17,7 @@ from nbos.agent._daemon import (
     run_until_signalled,
     tcp_address,
 )
+from nbos.agent._replicas import process_start_ticks
 
 __all__ = [
     "GATEWAY_PEER",
@@ -26,6 +27,7 @@ __all__ = [
     "HostAgent",
     "address_ip",
     "agent_peer",
+    "process_start_ticks",
     "reservation_message",
     "run_until_signalled",
     "tcp_address",

@@ -251,7 +251,7 @@ class ReplicaService:
             replica_id,
             spec.label,
             handle.pid,
-            _start_ticks(handle.pid),
+            process_start_ticks(handle.pid),
             self._boot_id,
             time.time(),
             workdir=spec.workdir,
@@ -390,7 +390,7 @@ class ReplicaService:
                 log.warning("replica %s: pidfd_open(%d): %s", record.replica_id, record.pid, exc)
             return None
         # Checked after the pidfd is open: from here on the PID cannot change owner.
-        if _start_ticks(record.pid) != record.start_ticks:
+        if process_start_ticks(record.pid) != record.start_ticks:
             os.close(pidfd)
             log.warning(
                 "replica %s: pid %d now belongs to another process (start time differs); "
@@ -417,7 +417,7 @@ def _write_atomically(path: Path, record: ReplicaRecord) -> None:
     os.replace(scratch, path)
 
 
-def _start_ticks(pid: int) -> int | None:
+def process_start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot), or ``None`` if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

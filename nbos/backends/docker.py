@@ -20,10 +20,12 @@ Needs the ``docker`` extra (``aiodocker``) and the asyncio event loop.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import logging
 import signal
+import tarfile
 import uuid
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
@@ -172,18 +174,49 @@ class DockerBackend:
     def hosts(self) -> tuple[HostId, ...]:
         return tuple(self._urls)
 
-    async def start(self, host: HostId, spec: ProcessSpec) -> DockerProcessHandle:
+    async def start(
+        self, host: HostId, spec: ProcessSpec, *, files: Mapping[str, bytes] | None = None
+    ) -> DockerProcessHandle:
+        """Start ``spec`` in a new container on ``host``'s engine.
+
+        ``files`` maps absolute paths to contents written into the container (mode
+        0600, directories 0700) before it starts: secrets reach a remote engine so,
+        never through its file system or the container's environment.
+        """
         check_start(self.name, self._closed, host, self._urls, spec)
         client = self._client(host)
         name = f"nbos-{self.instance}-{next(self._seq)}"
         try:
-            container = await self._create_and_start(client, name, host, spec)
+            container = await self._create_and_start(client, name, host, spec, files or {})
         except (aiodocker.DockerError, aiohttp.ClientError) as exc:
             raise _translate(host, f"start {spec.argv[0]!r} ({self._image})", exc) from exc
         handle = DockerProcessHandle(host, container, name)
         self._handles = with_running(self._handles, handle)
         logger.debug("started %r on %s: container %s", spec.label, host, name)
         return handle
+
+    async def detach(self) -> None:
+        """Close the engine clients and leave every container running: ending them is the
+        caller's business (:meth:`remove`, by container id)."""
+        self._closed = True
+        self._handles.clear()
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+    async def remove(self, host: HostId, container_id: str, grace: float = 10.0) -> None:
+        """Stop container ``container_id`` on ``host`` (SIGTERM, SIGKILL after ``grace``)
+        and remove it; nothing if it is gone already."""
+        if host not in self._urls:
+            raise HostUnreachableError(host, f"not a host of the {self.name} backend")
+        container = self._client(host).containers.container(container_id)
+        try:
+            await container.stop(t=max(int(grace), 0))
+            await container.delete(force=True)
+        except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+            if isinstance(exc, aiodocker.DockerError) and exc.status == _NOT_FOUND:
+                return
+            raise _translate(host, f"remove {container_id[:12]}", exc) from exc
 
     async def aclose(self) -> None:
         """Kill every container still running, then remove every container this instance made."""
@@ -209,7 +242,12 @@ class DockerBackend:
         return self._clients[host]
 
     async def _create_and_start(
-        self, client: aiodocker.Docker, name: str, host: HostId, spec: ProcessSpec
+        self,
+        client: aiodocker.Docker,
+        name: str,
+        host: HostId,
+        spec: ProcessSpec,
+        files: Mapping[str, bytes],
     ) -> DockerContainer:
         config = {
             "Image": self._image,
@@ -221,6 +259,8 @@ class DockerBackend:
         }
         try:
             container = await client.containers.create(config, name=name)
+            if files:
+                await container.put_archive("/", _tarball(files))  # type: ignore[no-untyped-call]
             await container.start()
         except BaseException:
             # The engine may have created (or started) it even if the request was interrupted.
@@ -233,6 +273,26 @@ class DockerBackend:
         filters = json.dumps({"label": [f"{BACKEND_LABEL}={self.instance}"]})
         for container in await client.containers.list(all=True, filters=filters):
             await container.delete(force=True)
+
+
+def _tarball(files: Mapping[str, bytes]) -> bytes:
+    """``files`` (absolute paths) as a tar archive to unpack at ``/``, private to the owner."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        made: set[str] = set()
+        for path, data in files.items():
+            parts = path.strip("/").split("/")
+            for i in range(1, len(parts)):
+                directory = "/".join(parts[:i])
+                if directory not in made:
+                    made.add(directory)
+                    entry = tarfile.TarInfo(directory)
+                    entry.type, entry.mode = tarfile.DIRTYPE, 0o700
+                    tar.addfile(entry)
+            entry = tarfile.TarInfo("/".join(parts))
+            entry.size, entry.mode = len(data), 0o600
+            tar.addfile(entry, io.BytesIO(data))
+    return out.getvalue()
 
 
 def _translate(host: HostId, action: str, exc: Exception) -> BackendError:

@@ -186,6 +186,34 @@ class SshBackend:
         logger.debug("started %r on %s: pid %d, log %s", spec.label, host, pid, log_path)
         return handle
 
+    async def run(self, host: HostId, command: str, *, stdin: str | None = None) -> str:
+        """Run a short shell ``command`` on ``host`` (with ``stdin``); its output.
+
+        Raises :class:`BackendError` when it exits non-zero (quoting its stderr) and
+        :class:`HostUnreachableError` when the host cannot be reached.
+        """
+        check_start(self.name, self._closed, host, self._targets, ProcessSpec(["sh"]))
+        connection = await self._connection(host)
+        try:
+            with anyio.fail_after(self._connect_timeout):
+                result = await connection.run(command, input=stdin, check=False)
+        except (OSError, asyncssh.Error, TimeoutError) as exc:
+            raise HostUnreachableError(host, f"running a command: {exc}") from exc
+        if result.exit_status != 0:
+            error = str(result.stderr).strip()[-500:]
+            logger.warning("%s: %r failed (%s): %s", host, command[:80], result.exit_status, error)
+            raise BackendError(f"{host}: command failed ({result.exit_status}): {error}")
+        return str(result.stdout)
+
+    async def detach(self) -> None:
+        """Close the connections and leave every process running: it outlives this backend
+        (its output goes to its log file), and ending it is the caller's business."""
+        self._closed = True
+        self._handles.clear()
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
+
     async def aclose(self) -> None:
         """SIGKILL every process group still running, then close the connections."""
         self._closed = True

@@ -17,7 +17,11 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "status",
         help="show the gateway's hosts, GPUs, kernels and replicas",
-        description="Ask the gateway at [gateway] address for its state and print it.",
+        description="Ask the gateway at [gateway] address (or a cluster file's) for its "
+        "state and print it.",
+    )
+    parser.add_argument(
+        "--cluster", metavar="FILE", help="the gateway of this cluster file (nbos cluster up)"
     )
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="S", help="how long to wait (default 10)"
@@ -26,7 +30,12 @@ def register(subparsers: Any) -> None:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    address = Settings.load(args.config).gateway.address
+    if args.cluster:
+        from nbos.deploy import load_cluster_file
+
+        address = load_cluster_file(args.cluster).gateway.address
+    else:
+        address = Settings.load(args.config).gateway.address
     reply = anyio.run(call, address, StatusRequest(), args.timeout)
     if isinstance(reply, ControlError):
         raise TransportError(f"the gateway refused: {reply.message}")

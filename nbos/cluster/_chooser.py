@@ -29,6 +29,7 @@ waiting.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
@@ -38,6 +39,7 @@ from nbos.core.ids import HostId, KernelId
 from nbos.gateway import GpuScheduler, Grant
 from nbos.gateway.requests import cell_gpus
 from nbos.kernel.front import CellPlan, ChoiceRequest
+from nbos.metrics import events
 from nbos.scaling.migration import MigrationPlan
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,8 @@ class GpuChooser:
         self._hosts = dict(hosts)
         self._default = default_gpus
         # Plan identity -> its grant: plans of equal value may be in flight at once.
-        self._grants: dict[int, tuple[CellPlan, Grant]] = {}
+        # Each plan's grant and when the cell got it (for its run time).
+        self._grants: dict[int, tuple[CellPlan, Grant, float]] = {}
         self._migration: Migrate | None = None
         self._migrating = False
 
@@ -104,6 +107,7 @@ class GpuChooser:
         replicas = {n: self._hosts[n] for n in request.alive if n in self._hosts}
         if not replicas:
             raise QuorumLostError(f"kernel {self._kernel_id} has no live replica")
+        asked = time.monotonic()
         grant = await self._acquire(request, replicas, wanted.gpus)
         try:
             grant = await self._scheduler.committed(grant)
@@ -113,7 +117,9 @@ class GpuChooser:
             raise
         code = wanted.code if wanted.source == "magic" else None
         plan = CellPlan(grant.replica, grant.devices, code=code)
-        self._grants[id(plan)] = (plan, grant)
+        granted = time.monotonic()
+        events().cell_waited(granted - asked)
+        self._grants[id(plan)] = (plan, grant, granted)
         log.debug(
             "kernel %s cell %d: replica %d on %s, GPUs %s",
             self._kernel_id,
@@ -200,5 +206,7 @@ class GpuChooser:
         entry = self._grants.pop(id(plan), None)
         if entry is None:
             return
+        _, grant, granted = entry
+        events().cell_ran(time.monotonic() - granted)
         with anyio.CancelScope(shield=True):
-            await self._scheduler.release(entry[1], resident=True)
+            await self._scheduler.release(grant, resident=True)

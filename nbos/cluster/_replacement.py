@@ -35,6 +35,7 @@ from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError, NbosError, ReplacementError, ReplicationError
 from nbos.core.ids import HostId, KernelId
 from nbos.kernel.front import KernelFront, ReplicaEndpoint
+from nbos.metrics import events
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,7 @@ class Replacer:
         self._processes[node] = spawned.handle
         self._members[node] = address
         log.info("kernel %s: replica %d replaced by %d", self._kernel_id, dead, node)
+        events().replica_moved("replacement" if target is None else "migration")
         return node
 
     async def _fence(self, dead: int) -> None:

@@ -15,7 +15,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -87,6 +87,8 @@ class GatewaySettings(_Section, frozen=True):
     agents' interval) is given up and its replicas replaced. ``local_agents``:
     start ``[cluster] hosts`` agents with ``[cluster] gpus_per_host`` virtual GPUs
     on this machine, else wait for agents started elsewhere.
+    ``metrics_address``: ``HOST:PORT`` where Prometheus scrapes ``/metrics``
+    (empty: no metrics endpoint).
     """
 
     address: str = "127.0.0.1:7070"
@@ -95,6 +97,7 @@ class GatewaySettings(_Section, frozen=True):
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 5
     local_agents: bool = True
+    metrics_address: str = ""
 
 
 class Settings(_Section, frozen=True):
@@ -111,12 +114,12 @@ class Settings(_Section, frozen=True):
         """Read ``path`` (if given), then the ``NBOS_*`` variables of ``env`` (or os.environ)."""
         raw: dict[str, Any] = {}
         if path is not None:
-            raw = _read_toml(Path(path))
+            raw = read_toml(Path(path))
         _merge(raw, _from_env(os.environ if env is None else env))
         return _convert(raw)
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
@@ -148,27 +151,48 @@ def _merge(into: dict[str, Any], top: Mapping[str, Any]) -> None:
             into[section] = values
 
 
-_PATH = re.compile(r"at `\$((?:\.\w+)*)`")
+# The path msgspec names in an error: ``$.raft.tick_ms``, ``$.hosts[1].ssh.port``.
+_PATH = re.compile(r"at `\$([^`]*)`")
+_PART = re.compile(r"\.?(\w+)|\[(\d+)\]")
+
+T = TypeVar("T")
 
 
 def _convert(raw: dict[str, Any]) -> Settings:
+    return convert_strictly(raw, Settings)
+
+
+def convert_strictly(raw: Mapping[str, Any], into: type[T]) -> T:
+    """``raw`` (TOML or environment values) as ``into``, a msgspec Struct.
+
+    Raises :class:`ConfigError` naming the first bad key (``section.key``, with
+    ``[i]`` for list items), its value and what was expected: an unknown key as
+    well as a bad value.
+    """
     try:
         # strict=False lets environment strings such as "20" become ints.
-        return msgspec.convert(raw, Settings, strict=False)
+        return msgspec.convert(raw, into, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
         match = _PATH.search(message)
         key = match.group(1).lstrip(".") if match else ""
-        if message.startswith("Object contains unknown field"):
-            unknown = message.split("`")[1]
-            key = f"{key}.{unknown}" if key else unknown
-            return _raise(key, raw, "a known setting")
+        if message.startswith(("Object contains unknown field", "Object missing required")):
+            field = message.split("`")[1]
+            key = f"{key}.{field}" if key else field
+            expected = "a known setting" if "unknown" in message else "a value (it is required)"
+            raise ConfigError(key, _value_at(raw, key), expected) from None
         key = key or "<root>"
-        return _raise(key, raw, message.split(" - at ", maxsplit=1)[0].removeprefix("Expected "))
+        expected = message.split(" - at ", maxsplit=1)[0].removeprefix("Expected ")
+        raise ConfigError(key, _value_at(raw, key), expected) from None
 
 
-def _raise(key: str, raw: Mapping[str, Any], expected: str) -> Settings:
+def _value_at(raw: Mapping[str, Any], key: str) -> Any:
     value: Any = raw
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, Mapping) else None
-    raise ConfigError(key, value, expected)
+    for name, index in _PART.findall(key):
+        if name:
+            value = value.get(name) if isinstance(value, Mapping) else None
+        else:
+            value = (
+                value[int(index)] if isinstance(value, list) and int(index) < len(value) else None
+            )
+    return value

@@ -8,7 +8,8 @@
   machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs);
 * the :class:`~nbos.cluster.Gateway` running every kernel over the
   :class:`~nbos.gateway.AgentBackend` (the same kernel code as ``LocalCluster``);
-* the control endpoint at ``address`` (:mod:`nbos.gateway.control`).
+* the control endpoint at ``address`` (:mod:`nbos.gateway.control`);
+* with ``metrics_address``, Prometheus metrics there (:mod:`nbos.metrics.prometheus`).
 
 Leaving it (SIGINT or SIGTERM for the command) shuts every kernel down, stops
 the replicas still running and the local agents, in that order.
@@ -24,12 +25,14 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import anyio
 import anyio.abc
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 
 from nbos.agent import address_ip, tcp_address
 from nbos.cluster import Gateway, Kernel, KernelOptions
@@ -51,6 +54,13 @@ from nbos.gateway.control import (
     StartKernel,
     StatusRequest,
     serve_control,
+)
+from nbos.metrics import installed
+from nbos.metrics.prometheus import (
+    ClusterCollector,
+    ClusterSample,
+    PrometheusEvents,
+    serve_metrics,
 )
 from nbos.transport import ZmqTransport
 from nbos.transport.keys import KeyDirectory
@@ -120,6 +130,8 @@ class GatewayService:
                 raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
             service = cls(directory, gateway, control)
             tg.start_soon(serve_control, socket, service.handle)
+            if conf.metrics_address:
+                await _serve_metrics(service, conf.metrics_address, tg, stack)
             log.info("gateway: control at %s, agents at %s", control, transport.address)
             yield service
 
@@ -153,6 +165,21 @@ class GatewayService:
     def _replica_ip(self, kernel: Kernel, node: int) -> str:
         return str(self.gateway.replica_connection(kernel.kernel_id, node).get("ip", ""))
 
+    def metrics_sample(self) -> ClusterSample:
+        """The gauges of ``/metrics``: GPUs by state per host, kernels, live replicas."""
+        gpus = {
+            h.host_id: {
+                "idle": h.idle,
+                "precommitted": h.precommitted,
+                "committed": h.committed,
+                "resident": h.resident,
+            }
+            for h in self.host_status()
+        }
+        kernels = self.gateway.kernels
+        alive = sum(r.alive for k in kernels for r in k.replicas)
+        return ClusterSample(gpus, len(kernels), alive)
+
     def host_status(self) -> list[HostStatus]:
         out = []
         for host in self.directory.hosts():
@@ -175,6 +202,16 @@ class GatewayService:
                 )
             )
         return out
+
+
+async def _serve_metrics(
+    service: GatewayService, address: str, tg: anyio.abc.TaskGroup, stack: AsyncExitStack
+) -> None:
+    """Count this process's events and serve them, with the service's gauges, at ``address``."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(ClusterCollector(service.metrics_sample))
+    stack.enter_context(installed(PrometheusEvents(registry)))
+    await tg.start(partial(serve_metrics, address, registry))
 
 
 def _run_dir(settings: Settings, stack: AsyncExitStack) -> Path:

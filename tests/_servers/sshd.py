@@ -18,7 +18,9 @@ import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tests._servers._process import (
@@ -75,8 +77,17 @@ class SshServer:
             _kill_quietly(pid)
 
 
-def start_sshd(workdir: Path, ready_timeout_s: float = 10.0) -> SshServer:
+def start_sshd(
+    workdir: Path,
+    ready_timeout_s: float = 10.0,
+    *,
+    address: str = "127.0.0.1",
+    where: Callable[[Sequence[str]], list[str]] = list,
+) -> SshServer:
     """Generate keys and a config in ``workdir``, start sshd and wait for its banner.
+
+    ``address`` is where it listens; ``where`` wraps its argv to run it elsewhere (in
+    a network namespace, whose address only its log then says it listens on).
 
     Raises :class:`SshdUnavailableError` when sshd or ssh-keygen is missing, ``RuntimeError``
     when the server does not come up (the message quotes its log).
@@ -91,10 +102,11 @@ def start_sshd(workdir: Path, ready_timeout_s: float = 10.0) -> SshServer:
     _keygen(keygen, workdir / "client_ed25519")
     shutil.copy(workdir / "client_ed25519.pub", workdir / "authorized_keys")
     _PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+    probe = _banner if address == "127.0.0.1" else partial(_listening, address)
     return start_on_free_port(
         "sshd",
-        lambda port: _launch(workdir, port),
-        lambda server: wait_ready(server.process, lambda: _banner(server), ready_timeout_s, 0.05),
+        lambda port: _launch(workdir, port, address, where),
+        lambda server: wait_ready(server.process, lambda: probe(server), ready_timeout_s, 0.05),
     )
 
 
@@ -109,13 +121,15 @@ def _keygen(keygen: str, path: Path) -> None:
     )
 
 
-def _launch(workdir: Path, port: int) -> SshServer:
+def _launch(
+    workdir: Path, port: int, address: str, where: Callable[[Sequence[str]], list[str]]
+) -> SshServer:
     config = workdir / f"sshd-{port}.conf"
     config.write_text(
         "\n".join(
             [
                 f"Port {port}",
-                "ListenAddress 127.0.0.1",
+                f"ListenAddress {address}",
                 f"HostKey {workdir / 'host_ed25519'}",
                 f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
                 f"PidFile {workdir / f'sshd-{port}.pid'}",
@@ -130,11 +144,11 @@ def _launch(workdir: Path, port: int) -> SshServer:
     )
     host_key = (workdir / "host_ed25519.pub").read_text().split()
     known_hosts = workdir / "known_hosts"
-    known_hosts.write_text(f"[127.0.0.1]:{port} {host_key[0]} {host_key[1]}\n")
+    known_hosts.write_text(f"[{address}]:{port} {host_key[0]} {host_key[1]}\n")
     log = workdir / f"sshd-{port}.log"
     with log.open("ab") as log_file:
         process = subprocess.Popen(
-            [BINARY, "-D", "-e", "-f", str(config)],
+            where([BINARY, "-D", "-e", "-f", str(config)]),
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -147,6 +161,10 @@ def _launch(workdir: Path, port: int) -> SshServer:
         known_hosts=known_hosts,
         log=log,
     )
+
+
+def _listening(address: str, server: SshServer) -> bool:
+    return f"Server listening on {address} port {server.port}" in server.log.read_text()
 
 
 def _banner(server: SshServer) -> bool:

@@ -56,6 +56,7 @@ from nbos.kernel.front._chooser import (
 )
 from nbos.kernel.front._upstream import Channel, ReplicaEndpoint, Upstream
 from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, error_content
+from nbos.metrics import events
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,10 @@ class KernelFront:
         """How many client messages were refused: unsigned, wrongly signed or malformed
         messages, requests of types the kernel does not serve, bad content."""
         return self._refused
+
+    def _refuse(self) -> None:
+        self._refused += 1
+        events().message_refused()
 
     @property
     def last_executor(self) -> int | None:
@@ -460,7 +465,7 @@ class KernelFront:
         try:
             return self._signer.parse(frames)
         except (AuthenticationError, DecodeError) as exc:
-            self._refused += 1
+            self._refuse()
             log.warning("kernel %s: client message refused: %s", self._kernel_id, exc)
             return None
 
@@ -473,11 +478,11 @@ class KernelFront:
             _requests.screen(channel, msg)
         except _requests.UnknownRequestError as exc:
             # Jupyter's rule for a type a kernel does not know: log it and go on.
-            self._refused += 1
+            self._refuse()
             log.warning("kernel %s: client message ignored: %s", self._kernel_id, exc)
             return False
         except DecodeError as exc:
-            self._refused += 1
+            self._refuse()
             log.warning("kernel %s: client request refused: %s", self._kernel_id, exc)
             await self._reply_error(idents, msg, channel, exc)
             return False
@@ -798,7 +803,7 @@ class KernelFront:
             if pending.reply is not None or not expects_reply:
                 return  # a comm message may have reached the log; never send it twice
             if not pending.lost:
-                self._refused += 1
+                self._refuse()
                 failure = KernelError(f"replica {target} sent no reply to {msg['msg_type']}")
                 log.warning("kernel %s: %s", self._kernel_id, failure)
                 await self._reply_error(idents, msg, channel, failure)

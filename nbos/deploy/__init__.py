@@ -1,0 +1,18 @@
+"""A cluster from a file: ``nbos cluster up|down FILE``.
+
+:func:`load_cluster_file` reads a cluster file strictly (:mod:`nbos.deploy._file`);
+:func:`cluster_up` starts its gateway and agents and :func:`cluster_down` stops
+them (:mod:`nbos.deploy._up`). See ``docs/deploy.md``.
+"""
+
+from nbos.deploy._file import ClusterFile, HostTable, load_cluster_file
+from nbos.deploy._up import Deployment, cluster_down, cluster_up
+
+__all__ = [
+    "ClusterFile",
+    "Deployment",
+    "HostTable",
+    "cluster_down",
+    "cluster_up",
+    "load_cluster_file",
+]

@@ -1,0 +1,164 @@
+"""The gateway's Prometheus endpoint: event counters, cluster gauges, a small HTTP server.
+
+:class:`PrometheusEvents` is the :class:`~nbos.metrics.Events` sink that counts
+into a private registry; :class:`ClusterCollector` reads the gauges (GPUs by state
+per host, kernels, live replicas) from the gateway when scraped, so they are never
+stale. :func:`serve_metrics` answers ``GET /metrics`` on the event loop itself:
+every read of the gateway's state happens on the loop that changes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.streams.buffered import BufferedByteReceiveStream
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from nbos.core.errors import ConfigError, TransportError
+from nbos.metrics import MoveKind
+
+log = logging.getLogger(__name__)
+
+# Cells wait from milliseconds (GPUs free) to hours (a busy cluster); they run as long.
+_CELL_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
+_MAX_REQUEST = 8192
+_REQUEST_TIMEOUT_S = 10.0
+
+
+class PrometheusEvents:
+    """Counts events into ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._waited = Histogram(
+            "nbos_cell_wait_seconds",
+            "From a cell's request until its executor and GPUs were granted.",
+            buckets=_CELL_BUCKETS,
+            registry=registry,
+        )
+        self._ran = Histogram(
+            "nbos_cell_run_seconds",
+            "How long a cell held its executor and GPUs.",
+            buckets=_CELL_BUCKETS,
+            registry=registry,
+        )
+        self._moved = Counter(
+            "nbos_replicas_moved",
+            "Replicas started in place of another: replacement (died), migration (GPUs).",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("replacement", "migration"):
+            self._moved.labels(kind)  # shown as 0 before the first one
+        self._refused = Counter(
+            "nbos_messages_refused",
+            "Client messages refused: unsigned, wrongly signed or malformed.",
+            registry=registry,
+        )
+
+    def cell_waited(self, seconds: float) -> None:
+        self._waited.observe(seconds)
+
+    def cell_ran(self, seconds: float) -> None:
+        self._ran.observe(seconds)
+
+    def replica_moved(self, kind: MoveKind) -> None:
+        self._moved.labels(kind).inc()
+
+    def message_refused(self) -> None:
+        self._refused.inc()
+
+
+@attrs.frozen
+class ClusterSample:
+    """The gauges at one moment: GPUs by state per host, kernels, live replicas."""
+
+    gpus: Mapping[str, Mapping[str, int]]
+    kernels: int
+    replicas_alive: int
+
+
+class ClusterCollector(Collector):
+    """Gauges read from ``sample()`` at every scrape."""
+
+    def __init__(self, sample: Callable[[], ClusterSample]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        sample = self._sample()
+        gpus = GaugeMetricFamily("nbos_gpus", "GPUs by host and state.", labels=["host", "state"])
+        for host, states in sorted(sample.gpus.items()):
+            for state, count in sorted(states.items()):
+                gpus.add_metric([host, state], count)
+        yield gpus
+        yield GaugeMetricFamily("nbos_kernels", "Kernels of the gateway.", value=sample.kernels)
+        yield GaugeMetricFamily(
+            "nbos_replicas_alive", "Replica processes alive.", value=sample.replicas_alive
+        )
+
+
+async def serve_metrics(
+    address: str,
+    registry: CollectorRegistry,
+    *,
+    task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer ``GET /metrics`` at ``address`` (``HOST:PORT``) with ``registry``, forever.
+
+    ``task_status`` gets the bound ``HOST:PORT`` (port 0 picks one). Other paths get
+    404, anything that is not a GET 400 (logged); one connection per request.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError("gateway.metrics_address", address, "HOST:PORT")
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=int(port))
+    except OSError as exc:
+        raise TransportError(f"cannot bind the metrics endpoint {address}: {exc}") from exc
+    async with listener:
+        bound = listener.extra(anyio.abc.SocketAttribute.local_port)
+        log.info("metrics at http://%s:%d/metrics", host, bound)
+        task_status.started(f"{host}:{bound}")
+        await listener.serve(lambda stream: _answer(stream, registry))
+
+
+async def _answer(stream: anyio.abc.SocketStream, registry: CollectorRegistry) -> None:
+    async with stream:
+        try:
+            with anyio.fail_after(_REQUEST_TIMEOUT_S):
+                head = await BufferedByteReceiveStream(stream).receive_until(
+                    b"\r\n\r\n", _MAX_REQUEST
+                )
+                await stream.send(_response(head, registry))
+        except (TimeoutError, anyio.IncompleteRead, anyio.DelimiterNotFound, OSError) as exc:
+            log.debug("metrics: request dropped: %r", exc)
+        except anyio.BrokenResourceError:
+            pass
+
+
+def _response(head: bytes, registry: CollectorRegistry) -> bytes:
+    method, _, rest = head.partition(b" ")
+    path = rest.partition(b" ")[0].partition(b"?")[0]
+    if method != b"GET":
+        log.warning("metrics: refused a %r request", method[:16])
+        return _http(400, b"text/plain", b"only GET\n")
+    if path != b"/metrics":
+        return _http(404, b"text/plain", b"see /metrics\n")
+    return _http(200, CONTENT_TYPE_LATEST.encode(), generate_latest(registry))
+
+
+def _http(status: int, content_type: bytes, body: bytes) -> bytes:
+    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}[status]
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+    return head % (status, reason, content_type, len(body)) + body
