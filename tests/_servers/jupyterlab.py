@@ -96,7 +96,11 @@ def _launch(workdir: Path, root_dir: Path, port: int, gateway: Gateway | None) -
         "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate",
     ]  # fmt: skip
     if gateway is not None:
-        args += [f"--gateway-url={gateway.url}", f"--GatewayClient.auth_token={gateway.auth_token}"]
+        # A replicated kernel starts slower than a local one: more than the default 42 s
+        # on a busy machine.
+        args += [f"--gateway-url={gateway.url}", "--GatewayClient.request_timeout=120"]
+        if gateway.auth_token:
+            args.append(f"--GatewayClient.auth_token={gateway.auth_token}")
     env = {
         **os.environ,
         "JUPYTER_CONFIG_DIR": str(workdir / "config"),
@@ -105,6 +109,12 @@ def _launch(workdir: Path, root_dir: Path, port: int, gateway: Gateway | None) -
         "JUPYTERLAB_SETTINGS_DIR": str(workdir / "settings"),
         "JUPYTERLAB_WORKSPACES_DIR": str(workdir / "workspaces"),
     }
+    # No news toast in the page (it would cover the notebook in screenshots).
+    notification = workdir / "settings" / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True, exist_ok=True)
+    (notification / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
     log = workdir / f"jupyter-lab-{port}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
