@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the Debian servers the tests talk to, if they are missing.
+# Installs the Debian servers (and the browser) the tests talk to, if they are missing.
 # Idempotent: does nothing when they are already there.
 set -euo pipefail
 need=()
@@ -9,6 +9,9 @@ command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || need+=(docker.io)
 # network namespaces for the multi-host tests: ip netns, veth, a bridge, iptables partitions
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || need+=(iproute2)
 command -v iptables >/dev/null || [ -x /usr/sbin/iptables ] || need+=(iptables)
+# the browser end-to-end tests: Debian's Chromium and its WebDriver, driven by selenium
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then
   echo "missing ${need[*]}: install them (apt-get install ${need[*]}) or run as root" >&2

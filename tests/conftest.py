@@ -1,8 +1,14 @@
-"""Settings every test shares."""
+"""Settings and fixtures every test shares."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 from hypothesis import HealthCheck, settings
+
+from tests._servers._process import serve_or_skip
+from tests._servers.browser import Browser, start_browser
 
 # Hypothesis's default 200 ms deadline and its too-slow health check measure the machine, not
 # the code: on a loaded 2-core box they fail tests whose outcome is right. Every property
@@ -11,3 +17,10 @@ settings.register_profile(
     "nbos", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 settings.load_profile("nbos")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    """Headless Chromium (Debian's, driven by selenium), one per module; skips without it."""
+    workdir = tmp_path_factory.mktemp("browser")
+    yield from serve_or_skip(lambda: start_browser(workdir), "Debian's chromium, chromium-driver")

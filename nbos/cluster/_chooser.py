@@ -140,7 +140,7 @@ class GpuChooser:
         if request.notify is not None:
             await request.notify(
                 f"nbos: the cell waits for a migration: its replica on {outcome.source} "
-                f"moves to {outcome.target}\n"
+                f"moves to {outcome.target}"
             )
         source = next(n for n, h in replicas.items() if h == outcome.source)
         node = await self._migrate(source, outcome.target, request.exec_index - 1)
@@ -161,7 +161,7 @@ class GpuChooser:
 
         async def on_wait(reason: str) -> None:
             if notify is not None:
-                await notify(f"nbos: the cell waits: {reason}\n")
+                await notify(f"nbos: the cell waits: {reason}")
 
         async def on_migrate(plan: MigrationPlan) -> None:
             nonlocal planned

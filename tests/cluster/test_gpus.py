@@ -9,12 +9,18 @@ file rather than sleep, so nothing depends on timing.
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.connect import KernelConnectionInfo
 
 import nbos
 from nbos.cluster import ExecuteResult, Kernel, LocalCluster
@@ -126,6 +132,52 @@ async def interrupted(
     return result
 
 
+def wait_statuses(outputs: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """``(status, text)`` of each nbos wait-status output (shown, then updated in place)."""
+    return [
+        (o["content"]["metadata"]["nbos"]["status"], o["content"]["data"]["text/plain"])
+        for o in outputs
+        if o["msg_type"] in ("display_data", "update_display_data")
+        and "nbos" in o["content"]["metadata"]
+    ]
+
+
+@dataclass
+class ClientRun:
+    """A cell run by a Jupyter client: when it was sent, its reply, its IOPub messages.
+
+    Times are ``time.monotonic()``; each IOPub message comes with when it arrived.
+    """
+
+    sent: float
+    reply: dict[str, Any]
+    iopub: list[tuple[float, dict[str, Any]]]
+
+    @property
+    def outputs(self) -> list[dict[str, Any]]:
+        """The IOPub messages as :attr:`ExecuteResult.outputs` has them."""
+        return [{"msg_type": m["msg_type"], "content": m["content"]} for _, m in self.iopub]
+
+
+def run_in_jupyter_client(
+    info: KernelConnectionInfo, code: str, timeout: float = 60.0
+) -> ClientRun:
+    """Run ``code`` as any Jupyter client does: a blocking client (call it in a thread)."""
+    client = BlockingKernelClient()
+    client.load_connection_info(info)
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=timeout)
+        iopub: list[tuple[float, dict[str, Any]]] = []
+        sent = time.monotonic()
+        reply = client.execute_interactive(
+            code, timeout=timeout, output_hook=lambda msg: iopub.append((time.monotonic(), msg))
+        )
+        return ClientRun(sent, reply, iopub)
+    finally:
+        client.stop_channels()
+
+
 async def running(cluster: LocalCluster, kernel: Kernel) -> Grant:
     """The committed grant of the kernel's running cell, once there is one."""
     await wait_until(lambda: bool(grants_of(cluster, kernel)))
@@ -218,7 +270,7 @@ async def test_a_waiting_cell_is_told_why_and_runs_once_gpus_free_up(
     # a leaves tensors on its devices; then it holds one host while the test holds the others.
     await a.execute("import torch\nw = torch.arange(4.0)")
     scheduler = cluster.gpus.scheduler
-    results: list[ExecuteResult] = []
+    runs: list[ClientRun] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(a.execute, hold_until(flag))
         held = await running(cluster, a)
@@ -229,22 +281,38 @@ async def test_a_waiting_cell_is_told_why_and_runs_once_gpus_free_up(
         ]
 
         async def run_b() -> None:
-            results.append(await b.execute("print('ran')"))
+            # b's user, on a Jupyter client of their own.
+            code = "print('ran')"
+            runs.append(
+                await anyio.to_thread.run_sync(run_in_jupyter_client, b.connection_info, code)
+            )
 
         tg.start_soon(run_b)
         await wait_until(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))
+        freed = time.monotonic()
         await anyio.Path(flag).touch()  # a's cell ends and releases its host
     for grant in hogs:
         await scheduler.release(grant)
-    (result,) = results
-    assert (result.status, result.stdout) == ("ok", "ran\n")
-    assert host_of(b, result) == held.host
-    waits = [
-        o["content"]["text"]
-        for o in result.outputs
-        if o["msg_type"] == "stream" and o["content"]["name"] == "stderr"
-    ]
-    assert waits and all(w.startswith("nbos: the cell waits: waiting for 2 GPUs") for w in waits)
+    (run,) = runs
+    assert run.reply["content"]["status"] == "ok"
+    outputs = run.outputs
+    assert [o["content"]["text"] for o in outputs if o["msg_type"] == "stream"] == ["ran\n"]
+    replica = run.reply["metadata"]["nbos"]["replica"]
+    assert next(r.host for r in b.replicas if r.node == replica) == held.host
+    # One status output, shown before anything else: why the cell waits, then (replaced
+    # in place) that it started; then the cell's own output.
+    kinds = [o["msg_type"] for o in outputs if o["msg_type"] != "status"]
+    statuses = wait_statuses(outputs)
+    updates = ["update_display_data"] * (len(statuses) - 1)
+    assert kinds == ["display_data", *updates, "execute_input", "stream"]
+    assert [s for s, _ in statuses] == ["waiting"] * (len(statuses) - 1) + ["started"]
+    assert all(
+        text.startswith("nbos: the cell waits: waiting for 2 GPUs") for _, text in statuses[:-1]
+    )
+    assert statuses[-1][1].startswith("nbos: the cell started after waiting")
+    shown = [(t, m["content"]) for t, m in run.iopub if m["msg_type"].endswith("display_data")]
+    assert len({c["transient"]["display_id"] for _, c in shown}) == 1
+    assert shown[-1][0] >= freed  # it started once a's cell had ended, not before
     # b took devices holding a's tensors: a's replica there moved them off first (lazy
     # eviction), and a's next cell brings them back.
     assert Eviction(held.host, a.kernel_id, (0, 1)) in cluster.gpus.evictions
@@ -277,6 +345,7 @@ async def test_an_interrupt_ends_a_wait_for_gpus(cluster: LocalCluster, b: Kerne
         for grant in hogs:
             await scheduler.release(grant)
     assert result.error is not None and "interrupted while it waited" in result.error[1]
+    assert wait_statuses(result.outputs)[-1][0] == "not started"
     assert "never" not in result.stdout and not scheduler.waiting()
     assert (await b.execute("print('on')")).stdout == "on\n"
 
@@ -300,6 +369,9 @@ async def test_a_crashed_executor_and_a_shut_down_kernel_give_everything_back(
         await c.kill_replica(grant.replica)
     (lost,) = results
     assert lost.error is not None and lost.error[0] == "CellLostError"
+    # Shown as the cell's error output too, as a notebook renders it.
+    errors = [o["content"] for o in lost.outputs if o["msg_type"] == "error"]
+    assert [e["ename"] for e in errors] == ["CellLostError"] and errors[0]["traceback"]
     await wait_until(lambda: grant.host not in held_on_agents(cluster, c.kernel_id))
     assert not grants_of(cluster, c)
     again = await c.execute("print(t.sum().item())")

@@ -176,6 +176,9 @@ async def test_without_a_majority_cells_fail_at_once_with_quorum_lost(kernel: Ke
     with anyio.fail_after(5):
         result = await kernel.execute("x = 2")
     assert result.error is not None and result.error[0] == "QuorumLostError"
+    # An error output too: a notebook shows outputs, not the reply.
+    errors = [o["content"]["ename"] for o in result.outputs if o["msg_type"] == "error"]
+    assert errors == ["QuorumLostError"]
 
 
 SEED_AND_DRAW = (

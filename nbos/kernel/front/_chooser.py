@@ -15,8 +15,9 @@ class ChoiceRequest:
     """What the front knows when a cell arrives: its index, the last executor, the live replicas.
 
     ``code`` and ``metadata`` are the ``execute_request``'s (a chooser reads the cell's
-    GPU request from them); ``notify(text)`` shows ``text`` to the client on the cell's
-    stderr, e.g. why the cell waits.
+    GPU request from them); ``notify(text)`` shows ``text`` (why the cell waits) to the
+    client as the cell's wait status, one output that each call replaces
+    (:mod:`nbos.kernel.front._status`).
     """
 
     exec_index: int

@@ -12,6 +12,8 @@ relays, re-signing every message both ways:
   request; replicas' own ``status`` messages are dropped and the front publishes
   exactly one ``busy``/``idle`` pair per request, ``idle`` after the replica's
   own ``idle`` (so all of its output has been relayed);
+* a cell that waits before it runs (for GPUs, for a migration) shows why as one
+  output updated in place (:mod:`._status`), and how long it waited once it starts;
 * stdin is relayed between the client and the executor, interrupts go to the
   executor, ``shutdown_request`` to every replica;
 * if the executor dies mid-cell, a survivor commits ``Done(index, lost)`` and the
@@ -54,6 +56,7 @@ from nbos.kernel.front._chooser import (
     ExecutorChooser,
     LastExecutorChooser,
 )
+from nbos.kernel.front._status import WaitStatus
 from nbos.kernel.front._upstream import Channel, ReplicaEndpoint, Upstream
 from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, error_content
 from nbos.metrics import events
@@ -596,19 +599,18 @@ class KernelFront:
         if not self.has_quorum or not await self._settle_unsettled():
             # Without a majority nothing can commit: say so now rather than time out.
             return await self._quorum_lost(idents, msg)
+        wait = self._wait_status(msg)
         for _ in range(_CLAIM_ATTEMPTS):
             index = self._next_index
             self._next_index += 1
             try:
-                plan = await self._choose(msg, index)
+                plan = await self._choose(msg, index, wait)
             except NbosError as exc:
+                await wait.ended(started=False)
                 log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
                 self._next_index = index  # nothing was sent under it: the next cell takes it
-                content = error_content(exc, 0)
-                error = {k: content[k] for k in ("ename", "evalue", "traceback")}
-                await self._publish(self._signer.new_message("error", error, msg))
-                await self._reply(idents, msg, "execute_reply", content)
-                return "error"
+                return await self._fail_cell(idents, msg, error_content(exc, 0))
+            await wait.ended(started=True)
             try:
                 status = await self._execute_on(idents, msg, index, plan)
             finally:
@@ -621,8 +623,7 @@ class KernelFront:
             if await self._settle(index) is None:
                 return await self._quorum_lost(idents, msg)
         failure = KernelError(f"no replica could claim the cell in {_CLAIM_ATTEMPTS} attempts")
-        await self._reply(idents, msg, "execute_reply", error_content(failure, 0))
-        return "error"
+        return await self._fail_cell(idents, msg, error_content(failure, 0))
 
     async def _quorum_lost(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Reply ``QuorumLostError`` to a cell that cannot run: no majority, or an earlier
@@ -633,24 +634,38 @@ class KernelFront:
             else f"cells {sorted(self._unsettled)} could not be settled: no majority answered"
         )
         log.warning("kernel %s: %s", self._kernel_id, lost)
-        await self._reply(idents, msg, "execute_reply", error_content(lost, 0))
+        return await self._fail_cell(idents, msg, error_content(lost, 0))
+
+    async def _fail_cell(self, idents: list[bytes], msg: _wire.Msg, content: dict[str, Any]) -> str:
+        """Answer a cell with the error reply ``content``; returns its status, ``"error"``.
+
+        The error goes out as the cell's ``error`` output too, as a replica's would: a
+        notebook shows a cell's outputs, not its reply.
+        """
+        error = {k: content[k] for k in ("ename", "evalue", "traceback")}
+        await self._publish(self._signer.new_message("error", error, msg))
+        await self._reply(idents, msg, "execute_reply", content)
         return "error"
 
-    async def _choose(self, msg: _wire.Msg, index: int) -> CellPlan:
+    async def _choose(self, msg: _wire.Msg, index: int, wait: WaitStatus) -> CellPlan:
         """The chooser's plan for cell ``index``; an interrupt ends a wait (for GPUs)."""
         with anyio.CancelScope() as scope:
             self._choosing = scope
             try:
-                return await self._chooser.choose(self._choice_request(msg, index))
+                return await self._chooser.choose(self._choice_request(msg, index, wait))
             finally:
                 self._choosing = None
         raise KernelError(f"cell {index} was interrupted while it waited to run")
 
-    def _choice_request(self, msg: _wire.Msg, index: int) -> ChoiceRequest:
-        async def notify(text: str) -> None:
-            stream = {"name": "stderr", "text": text}
-            await self._publish(self._signer.new_message("stream", stream, msg))
+    def _wait_status(self, msg: _wire.Msg) -> WaitStatus:
+        """The status output of cell ``msg`` while it waits to run, updated in place."""
 
+        async def publish(msg_type: str, content: dict[str, Any]) -> None:
+            await self._publish(self._signer.new_message(msg_type, content, msg))
+
+        return WaitStatus(publish, f"nbos-wait-{msg['header']['msg_id']}")
+
+    def _choice_request(self, msg: _wire.Msg, index: int, wait: WaitStatus) -> ChoiceRequest:
         code = msg["content"].get("code", "")
         return ChoiceRequest(
             index,
@@ -658,7 +673,7 @@ class KernelFront:
             self.alive,
             code=code if isinstance(code, str) else "",
             metadata=msg["metadata"],
-            notify=notify,
+            notify=wait.waits,
         )
 
     async def _execute_on(
@@ -773,8 +788,7 @@ class KernelFront:
                 content.update(error_content(KernelError(f"cell {index} failed"), 0))
         log.warning("kernel %s: cell %d settled as %s", self._kernel_id, index, content["status"])
         if content["status"] == "error":
-            error = {k: content[k] for k in ("ename", "evalue", "traceback")}
-            await self._publish(self._signer.new_message("error", error, msg))
+            return await self._fail_cell(idents, msg, content)
         await self._reply(idents, msg, "execute_reply", content)
         return str(content["status"])
 
