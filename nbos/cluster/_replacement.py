@@ -13,6 +13,7 @@ the dead member's place is taken by a new Raft member (a new node id), in this o
    from a snapshot plus the log, i.e. the namespace image and the deltas after it;
 4. it is promoted to voter once the leader finds it caught up, then the dead member is
    removed: one membership change at a time, each retried until the Raft core takes it;
+   the removal goes to the new voter too, which may have won an election meanwhile;
 5. once it applied the kernel's latest ``Done``, the front forgets the dead replica and
    lets cells go to the new one.
 
@@ -244,7 +245,8 @@ class Replacer:
         spawned = await self._spawn(node, host, peers)
         try:
             await self._join(node, address, spawned, live, after)
-            await self._change(live, "remove", dead)
+            # A voter now, the new replica may have won an election: ask it too.
+            await self._change([*live, node], "remove", dead)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._abandon(node, spawned.handle)

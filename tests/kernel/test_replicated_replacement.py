@@ -7,10 +7,16 @@ every cell, so a replacement catches up from a snapshot plus the log.
 
 from __future__ import annotations
 
+import json
+import logging
+import struct
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
+import zmq
+import zmq.asyncio
 
 import nbos
 from nbos.cluster import Kernel, LocalCluster
@@ -128,3 +134,74 @@ async def test_a_durable_kernel_restarts_a_replica_in_place_after_a_replacement(
         result = await kernel.execute("print(len(xs))")
         assert result.stdout == "5\n", result.reply
         assert result.executor in {other, new}
+
+
+# Its pickling (capture, digest) waits for a flag file: a replica asked for its digest
+# meanwhile stays busy while the test moves the Raft leadership.
+GATE = """\
+import os, time
+class Gate:
+    def __init__(self, path):
+        self.path = path
+    def __reduce__(self):
+        while not os.path.exists(self.path):
+            time.sleep(0.05)
+        return (Gate, (self.path,))
+gate = Gate({flag!r})
+"""
+
+
+def forwarder(pid: int, node: int) -> str:
+    """Where ``node``'s proposal forwarder listens, from the ``--raft-peers`` of process ``pid``."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    peers = json.loads(argv[argv.index(b"--raft-peers") + 1])
+    return str(peers[str(node)][1])
+
+
+async def ask_leadership(kernel: Kernel, node: int) -> None:
+    """Ask every live replica's forwarder (the leader heeds it) to hand leadership to ``node``,
+    the request an executor makes for itself."""
+    ctx = zmq.asyncio.Context.instance()
+    for replica in kernel.replicas:
+        if replica.alive and replica.pid is not None:
+            with ctx.socket(zmq.DEALER) as dealer:
+                dealer.setsockopt(zmq.LINGER, 1000)
+                dealer.connect(forwarder(replica.pid, replica.node))
+                await dealer.send_multipart([b"", b"T", struct.pack(">Q", node)])
+
+
+async def test_a_replacement_that_became_the_leader_still_gets_the_dead_member_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The dead member is removed once the new one is a voter, and the new one may win an
+    # election by then (it did under load): the removal must reach it. Here the leadership
+    # is handed to it while the replacement waits for its digest.
+    caplog.set_level(logging.INFO, logger="nbos.cluster._replacement")
+    flag = tmp_path / "flag"
+    flag.touch()
+    async with nbos.LocalCluster(hosts=4, durable=False, run_dir=tmp_path / "run") as cluster:
+        kernel = await cluster.start_kernel()
+        await run_cells(kernel, [GATE.format(flag=str(flag))])
+        await kernel.digests()  # every replica has the gate
+        flag.unlink()
+        victim = next(r.node for r in kernel.replicas if r.node != kernel.front.last_executor)
+        new = max(r.node for r in kernel.replicas) + 1
+        nodes: list[int] = []
+
+        async def replace() -> None:
+            nodes.append(await kernel.replace_replica(victim))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(replace)
+            with anyio.fail_after(60):
+                # A voter now, it waits in the gate for the replacement's digest request.
+                promoted = f"promote {new} done"
+                while not any(promoted in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                    await anyio.sleep(0.1)  # log records come with no event to wait on
+                log = next((tmp_path / "run" / "logs").glob(f"*/*-replica-{new}.log"))
+                while f"node {new}: leader for term" not in log.read_text():
+                    await ask_leadership(kernel, new)
+                    await anyio.sleep(0.2)
+            flag.touch()
+        assert nodes == [new] and victim not in {r.node for r in kernel.replicas}
+        assert set(kernel.front.alive) == {r.node for r in kernel.replicas}
