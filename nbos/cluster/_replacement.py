@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -297,12 +298,14 @@ class Replacer:
         await self._front.add_replica(ReplicaEndpoint(node, spawned.connection))
         # The Raft core refuses to promote a learner that has not caught up: retried.
         await self._change(live, "promote", node)
-        # Cells go to it only once it applied the kernel's latest Done.
+        # Cells go to it only once it applied the kernel's latest Done. Applying takes
+        # as long as the state is large and the host busy: the replacement's own
+        # deadline bounds it, not a limit of its own.
         reply = await self._front.control_request(
             node,
             "nbos_digest_request",
             {"after": self._front.settled_exec_index if after is None else after},
-            timeout=_REQUEST_TIMEOUT_S * 6,
+            timeout=math.inf,
         )
         if reply is None or reply["content"].get("status") != "ok":
             raise KernelError(f"replica {node} did not catch up with the kernel's cells")
