@@ -87,6 +87,14 @@ class GatewaySettings(_Section, frozen=True):
     agents' interval) is given up and its replicas replaced. ``local_agents``:
     start ``[cluster] hosts`` agents with ``[cluster] gpus_per_host`` virtual GPUs
     on this machine, else wait for agents started elsewhere.
+
+    ``idle_exit_s``: the gateway exits on its own once it has had no kernels and no
+    control request for that long (0: never). ``local_idle_exit_s``: the
+    ``idle_exit_s`` of the per-user gateway that the ``nbos`` kernelspec starts in
+    the background when no ``address`` is named (``docs/jupyter.md``).
+    ``orphan_grace_s``: a kernel started through the kernelspec is shut down this
+    long after its Jupyter client process (``JPY_PARENT_PID``) ended, or after its
+    kernel host process was last heard of.
     """
 
     address: str = "127.0.0.1:7070"
@@ -95,6 +103,9 @@ class GatewaySettings(_Section, frozen=True):
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 5
     local_agents: bool = True
+    idle_exit_s: float = 0.0
+    local_idle_exit_s: float = 600.0
+    orphan_grace_s: float = 30.0
 
 
 class Settings(_Section, frozen=True):
