@@ -156,6 +156,9 @@ def test_restart_keeps_an_open_client_working(runtime_dir: Path) -> None:
 _CLIENT = """
 import sys, time
 from jupyter_client.manager import KernelManager
+
+# The first kernel of a session may start the per-user gateway, its agents cold.
+pytestmark = pytest.mark.timeout(300)
 km = KernelManager(kernel_name="nbos")
 km.start_kernel()
 kernel_id, gateway = km.provisioner._kernel

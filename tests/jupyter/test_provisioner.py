@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 from jupyter_client.manager import KernelManager
 
 from tests.jupyter._gateway import replica_pids, wait_until
+
+# The first kernel of a session may start the per-user gateway, its agents cold.
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_poll_reports_alive_while_a_quorum_lives() -> None:
