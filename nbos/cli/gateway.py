@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,7 +19,14 @@ def register(subparsers: Any) -> None:
         "down cleanly (kernels, replicas and local agents with it). Settings: [gateway] "
         "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents), "
         "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
+        "With [gateway] idle_exit_s it also exits once it has had no kernel for that long. "
         "See docs/deploy.md.",
+    )
+    parser.add_argument(
+        "--runtime-file",
+        metavar="PATH",
+        help="announce the control address in PATH while serving (how the nbos kernelspec "
+        "finds the per-user gateway it started; see docs/jupyter.md)",
     )
     parser.set_defaults(func=gateway_command)
 
@@ -27,5 +35,6 @@ def gateway_command(args: argparse.Namespace) -> int:
     # Imported here: every nbos command builds this parser, few need the kernel stack.
     from nbos.gateway.service import run_until_signalled
 
-    anyio.run(run_until_signalled, Settings.load(args.config))
+    runtime_file = Path(args.runtime_file) if args.runtime_file else None
+    anyio.run(run_until_signalled, Settings.load(args.config), runtime_file)
     return 0

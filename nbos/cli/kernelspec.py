@@ -15,7 +15,12 @@ def register(subparsers: Any) -> None:
     where = inst.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="for the current user only")
     where.add_argument("--prefix", help="under this prefix (e.g. sys.prefix of a venv)")
-    inst.add_argument("--gpus", type=int, default=0, help="the kernel's default GPUs per cell")
+    inst.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="the kernel's default GPUs per cell (N > 0 installs it as nbos-gpu-N)",
+    )
     inst.set_defaults(func=install_command)
 
 

@@ -96,6 +96,16 @@ class _Launch:
         )
 
 
+def _front_address(connection: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The front's ``key`` and ``ports`` arguments from a connection info."""
+    if not connection:
+        return {}
+    names = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+    ports = {n: connection[n] for n in names if isinstance(connection.get(n), int)}
+    key = connection.get("key")
+    return {"key": key if isinstance(key, str) and key else None, "ports": ports}
+
+
 class Gateway:
     """Every kernel of one cluster; build it with :meth:`serve`."""
 
@@ -154,13 +164,19 @@ class Gateway:
                 await kernel.shutdown()
 
     async def start_kernel(
-        self, *, chooser: ExecutorChooser | None = None, gpus: int = 0
+        self,
+        *,
+        chooser: ExecutorChooser | None = None,
+        gpus: int = 0,
+        connection: Mapping[str, Any] | None = None,
     ) -> Kernel:
         """Start a kernel's replicas and its front; returns once every replica answered.
 
         The placement policy puts the replicas on distinct hosts; ``gpus`` is the
         kernel's GPUs per cell (a cell may ask for another count). ``chooser``
-        replaces the GPU-aware executor choice. Raises
+        replaces the GPU-aware executor choice. ``connection`` gives the front the
+        ``key`` and ports (``shell_port`` ...) of a kernel it replaces (a restart).
+        Raises
         :class:`~nbos.core.errors.PlacementError` when the policy cannot place it.
         """
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
@@ -187,6 +203,7 @@ class Gateway:
                 ip=self.options.front_ip,
                 chooser=chooser,
                 heartbeat=self.options.heartbeat,
+                **_front_address(connection),
             )
             self.gpus.add_kernel(kernel_id, front, placed)
             kernel: Kernel = await self._tg.start(

@@ -89,6 +89,13 @@ class GatewaySettings(_Section, frozen=True):
     on this machine, else wait for agents started elsewhere.
     ``metrics_address``: ``HOST:PORT`` where Prometheus scrapes ``/metrics``
     (empty: no metrics endpoint).
+    ``idle_exit_s``: the gateway exits on its own once it has had no kernels and no
+    control request for that long (0: never). ``local_idle_exit_s``: the
+    ``idle_exit_s`` of the per-user gateway that the ``nbos`` kernelspec starts in
+    the background when no ``address`` is named (``docs/jupyter.md``).
+    ``orphan_grace_s``: a kernel started through the kernelspec is shut down this
+    long after its Jupyter client process (``JPY_PARENT_PID``) ended, or after its
+    kernel host process was last heard of.
     """
 
     address: str = "127.0.0.1:7070"
@@ -98,6 +105,9 @@ class GatewaySettings(_Section, frozen=True):
     missed_heartbeats: int = 5
     local_agents: bool = True
     metrics_address: str = ""
+    idle_exit_s: float = 0.0
+    local_idle_exit_s: float = 600.0
+    orphan_grace_s: float = 30.0
 
 
 class Settings(_Section, frozen=True):

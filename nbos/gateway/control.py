@@ -12,7 +12,11 @@ request                    reply
 ``ListKernels()``          ``KernelList``
 ``ShutdownKernel(id)``     ``KernelList`` (the rest)
 ``StatusRequest()``        ``ClusterStatus``
+``WatchKernel(id, wait)``  ``KernelInfo``
 =========================  ==========================
+
+A request naming a kernel that does not run (or that ended during a ``WatchKernel``)
+is answered with ``ControlError(kind="unknown")``.
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from nbos.core.errors import NbosError, TransportError
+from nbos.core.errors import NbosError, TransportError, UnknownKernelError
 
 log = logging.getLogger(__name__)
 
 #: ``joining``: registered, its GPUs not yet reported to the scheduler (nothing is placed
 #: there yet); ``up``: schedulable; ``vanished``: silent past the missed-heartbeat limit.
 HostState = Literal["joining", "up", "vanished"]
-ControlErrorKind = Literal["malformed", "failed"]
+ControlErrorKind = Literal["malformed", "failed", "unknown"]
 
 
 class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, tag_field="t"):
@@ -41,9 +45,18 @@ class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, tag_field="t"):
 
 
 class StartKernel(_Msg):
-    """Start a kernel whose cells ask for ``gpus`` GPUs by default."""
+    """Start a kernel whose cells ask for ``gpus`` GPUs by default.
+
+    ``connection``: the ``key`` and ports (``shell_port`` ...) its front binds, those
+    of the kernel it replaces on a restart (so open client channels go on working);
+    ``None``: new ones. ``lease_s``: the kernel is shut down once no
+    :class:`WatchKernel` for it was pending for that long (its owner died); ``None``:
+    it lives until shut down.
+    """
 
     gpus: int = 0
+    connection: dict[str, str | int] | None = None
+    lease_s: float | None = None
 
 
 class ListKernels(_Msg):
@@ -56,6 +69,16 @@ class ShutdownKernel(_Msg):
 
 class StatusRequest(_Msg):
     pass
+
+
+class WatchKernel(_Msg):
+    """Answered once the kernel ended (``unknown``), or with its state after ``wait_s``.
+
+    A pending watch holds the kernel's lease (:class:`StartKernel`).
+    """
+
+    kernel_id: str
+    wait_s: float = 1.0
 
 
 class ReplicaStatus(_Msg):
@@ -103,7 +126,7 @@ class ControlError(_Msg):
     message: str
 
 
-ControlRequest = StartKernel | ListKernels | ShutdownKernel | StatusRequest
+ControlRequest = StartKernel | ListKernels | ShutdownKernel | StatusRequest | WatchKernel
 ControlReply = KernelInfo | KernelList | ClusterStatus | ControlError
 
 _requests = msgspec.msgpack.Decoder(ControlRequest)
@@ -130,6 +153,8 @@ async def serve_control(socket: zmq.asyncio.Socket, handle: Handler) -> None:
         else:
             try:
                 reply = await handle(request)
+            except UnknownKernelError as exc:
+                reply = ControlError("unknown", str(exc))
             except NbosError as exc:
                 log.warning("control: %s failed: %s", type(request).__name__, exc)
                 reply = ControlError("failed", str(exc))

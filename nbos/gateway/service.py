@@ -8,8 +8,13 @@
   machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs);
 * the :class:`~nbos.cluster.Gateway` running every kernel over the
   :class:`~nbos.gateway.AgentBackend` (the same kernel code as ``LocalCluster``);
-* the control endpoint at ``address`` (:mod:`nbos.gateway.control`);
+* the control endpoint at ``address`` (:mod:`nbos.gateway.control`), and the
+  leases of kernels started with one (:mod:`nbos.gateway._leases`);
 * with ``metrics_address``, Prometheus metrics there (:mod:`nbos.metrics.prometheus`).
+
+With ``idle_exit_s``, :func:`run_until_signalled` also ends once the gateway has had
+no kernel and no request for that long; with a runtime file
+(:mod:`nbos.gateway.runtime`) it announces itself there.
 
 Leaving it (SIGINT or SIGTERM for the command) shuts every kernel down, stops
 the replicas still running and the local agents, in that order.
@@ -23,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -40,6 +46,7 @@ from nbos.cluster._gpus import ClusterGpus
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, TransportError
 from nbos.gateway import AgentBackend, HostDirectory
+from nbos.gateway._leases import KernelLeases
 from nbos.gateway.control import (
     ClusterStatus,
     ControlReply,
@@ -53,8 +60,10 @@ from nbos.gateway.control import (
     ShutdownKernel,
     StartKernel,
     StatusRequest,
+    WatchKernel,
     serve_control,
 )
+from nbos.gateway.runtime import RuntimeFile
 from nbos.metrics import installed
 from nbos.metrics.prometheus import (
     ClusterCollector,
@@ -70,6 +79,8 @@ log = logging.getLogger(__name__)
 # How long local agents may take to register (each is a Python start).
 _AGENTS_TIMEOUT_S = 120.0
 _AGENT_STOP_S = 15.0
+# A watch is answered after at most this long, so a lost client frees its slot.
+_MAX_WATCH_S = 30.0
 
 
 class GatewayService:
@@ -79,6 +90,9 @@ class GatewayService:
         self.directory = directory
         self.gateway = gateway
         self.control_address = control_address
+        self.leases = KernelLeases()
+        self._in_flight = 0
+        self._last_activity = time.monotonic()
 
     @classmethod
     @asynccontextmanager
@@ -91,6 +105,8 @@ class GatewayService:
             raise ConfigError("gateway.missed_heartbeats", conf.missed_heartbeats, "at least 1")
         if not conf.heartbeat_s > 0:
             raise ConfigError("gateway.heartbeat_s", conf.heartbeat_s, "positive seconds")
+        if not conf.idle_exit_s >= 0:
+            raise ConfigError("gateway.idle_exit_s", conf.idle_exit_s, "seconds, 0 for never")
         keys = KeyDirectory(conf.keys) if conf.keys else None
         async with AsyncExitStack() as stack:
             run_dir = _run_dir(settings, stack)
@@ -130,6 +146,7 @@ class GatewayService:
                 raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
             service = cls(directory, gateway, control)
             tg.start_soon(serve_control, socket, service.handle)
+            tg.start_soon(service.expire_leases)
             if conf.metrics_address:
                 await _serve_metrics(service, conf.metrics_address, tg, stack)
             log.info("gateway: control at %s, agents at %s", control, transport.address)
@@ -138,9 +155,28 @@ class GatewayService:
     # --- control -----------------------------------------------------------------
 
     async def handle(self, request: ControlRequest) -> ControlReply:
+        self._in_flight += 1
+        try:
+            return await self._answer(request)
+        finally:
+            self._in_flight -= 1
+            self._last_activity = time.monotonic()
+
+    async def _answer(self, request: ControlRequest) -> ControlReply:
         match request:
-            case StartKernel(gpus=gpus):
-                return self.kernel_info(await self.gateway.start_kernel(gpus=gpus))
+            case StartKernel(gpus=gpus, connection=connection, lease_s=lease_s):
+                if lease_s is not None and not 0 < lease_s < float("inf"):
+                    raise ConfigError("lease_s", lease_s, "positive seconds, or none")
+                kernel = await self.gateway.start_kernel(gpus=gpus, connection=connection)
+                if lease_s is not None:
+                    self.leases.grant(kernel.kernel_id, lease_s)
+                return self.kernel_info(kernel)
+            case WatchKernel(kernel_id=kernel_id, wait_s=wait_s):
+                kernel = self.gateway.kernel(kernel_id)
+                with self.leases.watched(kernel_id):
+                    with anyio.move_on_after(min(max(wait_s, 0.0), _MAX_WATCH_S)):
+                        await kernel.closed.wait()
+                return self.kernel_info(self.gateway.kernel(kernel_id))
             case ListKernels():
                 return KernelList([self.kernel_info(k) for k in self.gateway.kernels])
             case ShutdownKernel(kernel_id=kernel_id):
@@ -149,6 +185,24 @@ class GatewayService:
             case StatusRequest():
                 kernels = [self.kernel_info(k) for k in self.gateway.kernels]
                 return ClusterStatus(self.host_status(), kernels)
+
+    async def expire_leases(self) -> None:
+        """Shut down, forever, the kernels whose lease ran out (their owner died)."""
+        while True:
+            await anyio.sleep(self.leases.check_interval())
+            for kernel_id in self.leases.expired():
+                self.leases.forget(kernel_id)
+                kernel = next((k for k in self.gateway.kernels if k.kernel_id == kernel_id), None)
+                if kernel is not None:
+                    log.warning("kernel %s: its owner stopped watching it: shut down", kernel_id)
+                    await kernel.shutdown()
+
+    def idle_for(self) -> float:
+        """Seconds since the gateway last had a kernel or a request (0 while it has)."""
+        now = time.monotonic()
+        if self._in_flight or self.gateway.kernels:
+            self._last_activity = now
+        return now - self._last_activity
 
     def kernel_info(self, kernel: Kernel) -> KernelInfo:
         connection = {
@@ -265,10 +319,43 @@ async def _stop_agent(process: anyio.abc.Process) -> None:
             await process.wait()
 
 
-async def run_until_signalled(settings: Settings) -> None:
-    """Serve ``settings`` in the foreground until SIGINT or SIGTERM."""
+async def run_until_signalled(settings: Settings, runtime_file: Path | None = None) -> None:
+    """Serve ``settings`` in the foreground until SIGINT or SIGTERM, or until idle for
+    ``[gateway] idle_exit_s``; announced in ``runtime_file`` meanwhile, if given."""
+    runtime = RuntimeFile(runtime_file) if runtime_file is not None else None
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with GatewayService.serve(settings):
-            async for signum in signals:
-                log.info("gateway: %s, stopping", signal.strsignal(signum))
-                return
+        async with GatewayService.serve(settings) as service:
+            try:
+                if runtime is not None:
+                    runtime.write(service.control_address.removeprefix("tcp://"))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_until_signalled, signals, tg.cancel_scope)
+                    if settings.gateway.idle_exit_s > 0:
+                        await _until_idle(service, settings.gateway.idle_exit_s, runtime)
+                        tg.cancel_scope.cancel()
+            finally:
+                if runtime is not None:
+                    runtime.remove_if_mine()
+
+
+async def _until_signalled(signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
+    async for signum in signals:
+        log.info("gateway: %s, stopping", signal.strsignal(signum))
+        scope.cancel()
+        return
+
+
+async def _until_idle(service: GatewayService, idle_s: float, runtime: RuntimeFile | None) -> None:
+    """Return once the gateway was idle for ``idle_s``; no client is then told its address."""
+    while True:
+        await anyio.sleep(min(1.0, idle_s / 4))
+        if service.idle_for() < idle_s:
+            continue
+        if runtime is None:
+            break
+        # A client that holds the lock is about to use this gateway: look again later.
+        with runtime.locked(block=False) as held:
+            if held and service.idle_for() >= idle_s:
+                runtime.remove_if_mine()
+                break
+    log.info("gateway: no kernel for %g s, stopping", idle_s)

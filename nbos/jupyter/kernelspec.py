@@ -14,11 +14,19 @@ KERNEL_NAME = "nbos"
 PROVISIONER_NAME = "nbos-provisioner"
 
 
+def kernel_name(gpus: int = 0) -> str:
+    """``nbos``, or ``nbos-gpu-N`` for a kernelspec whose cells ask for ``N`` GPUs."""
+    return f"{KERNEL_NAME}-gpu-{gpus}" if gpus else KERNEL_NAME
+
+
 def kernel_json(python: str = sys.executable, gpus: int = 0) -> dict[str, Any]:
     """The kernelspec's ``kernel.json``. ``gpus`` is the kernel's default GPUs per cell."""
+    display = (
+        f"nbos (replicated Python, {gpus} GPU per cell)" if gpus else "nbos (replicated Python)"
+    )
     return {
         "argv": [python, "-m", "nbos.jupyter.host", "-f", "{connection_file}", "--gpus", str(gpus)],
-        "display_name": "nbos (replicated Python)",
+        "display_name": display,
         "language": "python",
         "interrupt_mode": "message",
         "metadata": {
@@ -32,11 +40,11 @@ def kernel_json(python: str = sys.executable, gpus: int = 0) -> dict[str, Any]:
 def install(
     *, user: bool = False, prefix: str | None = None, python: str = sys.executable, gpus: int = 0
 ) -> str:
-    """Install the kernelspec; returns the directory it went to."""
+    """Install the kernelspec :func:`kernel_name` (``gpus``); returns the directory it went to."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "kernel.json").write_text(json.dumps(kernel_json(python, gpus), indent=1))
         return str(
             KernelSpecManager().install_kernel_spec(
-                tmp, kernel_name=KERNEL_NAME, user=user, prefix=prefix
+                tmp, kernel_name=kernel_name(gpus), user=user, prefix=prefix
             )
         )

@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import jupyter_kernel_test
+import pytest
+
+# The first kernel of a session may start the per-user gateway, its agents cold.
+pytestmark = pytest.mark.timeout(300)
 
 
 class NbosKernelTests(jupyter_kernel_test.KernelTests):  # type: ignore[misc]

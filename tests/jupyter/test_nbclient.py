@@ -7,6 +7,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+# The first kernel of a session may start the per-user gateway, its agents cold.
+pytestmark = pytest.mark.timeout(300)
+
 
 def run(cells: list[str], **kw: object) -> nbformat.NotebookNode:
     nb = new_notebook(cells=[new_code_cell(c) for c in cells])

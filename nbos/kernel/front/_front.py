@@ -48,6 +48,7 @@ from nbos.core.errors import (
     KernelError,
     NbosError,
     QuorumLostError,
+    TransportError,
 )
 from nbos.kernel.front import _requests, _wire
 from nbos.kernel.front._chooser import (
@@ -141,21 +142,30 @@ class KernelFront:
         ip: str = "127.0.0.1",
         chooser: ExecutorChooser | None = None,
         heartbeat: HeartbeatPolicy | None = None,
+        key: str | None = None,
+        ports: Mapping[str, int] | None = None,
     ) -> None:
+        # ``key`` and ``ports`` (``shell_port`` ... ``hb_port``): those of a kernel this
+        # one replaces (a restart), so that clients with open channels go on working.
         if not replicas:
             raise KernelError("a kernel front needs at least one replica")
         self._kernel_id = kernel_id
         self._ip = ip
-        self._key = secrets.token_hex(32)
+        self._key = key or secrets.token_hex(32)
         self._signer = _wire.Signer({"key": self._key}, username="nbos")
         self._chooser: ExecutorChooser = chooser or LastExecutorChooser()
         self._heartbeat = heartbeat or HeartbeatPolicy()
         self._ctx = zmq.asyncio.Context()
-        self._shell = self._bind(zmq.ROUTER)
-        self._control = self._bind(zmq.ROUTER)
-        self._stdin = self._bind(zmq.ROUTER)
-        self._iopub = self._bind(zmq.PUB)
-        self._hb = self._bind(zmq.ROUTER)
+        ports = ports or {}
+        try:
+            self._shell = self._bind(zmq.ROUTER, ports.get("shell_port", 0))
+            self._control = self._bind(zmq.ROUTER, ports.get("control_port", 0))
+            self._stdin = self._bind(zmq.ROUTER, ports.get("stdin_port", 0))
+            self._iopub = self._bind(zmq.PUB, ports.get("iopub_port", 0))
+            self._hb = self._bind(zmq.ROUTER, ports.get("hb_port", 0))
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise TransportError(f"kernel front cannot bind {ip} {dict(ports)}: {exc}") from exc
         self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
         #: Replicas being added (replacements): reachable, but not used for cells yet.
         self._standby: set[int] = set()
@@ -184,10 +194,10 @@ class KernelFront:
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
 
-    def _bind(self, kind: int) -> zmq.asyncio.Socket:
+    def _bind(self, kind: int, port: int) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{self._ip}:0")
+        sock.bind(f"tcp://{self._ip}:{port}")
         return sock
 
     # --- public -------------------------------------------------------------------
