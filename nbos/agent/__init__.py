@@ -17,6 +17,7 @@ from nbos.agent._daemon import (
     run_until_signalled,
     tcp_address,
 )
+from nbos.agent._pids import ProcessIdentity
 
 __all__ = [
     "GATEWAY_PEER",
@@ -24,6 +25,7 @@ __all__ = [
     "AgentDaemon",
     "EvictHook",
     "HostAgent",
+    "ProcessIdentity",
     "address_ip",
     "agent_peer",
     "reservation_message",

@@ -20,7 +20,8 @@ import attrs
 import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from nbos.agent._replicas import ReplicaRecord, _start_ticks
+from nbos.agent._pids import start_ticks
+from nbos.agent._replicas import ReplicaRecord
 from nbos.core.ids import PeerId
 from nbos.core.wire import AnyMessage, decode, encode
 from nbos.core.wire.agent import AgentHello, AgentWelcome
@@ -197,7 +198,7 @@ def recorded(state_dir: Path) -> list[ReplicaRecord]:
 def end_replicas(state_dir: Path) -> None:
     """SIGKILL the process groups of recorded replicas that are still the processes recorded."""
     for record in recorded(state_dir):
-        if not record.ended and _start_ticks(record.pid) == record.start_ticks:
+        if not record.ended and start_ticks(record.pid) == record.start_ticks:
             with suppress(ProcessLookupError):
                 os.killpg(record.pid, signal.SIGKILL)
 

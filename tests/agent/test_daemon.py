@@ -13,7 +13,8 @@ import anyio
 import msgspec
 import pytest
 
-from nbos.agent._replicas import ReplicaRecord, _start_ticks
+from nbos.agent._pids import start_ticks
+from nbos.agent._replicas import ReplicaRecord
 from nbos.core.wire.agent import (
     AgentError,
     AgentHello,
@@ -188,7 +189,7 @@ async def test_a_restarted_agent_takes_back_its_live_replicas_and_pool_but_not_a
     # A record whose PID now names another process: same PID, other start time.
     stranger = subprocess.Popen(SLEEPER)  # noqa: ASYNC220
     try:
-        ticks = _start_ticks(stranger.pid)
+        ticks = start_ticks(stranger.pid)
         assert ticks is not None
         record = ReplicaRecord(
             "reused", "", stranger.pid, ticks - 1, recorded(agents[0].state_dir)[0].boot_id, 0.0
