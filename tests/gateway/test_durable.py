@@ -30,7 +30,8 @@ from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas
 from tests.gateway._service import ask, start_gateway, status_when
 
-pytestmark = pytest.mark.anyio
+# Two gateway starts and a kernel's start, each a Python start: slow on a busy machine.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(360)]
 
 #: Kill-and-restart rounds; NBOS_DURABLE_ROUNDS for a longer soak.
 ROUNDS = int(os.environ.get("NBOS_DURABLE_ROUNDS", "2"))
