@@ -271,6 +271,7 @@ class Gateway:
         assert isinstance(self.launcher, AdoptingLauncher)  # checked by the constructor
         kernel_id = KernelId(record.kernel_id)
         handles: dict[int, ProcessHandle] = {}
+        failures: list[Exception] = []
         try:
             async with anyio.create_task_group() as tg:
                 for replica in record.replicas:
@@ -299,8 +300,9 @@ class Gateway:
                 launches,
                 _Replacing(members, chooser, record.gpus, placed, self._persist_soon),
             )
-        except (NbosError, OSError) as exc:
-            lost = exc
+        # The front's start fails inside the kernel's task group: an exception group.
+        except* (NbosError, OSError) as group:
+            failures.extend(group.exceptions)
         else:
             self._kernels[kernel_id] = kernel
             log.info(
@@ -310,7 +312,9 @@ class Gateway:
                 sorted(handles),
             )
             return
-        log.error("kernel %s is lost: it could not be taken back: %s", kernel_id, lost)
+        log.error("kernel %s is lost: it could not be taken back: %s", kernel_id, failures[0])
+        for key in [k for k in self._connections if k[0] == kernel_id]:
+            del self._connections[key]
         with anyio.CancelScope(shield=True):
             for handle in handles.values():
                 if handle.returncode is None:

@@ -5,7 +5,9 @@ killed. The agents and replicas live on; the gateway started again on the same
 settings (the same data dir) finds the agents, adopts the replicas and binds each
 kernel's front on its old ports with its old key, so that a Jupyter client
 connected before the kill gets the reply to its next cell, which sees the state
-of every cell acknowledged before the kill.
+of every cell acknowledged before the kill. Replicas that died while the gateway
+was down are replaced; a kernel left without a majority is given up, its last
+replica stopped.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from nbos.agent import ProcessIdentity
 from nbos.gateway.control import KernelInfo, KernelList, ListKernels, StartKernel
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas
-from tests.gateway._service import ask, start_gateway, status_when
+from tests.gateway._service import ask, run_cell, start_gateway, status_when
 
 # Two gateway starts and a kernel's start, each a Python start: slow on a busy machine.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(360)]
@@ -124,6 +126,12 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
     await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
     started = await ask(gateway.address, StartKernel(gpus=1))
     assert isinstance(started, KernelInfo), started
+    # Two more kernels, whose replicas die while the gateway is down: one of three,
+    # and two of three.
+    hurt = await ask(gateway.address, StartKernel())
+    doomed = await ask(gateway.address, StartKernel())
+    assert isinstance(hurt, KernelInfo) and isinstance(doomed, KernelInfo)
+    assert await run_cell(hurt, "y = 41") == {"status": "ok", "stdout": ""}
     agents = gateway.agents()
     assert len(agents) == 3
     client = _client(started)
@@ -135,6 +143,10 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
             gateway.kill()
             # The agents and replicas outlive the gateway.
             assert all(alive(p) for p in agents + replicas)
+            if round_ == 1:
+                for replica in [hurt.replicas[0], *doomed.replicas[:2]]:
+                    assert replica.pid is not None
+                    os.kill(replica.pid, signal.SIGKILL)
             gateway.start()
             begun = time.monotonic()
             # The client connected to the killed gateway's front: its next cell goes
@@ -146,7 +158,9 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
 
             listed = await ask(gateway.address, ListKernels())
             assert isinstance(listed, KernelList)
-            [kernel] = listed.kernels
+            kernels = {k.kernel_id: k for k in listed.kernels}
+            assert set(kernels) == {started.kernel_id, hurt.kernel_id}
+            kernel = kernels[started.kernel_id]
             assert kernel.kernel_id == started.kernel_id
             assert kernel.connection == started.connection
             assert [(r.node, r.host) for r in kernel.replicas] == [
@@ -154,15 +168,33 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
             ]
             assert all(r.alive for r in kernel.replicas)
             assert gateway.agents() == agents
-            status = await status_when(
-                gateway.address, lambda s: all(h.state == "up" for h in s.hosts)
+            # The GPUs are accounted from the agents' reports: what the killed gateway
+            # held is released, and so is the grant of the cell just run (once its reply
+            # went out): no GPU stays held.
+            await status_when(
+                gateway.address,
+                lambda s: all(
+                    h.state == "up" and h.precommitted + h.committed == 0 for h in s.hosts
+                ),
             )
-            # The GPUs are accounted from the agents' reports: nothing held twice, and
-            # the cell's grant was released.
-            assert all(h.precommitted + h.committed == 0 for h in status.hosts), status
             started = kernel
     finally:
         client.stop_channels()
+
+    # The replica that died is replaced (a new node), the state intact; the kernel that
+    # lost its majority is gone, its last replica stopped.
+    status = await status_when(
+        gateway.address,
+        lambda s: sum(r.alive for k in s.kernels for r in k.replicas) == 6,
+    )
+    [again] = [k for k in status.kernels if k.kernel_id == hurt.kernel_id]
+    assert sorted(r.node for r in again.replicas if r.alive) == [2, 3, 4]
+    assert await run_cell(again, "print(y + 1)") == {"status": "ok", "stdout": "42\n"}
+    last = doomed.replicas[2].pid
+    assert last is not None
+    with anyio.fail_after(DEADLINE):
+        while alive(last):  # noqa: ASYNC110 (another process's state)
+            await anyio.sleep(0.1)
 
     replicas = [r.pid for r in started.replicas if r.pid is not None]
     assert gateway.process is not None
