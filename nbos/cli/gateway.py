@@ -18,7 +18,8 @@ def register(subparsers: Any) -> None:
         "down cleanly (kernels, replicas and local agents with it). Settings: [gateway] "
         "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents), "
         "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
-        "See docs/deploy.md.",
+        "With a data_dir the gateway keeps its kernels there: started again after a crash "
+        "or kill -9, it takes them back (agents and replicas run on). See docs/deploy.md.",
     )
     parser.set_defaults(func=gateway_command)
 

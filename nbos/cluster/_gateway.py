@@ -312,7 +312,10 @@ class Gateway:
                 sorted(handles),
             )
             return
-        log.error("kernel %s is lost: it could not be taken back: %s", kernel_id, failures[0])
+        why: BaseException = failures[0]
+        while isinstance(why, BaseExceptionGroup):  # the first error, not its wrapping
+            why = why.exceptions[0]
+        log.error("kernel %s is lost: it could not be taken back: %s", kernel_id, why)
         for key in [k for k in self._connections if k[0] == kernel_id]:
             del self._connections[key]
         with anyio.CancelScope(shield=True):
