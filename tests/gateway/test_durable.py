@@ -105,11 +105,13 @@ def _client(info: KernelInfo) -> BlockingKernelClient:
     return client
 
 
-def _run(client: BlockingKernelClient, code: str, probe: str) -> dict[str, Any]:
+def _run(
+    client: BlockingKernelClient, code: str, probe: str, timeout: float = DEADLINE
+) -> dict[str, Any]:
     """Run ``code``; the shell reply's content, ``probe`` evaluated after it."""
     msg_id = client.execute(code, user_expressions={"probe": probe}, allow_stdin=False)
     while True:
-        reply: dict[str, Any] = client.get_shell_msg(timeout=DEADLINE)
+        reply: dict[str, Any] = client.get_shell_msg(timeout=timeout)
         if reply["parent_header"].get("msg_id") == msg_id:
             return reply["content"]  # type: ignore[no-any-return]
 
@@ -150,8 +152,9 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
             gateway.start()
             begun = time.monotonic()
             # The client connected to the killed gateway's front: its next cell goes
-            # out at once and is answered by the new front, on the same ports and key.
-            content = await anyio.to_thread.run_sync(_run, client, "x += 1", "x")
+            # out at once and is answered by the new front, on the same ports and key
+            # (once the gateway is up: a Python start, slow on a busy machine).
+            content = await anyio.to_thread.run_sync(_run, client, "x += 1", "x", 3 * DEADLINE)
             took = time.monotonic() - begun
             assert _probe(content) == str(1 + round_)
             print(f"round {round_}: restart to first cell answered {took:.2f} s")
