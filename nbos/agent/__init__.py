@@ -17,7 +17,7 @@ from nbos.agent._daemon import (
     run_until_signalled,
     tcp_address,
 )
-from nbos.agent._replicas import process_start_ticks
+from nbos.agent._pids import ProcessIdentity, process_start_ticks
 
 __all__ = [
     "GATEWAY_PEER",
@@ -25,6 +25,7 @@ __all__ = [
     "AgentDaemon",
     "EvictHook",
     "HostAgent",
+    "ProcessIdentity",
     "address_ip",
     "agent_peer",
     "process_start_ticks",

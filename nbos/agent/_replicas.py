@@ -36,6 +36,7 @@ import anyio.abc
 import attrs
 import msgspec
 
+from nbos.agent._pids import process_start_ticks, read_boot_id
 from nbos.backends import LocalProcessBackend, LocalProcessHandle
 from nbos.backends.workdir import (
     expand_argv,
@@ -51,7 +52,6 @@ from nbos.core.wire.agent import ReplicaInfo, ReplicaSpec
 log = logging.getLogger(__name__)
 
 _REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 #: How many acknowledged replica ids are remembered, so a late duplicate start is not obeyed.
 _ACKED_MEMORY = 4096
 
@@ -192,7 +192,7 @@ class ReplicaService:
         self._tg = tg
         self._replicas: dict[str, _Replica] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
-        self._boot_id = _read_boot_id()
+        self._boot_id = read_boot_id()
 
     @classmethod
     async def open(
@@ -415,21 +415,3 @@ def _write_atomically(path: Path, record: ReplicaRecord) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(scratch, path)
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), or ``None`` if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat.rpartition(")")[2].split()
-    return int(fields[19])  # field 22 of proc(5), counted from field 3
-
-
-def _read_boot_id() -> str:
-    try:
-        return _BOOT_ID.read_text().strip()
-    except OSError:
-        return ""

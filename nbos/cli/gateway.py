@@ -19,8 +19,9 @@ def register(subparsers: Any) -> None:
         "down cleanly (kernels, replicas and local agents with it). Settings: [gateway] "
         "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents), "
         "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
-        "With [gateway] idle_exit_s it also exits once it has had no kernel for that long. "
-        "See docs/deploy.md.",
+        "With a data_dir the gateway keeps its kernels there: started again after a crash "
+        "or kill -9, it takes them back (agents and replicas run on). With [gateway] "
+        "idle_exit_s it also exits once it has had no kernel for that long. See docs/deploy.md.",
     )
     parser.add_argument(
         "--runtime-file",

@@ -11,6 +11,13 @@ A kernel's replica ``N`` gets a working directory ``KERNEL/replica-N`` on its ho
 (its connection file, and its Raft log when durable), Raft and forwarder ports free on
 that host, and a connection file naming that host's address: replicas listen on the
 address their host is reached at. Fronts bind ``front_ip``.
+
+Durability: given a :class:`~nbos.gateway._state.StateFile` (``nbos gateway`` with a
+data dir), the gateway rewrites it whenever its kernels change (a kernel started, shut
+down or lost, a replica restarted or replaced), and :meth:`Gateway.restore` takes the
+kernels it names back after a restart: the replicas kept running on their hosts (the
+launcher adopts them), each front binds its old ports with its old key, and the cells
+go on from the replicas' log. The embedded cluster keeps no state file.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import json
 import logging
 import secrets
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -31,13 +38,26 @@ import msgspec
 from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
 from nbos.cluster._chooser import GpuChooser
 from nbos.cluster._kernel import Kernel, stop_processes
-from nbos.cluster._replacement import MemberAddress, Replacer, Spawned
+from nbos.cluster._replacement import MemberAddress, Replacer, Spawn, Spawned
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
-from nbos.core.errors import ConfigError, UnknownKernelError
+from nbos.core.errors import ConfigError, NbosError, UnknownKernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
-from nbos.gateway import GpuScheduler, ReplicaLauncher
-from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy, KernelFront, ReplicaEndpoint
+from nbos.gateway import AdoptingLauncher, GpuScheduler, ReplicaLauncher
+from nbos.gateway._state import (
+    FrontRecord,
+    GatewayState,
+    KernelRecord,
+    ReplicaRecord,
+    StateFile,
+)
+from nbos.kernel.front import (
+    ExecutorChooser,
+    FrontIdentity,
+    HeartbeatPolicy,
+    KernelFront,
+    ReplicaEndpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +116,26 @@ class _Launch:
         )
 
 
-def _front_address(connection: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The front's ``key`` and ``ports`` arguments from a connection info."""
+@attrs.frozen
+class _Tracked:
+    """A running kernel's bookkeeping, shared with its task: what its record is made of."""
+
+    front: KernelFront
+    handles: Mapping[int, ProcessHandle]
+    launches: Mapping[int, _Launch]
+    replacing: _Replacing
+
+
+def _restart_identity(connection: Mapping[str, Any] | None) -> FrontIdentity | None:
+    """The identity a restarted kernel's front takes from the connection info it replaces."""
     if not connection:
-        return {}
+        return None
     names = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
     ports = {n: connection[n] for n in names if isinstance(connection.get(n), int)}
     key = connection.get("key")
-    return {"key": key if isinstance(key, str) and key else None, "ports": ports}
+    if not isinstance(key, str) or not key:
+        raise ConfigError("connection.key", key, "the key of the kernel restarted")
+    return FrontIdentity(key, None, ports)
 
 
 class Gateway:
@@ -115,7 +147,10 @@ class Gateway:
         launcher: ReplicaLauncher,
         options: KernelOptions,
         tg: anyio.abc.TaskGroup,
+        state: StateFile | None = None,
     ) -> None:
+        if state is not None and not isinstance(launcher, AdoptingLauncher):
+            raise ConfigError("state", str(state.path), "a launcher whose replicas outlive it")
         self.gpus = gpus
         self.launcher = launcher
         self.options = options
@@ -123,15 +158,27 @@ class Gateway:
         self._kernels: dict[KernelId, Kernel] = {}
         # Each replica's connection info, as its connection file says.
         self._connections: dict[tuple[KernelId, int], Mapping[str, Any]] = {}
+        self._state = state
+        self._state_lock = anyio.Lock()
+        self._tracked: dict[KernelId, _Tracked] = {}
 
     @classmethod
     @asynccontextmanager
     async def serve(
-        cls, gpus: KernelGpus, launcher: ReplicaLauncher, options: KernelOptions
+        cls,
+        gpus: KernelGpus,
+        launcher: ReplicaLauncher,
+        options: KernelOptions,
+        *,
+        state: StateFile | None = None,
     ) -> AsyncIterator[Gateway]:
-        """Run kernels until the block exits, which shuts every kernel down."""
+        """Run kernels until the block exits, which shuts every kernel down.
+
+        ``state``: keep the kernels there (the launcher must be an
+        :class:`~nbos.gateway.AdoptingLauncher`); :meth:`restore` takes them back.
+        """
         async with anyio.create_task_group() as tg:
-            gateway = cls(gpus, launcher, options, tg)
+            gateway = cls(gpus, launcher, options, tg, state)
             try:
                 yield gateway
             finally:
@@ -203,7 +250,7 @@ class Gateway:
                 ip=self.options.front_ip,
                 chooser=chooser,
                 heartbeat=self.options.heartbeat,
-                **_front_address(connection),
+                identity=_restart_identity(connection),
             )
             self.gpus.add_kernel(kernel_id, front, placed)
             kernel: Kernel = await self._tg.start(
@@ -212,7 +259,7 @@ class Gateway:
                 front,
                 handles,
                 launches,
-                _Replacing(members, chooser, gpus, placed),
+                _Replacing(members, chooser, gpus, placed, self._persist_soon),
             )
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -221,7 +268,140 @@ class Gateway:
                 await self.gpus.kernel_gone(kernel_id)
             raise
         self._kernels[kernel_id] = kernel
+        await self._persist()
         return kernel
+
+    async def restore(self, records: Sequence[KernelRecord], timeout: float) -> list[Kernel]:
+        """Take back the kernels of ``records``, run by this gateway before it restarted.
+
+        Their replicas' hosts get ``timeout`` seconds to register; a replica that ended
+        meanwhile, or whose host did not come, is replaced as any dead one (after
+        ``replace_after_s``). A kernel without a majority of live replicas, or whose
+        front cannot bind its old ports, is lost: logged, its replicas stopped.
+        Returns the kernels taken back.
+        """
+        async with anyio.create_task_group() as tg:
+            for record in records:
+                tg.start_soon(self._restore_one, record, timeout)
+        await self._persist()
+        return [k for r in records if (k := self._kernels.get(KernelId(r.kernel_id)))]
+
+    async def _restore_one(self, record: KernelRecord, timeout: float) -> None:
+        assert isinstance(self.launcher, AdoptingLauncher)  # checked by the constructor
+        kernel_id = KernelId(record.kernel_id)
+        handles: dict[int, ProcessHandle] = {}
+        failures: list[Exception] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                for replica in record.replicas:
+                    tg.start_soon(self._adopt, handles, replica, timeout)
+            placed = {r.node: HostId(r.host) for r in record.replicas}
+            launches = {r.node: _launch_of(r) for r in record.replicas}
+            members = {r.node: MemberAddress(r.raft, r.forward) for r in record.replicas}
+            for r in record.replicas:
+                self._connections[(kernel_id, r.node)] = r.connection
+            chooser = GpuChooser(self.gpus.scheduler, kernel_id, placed, record.gpus)
+            front = KernelFront(
+                [ReplicaEndpoint(r.node, r.connection) for r in record.replicas],
+                kernel_id=kernel_id,
+                ip=record.front.ip,
+                chooser=chooser,
+                heartbeat=self.options.heartbeat,
+                identity=_identity(record.front),
+                resume=True,
+            )
+            self.gpus.scheduler.adopt_placement(kernel_id, placed.values(), record.gpus)
+            self.gpus.add_kernel(kernel_id, front, placed)
+            kernel: Kernel = await self._tg.start(
+                self._run_kernel,
+                kernel_id,
+                front,
+                handles,
+                launches,
+                _Replacing(members, chooser, record.gpus, placed, self._persist_soon),
+            )
+        # The front's start fails inside the kernel's task group: an exception group.
+        except* (NbosError, OSError) as group:
+            failures.extend(group.exceptions)
+        else:
+            self._kernels[kernel_id] = kernel
+            log.info(
+                "kernel %s taken back: replicas %s of %s alive",
+                kernel_id,
+                list(front.alive),
+                sorted(handles),
+            )
+            return
+        why: BaseException = failures[0]
+        while isinstance(why, BaseExceptionGroup):  # the first error, not its wrapping
+            why = why.exceptions[0]
+        log.error("kernel %s is lost: it could not be taken back: %s", kernel_id, why)
+        for key in [k for k in self._connections if k[0] == kernel_id]:
+            del self._connections[key]
+        with anyio.CancelScope(shield=True):
+            for handle in handles.values():
+                if handle.returncode is None:
+                    await handle.terminate(grace=1.0)
+            await self.gpus.kernel_gone(kernel_id)
+
+    async def _adopt(
+        self, handles: dict[int, ProcessHandle], replica: ReplicaRecord, timeout: float
+    ) -> None:
+        assert isinstance(self.launcher, AdoptingLauncher)
+        handles[replica.node] = await self.launcher.adopt(
+            HostId(replica.host), replica.process, timeout
+        )
+
+    def _persist_soon(self) -> None:
+        if self._state is not None:
+            self._tg.start_soon(self._persist)
+
+    async def _persist(self) -> None:
+        """Write every running kernel to the state file (if any), as they are now."""
+        if self._state is None:
+            return
+        with anyio.CancelScope(shield=True):
+            async with self._state_lock:
+                state = GatewayState(kernels=[self._record(k, t) for k, t in self._tracked.items()])
+                try:
+                    await anyio.to_thread.run_sync(self._state.save, state)
+                except OSError:
+                    log.exception("gateway state not saved to %s", self._state.path)
+
+    def _record(self, kernel_id: KernelId, tracked: _Tracked) -> KernelRecord:
+        assert isinstance(self.launcher, AdoptingLauncher)
+        replicas = []
+        for node, handle in sorted(tracked.handles.items()):
+            launch = tracked.launches.get(node)
+            member = tracked.replacing.members.get(node)
+            connection = self._connections.get((kernel_id, node))
+            if launch is None or member is None or connection is None:
+                continue  # a replacement half way: it joins no record until it has joined
+            replicas.append(
+                ReplicaRecord(
+                    node=node,
+                    host=launch.host,
+                    process=self.launcher.process_id(handle),
+                    workdir=launch.workdir,
+                    key=launch.key,
+                    argv=list(launch.spec.argv),
+                    env=dict(launch.spec.env),
+                    label=launch.spec.label,
+                    raft=member.raft,
+                    forward=member.forward,
+                    connection=_plain(connection),
+                )
+            )
+        identity = tracked.front.identity
+        front = FrontRecord(
+            ip=str(tracked.front.connection_info["ip"]),
+            key=identity.key,
+            session=tracked.front.session_id,
+            **{name: identity.ports[name] for name in _PORTS},
+        )
+        return KernelRecord(
+            kernel_id=kernel_id, gpus=tracked.replacing.gpus, front=front, replicas=replicas
+        )
 
     async def _connection(
         self, kernel_id: KernelId, node: int, handle: ProcessHandle
@@ -271,6 +451,8 @@ class Gateway:
                         # Same host, ports, keys and Raft log directory as before.
                         handle = await launches[node].start(launcher)
                         tg.start_soon(watch, node, handle)
+                        # Runs once the kernel holds the new handle (it does on return).
+                        self._persist_soon()
                         return handle
 
                     async def spawn(
@@ -287,24 +469,7 @@ class Gateway:
                             raise
                         return Spawned(handle, info)
 
-                    replacer = Replacer(
-                        kernel_id=kernel_id,
-                        front=front,
-                        processes=handles,
-                        members=dict(replacing.members),
-                        spawn=spawn,
-                        place=lambda k, exclude: gpus.scheduler.decisions.place_one(
-                            gpus.scheduler.view(), k, replacing.gpus, exclude
-                        ),
-                        new_member=self._member,
-                        listeners=(replacing, replacing.chooser),
-                    )
-                    if isinstance(replacing.chooser, GpuChooser):
-                        replacing.chooser.enable_migration(
-                            lambda node, host, after: replacer.replace(
-                                node, target=host, after=after
-                            ),
-                        )
+                    replacer = self._replacer(kernel_id, front, handles, replacing, spawn)
                     kernel = Kernel(
                         kernel_id,
                         front,
@@ -323,6 +488,7 @@ class Gateway:
                     for node, handle in handles.items():
                         tg.start_soon(watch, node, handle)
                     await tg.start(front.serve)
+                    self._tracked[kernel_id] = _Tracked(front, handles, launches, replacing)
                     task_status.started(kernel)
                     await front.shutdown_requested.wait()
                     # A client shut the kernel down: the replicas were asked to exit.
@@ -332,10 +498,42 @@ class Gateway:
                     kernel.closed.set()
                     tg.cancel_scope.cancel()
         finally:
-            front.closing()
-            for key in [k for k in self._connections if k[0] == kernel_id]:
-                del self._connections[key]
-            await gpus.kernel_gone(kernel_id)
+            await self._kernel_ended(kernel_id, front)
+
+    async def _kernel_ended(self, kernel_id: KernelId, front: KernelFront) -> None:
+        front.closing()
+        for key in [k for k in self._connections if k[0] == kernel_id]:
+            del self._connections[key]
+        if self._tracked.pop(kernel_id, None) is not None:
+            await self._persist()
+        await self.gpus.kernel_gone(kernel_id)
+
+    def _replacer(
+        self,
+        kernel_id: KernelId,
+        front: KernelFront,
+        handles: dict[int, ProcessHandle],
+        replacing: _Replacing,
+        spawn: Spawn,
+    ) -> Replacer:
+        scheduler = self.gpus.scheduler
+        replacer = Replacer(
+            kernel_id=kernel_id,
+            front=front,
+            processes=handles,
+            members=replacing.members,
+            spawn=spawn,
+            place=lambda k, exclude: scheduler.decisions.place_one(
+                scheduler.view(), k, replacing.gpus, exclude
+            ),
+            new_member=self._member,
+            listeners=(replacing, replacing.chooser),
+        )
+        if isinstance(replacing.chooser, GpuChooser):
+            replacing.chooser.enable_migration(
+                lambda node, host, after: replacer.replace(node, target=host, after=after),
+            )
+        return replacer
 
     def _launch(
         self,
@@ -382,14 +580,42 @@ class Gateway:
 
 @attrs.frozen
 class _Replacing:
-    """What replacing a kernel's replicas needs: peer addresses, chooser, GPUs per cell,
-    and the node -> host map that the GPU eviction routes read (kept up to date)."""
+    """What replacing a kernel's replicas needs: peer addresses (the replacer keeps them
+    up to date), chooser, GPUs per cell, the node -> host map that the GPU eviction
+    routes read (kept up to date), and who hears that the kernel's replicas changed."""
 
-    members: Mapping[int, MemberAddress]
+    members: dict[int, MemberAddress]
     chooser: ExecutorChooser
     gpus: int
     hosts: dict[int, HostId]
+    changed: Callable[[], None]
 
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         self.hosts.pop(dead, None)
         self.hosts[node] = host
+        # Called before the replacer updates its maps; the write runs after it did.
+        self.changed()
+
+
+_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+
+
+def _launch_of(replica: ReplicaRecord) -> _Launch:
+    spec = ProcessSpec(argv=list(replica.argv), env=dict(replica.env), label=replica.label)
+    return _Launch(HostId(replica.host), spec, replica.workdir, replica.key)
+
+
+def _identity(front: FrontRecord) -> FrontIdentity:
+    ports = {name: int(getattr(front, name)) for name in _PORTS}
+    return FrontIdentity(front.key, front.session, ports)
+
+
+def _plain(connection: Mapping[str, Any]) -> dict[str, str | int]:
+    """Connection info as the state file keeps it (a key given as bytes as text)."""
+    out: dict[str, str | int] = {}
+    for name, value in connection.items():
+        if isinstance(value, bytes):
+            out[name] = value.decode()
+        elif isinstance(value, str | int):
+            out[name] = value
+    return out

@@ -16,12 +16,13 @@ from nbos.gateway._agent_backend import (
 )
 from nbos.gateway._directory import HostDirectory, HostListener, RegisteredHost
 from nbos.gateway._hosts import Grant, HostRecord
-from nbos.gateway._launch import LocalLauncher, ReplicaLauncher
+from nbos.gateway._launch import AdoptingLauncher, LocalLauncher, ReplicaLauncher
 from nbos.gateway._scheduler import CellLease, GpuScheduler, WaitCallback
 
 __all__ = [
     "HOST_LOST_STATUS",
     "UNKNOWN_STATUS",
+    "AdoptingLauncher",
     "AgentBackend",
     "AgentProcessHandle",
     "CellLease",

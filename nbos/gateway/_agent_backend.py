@@ -38,6 +38,8 @@ from nbos.core.wire.agent import (
     ReplicaConnection,
     ReplicaConnectionRequest,
     ReplicaInfo,
+    ReplicaList,
+    ReplicaListRequest,
     ReplicaReply,
     ReplicaRequest,
     ReplicaSignal,
@@ -185,6 +187,60 @@ class AgentBackend:
                 await anyio.sleep(_CONNECTION_POLL_S)
             raise BackendError(f"replica exited with status {handle.returncode} at start")
         raise BackendError(f"replica {handle.replica_id} gave no connection within {timeout} s")
+
+    def process_id(self, handle: ProcessHandle) -> str:
+        """The agent's id of ``handle``'s replica: what :meth:`adopt` takes back."""
+        if not isinstance(handle, AgentProcessHandle):
+            raise BackendError(f"{handle!r} is not a process of an agent")
+        return handle.replica_id
+
+    async def adopt(self, host: HostId, replica_id: str, timeout: float) -> AgentProcessHandle:
+        """A handle on replica ``replica_id`` of ``host``, started by an earlier gateway.
+
+        Waits up to ``timeout`` for the host to register, then asks its agent. The
+        handle has ended already when the replica did (with its status, or
+        :data:`UNKNOWN_STATUS` once forgotten) or when the host did not register in
+        time (:data:`HOST_LOST_STATUS`; stopped should the host come back).
+        """
+        handle = self._handles[replica_id] = AgentProcessHandle(self, host, replica_id)
+        if not await self._directory.wait_live(host, timeout):
+            log.warning("replica %s: host %s did not register; given up for lost", replica_id, host)
+            self._lost[replica_id] = host
+            self._forget(handle, HOST_LOST_STATUS)
+            return handle
+        reply = await self._request(handle, ReplicaListRequest)
+        if isinstance(reply, ReplicaList):
+            info = next((r for r in reply.replicas if r.replica_id == replica_id), None)
+            if info is None:
+                self._forget(handle, UNKNOWN_STATUS)
+            elif not info.running:
+                self._exited(handle, info)
+            else:
+                handle.pid = info.pid
+        return handle
+
+    async def stop_strays(self) -> None:
+        """Stop replicas that live hosts run but no handle names.
+
+        After a restart they are an earlier gateway's that it did not keep: a kernel
+        or a replacement it was starting when it died.
+        """
+        for host in self.hosts():
+            try:
+                reply = await self._directory.call(host, ReplicaListRequest)
+            except HostUnreachableError:
+                continue
+            if not isinstance(reply, ReplicaList):
+                continue
+            for info in reply.replicas:
+                if info.running and info.replica_id not in self._handles:
+                    log.warning(
+                        "host %s runs replica %s (%s) of no kernel: stopping it",
+                        host,
+                        info.replica_id,
+                        info.label,
+                    )
+                    self._tg.start_soon(self._stop_lost, host, info.replica_id)
 
     # --- HostListener ------------------------------------------------------------
 

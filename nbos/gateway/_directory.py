@@ -7,11 +7,15 @@ every message once:
   be the one on file for its host; the directory then connects to the agent's
   address with that key as the CURVE server key (only the holder of the host's
   secret completes that handshake), admits the host to the scheduler and answers
-  ``AgentWelcome``. Registration is the only place that adds agent peers.
+  ``AgentWelcome``. Registration, and asking for it, are the only places that add
+  agent peers.
 * GPU replies and ``AgentStatus`` heartbeats go, undecoded, to the
   :class:`~nbos.gateway.GpuScheduler` through an inbox link.
 * Replica replies go to the directory's request channel (:meth:`HostDirectory.call`);
   ``ReplicaExited`` goes to the listeners (the agent backend), then is acknowledged.
+* ``AgentStatus`` from an agent that is not registered (it registered with this
+  gateway's previous run, which was killed): the directory connects to the
+  address it reports (with the host's key on file) and asks it for a hello.
 
 Every message from an admitted agent counts as a sign of life. A host silent for
 ``missed_heartbeats`` heartbeat intervals is **vanished**: unschedulable, and its
@@ -47,6 +51,7 @@ from nbos.core.wire.agent import (
     AgentHello,
     AgentHelloRequest,
     AgentReply,
+    AgentStatus,
     AgentWelcome,
     GpuInfo,
     ReplicaExitAck,
@@ -130,6 +135,8 @@ class HostDirectory:
         self._listeners: list[HostListener] = []
         self._changed = anyio.Event()
         self._scheduler: GpuScheduler | None = None
+        # Unregistered agents asked for a hello, and when (see _ask_to_register).
+        self._asked: dict[PeerId, float] = {}
 
     @classmethod
     @asynccontextmanager
@@ -216,6 +223,16 @@ class HostDirectory:
                 await self._changed.wait()
         await self.scheduler.wait_for_hosts(n, timeout)
 
+    async def wait_live(self, host_id: HostId, timeout: float) -> bool:
+        """Whether ``host_id`` is registered and live, waiting up to ``timeout`` for it."""
+        with anyio.move_on_after(timeout):
+            while True:
+                host = self._hosts.get(host_id)
+                if host is not None and not host.vanished:
+                    return True
+                await self._changed.wait()
+        return False
+
     # --- requests ----------------------------------------------------------------
 
     async def call(
@@ -249,6 +266,9 @@ class HostDirectory:
                 await self._on_hello(sender, message)
                 continue
             host = self._sender_host(sender)
+            if host is None and isinstance(message, AgentStatus):
+                await self._ask_to_register(sender, message)
+                continue
             if host is None:
                 log.debug(
                     "%s from %s, not a registered agent: dropped", type(message).__name__, sender
@@ -324,10 +344,43 @@ class HostDirectory:
                 len(hello.replicas),
             )
         self.scheduler.admit(host_id, sender)
+        self._asked.pop(sender, None)
         await self._send(sender, AgentWelcome(host_id, hello.incarnation))
         for listener in self._listeners:
             listener.host_registered(host, list(hello.replicas))
         self._notify()
+
+    async def _ask_to_register(self, sender: PeerId, status: AgentStatus) -> None:
+        """An agent that reports as registered, to a gateway that does not know it (this
+        gateway restarted): connect to the address it reports and ask for its hello.
+
+        With keys, the connection uses the host's key on file, so only that host's
+        agent can complete it; its hello is then checked like any other. Asked at
+        most once a heartbeat interval: an agent cut off from the gateway queued
+        reports that all arrive at once.
+        """
+        now = anyio.current_time()
+        if now - self._asked.get(sender, -self._interval) < self._interval:
+            return
+        try:
+            check_host_name(status.host_id)
+            tcp_address(status.address, "address")
+        except ConfigError as exc:
+            log.warning("status from %s dropped: %s", sender, exc)
+            return
+        if sender != agent_peer(status.host_id):
+            log.warning("status of %s from peer %s dropped", status.host_id, sender)
+            return
+        try:
+            key = self._keys.host_public(status.host_id) if self._keys is not None else b""
+            self.transport.add_peer(sender, status.address, server_key=key or None)
+        except (ConfigError, TransportError) as exc:
+            log.warning("host %s cannot be asked to register: %s", status.host_id, exc)
+            return
+        level = logging.DEBUG if sender in self._asked else logging.INFO
+        log.log(level, "host %s reports to us unregistered: asking for its hello", status.host_id)
+        self._asked[sender] = now
+        await self._send(sender, AgentHelloRequest(0))
 
     def _admissible(self, sender: PeerId, hello: AgentHello) -> bytes | None:
         """The CURVE server key to reach the agent with (``b""``: plain), or ``None``: refused."""

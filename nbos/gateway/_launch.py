@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 from weakref import WeakKeyDictionary
 
 import anyio
@@ -67,6 +67,20 @@ class ReplicaLauncher(Protocol):
 
         Raises :class:`~nbos.core.errors.BackendError` if it ended first or ``timeout`` passed.
         """
+        ...
+
+
+@runtime_checkable
+class AdoptingLauncher(ReplicaLauncher, Protocol):
+    """A launcher whose replicas outlive the gateway, which a restarted one takes back."""
+
+    def process_id(self, handle: ProcessHandle) -> str:
+        """What names ``handle``'s process to :meth:`adopt` in a later gateway."""
+        ...
+
+    async def adopt(self, host: HostId, process_id: str, timeout: float) -> ProcessHandle:
+        """A handle on ``process_id`` of ``host``, waiting up to ``timeout`` for the host;
+        a handle that has ended already if the process did or the host did not come."""
         ...
 
 

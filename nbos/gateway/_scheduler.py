@@ -274,6 +274,12 @@ class GpuScheduler:
         self._notify()
         return hosts
 
+    def adopt_placement(self, kernel_id: KernelId, hosts: Iterable[HostId], gpus: int) -> None:
+        """A kernel placed before this scheduler started (a restarted gateway took it
+        over): its replicas are on ``hosts``, ``gpus`` subscribed on each."""
+        self._placements[kernel_id] = (tuple(hosts), gpus)
+        self._notify()
+
     def replica_moved(self, kernel_id: KernelId, old: HostId, new: HostId) -> None:
         """A replica of the kernel was replaced from host ``old`` to ``new``: so is its
         subscription. (What it held on ``old`` is freed by :meth:`replica_gone`.)"""
@@ -631,6 +637,7 @@ class GpuScheduler:
             )
             host.update(sender, status, now)
             log.info("host %s joined with %d GPUs", host_id, len(host.devices))
+            self._release_foreign(host)
         else:
             was_reachable = host.reachable
             if host.update(sender, status, now):
@@ -639,6 +646,22 @@ class GpuScheduler:
                 log.info("host %s is reachable again", host_id)
         self._resend(host)
         self._notify()
+
+    def _release_foreign(self, host: HostRecord) -> None:
+        """Free what the first report of ``host`` holds: this scheduler granted nothing there
+        yet, so those are the grants of an earlier gateway, which died with it.
+
+        The tensors stay resident (the replicas live on), to be evicted lazily. A cell
+        that was running when that gateway died may still use its devices a while.
+        """
+        for res, reservation in list(host.reported.items()):
+            log.info(
+                "host %s: reservation %s of kernel %s is not ours (an earlier gateway's): released",
+                host.host_id,
+                res,
+                reservation.kernel_id,
+            )
+            self._spawn(self._send_release, host, res, True)
 
     def _reconcile(self, host: HostRecord) -> None:
         """A new agent incarnation: give it back the committed reservations it lost."""

@@ -18,11 +18,22 @@ no kernel and no request for that long; with a runtime file
 
 Leaving it (SIGINT or SIGTERM for the command) shuts every kernel down, stops
 the replicas still running and the local agents, in that order.
+
+With a ``[cluster] data_dir`` the gateway is durable: its kernels are kept in
+``DATA_DIR/gateway/state.json`` (:mod:`nbos.gateway._state`), and a gateway
+started again on the same settings after a crash or ``kill -9`` takes them back
+(:meth:`~nbos.cluster.Gateway.restore`): agents that report to it unregistered
+are asked to register, local agents still running from the previous run (each
+has a record ``DATA_DIR/agents/HOST.pid``, and runs in a session of its own, so
+it outlives the gateway) are used instead of new ones, and each kernel's
+replicas are adopted, its front bound on its old ports with its old key. Without
+a data dir the gateway runs in a temporary directory and keeps nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -36,17 +47,19 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from nbos.agent import address_ip, tcp_address
+from nbos.agent import ProcessIdentity, address_ip, tcp_address
 from nbos.cluster import Gateway, Kernel, KernelOptions
 from nbos.cluster._gpus import ClusterGpus
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, TransportError
 from nbos.gateway import AgentBackend, HostDirectory
 from nbos.gateway._leases import KernelLeases
+from nbos.gateway._state import StateFile
 from nbos.gateway.control import (
     ClusterStatus,
     ControlReply,
@@ -108,8 +121,15 @@ class GatewayService:
         if not conf.idle_exit_s >= 0:
             raise ConfigError("gateway.idle_exit_s", conf.idle_exit_s, "seconds, 0 for never")
         keys = KeyDirectory(conf.keys) if conf.keys else None
+        begun = anyio.current_time()
         async with AsyncExitStack() as stack:
             run_dir = _run_dir(settings, stack)
+            state = (
+                StateFile(run_dir / "gateway" / "state.json") if settings.cluster.data_dir else None
+            )
+            # Read first: a state file that does not decode stops the start, before
+            # anything runs that would be orphaned.
+            kept = state.load().kernels if state is not None else []
             transport = await stack.enter_async_context(
                 await ZmqTransport.open(
                     "gateway", agents_at, curve=keys.gateway_curve() if keys else None
@@ -136,8 +156,14 @@ class GatewayService:
                 settings=settings, store=_store(settings, run_dir), front_ip=address_ip(control)
             )
             gateway = await stack.enter_async_context(
-                Gateway.serve(ClusterGpus(None, directory.scheduler), backend, options)
+                Gateway.serve(ClusterGpus(None, directory.scheduler), backend, options, state=state)
             )
+            if kept:
+                # A host silent for this long would be given up anyway.
+                restored = await gateway.restore(kept, conf.heartbeat_s * conf.missed_heartbeats)
+                log.info("gateway: %d of %d kernels taken back", len(restored), len(kept))
+            if state is not None:
+                await backend.stop_strays()
             socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
             stack.callback(socket.close, 0)
             try:
@@ -149,7 +175,12 @@ class GatewayService:
             tg.start_soon(service.expire_leases)
             if conf.metrics_address:
                 await _serve_metrics(service, conf.metrics_address, tg, stack)
-            log.info("gateway: control at %s, agents at %s", control, transport.address)
+            log.info(
+                "gateway: control at %s, agents at %s (ready in %.1f s)",
+                control,
+                transport.address,
+                anyio.current_time() - begun,
+            )
             yield service
 
     # --- control -----------------------------------------------------------------
@@ -289,9 +320,20 @@ def _store(settings: Settings, run_dir: Path) -> str:
 async def _local_agents(
     settings: Settings, gateway: str, run_dir: Path, stack: AsyncExitStack
 ) -> None:
-    """``[cluster] hosts`` agents on this machine, stopped (with their replicas) at the end."""
+    """``[cluster] hosts`` agents on this machine, stopped (with their replicas) at the end.
+
+    Each runs in a session of its own (a signal to the gateway's process group, or
+    the gateway's death, leaves it running) and is recorded in ``agents/HOST.pid``:
+    one still running from an earlier run of the gateway is used again.
+    """
     for i in range(1, settings.cluster.hosts + 1):
         host = f"host-{i}"
+        record = run_dir / "agents" / f"{host}.pid"
+        pidfd = await anyio.to_thread.run_sync(_running_agent, record)
+        if pidfd is not None:
+            log.info("local agent of %s still runs from an earlier gateway: used again", host)
+            stack.push_async_callback(_stop_adopted_agent, pidfd, record)
+            continue
         argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", "agent", "--host", host]
         argv += ["--address", "127.0.0.1:0", "--gateway", gateway.removeprefix("tcp://")]
         argv += ["--state-dir", str(run_dir / "agents" / host)]
@@ -302,12 +344,31 @@ async def _local_agents(
         (run_dir / "agents").mkdir(parents=True, exist_ok=True)
         with (run_dir / "agents" / f"{host}.log").open("ab") as out:
             process = await anyio.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-        stack.push_async_callback(_stop_agent, process)
+        stack.push_async_callback(_stop_agent, process, record)
+        await anyio.to_thread.run_sync(
+            record.write_bytes, msgspec.json.encode(ProcessIdentity.of(process.pid))
+        )
 
 
-async def _stop_agent(process: anyio.abc.Process) -> None:
+def _running_agent(record: Path) -> int | None:
+    """A pidfd on the agent ``record`` names, if that process still runs."""
+    try:
+        identity = msgspec.json.decode(record.read_bytes(), type=ProcessIdentity)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("agent record %s unreadable, ignored: %s", record, exc)
+        return None
+    return identity.open()
+
+
+async def _stop_agent(process: anyio.abc.Process, record: Path) -> None:
     with anyio.CancelScope(shield=True):
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
@@ -317,6 +378,25 @@ async def _stop_agent(process: anyio.abc.Process) -> None:
             log.warning("local agent pid %d ignored SIGTERM: SIGKILL", process.pid)
             process.kill()
             await process.wait()
+        await anyio.Path(record).unlink(missing_ok=True)
+
+
+async def _stop_adopted_agent(pidfd: int, record: Path) -> None:
+    """Stop an agent an earlier gateway started (not our child: its pidfd tells its end)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            with anyio.move_on_after(_AGENT_STOP_S) as scope:
+                await anyio.wait_readable(pidfd)
+            if scope.cancelled_caught:
+                log.warning("local agent (pidfd %d) ignored SIGTERM: SIGKILL", pidfd)
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                await anyio.wait_readable(pidfd)
+        except ProcessLookupError:
+            pass  # it ended already
+        finally:
+            os.close(pidfd)
+        await anyio.Path(record).unlink(missing_ok=True)
 
 
 async def run_until_signalled(settings: Settings, runtime_file: Path | None = None) -> None:

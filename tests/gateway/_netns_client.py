@@ -7,7 +7,7 @@ stdin line is a JSON command; each answer one JSON line on stdout:
 * ``{"op": "status"}``: the gateway's ``ClusterStatus``;
 * ``{"op": "start", "gpus": N}``: a new kernel's ``KernelInfo`` (kept for cells);
 * ``{"op": "cell", "code": C}``: the cell's status and stdout, through a Jupyter
-  client on the kept kernel's front.
+  client on the front of the kernel started last, or of ``"kernel": ID`` if given.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from tests.gateway._service import ask, run_cell
 
 
 async def main(address: str) -> None:
-    kernel: KernelInfo | None = None
+    kernels: dict[str, KernelInfo] = {}
+    last = ""
     while line := await anyio.to_thread.run_sync(sys.stdin.readline):
         command = json.loads(line)
         answer: object
@@ -32,10 +33,10 @@ async def main(address: str) -> None:
         elif command["op"] == "start":
             answer = await ask(address, StartKernel(gpus=command["gpus"]))
             if isinstance(answer, KernelInfo):
-                kernel = answer
+                kernels[answer.kernel_id] = answer
+                last = answer.kernel_id
         else:
-            assert kernel is not None
-            answer = await run_cell(kernel, command["code"])
+            answer = await run_cell(kernels[command.get("kernel", last)], command["code"])
         sys.stdout.write(msgspec.json.encode(answer).decode() + "\n")
         sys.stdout.flush()
 

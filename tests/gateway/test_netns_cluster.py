@@ -6,6 +6,7 @@ address, and a client there drives it. Replicas bind their hosts' addresses, so
 Raft and front traffic crosses the bridge. A host whose agent and replicas are
 ``kill -9``ed, or cut off with iptables, vanishes and its replica is replaced on the
 spare host, state intact; a cut-off host that comes back has its stale replica stopped.
+The gateway ``kill -9``ed and started again takes back every kernel, state intact.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,14 @@ class Cluster:
     agents: dict[str, AgentProcess]
     ask: Client
     kernel: dict[str, Any]
+    gateway: subprocess.Popen[bytes]
+    start_gateway: Callable[[], subprocess.Popen[bytes]]
+
+    def restart_gateway(self) -> None:
+        """SIGKILL the gateway process (nothing else), then start it on the same settings."""
+        self.gateway.kill()
+        self.gateway.wait()
+        self.gateway = self.start_gateway()
 
     async def replaced(self, victim: str) -> dict[str, Any]:
         """The status once 3 replicas are alive again, none on ``victim``; checks where."""
@@ -124,8 +133,13 @@ async def cluster(tmp_path: Path, net: Netns) -> AsyncIterator[Cluster]:
         "NBOS_GATEWAY__MISSED_HEARTBEATS": "15",
         "NBOS_CLUSTER__DATA_DIR": str(tmp_path / "gateway"),
     }
-    gateway = start_gateway(env, tmp_path / "gateway.log", lambda argv: net.argv("gw", argv))
-    net.processes.append(gateway)  # the harness stops it, by PID
+
+    def start() -> subprocess.Popen[bytes]:
+        process = start_gateway(env, tmp_path / "gateway.log", lambda argv: net.argv("gw", argv))
+        net.processes.append(process)  # the harness stops it, by PID
+        return process
+
+    gateway = start()
     agents: dict[str, AgentProcess] = {}
     try:
         for host in HOSTS:
@@ -146,7 +160,7 @@ async def cluster(tmp_path: Path, net: Netns) -> AsyncIterator[Cluster]:
             assert len(ips) == 3 and ips <= {net.address(h) for h in HOSTS}
             assert kernel["connection"]["ip"] == gw  # the front listens at the gateway's
             assert await ask(op="cell", code="x = 40") == {"status": "ok", "stdout": ""}
-            yield Cluster(net, agents, ask, kernel)
+            yield Cluster(net, agents, ask, kernel, gateway, start)
     finally:
         for agent in agents.values():
             agent.kill()
@@ -184,3 +198,29 @@ async def test_a_host_cut_off_is_replaced_and_its_replica_stopped_when_it_return
         while alive(cut["pid"]):  # noqa: ASYNC110 (another process's state)
             await anyio.sleep(0.1)
     assert await cluster.ask(op="cell", code="print(x)") == {"status": "ok", "stdout": "40\n"}
+
+
+async def test_the_gateway_killed_and_started_again_takes_every_kernel_back(
+    cluster: Cluster,
+) -> None:
+    second = await cluster.ask(op="start", gpus=1)
+    assert await cluster.ask(op="cell", code="y = 2") == {"status": "ok", "stdout": ""}
+    kernels = {cluster.kernel["kernel_id"]: cluster.kernel, second["kernel_id"]: second}
+    replicas = [r["pid"] for k in kernels.values() for r in k["replicas"]]
+
+    cluster.restart_gateway()
+    assert all(alive(p) for p in replicas)  # the agents kept them
+    status = await cluster.ask.status_when(
+        lambda s: sum(h["state"] == "up" for h in s["hosts"]) == 4 and len(_alive(s)) == 6
+    )
+    assert {k["kernel_id"]: k["connection"] for k in status["kernels"]} == {
+        k: v["connection"] for k, v in kernels.items()
+    }
+    assert sorted(r["pid"] for r in _alive(status)) == sorted(replicas)
+    # The clients' connection info holds: the same ports and key, the state intact.
+    first = cluster.kernel["kernel_id"]
+    assert await cluster.ask(op="cell", code="print(x + 2)", kernel=first) == {
+        "status": "ok",
+        "stdout": "42\n",
+    }
+    assert await cluster.ask(op="cell", code="print(y + 40)") == {"status": "ok", "stdout": "42\n"}

@@ -9,13 +9,14 @@ from nbos.kernel.front._chooser import (
     ExecutorChooser,
     LastExecutorChooser,
 )
-from nbos.kernel.front._front import HeartbeatPolicy, KernelFront
+from nbos.kernel.front._front import FrontIdentity, HeartbeatPolicy, KernelFront
 from nbos.kernel.front._upstream import ReplicaEndpoint
 
 __all__ = [
     "CellPlan",
     "ChoiceRequest",
     "ExecutorChooser",
+    "FrontIdentity",
     "HeartbeatPolicy",
     "KernelFront",
     "LastExecutorChooser",

@@ -128,10 +128,28 @@ class _Pending:
         self.idled.set()
 
 
+@attrs.frozen
+class FrontIdentity:
+    """What clients know a front by: its key, session id and ports (``shell_port`` ...).
+
+    ``session`` ``None``: a new one (a restarted kernel is a new session).
+    """
+
+    key: str
+    session: str | None
+    ports: Mapping[str, int]
+
+
 class KernelFront:
     """One Jupyter kernel in front of ``replicas``; run it with :meth:`serve`.
 
     ``connection_info`` is valid from construction (the sockets are bound then).
+    ``identity``: that of an earlier front, whose ports, key and session this one
+    takes, so that clients connected to that one go on with this one: a kernel
+    restarted, or the same kernel whose front died while its replicas lived on
+    (``resume``): then this front goes on from the last cell the replicas committed
+    (see :meth:`serve`). Ports that cannot be bound raise
+    :class:`~nbos.core.errors.TransportError`.
     """
 
     def __init__(
@@ -142,21 +160,24 @@ class KernelFront:
         ip: str = "127.0.0.1",
         chooser: ExecutorChooser | None = None,
         heartbeat: HeartbeatPolicy | None = None,
-        key: str | None = None,
-        ports: Mapping[str, int] | None = None,
+        identity: FrontIdentity | None = None,
+        resume: bool = False,
     ) -> None:
-        # ``key`` and ``ports`` (``shell_port`` ... ``hb_port``): those of a kernel this
-        # one replaces (a restart), so that clients with open channels go on working.
         if not replicas:
             raise KernelError("a kernel front needs at least one replica")
         self._kernel_id = kernel_id
         self._ip = ip
-        self._key = key or secrets.token_hex(32)
-        self._signer = _wire.Signer({"key": self._key}, username="nbos")
+        self._resume = resume
+        self._key = identity.key if identity is not None else secrets.token_hex(32)
+        self._signer = _wire.Signer(
+            {"key": self._key},
+            username="nbos",
+            session_id=identity.session if identity is not None else None,
+        )
         self._chooser: ExecutorChooser = chooser or LastExecutorChooser()
         self._heartbeat = heartbeat or HeartbeatPolicy()
         self._ctx = zmq.asyncio.Context()
-        ports = ports or {}
+        ports = identity.ports if identity is not None else {}
         try:
             self._shell = self._bind(zmq.ROUTER, ports.get("shell_port", 0))
             self._control = self._bind(zmq.ROUTER, ports.get("control_port", 0))
@@ -165,7 +186,7 @@ class KernelFront:
             self._hb = self._bind(zmq.ROUTER, ports.get("hb_port", 0))
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
-            raise TransportError(f"kernel front cannot bind {ip} {dict(ports)}: {exc}") from exc
+            raise TransportError(f"kernel {kernel_id}: cannot bind its front: {exc}") from exc
         self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
         #: Replicas being added (replacements): reachable, but not used for cells yet.
         self._standby: set[int] = set()
@@ -228,6 +249,13 @@ class KernelFront:
             "signature_scheme": "hmac-sha256",
             "kernel_name": "nbos",
         }
+
+    @property
+    def identity(self) -> FrontIdentity:
+        """What a later front needs to take this kernel over (``takeover``)."""
+        info = self.connection_info
+        ports = {k: int(v) for k, v in info.items() if k.endswith("_port") and isinstance(v, int)}
+        return FrontIdentity(self._key, self.session_id, ports)
 
     @property
     def alive(self) -> tuple[int, ...]:
@@ -358,6 +386,8 @@ class KernelFront:
                 for up in self._upstreams.values():
                     await tg.start(self._serve_upstream, up)
                 await self._wait_ready()
+                if self._resume:
+                    await self._resume_cells()
                 tg.start_soon(self._read_client, self._shell, shell_tx)
                 tg.start_soon(self._read_client, self._control, control_tx)
                 tg.start_soon(self._read_client_stdin)
@@ -444,6 +474,34 @@ class KernelFront:
                 f"kernel {self._kernel_id}: only replicas {self.alive} of "
                 f"{sorted(self._upstreams)} started"
             )
+
+    async def _resume_cells(self) -> None:
+        """Go on after the cells that ran under an earlier front: from the last ``Done`` the
+        replicas' log committed, with the replica that claimed the next cell (a cell still
+        running there, or its early claim) as the last executor, so the next cell goes
+        there if it can. An index it gets wrong costs a lost claim and a retry, no more.
+        """
+        last_done, claimant = 0, -1
+        for replica in self.alive:
+            reply = await self.control_request(
+                replica, "nbos_progress_request", {}, timeout=_LOST_TIMEOUT_S
+            )
+            if reply is None or reply["content"].get("status") != "ok":
+                continue
+            content = reply["content"]
+            if int(content.get("last_done", 0)) >= last_done:
+                last_done = int(content.get("last_done", 0))
+                claimant = int(content.get("next_claimed_by", -1))
+        self._next_index = last_done + 1
+        self._settled_index = last_done
+        if claimant in self.alive:
+            self._last_executor = claimant
+        log.info(
+            "kernel %s taken over after cell %d (next claimed by %s)",
+            self._kernel_id,
+            last_done,
+            claimant if claimant >= 0 else "none",
+        )
 
     async def _probe(self, replica: int, *, timeout: float) -> bool:
         """Whether ``replica`` answers, probing until it does, it dies or ``timeout`` passes.

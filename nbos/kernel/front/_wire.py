@@ -38,12 +38,21 @@ class Signer:
     messages; its session id is the one they carry.
     """
 
-    def __init__(self, connection: Mapping[str, Any], *, username: str = "nbos") -> None:
+    def __init__(
+        self,
+        connection: Mapping[str, Any],
+        *,
+        username: str = "nbos",
+        session_id: str | None = None,
+    ) -> None:
         key = connection.get("key", "")
+        # ``session_id``: keep an earlier one (a front taking its kernel over); else fresh.
+        extra = {} if session_id is None else {"session": session_id}
         self.session = Session(
             key=key.encode() if isinstance(key, str) else bytes(key),
             signature_scheme=connection.get("signature_scheme", "hmac-sha256"),
             username=username,
+            **extra,
         )
         self._recent: OrderedDict[bytes, None] = OrderedDict()
 

@@ -4,7 +4,9 @@ Launched as ``python -m nbos.kernel.replica`` (see :class:`ReplicaApp`). The fro
 talks to it over the Jupyter protocol, with two additions: the ``execute_request``
 metadata keys :data:`EXEC_INDEX_KEY` and :data:`DEVICES_KEY`, and the control
 requests ``nbos_lost_request`` (commit ``Done(index, lost)``) and
-``nbos_digest_request`` (namespace digest once a cell has applied) and
+``nbos_digest_request`` (namespace digest once a cell has applied),
+``nbos_progress_request`` (the last committed ``Done`` and the next cell's claimant,
+for a front that takes a kernel over) and
 ``nbos_member_request`` (a Raft membership change, for replacing a dead replica).
 """
 

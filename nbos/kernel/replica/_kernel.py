@@ -99,6 +99,7 @@ class ReplicaKernel(IPythonKernel):
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         self.control_handlers["nbos_lost_request"] = self._lost_request
         self.control_handlers["nbos_digest_request"] = self._digest_request
+        self.control_handlers["nbos_progress_request"] = self._progress_request
         self.control_handlers["nbos_evict_request"] = self._evict_request
         self.control_handlers["nbos_member_request"] = self._member_request
         self._comm_handlers = {t: self.shell_handlers[t] for t in _COMM_TYPES}
@@ -575,6 +576,21 @@ class ReplicaKernel(IPythonKernel):
             log.warning("nbos_lost_request failed: %s", exc)
             content = error_content(exc, self.execution_count)
         self._session.send(stream, "nbos_lost_reply", content, parent, ident=ident)
+
+    async def _progress_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """Reply where the kernel's cells stand, as committed when the request came: the
+        last ``Done``'s cell and who claimed the cell after it (a front taking over)."""
+        assert self._raft is not None and self._machine is not None
+        content: dict[str, Any]
+        try:
+            await self._raft.caught_up()
+        except NbosError as exc:
+            log.warning("nbos_progress_request failed: %s", exc)
+            content = error_content(exc, self.execution_count)
+        else:
+            done, claimed_by = self._machine.progress()
+            content = {"status": "ok", "last_done": done, "next_claimed_by": claimed_by}
+        self._session.send(stream, "nbos_progress_reply", content, parent, ident=ident)
 
     async def _digest_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Reply the namespace digest once the cell ``after`` (default: none) has applied."""

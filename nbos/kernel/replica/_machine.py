@@ -204,6 +204,12 @@ class KernelStateMachine:
         with self._lock:
             return cell > self.last_done and self._claims.get(cell) == replica
 
+    def progress(self) -> tuple[int, int]:
+        """The last committed ``Done``'s cell, and the replica holding the next cell's claim
+        (``-1``: none)."""
+        with self._lock:
+            return self.last_done, self._claims.get(self.last_done + 1, -1)
+
     def _committed(self) -> Restored:
         # The image and the deltas after it are the namespace as of the last counted Done.
         return Restored(self._namespace, tuple(self._replay), self.last_done, self.execution_count)
