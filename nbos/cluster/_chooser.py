@@ -188,12 +188,14 @@ class GpuChooser:
         log.info("kernel %s: migrating replica %d to %s", self._kernel_id, source, target)
         self._migrating = True
         try:
-            return await self._migration(source, target, after)
+            node = await self._migration(source, target, after)
         except NbosError as exc:
             log.warning("kernel %s: migrating replica %d failed: %s", self._kernel_id, source, exc)
             return None
         finally:
             self._migrating = False
+        self._scheduler.ledger.migrations += 1
+        return node
 
     async def release(self, plan: CellPlan) -> None:
         """Give back the plan's GPUs (idempotent); the executor's tensors stay resident."""

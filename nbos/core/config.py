@@ -87,6 +87,16 @@ class GatewaySettings(_Section, frozen=True):
     agents' interval) is given up and its replicas replaced. ``local_agents``:
     start ``[cluster] hosts`` agents with ``[cluster] gpus_per_host`` virtual GPUs
     on this machine, else wait for agents started elsewhere.
+
+    Autoscaling (``docs/deploy.md``): with ``autoscale``, every ``autoscale_period_s``
+    the gateway runs the simulator's autoscaler on the live cluster, keeping between
+    ``min_hosts`` and ``max_hosts`` hosts, ``scale_out_cooldown_s`` /
+    ``scale_in_cooldown_s`` after its previous action, draining hosts idle for
+    ``idle_grace_s``. New hosts come from the entry point ``host_provider``
+    (``local``, ``docker``, ``ssh`` or a user's), made with the keyword arguments
+    ``host_provider_options``; one whose agent has not registered after
+    ``host_start_timeout_s`` is given back. Without ``autoscale`` these keys must keep
+    their defaults (they would do nothing).
     """
 
     address: str = "127.0.0.1:7070"
@@ -95,6 +105,16 @@ class GatewaySettings(_Section, frozen=True):
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 5
     local_agents: bool = True
+    autoscale: bool = False
+    min_hosts: int = 3
+    max_hosts: int = 16
+    autoscale_period_s: float = 5.0
+    scale_out_cooldown_s: float = 30.0
+    scale_in_cooldown_s: float = 120.0
+    idle_grace_s: float = 120.0
+    host_provider: str = "local"
+    host_provider_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    host_start_timeout_s: float = 120.0
 
 
 class Settings(_Section, frozen=True):

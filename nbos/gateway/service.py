@@ -5,38 +5,41 @@
 * the gateway's endpoint at ``agent_address`` (CURVE with ``keys``) and its
   :class:`~nbos.gateway.HostDirectory`, which owns the one GPU scheduler;
 * with ``local_agents``, ``[cluster] hosts`` ``nbos agent`` processes on this
-  machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs);
+  machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs),
+  started by the ``local`` host provider;
+* with ``autoscale``, the :class:`~nbos.gateway._autoscale.LiveAutoscaler` adding
+  hosts through ``host_provider`` and draining idle ones;
 * the :class:`~nbos.cluster.Gateway` running every kernel over the
   :class:`~nbos.gateway.AgentBackend` (the same kernel code as ``LocalCluster``);
 * the control endpoint at ``address`` (:mod:`nbos.gateway.control`).
 
 Leaving it (SIGINT or SIGTERM for the command) shuts every kernel down, stops
-the replicas still running and the local agents, in that order.
+the replicas still running and the providers' agents, in that order.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import anyio
-import anyio.abc
 import zmq
 import zmq.asyncio
 
 from nbos.agent import address_ip, tcp_address
 from nbos.cluster import Gateway, Kernel, KernelOptions
 from nbos.cluster._gpus import ClusterGpus
-from nbos.core.config import Settings
+from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import ConfigError, TransportError
+from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.gateway import AgentBackend, HostDirectory
+from nbos.gateway._autoscale import LiveAutoscaler
 from nbos.gateway.control import (
     ClusterStatus,
     ControlReply,
@@ -50,8 +53,11 @@ from nbos.gateway.control import (
     ShutdownKernel,
     StartKernel,
     StatusRequest,
+    UsageRequest,
     serve_control,
 )
+from nbos.gateway.providers import LocalHostProvider, load_host_provider
+from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions
 from nbos.transport import ZmqTransport
 from nbos.transport.keys import KeyDirectory
 
@@ -59,16 +65,35 @@ log = logging.getLogger(__name__)
 
 # How long local agents may take to register (each is a Python start).
 _AGENTS_TIMEOUT_S = 120.0
-_AGENT_STOP_S = 15.0
+# The autoscaler keys of [gateway], which only autoscale = true puts to use.
+_AUTOSCALE_KEYS = (
+    "min_hosts",
+    "max_hosts",
+    "autoscale_period_s",
+    "scale_out_cooldown_s",
+    "scale_in_cooldown_s",
+    "idle_grace_s",
+    "host_provider",
+    "host_provider_options",
+    "host_start_timeout_s",
+)
 
 
 class GatewayService:
     """One running ``nbos gateway``; build it with :meth:`serve`."""
 
-    def __init__(self, directory: HostDirectory, gateway: Gateway, control_address: str) -> None:
+    def __init__(
+        self,
+        directory: HostDirectory,
+        gateway: Gateway,
+        control_address: str,
+        autoscaler: LiveAutoscaler | None = None,
+    ) -> None:
         self.directory = directory
         self.gateway = gateway
         self.control_address = control_address
+        #: The live autoscaler (``[gateway] autoscale``), else ``None``.
+        self.autoscaler = autoscaler
 
     @classmethod
     @asynccontextmanager
@@ -82,6 +107,12 @@ class GatewayService:
         if not conf.heartbeat_s > 0:
             raise ConfigError("gateway.heartbeat_s", conf.heartbeat_s, "positive seconds")
         keys = KeyDirectory(conf.keys) if conf.keys else None
+        scaling = _autoscaler_config(settings)
+        decisions = ClusterDecisions.load(
+            settings.cluster.placement_policy,
+            settings.cluster.replicas_per_kernel,
+            Autoscaler(scaling) if scaling is not None else None,
+        )
         async with AsyncExitStack() as stack:
             run_dir = _run_dir(settings, stack)
             transport = await stack.enter_async_context(
@@ -93,7 +124,7 @@ class GatewayService:
                 HostDirectory.serve(
                     transport,
                     keys=keys,
-                    policy=settings.cluster.placement_policy,
+                    policy=decisions,
                     replicas_per_kernel=settings.cluster.replicas_per_kernel,
                     heartbeat_interval=conf.heartbeat_s,
                     missed_heartbeats=conf.missed_heartbeats,
@@ -102,8 +133,24 @@ class GatewayService:
             tg = await stack.enter_async_context(anyio.create_task_group())
             backend = await AgentBackend.open(directory, tg)
             stack.callback(tg.cancel_scope.cancel)
+            agent = AgentCommand(
+                gateway=transport.address.removeprefix("tcp://"),
+                gpus=settings.cluster.gpus_per_host,
+                heartbeat_s=conf.heartbeat_s,
+                keys=conf.keys,
+                data_dir=str(run_dir),
+            )
+            provider: HostProvider | None = None
+            if scaling is not None:
+                provider = load_host_provider(conf.host_provider, **conf.host_provider_options)
+                stack.push_async_callback(_shielded_close, provider)
             if conf.local_agents:
-                await _local_agents(settings, transport.address, run_dir, stack)
+                local = provider if isinstance(provider, LocalHostProvider) else None
+                if local is None:
+                    local = LocalHostProvider()
+                    stack.push_async_callback(_shielded_close, local)
+                for _ in range(settings.cluster.hosts):
+                    await local.add_host(agent)
                 await directory.wait_for_hosts(settings.cluster.hosts, _AGENTS_TIMEOUT_S)
             stack.push_async_callback(backend.aclose)
             options = KernelOptions(
@@ -118,7 +165,18 @@ class GatewayService:
                 socket.bind(control)
             except zmq.ZMQError as exc:
                 raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
-            service = cls(directory, gateway, control)
+            live = None
+            if provider is not None:
+                live = LiveAutoscaler(
+                    directory,
+                    gateway,
+                    provider,
+                    agent,
+                    period=conf.autoscale_period_s,
+                    host_timeout=conf.host_start_timeout_s,
+                )
+                tg.start_soon(live.run)
+            service = cls(directory, gateway, control, live)
             tg.start_soon(serve_control, socket, service.handle)
             log.info("gateway: control at %s, agents at %s", control, transport.address)
             yield service
@@ -137,6 +195,8 @@ class GatewayService:
             case StatusRequest():
                 kernels = [self.kernel_info(k) for k in self.gateway.kernels]
                 return ClusterStatus(self.host_status(), kernels)
+            case UsageRequest():
+                return self.directory.scheduler.ledger.usage()
 
     def kernel_info(self, kernel: Kernel) -> KernelInfo:
         connection = {
@@ -195,37 +255,43 @@ def _store(settings: Settings, run_dir: Path) -> str:
     return settings.store.path or str(run_dir / "store")
 
 
-async def _local_agents(
-    settings: Settings, gateway: str, run_dir: Path, stack: AsyncExitStack
-) -> None:
-    """``[cluster] hosts`` agents on this machine, stopped (with their replicas) at the end."""
-    for i in range(1, settings.cluster.hosts + 1):
-        host = f"host-{i}"
-        argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", "agent", "--host", host]
-        argv += ["--address", "127.0.0.1:0", "--gateway", gateway.removeprefix("tcp://")]
-        argv += ["--state-dir", str(run_dir / "agents" / host)]
-        argv += ["--gpus", str(settings.cluster.gpus_per_host), "--stop-replicas-on-exit"]
-        argv += ["--heartbeat", str(settings.gateway.heartbeat_s)]
-        if settings.gateway.keys:
-            argv += ["--keys", settings.gateway.keys]
-        (run_dir / "agents").mkdir(parents=True, exist_ok=True)
-        with (run_dir / "agents" / f"{host}.log").open("ab") as out:
-            process = await anyio.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
-            )
-        stack.push_async_callback(_stop_agent, process)
-
-
-async def _stop_agent(process: anyio.abc.Process) -> None:
+async def _shielded_close(provider: HostProvider) -> None:
     with anyio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-        with anyio.move_on_after(_AGENT_STOP_S) as scope:
-            await process.wait()
-        if scope.cancelled_caught:
-            log.warning("local agent pid %d ignored SIGTERM: SIGKILL", process.pid)
-            process.kill()
-            await process.wait()
+        await provider.aclose()
+
+
+def _autoscaler_config(settings: Settings) -> AutoscalerConfig | None:
+    """The autoscaler ``[gateway]`` asks for, or ``None``; :class:`ConfigError` for bad keys
+    and for autoscaler keys set without ``autoscale`` (they would do nothing)."""
+    conf = settings.gateway
+    if not conf.autoscale:
+        default = GatewaySettings()
+        for key in _AUTOSCALE_KEYS:
+            if getattr(conf, key) != getattr(default, key):
+                raise ConfigError(f"gateway.{key}", getattr(conf, key), "gateway.autoscale = true")
+        return None
+    for key in ("autoscale_period_s", "host_start_timeout_s"):
+        value = getattr(conf, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"gateway.{key}", value, "positive seconds")
+    try:
+        return AutoscalerConfig(
+            min_hosts=conf.min_hosts,
+            max_hosts=conf.max_hosts,
+            scale_out_cooldown=conf.scale_out_cooldown_s,
+            scale_in_cooldown=conf.scale_in_cooldown_s,
+            idle_grace=conf.idle_grace_s,
+            new_host_gpus=settings.cluster.gpus_per_host,
+        )
+    except ConfigError as exc:
+        key = {
+            "scale_out_cooldown": "scale_out_cooldown_s",
+            "scale_in_cooldown": "scale_in_cooldown_s",
+            "idle_grace": "idle_grace_s",
+            "new_host_gpus": "cluster.gpus_per_host",
+        }.get(exc.key, exc.key)
+        key = key if key.startswith("cluster.") else f"gateway.{key}"
+        raise ConfigError(key, exc.value, exc.expected) from exc
 
 
 async def run_until_signalled(settings: Settings) -> None:
