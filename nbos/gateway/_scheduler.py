@@ -12,8 +12,16 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -134,6 +142,8 @@ class GpuScheduler:
         self._placements: dict[KernelId, tuple[tuple[HostId, ...], int]] = {}
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
+        # GPUs a migrating cell will take on its target host, by cell.
+        self._held: dict[tuple[KernelId, int], tuple[HostId, int]] = {}
         self._pending_release: dict[str, tuple[HostId, bool]] = {}
         # (host, kernel) whose ReleaseKernel the host has not confirmed yet.
         self._owed: set[tuple[HostId, KernelId]] = set()
@@ -213,8 +223,11 @@ class GpuScheduler:
         """Every known host as placement sees it (unreachable hosts are unschedulable)."""
         gpus, count = subscriptions(self._placements)
         own = self._grants.values()
+        held: dict[HostId, int] = {}
+        for host_id, n in self._held.values():
+            held[host_id] = held.get(host_id, 0) + n
         hosts = [
-            h.view(own, gpus.get(h.host_id, 0), count.get(h.host_id, 0))
+            h.view(own, gpus.get(h.host_id, 0), count.get(h.host_id, 0), held.get(h.host_id, 0))
             for h in sorted(self._hosts.values(), key=lambda h: h.host_id)
         ]
         return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
@@ -312,6 +325,24 @@ class GpuScheduler:
         self._placements[kernel_id] = (tuple(new if h == old else h for h in hosts), gpus)
         log.info("kernel %s: replica moved from %s to %s", kernel_id, old, new)
         self._notify()
+
+    @contextmanager
+    def holding(
+        self, kernel_id: KernelId, exec_index: int, host: HostId, gpus: int
+    ) -> Iterator[None]:
+        """Count ``gpus`` GPUs of ``host`` as committed while a cell's replica migrates there.
+
+        The simulator commits a migrating cell's GPUs when it decides the move; so does
+        the view here, so that neither another cell's decision nor the autoscaler (which
+        drains idle hosts) takes the host from under the move.
+        """
+        self._held[(kernel_id, exec_index)] = (host, gpus)
+        self._notify()
+        try:
+            yield
+        finally:
+            self._held.pop((kernel_id, exec_index), None)
+            self._notify()
 
     # --- cells -----------------------------------------------------------------------
 

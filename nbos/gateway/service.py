@@ -113,6 +113,9 @@ class GatewayService:
             settings.cluster.replicas_per_kernel,
             Autoscaler(scaling) if scaling is not None else None,
         )
+        provider: HostProvider | None = None
+        if scaling is not None:
+            provider = load_host_provider(conf.host_provider, **conf.host_provider_options)
         async with AsyncExitStack() as stack:
             run_dir = _run_dir(settings, stack)
             transport = await stack.enter_async_context(
@@ -140,9 +143,7 @@ class GatewayService:
                 keys=conf.keys,
                 data_dir=str(run_dir),
             )
-            provider: HostProvider | None = None
-            if scaling is not None:
-                provider = load_host_provider(conf.host_provider, **conf.host_provider_options)
+            if provider is not None:
                 stack.push_async_callback(_shielded_close, provider)
             if conf.local_agents:
                 local = provider if isinstance(provider, LocalHostProvider) else None
