@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.errors import ConfigError
+from nbos.core.host_provider import HostProvider
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant
+from nbos.gateway.providers import available_providers, load_host_provider
 from nbos.gateway.service import GatewayService
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
+from tests.example_policy import install_example_policy
 from tests.gateway.test_scheduler import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -109,3 +113,34 @@ async def test_autoscaler_keys_without_autoscale_are_refused(tmp_path: Path) -> 
             _settings(tmp_path, autoscale=True, host_provider="no-such-provider")
         ):
             pass
+
+
+async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = install_example_policy(tmp_path_factory, "host_provider")
+    monkeypatch.syspath_prepend(str(site))
+    assert {"local", "docker", "ssh", "example-vms"} <= set(available_providers())
+    assert isinstance(load_host_provider("example-vms", quota=1), HostProvider)
+    with pytest.raises(ConfigError, match="host_provider_options"):
+        load_host_provider("example-vms", zones=3)
+
+    settings = _settings(
+        tmp_path,
+        local_agents=False,
+        autoscale=True,
+        min_hosts=1,
+        max_hosts=1,
+        autoscale_period_s=0.3,
+        host_provider="example-vms",
+        host_provider_options={"quota": 1},
+    )
+    settings = msgspec.structs.replace(
+        settings, cluster=msgspec.structs.replace(settings.cluster, replicas_per_kernel=1)
+    )
+    async with GatewayService.serve(settings) as service:
+        # Below the floor of one host: the autoscaler asks the provider for one.
+        await service.directory.scheduler.wait_for_host(HostId("vm-1"), 2 * DEADLINE)
+        kernel = await service.gateway.start_kernel(gpus=1)
+        assert [r.host for r in kernel.replicas] == ["vm-1"]
+        assert (await kernel.execute("%%gpus 1\nprint(6 * 7)")).stdout == "42\n"
