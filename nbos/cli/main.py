@@ -16,7 +16,17 @@ log = logging.getLogger(__name__)
 #: Each subcommand module exposes ``register(subparsers)``; it sets ``func`` on its parser.
 Handler = Callable[[argparse.Namespace], int]
 
-_COMMANDS = ("run", "kernelspec", "simulate", "keys", "agent", "chaos", "gateway", "status")
+_COMMANDS = (
+    "run",
+    "kernelspec",
+    "simulate",
+    "keys",
+    "agent",
+    "chaos",
+    "gateway",
+    "status",
+    "replay",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
