@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 #: How long one cell may take beyond its scaled duration before it is given up (real s).
 _CELL_SLACK_S = 600.0
 _CONTROL_TIMEOUT_S = 120.0
+#: The overrun limit is never shorter than this in real seconds: kernel starts and each
+#: cell's own overhead take real time that no speed-up shortens.
+_OVERRUN_FLOOR_S = 300.0
 
 
 @attrs.frozen
@@ -51,7 +54,8 @@ class ReplayConfig:
     """How a trace is replayed: ``speedup`` trace seconds per real second; a placement
     refused is retried every ``retry`` trace seconds; ``overrun_limit`` trace seconds after
     the trace's end, cells not started are given up (as ``SimConfig.overrun_limit``);
-    ``interactive_within`` as in ``SimConfig``; ``policy`` only labels the result."""
+    ``interactive_within`` as in ``SimConfig`` (the overrun lasts at least
+    :data:`_OVERRUN_FLOOR_S` real seconds); ``policy`` only labels the result."""
 
     speedup: float = 60.0
     retry: float = 60.0
@@ -88,7 +92,9 @@ async def replay(trace: Trace, address: str, config: ReplayConfig) -> SimResult:
     Raises :class:`TransportError` when the gateway does not answer.
     """
     run = ReplayRun(await _usage(address), time.time())
-    limit = (trace.end + config.overrun_limit) / config.speedup
+    limit = trace.end / config.speedup + max(
+        config.overrun_limit / config.speedup, _OVERRUN_FLOOR_S
+    )
     with anyio.move_on_after(limit):
         async with anyio.create_task_group() as tg:
             for session in trace.sessions:
