@@ -204,8 +204,10 @@ class Replacer:
             try:
                 await self.replace(node)
             except NbosError as exc:
-                if self._kernel_ending():
-                    return  # no replica of it is wanted any more
+                if self._kernel_ending() or node not in self._processes:
+                    # No replica of it is wanted any more, or another replacement (a
+                    # migration, a drain) that had fenced it replaced it meanwhile.
+                    return
                 why = str(exc)
             except Exception:
                 # A background policy: whatever went wrong, the kernel and the cluster go on.
