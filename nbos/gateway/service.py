@@ -176,7 +176,10 @@ class GatewayService:
                     period=conf.autoscale_period_s,
                     host_timeout=conf.host_start_timeout_s,
                 )
-                tg.start_soon(live.run)
+                # Stopped first on the way out: no host added or drained while kernels end.
+                autoscaling = anyio.CancelScope()
+                tg.start_soon(_run_in, autoscaling, live)
+                stack.callback(autoscaling.cancel)
             service = cls(directory, gateway, control, live)
             tg.start_soon(serve_control, socket, service.handle)
             log.info("gateway: control at %s, agents at %s", control, transport.address)
@@ -254,6 +257,11 @@ def _store(settings: Settings, run_dir: Path) -> str:
     if settings.store.kind == "redis":
         return settings.store.redis_url
     return settings.store.path or str(run_dir / "store")
+
+
+async def _run_in(scope: anyio.CancelScope, live: LiveAutoscaler) -> None:
+    with scope:
+        await live.run()
 
 
 async def _shielded_close(provider: HostProvider) -> None:
