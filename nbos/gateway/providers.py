@@ -25,6 +25,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 
 from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
@@ -116,11 +117,16 @@ class _AgentProcesses:
             await agent.own.aclose()
 
     async def aclose(self) -> None:
-        for host_id in list(self._agents):
-            try:
-                await self.remove_host(host_id)
-            except BackendError as exc:
-                log.warning("host %s: agent not stopped: %s", host_id, exc)
+        """Stop every agent, all at once (each may take its replicas' grace to stop)."""
+        async with anyio.create_task_group() as tg:
+            for host_id in list(self._agents):
+                tg.start_soon(self._stop_quietly, host_id)
+
+    async def _stop_quietly(self, host_id: HostId) -> None:
+        try:
+            await self.remove_host(host_id)
+        except BackendError as exc:
+            log.warning("host %s: agent not stopped: %s", host_id, exc)
 
 
 class LocalHostProvider(_AgentProcesses):
