@@ -1,6 +1,7 @@
-"""The example user policy package (examples/placement_policy), installed for a test session.
+"""The example user packages (examples/placement_policy, examples/host_provider), installed
+for a test session.
 
-It is pip-installed into a directory of its own, not into the shared environment, and
+Each is pip-installed into a directory of its own, not into the shared environment, and
 tests put that directory on ``sys.path``: the policy is then found by its entry point,
 as a user's package would be.
 """
@@ -13,17 +14,19 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "placement_policy"
+EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
-def install_example_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def install_example_policy(
+    tmp_path_factory: pytest.TempPathFactory, example: str = "placement_policy"
+) -> Path:
     """Install the example package offline into a fresh directory; returns that directory."""
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
         [
             sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
             "--no-build-isolation", "--disable-pip-version-check", "--target", str(target),
-            str(EXAMPLE),
+            str(EXAMPLES / example),
         ],
         check=True,
         timeout=120,

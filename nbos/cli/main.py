@@ -26,6 +26,7 @@ _COMMANDS = (
     "gateway",
     "status",
     "cluster",
+    "replay",
 )
 
 

@@ -32,27 +32,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "baseline (GPUs held for a session's life), and print the metrics side by side."
         ),
     )
-    p.add_argument(
-        "trace_file",
-        nargs="?",
-        metavar="TRACE",
-        help="a trace file: nbos .json or .csv, or a task-level .csv (found by its header)",
-    )
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--trace", metavar="FILE", help="the same as TRACE")
-    source.add_argument(
-        "--synthetic",
-        metavar="N",
-        type=int,
-        default=59,
-        help="without a trace file: a synthetic trace of N sessions (default: 59)",
-    )
-    p.add_argument(
-        "--hours",
-        type=float,
-        help="synthetic trace length (48); with a trace file, replay only its first HOURS",
-    )
-    p.add_argument("--seed", type=int, default=0, help="synthetic trace seed (0)")
+    add_trace_arguments(p)
     p.add_argument("--policy", default="least-loaded", help="placement policy name")
     p.add_argument(
         "--policy-arg",
@@ -75,9 +55,34 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """TRACE, ``--trace``, ``--synthetic``, ``--hours``, ``--seed``: read by :func:`load`."""
+    p.add_argument(
+        "trace_file",
+        nargs="?",
+        metavar="TRACE",
+        help="a trace file: nbos .json or .csv, or a task-level .csv (found by its header)",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--trace", metavar="FILE", help="the same as TRACE")
+    source.add_argument(
+        "--synthetic",
+        metavar="N",
+        type=int,
+        default=59,
+        help="without a trace file: a synthetic trace of N sessions (default: 59)",
+    )
+    p.add_argument(
+        "--hours",
+        type=float,
+        help="synthetic trace length (48); with a trace file, replay only its first HOURS",
+    )
+    p.add_argument("--seed", type=int, default=0, help="synthetic trace seed (0)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the simulation(s) ``args`` describe and print the results."""
-    trace = _trace(args)
+    trace = load(args)
     modes = MODES if args.mode == "both" else (args.mode,)
     autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
     kwargs = _policy_kwargs(args.policy_arg)
@@ -112,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace(args: argparse.Namespace) -> Trace:
+def load(args: argparse.Namespace) -> Trace:
+    """The trace :func:`add_trace_arguments`' arguments name."""
     if args.trace_file and args.trace:
         raise ConfigError("--trace", args.trace, "not given together with a TRACE argument")
     path = args.trace_file or args.trace

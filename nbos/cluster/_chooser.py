@@ -89,6 +89,19 @@ class GpuChooser:
         """Each replica's host, by node id."""
         return self._hosts
 
+    def replica_moving(self, dead: int, host: HostId) -> None:
+        """A replacement of ``dead`` starts on ``host``: the scheduler places it there now
+        (the simulator's model moves a replica when the move is decided, too)."""
+        old = self._hosts.get(dead)
+        if old is not None and old != host:
+            self._scheduler.replica_moved(self._kernel_id, old, host)
+
+    def replica_not_moved(self, dead: int, host: HostId) -> None:
+        """That replacement failed: the placement is ``dead``'s host again."""
+        old = self._hosts.get(dead)
+        if old is not None and old != host:
+            self._scheduler.replica_moved(self._kernel_id, host, old)
+
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         """Replica ``dead`` is gone for good; ``node`` on ``host`` took its place."""
         old = self._hosts.pop(dead, None)
@@ -143,7 +156,8 @@ class GpuChooser:
                 f"moves to {outcome.target}"
             )
         source = next(n for n, h in replicas.items() if h == outcome.source)
-        node = await self._migrate(source, outcome.target, request.exec_index - 1)
+        with self._scheduler.holding(self._kernel_id, request.exec_index, outcome.target, gpus):
+            node = await self._migrate(source, outcome.target, request.exec_index - 1)
         # The source was fenced (or, failed early, is spared): the cell waits for the others.
         survivors = {n: h for n, h in self._hosts.items() if n in replicas and n != source}
         if node is not None:
@@ -194,12 +208,14 @@ class GpuChooser:
         log.info("kernel %s: migrating replica %d to %s", self._kernel_id, source, target)
         self._migrating = True
         try:
-            return await self._migration(source, target, after)
+            node = await self._migration(source, target, after)
         except NbosError as exc:
             log.warning("kernel %s: migrating replica %d failed: %s", self._kernel_id, source, exc)
             return None
         finally:
             self._migrating = False
+        self._scheduler.ledger.migrations += 1
+        return node
 
     async def release(self, plan: CellPlan) -> None:
         """Give back the plan's GPUs (idempotent); the executor's tensors stay resident."""

@@ -87,6 +87,21 @@ class ReplacementListener(Protocol):
         ...
 
 
+@runtime_checkable
+class MoveListener(Protocol):
+    """Told where a replacement goes before it starts there, and if it failed (the
+    scheduler's placement, so that a host about to receive a replica is not taken for
+    an empty one: drained, or its GPUs promised elsewhere)."""
+
+    def replica_moving(self, dead: int, host: HostId) -> None:
+        """Replica ``dead``'s replacement is starting on ``host``."""
+        ...
+
+    def replica_not_moved(self, dead: int, host: HostId) -> None:
+        """The replacement of ``dead`` on ``host`` was abandoned."""
+        ...
+
+
 class Replacer:
     """Replaces dead replicas of one kernel, one at a time.
 
@@ -106,7 +121,8 @@ class Replacer:
         new_member: Callable[[HostId], Awaitable[MemberAddress]],
         listeners: Sequence[object] = (),
     ) -> None:
-        # Those of ``listeners`` that are ReplacementListeners hear of each replacement.
+        # Those of ``listeners`` that are ReplacementListeners hear of each replacement,
+        # MoveListeners of each one's start and failure.
         self._kernel_id = kernel_id
         self._front = front
         self._processes = processes
@@ -115,6 +131,7 @@ class Replacer:
         self._place = place
         self._new_member = new_member
         self._listeners = [x for x in listeners if isinstance(x, ReplacementListener)]
+        self._movers = [x for x in listeners if isinstance(x, MoveListener)]
         self._lock = anyio.Lock()
         self._scopes: set[anyio.CancelScope] = set()
         self._closed = False
@@ -190,8 +207,10 @@ class Replacer:
             try:
                 await self.replace(node)
             except NbosError as exc:
-                if self._kernel_ending():
-                    return  # no replica of it is wanted any more
+                if self._kernel_ending() or node not in self._processes:
+                    # No replica of it is wanted any more, or another replacement (a
+                    # migration, a drain) that had fenced it replaced it meanwhile.
+                    return
                 why = str(exc)
             except Exception:
                 # A background policy: whatever went wrong, the kernel and the cluster go on.
@@ -243,14 +262,21 @@ class Replacer:
         address = await self._new_member(host)
         log.info("kernel %s: replacing replica %d by %d on %s", self._kernel_id, dead, node, host)
         peers = {n: self._members[n] for n in live} | {node: address}
-        spawned = await self._spawn(node, host, peers)
+        for mover in self._movers:
+            mover.replica_moving(dead, host)
         try:
-            await self._join(node, address, spawned, live, after)
-            # A voter now, the new replica may have won an election: ask it too.
-            await self._change([*live, node], "remove", dead)
+            spawned = await self._spawn(node, host, peers)
+            try:
+                await self._join(node, address, spawned, live, after)
+                # A voter now, the new replica may have won an election: ask it too.
+                await self._change([*live, node], "remove", dead)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._abandon(node, spawned.handle)
+                raise
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._abandon(node, spawned.handle)
+            for mover in self._movers:
+                mover.replica_not_moved(dead, host)
             raise
         self.failures.pop(dead, None)
         for listener in self._listeners:

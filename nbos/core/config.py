@@ -96,6 +96,16 @@ class GatewaySettings(_Section, frozen=True):
     ``orphan_grace_s``: a kernel started through the kernelspec is shut down this
     long after its Jupyter client process (``JPY_PARENT_PID``) ended, or after its
     kernel host process was last heard of.
+
+    Autoscaling (``docs/deploy.md``): with ``autoscale``, every ``autoscale_period_s``
+    the gateway runs the simulator's autoscaler on the live cluster, keeping between
+    ``min_hosts`` and ``max_hosts`` hosts, ``scale_out_cooldown_s`` /
+    ``scale_in_cooldown_s`` after its previous action, draining hosts idle for
+    ``idle_grace_s``. New hosts come from the entry point ``host_provider``
+    (``local``, ``docker``, ``ssh`` or a user's), made with the keyword arguments
+    ``host_provider_options``; one whose agent has not registered after
+    ``host_start_timeout_s`` is given back. Without ``autoscale`` these keys must keep
+    their defaults (they would do nothing).
     """
 
     address: str = "127.0.0.1:7070"
@@ -108,6 +118,16 @@ class GatewaySettings(_Section, frozen=True):
     idle_exit_s: float = 0.0
     local_idle_exit_s: float = 600.0
     orphan_grace_s: float = 30.0
+    autoscale: bool = False
+    min_hosts: int = 3
+    max_hosts: int = 16
+    autoscale_period_s: float = 5.0
+    scale_out_cooldown_s: float = 30.0
+    scale_in_cooldown_s: float = 120.0
+    idle_grace_s: float = 120.0
+    host_provider: str = "local"
+    host_provider_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    host_start_timeout_s: float = 120.0
 
 
 class Settings(_Section, frozen=True):

@@ -62,6 +62,7 @@ from nbos.core.wire.agent import (
 )
 from nbos.gateway._rpc import RequestChannel
 from nbos.gateway._scheduler import GpuScheduler
+from nbos.scaling import ClusterDecisions
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink
 from nbos.transport.keys import KeyDirectory, check_host_name
@@ -145,7 +146,7 @@ class HostDirectory:
         transport: ZmqTransport,
         *,
         keys: KeyDirectory | None = None,
-        policy: PlacementPolicy | str = "least-loaded",
+        policy: PlacementPolicy | ClusterDecisions | str = "least-loaded",
         replicas_per_kernel: int = 3,
         heartbeat_interval: float = 1.0,
         missed_heartbeats: int = 5,
@@ -212,6 +213,15 @@ class HostDirectory:
         if host.vanished:
             raise HostUnreachableError(host_id, "its agent stopped answering")
         return host
+
+    def remove(self, host_id: HostId) -> None:
+        """Forget a host that leaves the cluster (drained; its agent is being stopped):
+        what it sends from now on is dropped, and its silence is no vanishing."""
+        host = self._hosts.pop(host_id, None)
+        if host is not None:
+            self.transport.remove_peer(host.peer)
+        self.scheduler.remove_host(host_id)
+        self._notify()
 
     def add_listener(self, listener: HostListener) -> None:
         self._listeners.append(listener)

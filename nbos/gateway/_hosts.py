@@ -84,11 +84,12 @@ class HostRecord:
             "resident": len(resident),
         }
 
-    def view(self, own: Iterable[Grant], subscribed: int, replicas: int) -> HostView:
+    def view(self, own: Iterable[Grant], subscribed: int, replicas: int, held: int = 0) -> HostView:
+        """The host for placement; ``held`` GPUs more count as committed (a migration's)."""
         return HostView(
             host_id=self.host_id,
             gpus_total=len(self.devices),
-            gpus_committed=len(self.busy(own)),
+            gpus_committed=min(len(self.devices), len(self.busy(own)) + held),
             gpus_subscribed=subscribed,
             replicas=replicas,
             schedulable=self.schedulable and self.reachable,

@@ -12,8 +12,16 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -26,6 +34,7 @@ from nbos.core.errors import (
     HostUnreachableError,
     InsufficientGpusError,
     PlacementError,
+    PolicyContractError,
     QuorumLostError,
     TransportError,
     UnknownReservationError,
@@ -49,6 +58,7 @@ from nbos.core.wire.agent import (
     GpuReservation,
 )
 from nbos.gateway._hosts import Grant, HostRecord, subscriptions
+from nbos.gateway._ledger import Ledger
 from nbos.gateway._rpc import RequestChannel
 from nbos.scaling import (
     ClusterDecisions,
@@ -132,6 +142,8 @@ class GpuScheduler:
         self._placements: dict[KernelId, tuple[tuple[HostId, ...], int]] = {}
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
+        # GPUs a migrating cell will take on its target host, by cell.
+        self._held: dict[tuple[KernelId, int], tuple[HostId, int]] = {}
         self._pending_release: dict[str, tuple[HostId, bool]] = {}
         # (host, kernel) whose ReleaseKernel the host has not confirmed yet.
         self._owed: set[tuple[HostId, KernelId]] = set()
@@ -139,6 +151,9 @@ class GpuScheduler:
         # from their reports, the scheduler connecting to the address they give.
         self._admitted: dict[HostId, PeerId] | None = {} if registered else None
         self._ratio = 1.0
+        #: Kernels the policy could not place, counted (the autoscaler reads it).
+        self.placement_failures = 0
+        self.ledger = Ledger()
         self._version = 0
         self._changed = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -208,8 +223,11 @@ class GpuScheduler:
         """Every known host as placement sees it (unreachable hosts are unschedulable)."""
         gpus, count = subscriptions(self._placements)
         own = self._grants.values()
+        held: dict[HostId, int] = {}
+        for host_id, n in self._held.values():
+            held[host_id] = held.get(host_id, 0) + n
         hosts = [
-            h.view(own, gpus.get(h.host_id, 0), count.get(h.host_id, 0))
+            h.view(own, gpus.get(h.host_id, 0), count.get(h.host_id, 0), held.get(h.host_id, 0))
             for h in sorted(self._hosts.values(), key=lambda h: h.host_id)
         ]
         return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
@@ -237,6 +255,12 @@ class GpuScheduler:
             while sum(h.reachable for h in self._hosts.values()) < n:
                 await self._wait_change(self._version)
 
+    async def wait_for_host(self, host_id: HostId, timeout: float) -> None:
+        """Return once ``host_id`` reported and is reachable; ``TimeoutError`` after ``timeout``."""
+        with anyio.fail_after(timeout):
+            while not (host_id in self._hosts and self._hosts[host_id].reachable):
+                await self._wait_change(self._version)
+
     def admit(self, host_id: HostId, peer: PeerId) -> None:
         """Registration took ``host_id``'s agent at ``peer``: its reports count from now on."""
         if self._admitted is None:
@@ -252,8 +276,18 @@ class GpuScheduler:
             self._unreachable(host, why)
 
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
-        """Drain a host (no new replicas; cells of replicas there still run) or undrain it."""
+        """Drain a host (no new replicas; cells go to its replicas only when the kernel has
+        no other live replica) or undrain it."""
         self._hosts[host_id].schedulable = schedulable
+        self._notify()
+
+    def remove_host(self, host_id: HostId) -> None:
+        """Forget a drained host that leaves the cluster (its agent is being stopped)."""
+        if self._admitted is not None:
+            self._admitted.pop(host_id, None)
+        if self._hosts.pop(host_id, None) is not None:
+            log.info("host %s removed", host_id)
+        self._owed = {(h, k) for h, k in self._owed if h != host_id}
         self._notify()
 
     # --- placement -------------------------------------------------------------------
@@ -267,7 +301,14 @@ class GpuScheduler:
         :class:`~nbos.core.errors.PolicyContractError` when it answers with anything
         but ``replicas_per_kernel`` distinct known, schedulable hosts outside ``exclude``.
         """
-        hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
+        try:
+            hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
+        except PolicyContractError:
+            raise
+        except PlacementError:
+            self.placement_failures += 1
+            self._notify()
+            raise
         self._placements[kernel_id] = (hosts, gpus)
         self._owed -= {(h, kernel_id) for h in hosts}
         log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
@@ -290,6 +331,24 @@ class GpuScheduler:
         self._placements[kernel_id] = (tuple(new if h == old else h for h in hosts), gpus)
         log.info("kernel %s: replica moved from %s to %s", kernel_id, old, new)
         self._notify()
+
+    @contextmanager
+    def holding(
+        self, kernel_id: KernelId, exec_index: int, host: HostId, gpus: int
+    ) -> Iterator[None]:
+        """Count ``gpus`` GPUs of ``host`` as committed while a cell's replica migrates there.
+
+        The simulator commits a migrating cell's GPUs when it decides the move; so does
+        the view here, so that neither another cell's decision nor the autoscaler (which
+        drains idle hosts) takes the host from under the move.
+        """
+        self._held[(kernel_id, exec_index)] = (host, gpus)
+        self._notify()
+        try:
+            yield
+        finally:
+            self._held.pop((kernel_id, exec_index), None)
+            self._notify()
 
     # --- cells -----------------------------------------------------------------------
 
@@ -323,6 +382,8 @@ class GpuScheduler:
             )
         # The kernel has live replicas on these hosts: nothing is owed for it there.
         self._owed -= {(h, kernel_id) for h in replicas.values()}
+        replicas = self._off_draining(replicas)
+        self.ledger.cell_ready(kernel_id, exec_index, gpus)
         if gpus == 0:
             # Nothing to pre-commit, but the executor is still the decision's.
             order = [replicas[r] for r in sorted(replicas)]
@@ -330,6 +391,7 @@ class GpuScheduler:
             choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
             host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
             replica = self._replica_on(host, replicas, last_executor)
+            self.ledger.cell_started(kernel_id, exec_index)
             return Grant(kernel_id, exec_index, replica, host, (), "")
         key = frozenset(replicas.values())
         queue = self._queues.setdefault(key, deque())
@@ -364,6 +426,14 @@ class GpuScheduler:
             self._waiting.pop((kernel_id, exec_index), None)
             self._notify()
 
+    def _off_draining(self, replicas: Mapping[int, HostId]) -> Mapping[int, HostId]:
+        """The replicas not on draining hosts, if the kernel has any: a draining host's
+        replica is about to move, and a cell running there would be lost with it."""
+        staying = {
+            n: h for n, h in replicas.items() if h not in self._hosts or self._hosts[h].schedulable
+        }
+        return staying or replicas
+
     async def committed(self, grant: Grant) -> Grant:
         """The cell of ``grant`` started: commit its reservation and return the grant.
 
@@ -391,6 +461,7 @@ class GpuScheduler:
             if res in self._grants:
                 grant = self._grants[res] = attrs.evolve(grant, devices=devices)
                 self._committed.add(res)
+                self.ledger.cell_started(grant.kernel_id, grant.exec_index)
             return grant
         raise _refusal_error(reply, n, host.host_id)
 
@@ -403,6 +474,8 @@ class GpuScheduler:
         res = grant.reservation_id
         if not res or self._grants.pop(res, None) is None:
             return
+        if res in self._committed:
+            self.ledger.cell_ended(grant.kernel_id, grant.exec_index)
         self._committed.discard(res)
         host = self._hosts.get(grant.host)
         if host is None or not host.reachable:
@@ -453,11 +526,13 @@ class GpuScheduler:
         allocation waits for an eviction that nobody can do. An unreachable
         agent is told when it reports again.
         """
-        for res in [
-            r for r, g in self._grants.items() if g.kernel_id == kernel_id and g.host == host_id
-        ]:
+        gone = [
+            (r, g) for r, g in self._grants.items() if (g.kernel_id, g.host) == (kernel_id, host_id)
+        ]
+        for res, grant in gone:
             del self._grants[res]
             self._committed.discard(res)
+            self.ledger.cell_ended(kernel_id, grant.exec_index)
         self._owed.add((host_id, kernel_id))
         host = self._hosts.get(host_id)
         if host is not None and host.reachable:
@@ -712,6 +787,8 @@ class GpuScheduler:
     # --- wake-ups --------------------------------------------------------------------
 
     def _notify(self) -> None:
+        gpus = sum(len(h.devices) for h in self._hosts.values() if h.reachable)
+        self.ledger.hosts_changed(sum(h.reachable for h in self._hosts.values()), gpus)
         demand = sum(n for _, n in self._placements.values())
         busy = sum(len(h.busy(self._grants.values())) for h in self._hosts.values())
         self._ratio = smoothed_demand_ratio(self._ratio, demand, busy)

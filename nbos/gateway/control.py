@@ -13,6 +13,7 @@ request                    reply
 ``ShutdownKernel(id)``     ``KernelList`` (the rest)
 ``StatusRequest()``        ``ClusterStatus``
 ``WatchKernel(id, wait)``  ``KernelInfo``
+``UsageRequest()``         ``Usage``
 =========================  ==========================
 
 A request naming a kernel that does not run (or that ended during a ``WatchKernel``)
@@ -121,13 +122,60 @@ class ClusterStatus(_Msg):
     kernels: list[KernelInfo]
 
 
+class UsageRequest(_Msg):
+    """The gateway's accounting since it started (what ``nbos replay`` reports)."""
+
+
+class CellUsage(_Msg):
+    """One cell's GPUs as the scheduler granted them; times are wall-clock seconds.
+
+    ``ready``: the front asked for its executor (the previous cell had settled);
+    ``started``: its GPUs were committed (``None``: it never got them); ``ended``: they
+    were released (``None``: still running, or a cell of no GPUs).
+    """
+
+    kernel_id: str
+    exec_index: int
+    gpus: int
+    ready: float
+    started: float | None = None
+    ended: float | None = None
+
+
+class HostCount(_Msg):
+    """From ``time`` on, the cluster had ``hosts`` hosts with ``gpus`` GPUs in all."""
+
+    time: float
+    hosts: int
+    gpus: int
+
+
+class Usage(_Msg):
+    """Every cell, the host count over time, and the moves and scaling actions made.
+
+    ``ceiling_s``: seconds the autoscaler spent at its host ceiling while work waited.
+    """
+
+    since: float
+    now: float
+    cells: list[CellUsage]
+    hosts: list[HostCount]
+    migrations: int = 0
+    drain_moves: int = 0
+    scale_outs: int = 0
+    scale_ins: int = 0
+    ceiling_s: float = 0.0
+
+
 class ControlError(_Msg):
     kind: ControlErrorKind
     message: str
 
 
-ControlRequest = StartKernel | ListKernels | ShutdownKernel | StatusRequest | WatchKernel
-ControlReply = KernelInfo | KernelList | ClusterStatus | ControlError
+ControlRequest = (
+    StartKernel | ListKernels | ShutdownKernel | StatusRequest | WatchKernel | UsageRequest
+)
+ControlReply = KernelInfo | KernelList | ClusterStatus | Usage | ControlError
 
 _requests = msgspec.msgpack.Decoder(ControlRequest)
 _replies = msgspec.msgpack.Decoder(ControlReply)

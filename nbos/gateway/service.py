@@ -5,7 +5,10 @@
 * the gateway's endpoint at ``agent_address`` (CURVE with ``keys``) and its
   :class:`~nbos.gateway.HostDirectory`, which owns the one GPU scheduler;
 * with ``local_agents``, ``[cluster] hosts`` ``nbos agent`` processes on this
-  machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs);
+  machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs),
+  started by the ``local`` host provider;
+* with ``autoscale``, the :class:`~nbos.gateway._autoscale.LiveAutoscaler` adding
+  hosts through ``host_provider`` and draining idle ones;
 * the :class:`~nbos.cluster.Gateway` running every kernel over the
   :class:`~nbos.gateway.AgentBackend` (the same kernel code as ``LocalCluster``);
 * the control endpoint at ``address`` (:mod:`nbos.gateway.control`), and the
@@ -17,7 +20,7 @@ no kernel and no request for that long; with a runtime file
 (:mod:`nbos.gateway.runtime`) it announces itself there.
 
 Leaving it (SIGINT or SIGTERM for the command) shuts every kernel down, stops
-the replicas still running and the local agents, in that order.
+the replicas still running and the providers' agents, in that order.
 
 With a ``[cluster] data_dir`` the gateway is durable: its kernels are kept in
 ``DATA_DIR/gateway/state.json`` (:mod:`nbos.gateway._state`), and a gateway
@@ -33,11 +36,9 @@ a data dir the gateway runs in a temporary directory and keeps nothing.
 from __future__ import annotations
 
 import logging
-import os
+import math
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -47,17 +48,18 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
-import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from nbos.agent import ProcessIdentity, address_ip, tcp_address
+from nbos.agent import address_ip, tcp_address
 from nbos.cluster import Gateway, Kernel, KernelOptions
 from nbos.cluster._gpus import ClusterGpus
-from nbos.core.config import Settings
+from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import ConfigError, TransportError
+from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.gateway import AgentBackend, HostDirectory
+from nbos.gateway._autoscale import LiveAutoscaler
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import StateFile
 from nbos.gateway.control import (
@@ -73,9 +75,11 @@ from nbos.gateway.control import (
     ShutdownKernel,
     StartKernel,
     StatusRequest,
+    UsageRequest,
     WatchKernel,
     serve_control,
 )
+from nbos.gateway.providers import LocalHostProvider, load_host_provider
 from nbos.gateway.runtime import RuntimeFile
 from nbos.metrics import installed
 from nbos.metrics.prometheus import (
@@ -84,6 +88,7 @@ from nbos.metrics.prometheus import (
     PrometheusEvents,
     serve_metrics,
 )
+from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions
 from nbos.transport import ZmqTransport
 from nbos.transport.keys import KeyDirectory
 
@@ -91,21 +96,40 @@ log = logging.getLogger(__name__)
 
 # How long local agents may take to register (each is a Python start).
 _AGENTS_TIMEOUT_S = 120.0
-_AGENT_STOP_S = 15.0
 # A watch is answered after at most this long, so a lost client frees its slot.
 _MAX_WATCH_S = 30.0
+# The autoscaler keys of [gateway], which only autoscale = true puts to use.
+_AUTOSCALE_KEYS = (
+    "min_hosts",
+    "max_hosts",
+    "autoscale_period_s",
+    "scale_out_cooldown_s",
+    "scale_in_cooldown_s",
+    "idle_grace_s",
+    "host_provider",
+    "host_provider_options",
+    "host_start_timeout_s",
+)
 
 
 class GatewayService:
     """One running ``nbos gateway``; build it with :meth:`serve`."""
 
-    def __init__(self, directory: HostDirectory, gateway: Gateway, control_address: str) -> None:
+    def __init__(
+        self,
+        directory: HostDirectory,
+        gateway: Gateway,
+        control_address: str,
+        autoscaler: LiveAutoscaler | None = None,
+    ) -> None:
         self.directory = directory
         self.gateway = gateway
         self.control_address = control_address
         self.leases = KernelLeases()
         self._in_flight = 0
         self._last_activity = time.monotonic()
+        #: The live autoscaler (``[gateway] autoscale``), else ``None``.
+        self.autoscaler = autoscaler
 
     @classmethod
     @asynccontextmanager
@@ -114,14 +138,18 @@ class GatewayService:
         conf = settings.gateway
         control = tcp_address(conf.address, "gateway.address")
         agents_at = tcp_address(conf.agent_address, "gateway.agent_address")
-        if conf.missed_heartbeats < 1:
-            raise ConfigError("gateway.missed_heartbeats", conf.missed_heartbeats, "at least 1")
-        if not conf.heartbeat_s > 0:
-            raise ConfigError("gateway.heartbeat_s", conf.heartbeat_s, "positive seconds")
-        if not conf.idle_exit_s >= 0:
-            raise ConfigError("gateway.idle_exit_s", conf.idle_exit_s, "seconds, 0 for never")
+        _check_timing(conf)
         keys = KeyDirectory(conf.keys) if conf.keys else None
         begun = anyio.current_time()
+        scaling = _autoscaler_config(settings)
+        decisions = ClusterDecisions.load(
+            settings.cluster.placement_policy,
+            settings.cluster.replicas_per_kernel,
+            Autoscaler(scaling) if scaling is not None else None,
+        )
+        provider: HostProvider | None = None
+        if scaling is not None:
+            provider = load_host_provider(conf.host_provider, **conf.host_provider_options)
         async with AsyncExitStack() as stack:
             run_dir = _run_dir(settings, stack)
             state = (
@@ -139,7 +167,7 @@ class GatewayService:
                 HostDirectory.serve(
                     transport,
                     keys=keys,
-                    policy=settings.cluster.placement_policy,
+                    policy=decisions,
                     replicas_per_kernel=settings.cluster.replicas_per_kernel,
                     heartbeat_interval=conf.heartbeat_s,
                     missed_heartbeats=conf.missed_heartbeats,
@@ -148,9 +176,17 @@ class GatewayService:
             tg = await stack.enter_async_context(anyio.create_task_group())
             backend = await AgentBackend.open(directory, tg)
             stack.callback(tg.cancel_scope.cancel)
+            agent = AgentCommand(
+                gateway=transport.address.removeprefix("tcp://"),
+                gpus=settings.cluster.gpus_per_host,
+                heartbeat_s=conf.heartbeat_s,
+                keys=conf.keys,
+                data_dir=str(run_dir),
+            )
+            if provider is not None:
+                stack.push_async_callback(_shielded_close, provider)
             if conf.local_agents:
-                await _local_agents(settings, transport.address, run_dir, stack)
-                await directory.wait_for_hosts(settings.cluster.hosts, _AGENTS_TIMEOUT_S)
+                await _local_agents(settings.cluster.hosts, agent, provider, directory, stack)
             stack.push_async_callback(backend.aclose)
             options = KernelOptions(
                 settings=settings, store=_store(settings, run_dir), front_ip=address_ip(control)
@@ -164,13 +200,19 @@ class GatewayService:
                 log.info("gateway: %d of %d kernels taken back", len(restored), len(kept))
             if state is not None:
                 await backend.stop_strays()
-            socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-            stack.callback(socket.close, 0)
-            try:
-                socket.bind(control)
-            except zmq.ZMQError as exc:
-                raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
-            service = cls(directory, gateway, control)
+            socket = _bind_control(control, stack)
+            live = None
+            if provider is not None:
+                live = LiveAutoscaler(
+                    directory,
+                    gateway,
+                    provider,
+                    agent,
+                    period=conf.autoscale_period_s,
+                    host_timeout=conf.host_start_timeout_s,
+                )
+                _run_autoscaler(live, tg, stack)
+            service = cls(directory, gateway, control, live)
             tg.start_soon(serve_control, socket, service.handle)
             tg.start_soon(service.expire_leases)
             if conf.metrics_address:
@@ -216,6 +258,8 @@ class GatewayService:
             case StatusRequest():
                 kernels = [self.kernel_info(k) for k in self.gateway.kernels]
                 return ClusterStatus(self.host_status(), kernels)
+            case UsageRequest():
+                return self.directory.scheduler.ledger.usage()
 
     async def expire_leases(self) -> None:
         """Shut down, forever, the kernels whose lease ran out (their owner died)."""
@@ -317,86 +361,92 @@ def _store(settings: Settings, run_dir: Path) -> str:
     return settings.store.path or str(run_dir / "store")
 
 
+def _check_timing(conf: GatewaySettings) -> None:
+    if conf.missed_heartbeats < 1:
+        raise ConfigError("gateway.missed_heartbeats", conf.missed_heartbeats, "at least 1")
+    if not conf.heartbeat_s > 0:
+        raise ConfigError("gateway.heartbeat_s", conf.heartbeat_s, "positive seconds")
+    if not conf.idle_exit_s >= 0:
+        raise ConfigError("gateway.idle_exit_s", conf.idle_exit_s, "seconds, 0 for never")
+
+
 async def _local_agents(
-    settings: Settings, gateway: str, run_dir: Path, stack: AsyncExitStack
+    hosts: int,
+    agent: AgentCommand,
+    provider: HostProvider | None,
+    directory: HostDirectory,
+    stack: AsyncExitStack,
 ) -> None:
-    """``[cluster] hosts`` agents on this machine, stopped (with their replicas) at the end.
-
-    Each runs in a session of its own (a signal to the gateway's process group, or
-    the gateway's death, leaves it running) and is recorded in ``agents/HOST.pid``:
-    one still running from an earlier run of the gateway is used again.
-    """
-    for i in range(1, settings.cluster.hosts + 1):
-        host = f"host-{i}"
-        record = run_dir / "agents" / f"{host}.pid"
-        pidfd = await anyio.to_thread.run_sync(_running_agent, record)
-        if pidfd is not None:
-            log.info("local agent of %s still runs from an earlier gateway: used again", host)
-            stack.push_async_callback(_stop_adopted_agent, pidfd, record)
-            continue
-        argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", "agent", "--host", host]
-        argv += ["--address", "127.0.0.1:0", "--gateway", gateway.removeprefix("tcp://")]
-        argv += ["--state-dir", str(run_dir / "agents" / host)]
-        argv += ["--gpus", str(settings.cluster.gpus_per_host), "--stop-replicas-on-exit"]
-        argv += ["--heartbeat", str(settings.gateway.heartbeat_s)]
-        if settings.gateway.keys:
-            argv += ["--keys", settings.gateway.keys]
-        (run_dir / "agents").mkdir(parents=True, exist_ok=True)
-        with (run_dir / "agents" / f"{host}.log").open("ab") as out:
-            process = await anyio.open_process(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        stack.push_async_callback(_stop_agent, process, record)
-        await anyio.to_thread.run_sync(
-            record.write_bytes, msgspec.json.encode(ProcessIdentity.of(process.pid))
-        )
+    """``hosts`` agents on this machine, through the ``local`` provider (the autoscaler's,
+    if that is the one it uses), registered before this returns."""
+    local = provider if isinstance(provider, LocalHostProvider) else None
+    if local is None:
+        local = LocalHostProvider()
+        stack.push_async_callback(_shielded_close, local)
+    for _ in range(hosts):
+        await local.add_host(agent)
+    await directory.wait_for_hosts(hosts, _AGENTS_TIMEOUT_S)
 
 
-def _running_agent(record: Path) -> int | None:
-    """A pidfd on the agent ``record`` names, if that process still runs."""
+def _bind_control(control: str, stack: AsyncExitStack) -> zmq.asyncio.Socket:
+    socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    stack.callback(socket.close, 0)
     try:
-        identity = msgspec.json.decode(record.read_bytes(), type=ProcessIdentity)
-    except FileNotFoundError:
-        return None
-    except (OSError, msgspec.DecodeError) as exc:
-        log.warning("agent record %s unreadable, ignored: %s", record, exc)
-        return None
-    return identity.open()
+        socket.bind(control)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
+    return socket
 
 
-async def _stop_agent(process: anyio.abc.Process, record: Path) -> None:
+def _run_autoscaler(live: LiveAutoscaler, tg: anyio.abc.TaskGroup, stack: AsyncExitStack) -> None:
+    # Stopped first on the way out: no host added or drained while kernels end.
+    autoscaling = anyio.CancelScope()
+    tg.start_soon(_run_in, autoscaling, live)
+    stack.callback(autoscaling.cancel)
+
+
+async def _run_in(scope: anyio.CancelScope, live: LiveAutoscaler) -> None:
+    with scope:
+        await live.run()
+
+
+async def _shielded_close(provider: HostProvider) -> None:
     with anyio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-        with anyio.move_on_after(_AGENT_STOP_S) as scope:
-            await process.wait()
-        if scope.cancelled_caught:
-            log.warning("local agent pid %d ignored SIGTERM: SIGKILL", process.pid)
-            process.kill()
-            await process.wait()
-        await anyio.Path(record).unlink(missing_ok=True)
+        await provider.aclose()
 
 
-async def _stop_adopted_agent(pidfd: int, record: Path) -> None:
-    """Stop an agent an earlier gateway started (not our child: its pidfd tells its end)."""
-    with anyio.CancelScope(shield=True):
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-            with anyio.move_on_after(_AGENT_STOP_S) as scope:
-                await anyio.wait_readable(pidfd)
-            if scope.cancelled_caught:
-                log.warning("local agent (pidfd %d) ignored SIGTERM: SIGKILL", pidfd)
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                await anyio.wait_readable(pidfd)
-        except ProcessLookupError:
-            pass  # it ended already
-        finally:
-            os.close(pidfd)
-        await anyio.Path(record).unlink(missing_ok=True)
+def _autoscaler_config(settings: Settings) -> AutoscalerConfig | None:
+    """The autoscaler ``[gateway]`` asks for, or ``None``; :class:`ConfigError` for bad keys
+    and for autoscaler keys set without ``autoscale`` (they would do nothing)."""
+    conf = settings.gateway
+    if not conf.autoscale:
+        default = GatewaySettings()
+        for key in _AUTOSCALE_KEYS:
+            if getattr(conf, key) != getattr(default, key):
+                raise ConfigError(f"gateway.{key}", getattr(conf, key), "gateway.autoscale = true")
+        return None
+    for key in ("autoscale_period_s", "host_start_timeout_s"):
+        value = getattr(conf, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"gateway.{key}", value, "positive seconds")
+    try:
+        return AutoscalerConfig(
+            min_hosts=conf.min_hosts,
+            max_hosts=conf.max_hosts,
+            scale_out_cooldown=conf.scale_out_cooldown_s,
+            scale_in_cooldown=conf.scale_in_cooldown_s,
+            idle_grace=conf.idle_grace_s,
+            new_host_gpus=settings.cluster.gpus_per_host,
+        )
+    except ConfigError as exc:
+        key = {
+            "scale_out_cooldown": "scale_out_cooldown_s",
+            "scale_in_cooldown": "scale_in_cooldown_s",
+            "idle_grace": "idle_grace_s",
+            "new_host_gpus": "cluster.gpus_per_host",
+        }.get(exc.key, exc.key)
+        key = key if key.startswith("cluster.") else f"gateway.{key}"
+        raise ConfigError(key, exc.value, exc.expected) from exc
 
 
 async def run_until_signalled(settings: Settings, runtime_file: Path | None = None) -> None:

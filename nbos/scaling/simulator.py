@@ -131,7 +131,8 @@ class Sample(NamedTuple):
 class SimResult:
     """What one run measured (see ``docs/simulator.md`` for each figure)."""
 
-    mode: Mode
+    #: The :data:`Mode` simulated, or ``"replay"`` for a live cluster's (``nbos replay``).
+    mode: str
     policy: str
     sessions: int
     cells: int

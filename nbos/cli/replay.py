@@ -1,0 +1,140 @@
+"""``nbos replay``: drive a live cluster with a session trace and print ``nbos simulate``'s table.
+
+Without ``--gateway`` it runs an embedded gateway (``nbos gateway`` in this process,
+with ``--hosts`` local agents and, unless ``--no-autoscale``, the ``local`` host
+provider) whose autoscaler runs with the simulator's defaults scaled down by
+``--speedup``: a tick of 60 s of trace time, cooldowns of 120 s and 600 s, hosts idle
+for 600 s drained. ``--simulate`` adds the simulator's column for the same trace and
+cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import anyio
+import msgspec
+
+from nbos.cli.simulate import add_trace_arguments, load
+from nbos.core.config import Settings
+from nbos.core.errors import ConfigError
+from nbos.gateway.replay import ReplayConfig, replay
+from nbos.scaling.autoscaler import AutoscalerConfig
+from nbos.scaling.simulator import SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.trace import Trace
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``replay`` subcommand; its handler is set as ``func``."""
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a notebook session trace on a live cluster, sped up",
+        description=(
+            "Run a trace's sessions as kernels and its cells as sleeps holding their GPUs, "
+            "SPEEDUP times faster than the trace, on a running gateway or an embedded one, "
+            "and print the metrics of nbos simulate from the gateway's own accounting."
+        ),
+    )
+    add_trace_arguments(p)
+    p.add_argument("--speedup", type=float, default=60.0, help="trace seconds per real second (60)")
+    p.add_argument(
+        "--gateway",
+        metavar="HOST:PORT",
+        help="a running gateway's control address (default: an embedded gateway)",
+    )
+    p.add_argument("--policy", default="least-loaded", help="embedded: placement policy")
+    p.add_argument("--hosts", type=int, default=4, help="embedded: hosts at the start (4)")
+    p.add_argument("--gpus-per-host", type=int, default=8, help="embedded: GPUs per host (8)")
+    p.add_argument("--no-autoscale", action="store_true", help="embedded: keep --hosts hosts")
+    p.add_argument("--max-hosts", type=int, default=64, help="embedded: host ceiling (64)")
+    p.add_argument(
+        "--simulate", action="store_true", help="also simulate the trace (nbos mode) alongside"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per column")
+    p.add_argument("--plot", metavar="FILE", help="draw the columns as nbos simulate --plot")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay the trace ``args`` name and print the results."""
+    trace = load(args)
+    config = ReplayConfig(speedup=args.speedup, policy=args.policy)
+    if args.gateway:
+        result = anyio.run(replay, trace, args.gateway, config)
+    else:
+        result = anyio.run(_embedded, trace, _settings(args), config)
+    results = [result]
+    if args.simulate:
+        results.insert(0, simulate(trace, _sim_config(args)))
+    if args.plot:
+        from nbos.scaling.plot import plot_results
+
+        plot_results(results, args.plot)
+    if args.json:
+        for r in results:
+            print(json.dumps(r.summary()))
+    else:
+        print(metrics_table(results))
+    if result.hours_at_ceiling:
+        print(
+            f"warning: work waited {result.hours_at_ceiling:.1f} h (trace time) while the "
+            "autoscaler was at its host ceiling",
+            file=sys.stderr,
+        )
+    return 0
+
+
+async def _embedded(trace: Trace, settings: Settings, config: ReplayConfig) -> SimResult:
+    from nbos.gateway.service import GatewayService
+
+    async with GatewayService.serve(settings) as service:
+        return await replay(trace, service.control_address, config)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The embedded gateway's settings: ``--config`` and ``NBOS_*``, then the options."""
+    from nbos.transport.ports import free_loopback_ports
+
+    k = args.speedup
+    if not k > 0:
+        raise ConfigError("--speedup", k, "a positive number")
+    base = Settings.load(args.config)
+    control, agents = free_loopback_ports(2)
+    cluster = msgspec.structs.replace(
+        base.cluster,
+        hosts=args.hosts,
+        gpus_per_host=args.gpus_per_host,
+        placement_policy=args.policy,
+    )
+    gateway = msgspec.structs.replace(
+        base.gateway,
+        address=f"127.0.0.1:{control}",
+        agent_address=f"127.0.0.1:{agents}",
+        local_agents=True,
+    )
+    if not args.no_autoscale:
+        defaults, tick = AutoscalerConfig(), SimConfig().tick
+        gateway = msgspec.structs.replace(
+            gateway,
+            autoscale=True,
+            min_hosts=min(defaults.min_hosts, args.max_hosts),
+            max_hosts=args.max_hosts,
+            autoscale_period_s=tick / k,
+            scale_out_cooldown_s=defaults.scale_out_cooldown / k,
+            scale_in_cooldown_s=defaults.scale_in_cooldown / k,
+            idle_grace_s=defaults.idle_grace / k,
+        )
+    return msgspec.structs.replace(base, cluster=cluster, gateway=gateway)
+
+
+def _sim_config(args: argparse.Namespace) -> SimConfig:
+    autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
+    return SimConfig(
+        hosts=args.hosts,
+        gpus_per_host=args.gpus_per_host,
+        mode="nbos",
+        policy=args.policy,
+        autoscaler=autoscaler,
+    )

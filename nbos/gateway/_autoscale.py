@@ -1,0 +1,186 @@
+"""Live autoscaling: the simulator's :class:`~nbos.scaling.Autoscaler`, on the real cluster.
+
+Every ``period`` seconds the gateway asks the cluster's
+:class:`~nbos.scaling.ClusterDecisions` (the scheduler's, so the one the simulator
+makes) for a scaling decision over the scheduler's view, with ``placement_failed``
+set while a cell waits for GPUs or a kernel could not be placed since the last
+decision, and the hosts being started counted as provisioning. Then:
+
+* :class:`~nbos.scaling.ScaleOut`: the host provider starts that many hosts; each
+  counts as provisioning until its agent registered and reported its GPUs (or, after
+  ``host_timeout`` seconds without that, it is given back and logged);
+* :class:`~nbos.scaling.ScaleIn`: each host is drained: made unschedulable (no new
+  replicas, and cells go to the kernels' other replicas), then each replica there is
+  replaced by one on a host the policy picks (a learner that catches up from the
+  snapshot and log, as a replacement does), waiting for a cell it runs to end first.
+  The host leaves (the directory forgets it, the provider stops its agent) once
+  :meth:`~nbos.scaling.ClusterDecisions.removable` says it holds no replica and no
+  committed GPU; moves that fail are retried every period meanwhile.
+
+A drained host stays out of service until it leaves, as in the simulator.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import anyio.abc
+
+from nbos.cluster import Gateway, Kernel
+from nbos.core.errors import NbosError
+from nbos.core.host_provider import AgentCommand, HostProvider
+from nbos.core.ids import HostId
+from nbos.gateway._directory import HostDirectory
+from nbos.scaling import ScaleIn, ScaleOut
+
+log = logging.getLogger(__name__)
+
+#: How long a drain waits for a cell running on a replica it is to move.
+_CELL_WAIT_S = 0.1
+
+
+class LiveAutoscaler:
+    """Scales ``directory``'s cluster through ``provider``; run :meth:`run` in a task group."""
+
+    def __init__(
+        self,
+        directory: HostDirectory,
+        gateway: Gateway,
+        provider: HostProvider,
+        agent: AgentCommand,
+        *,
+        period: float,
+        host_timeout: float,
+    ) -> None:
+        self._directory = directory
+        self._gateway = gateway
+        self._provider = provider
+        self._agent = agent
+        self._period = period
+        self._host_timeout = host_timeout
+        self._provisioning = 0
+        self._draining: set[HostId] = set()
+        self._failures_seen = directory.scheduler.placement_failures
+
+    @property
+    def draining(self) -> frozenset[HostId]:
+        """Hosts being drained now."""
+        return frozenset(self._draining)
+
+    async def run(self) -> None:
+        """Decide every period, forever; actions run as tasks of their own."""
+        async with anyio.create_task_group() as tg:
+            while True:
+                await anyio.sleep(self._period)
+                self.tick(tg)
+
+    def tick(self, tg: anyio.abc.TaskGroup) -> None:
+        """One decision, its actions started in ``tg``."""
+        scheduler = self._directory.scheduler
+        decisions = scheduler.decisions
+        view = scheduler.view()
+        failures = scheduler.placement_failures
+        waiting = bool(scheduler.waiting()) or failures != self._failures_seen
+        self._failures_seen = failures
+        decision = decisions.scale(view, anyio.current_time(), waiting, self._provisioning)
+        autoscaler = decisions.autoscaler
+        if (
+            waiting
+            and autoscaler is not None
+            and len(view.hosts) + self._provisioning >= autoscaler.config.max_hosts
+        ):
+            scheduler.ledger.ceiling_s += self._period
+        if isinstance(decision, ScaleOut):
+            scheduler.ledger.scale_outs += 1
+            for _ in range(decision.count):
+                self._provisioning += 1
+                tg.start_soon(self._add)
+        elif isinstance(decision, ScaleIn):
+            scheduler.ledger.scale_ins += 1
+            for host in decision.hosts:
+                if host not in self._draining:
+                    self._draining.add(host)
+                    tg.start_soon(self._drain, host)
+
+    async def _add(self) -> None:
+        try:
+            host = await self._provider.add_host(self._agent)
+        except NbosError as exc:
+            log.warning("autoscaler: %s could not add a host: %s", self._provider.name, exc)
+            self._provisioning -= 1
+            return
+        try:
+            await self._directory.scheduler.wait_for_host(host, self._host_timeout)
+            log.info("autoscaler: host %s joined", host)
+        except TimeoutError:
+            log.warning(
+                "autoscaler: host %s did not register within %g s: given back",
+                host,
+                self._host_timeout,
+            )
+            await self._remove(host)
+        finally:
+            self._provisioning -= 1
+
+    async def _drain(self, host: HostId) -> None:
+        scheduler = self._directory.scheduler
+        started = anyio.current_time()
+        log.info("autoscaler: draining host %s", host)
+        try:
+            scheduler.set_schedulable(host, False)
+            while True:
+                for kernel in self._gateway.kernels:
+                    await self._move_off(kernel, host)
+                if scheduler.decisions.removable(scheduler.view().host(host)):
+                    break
+                await anyio.sleep(self._period)
+        except KeyError:
+            log.info("autoscaler: host %s went away while draining", host)
+        else:
+            log.info("autoscaler: host %s drained in %.1f s", host, anyio.current_time() - started)
+        finally:
+            self._draining.discard(host)
+        await self._remove(host)
+
+    async def _move_off(self, kernel: Kernel, host: HostId) -> None:
+        for replica in kernel.replicas:
+            if replica.host != host:
+                continue
+            # A cell running there would be lost with the replica: let it end. New cells
+            # go to the kernel's other replicas (the scheduler avoids draining hosts).
+            await _cell_over(kernel, replica.node)
+            try:
+                node = await kernel.replace_replica(replica.node)
+            except NbosError as exc:
+                log.warning(
+                    "autoscaler: replica %d of kernel %s not moved off %s (retried): %s",
+                    replica.node,
+                    kernel.kernel_id,
+                    host,
+                    exc,
+                )
+                continue
+            self._directory.scheduler.ledger.drain_moves += 1
+            log.info(
+                "autoscaler: kernel %s replica %d moved off %s as %d",
+                kernel.kernel_id,
+                replica.node,
+                host,
+                node,
+            )
+
+    async def _remove(self, host: HostId) -> None:
+        self._directory.remove(host)
+        try:
+            await self._provider.remove_host(host)
+        except NbosError as exc:
+            log.warning("autoscaler: %s could not stop host %s: %s", self._provider.name, host, exc)
+
+
+async def _cell_over(kernel: Kernel, node: int) -> None:
+    """Return once replica ``node`` runs no shell request (the front has no event for it)."""
+    while True:
+        if kernel.front.running_on != node or kernel.closed.is_set():
+            return
+        await anyio.sleep(_CELL_WAIT_S)

@@ -1,0 +1,317 @@
+"""Host providers by name (entry point group ``nbos.host_providers``), and the built-in ones.
+
+Each built-in provider runs a host's ``nbos agent`` as a process of a compute backend
+(:mod:`nbos.backends`), so a host comes and goes with that process:
+
+* ``local`` (:class:`LocalHostProvider`): virtual hosts on this machine, ``host-1``,
+  ``host-2`` ..., each agent a local process with virtual GPUs (the embedded cluster's
+  and the tests');
+* ``docker`` (:class:`DockerHostProvider`): an agent container on one of the Docker
+  engines given (the one running the fewest), from an image with nbos installed;
+* ``ssh`` (:class:`SshHostProvider`): a standby pool of machines listed in the settings,
+  each reached over SSH; a host is a pool machine not in use, named as in the pool.
+
+A user's package registers its own (a cloud API) the same way: see
+``examples/host_provider`` and ``docs/deploy.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import attrs
+import msgspec
+
+from nbos.agent import ProcessIdentity
+from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
+from nbos.core.errors import BackendError, ConfigError
+from nbos.core.host_provider import AgentCommand, HostProvider
+from nbos.core.ids import HostId
+
+log = logging.getLogger(__name__)
+
+GROUP = "nbos.host_providers"
+#: How long an agent may take to stop its replicas on SIGTERM before it is killed.
+AGENT_STOP_S = 15.0
+
+
+def available_providers() -> list[str]:
+    """Names of the registered host providers, sorted."""
+    return sorted({ep.name for ep in entry_points(group=GROUP)})
+
+
+def load_host_provider(name: str, **options: Any) -> HostProvider:
+    """The provider registered as ``name``, made with ``options``.
+
+    Raises :class:`ConfigError` for an unknown name, options the factory refuses or a
+    factory that does not make a ``HostProvider``, and :class:`BackendError` when the
+    entry point cannot be loaded (a missing optional dependency).
+    """
+    found = sorted({ep.value: ep for ep in entry_points(group=GROUP, name=name)}.items())
+    if len(found) != 1:
+        # None, or two distributions claiming the name: either way not a choice to guess.
+        expected = f"one of {available_providers()}" if not found else "a name registered once"
+        log.warning("host provider %r: %d registrations", name, len(found))
+        raise ConfigError("gateway.host_provider", name, expected)
+    entry = found[0][1]
+    try:
+        factory = entry.load()
+    except ImportError as exc:
+        log.warning("host provider %r (%s) failed to load: %s", name, entry.value, exc)
+        raise BackendError(f"host provider {name!r} needs a missing package: {exc}") from exc
+    try:
+        provider = factory(**options)
+    except (TypeError, ConfigError) as exc:
+        log.warning("host provider %r refused options %s: %s", name, sorted(options), exc)
+        raise ConfigError(
+            "gateway.host_provider_options", options, f"options {name} takes ({exc})"
+        ) from exc
+    if not isinstance(provider, HostProvider):
+        raise ConfigError("gateway.host_provider", name, f"{entry.value} to make a HostProvider")
+    return provider
+
+
+class _Stoppable(Protocol):
+    async def terminate(self, grace: float = ...) -> int: ...
+
+
+@attrs.define
+class _Agent:
+    handle: _Stoppable
+    #: The backend serving only this host (closed with it), or None for a shared one.
+    own: ComputeBackend | None
+
+
+class _AgentProcesses:
+    """What the built-ins share: one agent process per host, stopped with SIGTERM."""
+
+    def __init__(self) -> None:
+        self._agents: dict[HostId, _Agent] = {}
+
+    def hosts(self) -> Sequence[HostId]:
+        """The hosts this provider added and has not removed."""
+        return tuple(self._agents)
+
+    async def _start(
+        self,
+        backend: ComputeBackend,
+        where: HostId,
+        host_id: HostId,
+        argv: list[str],
+        *,
+        own: bool = False,
+    ) -> ProcessHandle:
+        handle = await backend.start(where, ProcessSpec(argv, label=f"agent-{host_id}"))
+        self._agents[host_id] = _Agent(handle, backend if own else None)
+        log.info("host %s: agent started (%r)", host_id, handle)
+        return handle
+
+    async def remove_host(self, host_id: HostId) -> None:
+        agent = self._agents.pop(host_id, None)
+        if agent is None:
+            log.info("host %s was not added by this provider: nothing to stop", host_id)
+            return
+        status = await agent.handle.terminate(grace=AGENT_STOP_S)
+        log.info("host %s: agent stopped (status %d)", host_id, status)
+        if agent.own is not None:
+            await agent.own.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every agent, all at once (each may take its replicas' grace to stop)."""
+        async with anyio.create_task_group() as tg:
+            for host_id in list(self._agents):
+                tg.start_soon(self._stop_quietly, host_id)
+
+    async def _stop_quietly(self, host_id: HostId) -> None:
+        try:
+            await self.remove_host(host_id)
+        except BackendError as exc:
+            log.warning("host %s: agent not stopped: %s", host_id, exc)
+
+
+class LocalHostProvider(_AgentProcesses):
+    """Virtual hosts on this machine: ``{prefix}1``, ``{prefix}2`` ..., one agent process each.
+
+    Each agent keeps its state and log under ``AgentCommand.data_dir``/``agents``. It
+    runs in a session of its own (a signal to the gateway's process group, or the
+    gateway's death, leaves it running) and is recorded in ``agents/HOST.pid``: one
+    still running from an earlier gateway on the same data dir is used again.
+    """
+
+    def __init__(self, prefix: str = "host-", python: str = sys.executable) -> None:
+        super().__init__()
+        self._prefix = prefix
+        self._python = python
+        self._numbers = itertools.count(1)
+        self._records: dict[HostId, Path] = {}
+
+    @property
+    def name(self) -> str:
+        return "local"
+
+    async def add_host(self, agent: AgentCommand) -> HostId:
+        from nbos.backends.local import LocalProcessBackend, LocalProcessHandle
+
+        host_id = HostId(f"{self._prefix}{next(self._numbers)}")
+        root = Path(agent.data_dir or ".") / "agents"
+        record = root / f"{host_id}.pid"
+        pidfd = await anyio.to_thread.run_sync(_running_agent, record)
+        if pidfd is not None:
+            log.info("local agent of %s still runs from an earlier gateway: used again", host_id)
+            self._agents[host_id] = _Agent(_AdoptedAgent(pidfd), None)
+            return host_id
+        backend = LocalProcessBackend([host_id], run_dir=root / "logs")
+        argv = agent.argv(host_id, "127.0.0.1:0", str(root / host_id), self._python, virtual=True)
+        handle = await self._start(backend, host_id, host_id, argv, own=True)
+        assert isinstance(handle, LocalProcessHandle)  # what a LocalProcessBackend starts
+        identity = ProcessIdentity.of(handle.pid)
+        await anyio.Path(record).write_bytes(msgspec.json.encode(identity))
+        self._records[host_id] = record
+        return host_id
+
+    async def remove_host(self, host_id: HostId) -> None:
+        await super().remove_host(host_id)
+        record = self._records.pop(host_id, None)
+        if record is not None:
+            await anyio.Path(record).unlink(missing_ok=True)
+
+
+def _running_agent(record: Path) -> int | None:
+    """A pidfd on the agent ``record`` names, if that process still runs."""
+    try:
+        identity = msgspec.json.decode(record.read_bytes(), type=ProcessIdentity)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("agent record %s unreadable, ignored: %s", record, exc)
+        return None
+    return identity.open()
+
+
+@attrs.define
+class _AdoptedAgent:
+    """An agent an earlier gateway started: not our child, its pidfd tells its end."""
+
+    pidfd: int
+
+    async def terminate(self, grace: float = AGENT_STOP_S) -> int:
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGTERM)
+            with anyio.move_on_after(grace) as scope:
+                await anyio.wait_readable(self.pidfd)
+            if scope.cancelled_caught:
+                log.warning("local agent (pidfd %d) ignored SIGTERM: SIGKILL", self.pidfd)
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                await anyio.wait_readable(self.pidfd)
+        except ProcessLookupError:
+            pass  # it ended already
+        finally:
+            os.close(self.pidfd)
+        return 0  # its exit status is its parent's (init's) to read
+
+
+class DockerHostProvider(_AgentProcesses):
+    """An agent container per host, on whichever of ``engines`` runs the fewest.
+
+    ``engines`` maps names to Docker engine URLs; ``image`` has nbos installed (run
+    with ``python``); containers use the host network, so ``ip`` is the engine
+    machine's address agents are reached at. Hosts are named ``{prefix}N``.
+    ``mounts`` (``SRC:DST``) are passed on (the key directory, a shared store);
+    ``virtual_gpus``: agents get ``[cluster] gpus_per_host`` virtual GPUs, not NVML's.
+    """
+
+    def __init__(
+        self,
+        engines: Mapping[str, str],
+        image: str,
+        *,
+        ip: str = "127.0.0.1",
+        prefix: str = "docker-",
+        python: str = "python",
+        state_dir: str = "/tmp/nbos-agent",
+        mounts: Sequence[str] = (),
+        virtual_gpus: bool = False,
+    ) -> None:
+        from nbos.backends.docker import DockerBackend
+
+        super().__init__()
+        self._backend = DockerBackend(engines, image=image, mounts=mounts)
+        self._where: dict[HostId, HostId] = {}
+        self._ip, self._prefix, self._python, self._state = ip, prefix, python, state_dir
+        self._virtual = virtual_gpus
+        self._numbers = itertools.count(1)
+
+    @property
+    def name(self) -> str:
+        return "docker"
+
+    async def add_host(self, agent: AgentCommand) -> HostId:
+        engines = self._backend.hosts()
+        engine = min(engines, key=lambda e: sum(w == e for w in self._where.values()))
+        host_id = HostId(f"{self._prefix}{next(self._numbers)}")
+        state = f"{self._state}/{host_id}"
+        argv = agent.argv(host_id, f"{self._ip}:0", state, self._python, virtual=self._virtual)
+        await self._start(self._backend, engine, host_id, argv)
+        self._where[host_id] = engine
+        return host_id
+
+    async def remove_host(self, host_id: HostId) -> None:
+        self._where.pop(host_id, None)
+        await super().remove_host(host_id)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self._backend.aclose()
+
+
+class SshHostProvider(_AgentProcesses):
+    """A standby pool: ``hosts`` maps host names to SSH targets (``nbos.backends.SshHost``
+    fields: ``address``, ``port``, ``user``, ``key_file``, ``known_hosts``); a host is
+    added by starting its agent there (``python -m nbos agent``, listening on its
+    ``address``), in pool order, and is free again once removed. ``virtual_gpus`` as
+    for ``docker``."""
+
+    def __init__(
+        self,
+        hosts: Mapping[str, Mapping[str, Any]],
+        *,
+        python: str = "python3",
+        state_dir: str = ".nbos/agent",
+        virtual_gpus: bool = False,
+    ) -> None:
+        from nbos.backends.ssh import SshBackend
+
+        super().__init__()
+        self._backend = SshBackend(hosts)
+        self._addresses = {HostId(h): str(t["address"]) for h, t in hosts.items()}
+        self._python, self._state, self._virtual = python, state_dir, virtual_gpus
+
+    @property
+    def name(self) -> str:
+        return "ssh"
+
+    async def add_host(self, agent: AgentCommand) -> HostId:
+        free = [h for h in self._backend.hosts() if h not in self.hosts()]
+        if not free:
+            raise BackendError(
+                f"every host of the ssh standby pool is in use ({len(self._addresses)})"
+            )
+        host_id = free[0]
+        address = f"{self._addresses[host_id]}:0"
+        state = f"{self._state}/{host_id}"
+        argv = agent.argv(host_id, address, state, self._python, virtual=self._virtual)
+        await self._start(self._backend, host_id, host_id, argv)
+        return host_id
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self._backend.aclose()

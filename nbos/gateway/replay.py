@@ -1,0 +1,276 @@
+"""Replaying a session trace on a live cluster, through a gateway's control API.
+
+:func:`replay` starts one kernel per session (``StartKernel(gpus)``, retried while the
+cluster cannot place it), runs its cells in order through a Jupyter client, each at
+its submit time divided by ``speedup`` (or once the session's previous cell ended),
+as ``%%gpus N`` then a sleep of its duration divided by ``speedup``, so it holds its
+GPUs that long, and shuts the kernel down at its stop time. Then it reads the
+gateway's own accounting (``UsageRequest``: when each cell got and gave back its
+GPUs, the hosts over time, the moves and scaling actions) and turns it into the
+:class:`~nbos.scaling.SimResult` that ``nbos simulate`` prints, in trace seconds
+(real seconds times ``speedup``). ``docs/simulator.md`` says where the two differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
+
+import anyio
+import attrs
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.connect import KernelConnectionInfo
+
+from nbos.core.errors import ConfigError, TransportError
+from nbos.gateway.control import (
+    CellUsage,
+    ControlError,
+    HostCount,
+    KernelInfo,
+    ShutdownKernel,
+    StartKernel,
+    Usage,
+    UsageRequest,
+    call,
+)
+from nbos.scaling.simulator import Sample, SimResult, _percentile
+from nbos.scaling.trace import Cell, Session, Trace
+
+log = logging.getLogger(__name__)
+
+#: How long one cell may take beyond its scaled duration before it is given up (real s).
+_CELL_SLACK_S = 600.0
+_CONTROL_TIMEOUT_S = 120.0
+#: The overrun limit is never shorter than this in real seconds: kernel starts and each
+#: cell's own overhead take real time that no speed-up shortens.
+_OVERRUN_FLOOR_S = 300.0
+
+
+@attrs.frozen
+class ReplayConfig:
+    """How a trace is replayed: ``speedup`` trace seconds per real second; a placement
+    refused is retried every ``retry`` trace seconds; ``overrun_limit`` trace seconds after
+    the trace's end, cells not started are given up (as ``SimConfig.overrun_limit``);
+    ``interactive_within`` as in ``SimConfig`` (the overrun lasts at least
+    :data:`_OVERRUN_FLOOR_S` real seconds); ``policy`` only labels the result."""
+
+    speedup: float = 60.0
+    retry: float = 60.0
+    overrun_limit: float = 6 * 3600.0
+    interactive_within: float = 1.0
+    policy: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        for key in ("speedup", "retry"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(key, value, "a positive number")
+        for key in ("overrun_limit", "interactive_within"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(key, value, "a number >= 0")
+
+
+@attrs.define
+class ReplayRun:
+    """One replay: the gateway's accounting at its start and end, the real times it
+    began and ended, and each session's kernel id."""
+
+    before: Usage
+    t0: float
+    after: Usage | None = None
+    ended: float = 0.0
+    kernels: dict[str, str] = attrs.Factory(dict)
+
+
+async def replay(trace: Trace, address: str, config: ReplayConfig) -> SimResult:
+    """Replay ``trace`` on the gateway whose control endpoint is ``address``.
+
+    Raises :class:`TransportError` when the gateway does not answer.
+    """
+    run = ReplayRun(await _usage(address), time.time())
+    limit = trace.end / config.speedup + max(
+        config.overrun_limit / config.speedup, _OVERRUN_FLOOR_S
+    )
+    with anyio.move_on_after(limit):
+        async with anyio.create_task_group() as tg:
+            for session in trace.sessions:
+                tg.start_soon(_session, session, address, config, run)
+    run.ended = time.time()
+    run.after = await _usage(address)
+    return result(trace, run, config)
+
+
+async def _usage(address: str) -> Usage:
+    reply = await call(address, UsageRequest(), timeout=_CONTROL_TIMEOUT_S)
+    if not isinstance(reply, Usage):
+        raise TransportError(f"the gateway at {address} answered UsageRequest with {reply!r}")
+    return reply
+
+
+async def _at(t0: float, trace_time: float, speedup: float) -> None:
+    await anyio.sleep(max(0.0, t0 + trace_time / speedup - time.time()))
+
+
+async def _session(session: Session, address: str, config: ReplayConfig, run: ReplayRun) -> None:
+    t0 = run.t0
+    await _at(t0, session.start, config.speedup)
+    info = await _start(session, address, config, t0)
+    if info is None:
+        log.warning("session %s: never placed before it stopped", session.id)
+        return
+    run.kernels[session.id] = info.kernel_id
+    try:
+        client = AsyncKernelClient()
+        client.load_connection_info(cast(KernelConnectionInfo, dict(info.connection)))
+        client.start_channels()
+        try:
+            for cell in session.cells:
+                await _at(t0, cell.start, config.speedup)
+                await _cell(client, session, cell, config.speedup)
+        finally:
+            client.stop_channels()
+        await _at(t0, session.stop, config.speedup)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CONTROL_TIMEOUT_S):
+            await call(address, ShutdownKernel(info.kernel_id), timeout=_CONTROL_TIMEOUT_S)
+
+
+async def _start(
+    session: Session, address: str, config: ReplayConfig, t0: float
+) -> KernelInfo | None:
+    """The session's kernel, asked for until the cluster places it or the session stops."""
+    while True:
+        reply = await call(address, StartKernel(gpus=session.gpus), timeout=_CONTROL_TIMEOUT_S)
+        if isinstance(reply, KernelInfo):
+            return reply
+        log.info(
+            "session %s: %s",
+            session.id,
+            reply.message if isinstance(reply, ControlError) else reply,
+        )
+        if time.time() - t0 >= session.stop / config.speedup:
+            return None
+        await anyio.sleep(config.retry / config.speedup)
+
+
+async def _cell(client: AsyncKernelClient, session: Session, cell: Cell, speedup: float) -> None:
+    gpus = session.gpus if cell.gpus is None else cell.gpus
+    code = f"import time\ntime.sleep({cell.duration / speedup!r})"
+    if gpus:
+        code = f"%%gpus {gpus}\n{code}"
+    reply = await client.execute_interactive(
+        code, timeout=cell.duration / speedup + _CELL_SLACK_S, store_history=False
+    )
+    if reply["content"].get("status") != "ok":
+        log.warning("session %s: a cell ended %s", session.id, reply["content"].get("status"))
+
+
+# --- the gateway's accounting as simulator metrics ------------------------------------
+
+
+def result(trace: Trace, run: ReplayRun, config: ReplayConfig) -> SimResult:
+    """The metrics of ``nbos simulate`` from the gateway's usage records of ``run``
+    (counters are the difference between its accounting at the end and the start)."""
+    assert run.after is not None
+    before, after, kernels, t0, ended = run.before, run.after, run.kernels, run.t0, run.ended
+    k = config.speedup
+    by_cell = {(c.kernel_id, c.exec_index): c for c in after.cells}
+    ours = {
+        (kernels[s.id], i)
+        for s in trace.sessions
+        if s.id in kernels
+        for i in range(1, len(s.cells) + 1)
+    }
+    delays: list[float] = []
+    busy = 0.0
+    for session in trace.sessions:
+        kernel = kernels.get(session.id)
+        ideal_end = -math.inf
+        for i, cell in enumerate(session.cells, start=1):
+            ideal = max(cell.start, ideal_end)
+            ideal_end = ideal + cell.duration
+            usage = by_cell.get((kernel, i)) if kernel is not None else None
+            if usage is None or usage.started is None:
+                continue
+            delays.append(max(0.0, (usage.started - t0) * k - ideal))
+            busy += (session.gpus if cell.gpus is None else cell.gpus) * cell.duration
+    used = [c for key, c in by_cell.items() if key in ours and c.started is not None]
+    delays.sort()
+    total = sum(len(s.cells) for s in trace.sessions)
+    samples = _samples(used, after.hosts, t0, ended, k)
+    span = max(ended - t0, 1e-9)
+    return SimResult(
+        mode="replay",
+        policy=config.policy,
+        sessions=len(trace.sessions),
+        cells=total,
+        cells_unserved=total - len(delays),
+        hours=(ended - t0) * k / 3600,
+        gpu_hours_reserved=sum(c.gpus * ((c.ended or ended) - (c.started or ended)) for c in used)
+        * k
+        / 3600,
+        gpu_hours_busy=busy / 3600,
+        gpu_hours_provisioned=_integral(after.hosts, t0, ended, lambda h: h.gpus) * k / 3600,
+        delay_p50=_percentile(delays, 0.50),
+        delay_p95=_percentile(delays, 0.95),
+        delay_p99=_percentile(delays, 0.99),
+        interactive_within=config.interactive_within,
+        interactive_share=sum(d <= config.interactive_within for d in delays) / total
+        if total
+        else 0.0,
+        migrations=after.migrations - before.migrations,
+        drain_moves=after.drain_moves - before.drain_moves,
+        scale_outs=after.scale_outs - before.scale_outs,
+        scale_ins=after.scale_ins - before.scale_ins,
+        hosts_mean=_integral(after.hosts, t0, ended, lambda h: h.hosts) / span,
+        hosts_max=max((s.hosts for s in samples), default=0),
+        peak_gpus_committed=max((s.gpus_committed for s in samples), default=0),
+        hours_at_ceiling=(after.ceiling_s - before.ceiling_s) * k / 3600,
+        hosts_timeline=tuple(((h.time - t0) * k, h.hosts) for h in _within(after.hosts, t0, ended)),
+        samples=samples,
+        delays=tuple(delays),
+    )
+
+
+def _within(hosts: Sequence[HostCount], t0: float, end: float) -> list[HostCount]:
+    """The host counts in force from ``t0`` to ``end``, the first moved to ``t0``."""
+    first = max((h for h in hosts if h.time <= t0), key=lambda h: h.time, default=None)
+    inside = [h for h in hosts if t0 < h.time <= end]
+    if first is not None:
+        inside.insert(0, HostCount(t0, first.hosts, first.gpus))
+    return inside
+
+
+def _integral(
+    hosts: Sequence[HostCount], t0: float, end: float, value: Callable[[HostCount], int]
+) -> float:
+    points = _within(hosts, t0, end)
+    return sum(
+        float(value(h)) * ((points[i + 1].time if i + 1 < len(points) else end) - h.time)
+        for i, h in enumerate(points)
+    )
+
+
+def _samples(
+    cells: Iterable[CellUsage], hosts: Sequence[HostCount], t0: float, end: float, k: float
+) -> tuple[Sample, ...]:
+    """The cluster at every change: GPUs committed (= busy: cells hold them while they
+    run), provisioned, and hosts, in trace seconds."""
+    events: list[tuple[float, int, HostCount | None]] = []
+    for c in cells:
+        assert c.started is not None
+        events.append((c.started, c.gpus, None))
+        events.append((c.ended if c.ended is not None else end, -c.gpus, None))
+    events += [(h.time, 0, h) for h in _within(hosts, t0, end)]
+    events.sort(key=lambda e: (e[0], e[1]))
+    committed, current = 0, HostCount(t0, 0, 0)
+    out = []
+    for when, delta, count in events:
+        committed += delta
+        current = count if count is not None else current
+        out.append(Sample((when - t0) * k, committed, committed, current.gpus, current.hosts))
+    return tuple(out)

@@ -1,0 +1,146 @@
+"""Live autoscaling on an in-process ``nbos gateway`` with the ``local`` host provider.
+
+A cell that waits for GPUs makes the autoscaler add a host (an ``nbos agent`` process),
+the cell runs there once its replica moved; when the cluster is idle again a host is
+drained (its replicas moved by learner catch-up) and removed, and the kernel's state
+is intact: the same digest on every replica, the values still there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from nbos.core.config import ClusterSettings, GatewaySettings, Settings
+from nbos.core.errors import ConfigError
+from nbos.core.host_provider import HostProvider
+from nbos.core.ids import HostId, KernelId
+from nbos.gateway import Grant
+from nbos.gateway.providers import available_providers, load_host_provider
+from nbos.gateway.service import GatewayService
+from nbos.transport.ports import free_loopback_ports
+from tests.agent._daemons import DEADLINE
+from tests.example_policy import install_example_policy
+from tests.gateway.test_scheduler import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+
+def _settings(tmp_path: Path, **gateway: object) -> Settings:
+    control, agents = free_loopback_ports(2)
+    return Settings(
+        cluster=ClusterSettings(hosts=3, gpus_per_host=2, data_dir=str(tmp_path / "run")),
+        gateway=GatewaySettings(
+            address=f"127.0.0.1:{control}",
+            agent_address=f"127.0.0.1:{agents}",
+            heartbeat_s=0.2,
+            missed_heartbeats=25,
+            **gateway,  # type: ignore[arg-type]
+        ),
+    )
+
+
+async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_intact(
+    tmp_path: Path,
+) -> None:
+    settings = _settings(
+        tmp_path,
+        autoscale=True,
+        min_hosts=3,
+        max_hosts=4,
+        autoscale_period_s=0.3,
+        scale_out_cooldown_s=0.0,
+        scale_in_cooldown_s=0.0,
+        idle_grace_s=1.0,
+    )
+    async with GatewayService.serve(settings) as service:
+        scheduler = service.directory.scheduler
+        ledger = scheduler.ledger
+        gateway = service.gateway
+        # Two kernels placed on the three first hosts; no GPUs of their own.
+        kernel = await gateway.start_kernel(gpus=0)
+        other = await gateway.start_kernel(gpus=0)
+        assert (await kernel.execute("x = 40")).status == "ok"
+        assert (await other.execute("z = 7")).status == "ok"
+        # Something else holds one GPU of each host: no host has the 2 the cell asks for.
+        hogs: list[Grant] = []
+        for i, host in enumerate(sorted(h.host_id for h in scheduler.view().hosts), start=1):
+            grant = await scheduler.acquire(
+                KernelId(f"hog-{i}"), 1, {1: HostId(host)}, last_executor=None, gpus=1
+            )
+            hogs.append(await scheduler.committed(grant))
+
+        waited = await kernel.execute("%%gpus 2\ny = x + 2", timeout=2 * DEADLINE)
+        assert waited.status == "ok", waited.reply
+        assert ledger.scale_outs >= 1 and ledger.migrations >= 1
+        assert {h.host_id for h in scheduler.view().hosts} >= {"host-4"}
+        cells = ledger.usage().cells
+        cell = next(c for c in cells if c.kernel_id == kernel.kernel_id and c.gpus == 2)
+        assert cell.started is not None and cell.started > cell.ready  # it waited for the host
+
+        for grant in hogs:
+            await scheduler.release(grant)
+        before = {h.host_id for h in scheduler.view().hosts}
+        autoscaler = service.autoscaler
+        assert autoscaler is not None
+        await eventually(
+            lambda: (
+                ledger.drain_moves >= 1
+                and len(scheduler.view().hosts) == 3
+                and not autoscaler.draining
+            ),
+            timeout=2 * DEADLINE,
+        )
+        gone = before - {h.host_id for h in scheduler.view().hosts}
+        assert len(gone) == 1 and ledger.scale_ins >= 1
+
+        for k, code, out in ((kernel, "print(y)", "42\n"), (other, "print(z)", "7\n")):
+            assert not {r.host for r in k.replicas} & gone
+            result = await k.execute(code)
+            assert result.stdout == out, result.reply
+            digests = await k.digests()
+            assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+
+
+async def test_autoscaler_keys_without_autoscale_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.max_hosts"):
+        async with GatewayService.serve(_settings(tmp_path, max_hosts=9)):
+            pass
+    with pytest.raises(ConfigError, match=r"gateway\.host_provider"):
+        async with GatewayService.serve(
+            _settings(tmp_path, autoscale=True, host_provider="no-such-provider")
+        ):
+            pass
+
+
+async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = install_example_policy(tmp_path_factory, "host_provider")
+    monkeypatch.syspath_prepend(str(site))
+    assert {"local", "docker", "ssh", "example-vms"} <= set(available_providers())
+    assert isinstance(load_host_provider("example-vms", quota=1), HostProvider)
+    with pytest.raises(ConfigError, match="host_provider_options"):
+        load_host_provider("example-vms", zones=3)
+
+    settings = _settings(
+        tmp_path,
+        local_agents=False,
+        autoscale=True,
+        min_hosts=1,
+        max_hosts=1,
+        autoscale_period_s=0.3,
+        host_provider="example-vms",
+        host_provider_options={"quota": 1},
+    )
+    settings = msgspec.structs.replace(
+        settings, cluster=msgspec.structs.replace(settings.cluster, replicas_per_kernel=1)
+    )
+    async with GatewayService.serve(settings) as service:
+        # Below the floor of one host: the autoscaler asks the provider for one.
+        await service.directory.scheduler.wait_for_host(HostId("vm-1"), 2 * DEADLINE)
+        kernel = await service.gateway.start_kernel(gpus=1)
+        assert [r.host for r in kernel.replicas] == ["vm-1"]
+        assert (await kernel.execute("%%gpus 1\nprint(6 * 7)")).stdout == "42\n"

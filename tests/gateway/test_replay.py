@@ -1,0 +1,74 @@
+"""``nbos replay``: a tiny trace on a live gateway; its figures are the gateway's accounting."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from nbos.core.config import ClusterSettings, GatewaySettings, Settings
+from nbos.gateway.control import Usage, UsageRequest, call
+from nbos.gateway.service import GatewayService
+from nbos.scaling.trace import Cell, Session, Trace, dump_json
+from nbos.transport.ports import free_loopback_ports
+from tests.agent._daemons import ROOT
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+# An hour of trace a second: GPU-hours the table shows as whole numbers.
+SPEEDUP = 3600.0
+TRACE = Trace(
+    (
+        Session("a", 0, 9 * 3600, 2, (Cell(1800, 3600, 1), Cell(7200, 3600))),
+        Session("b", 600, 8 * 3600, 1, (Cell(3600, 5400),)),
+    )
+)
+
+
+def _settings(tmp_path: Path) -> Settings:
+    control, agents = free_loopback_ports(2)
+    return Settings(
+        cluster=ClusterSettings(hosts=3, gpus_per_host=2, data_dir=str(tmp_path / "run")),
+        gateway=GatewaySettings(
+            address=f"127.0.0.1:{control}",
+            agent_address=f"127.0.0.1:{agents}",
+            heartbeat_s=0.2,
+            missed_heartbeats=25,
+        ),
+    )
+
+
+async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_accounting(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "trace.json"
+    path.write_bytes(dump_json(TRACE))
+    async with GatewayService.serve(_settings(tmp_path)) as service:
+        shown = await anyio.run_process(
+            [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", str(SPEEDUP),
+             "--gateway", service.control_address, "--simulate"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr.decode()
+        usage = await call(service.control_address, UsageRequest())
+    assert isinstance(usage, Usage)
+    rows = {line[:36].strip(): line[36:].split() for line in shown.stdout.decode().splitlines()}
+    assert rows["metric"] == ["nbos", "replay"]
+    assert rows["sessions / cells"] == ["2", "/", "3", "2", "/", "3"]
+    assert rows["cells never run"] == ["0", "0"]
+    assert rows["hosts mean / max"][-3:] == ["3.0", "/", "3"]
+
+    # The replay column is the gateway's record: every cell got and gave back its GPUs,
+    # holding them at least as long as it slept; busy is the trace's work, as simulated.
+    assert len(usage.cells) == 3
+    assert all(c.started is not None and c.ended is not None for c in usage.cells)
+    held = sum(c.gpus * ((c.ended or 0) - (c.started or 0)) for c in usage.cells) * SPEEDUP
+    busy = sum(c.duration * (c.gpus or s.gpus) for s in TRACE.sessions for c in s.cells)
+    assert held >= busy
+    assert rows["GPU-hours reserved"][-1] == f"{held / 3600:,.0f}"
+    assert rows["GPU-hours busy"] == [f"{busy / 3600:,.0f}"] * 2
