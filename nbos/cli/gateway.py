@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 import anyio
+import msgspec
 
 from nbos.core.config import Settings
 
@@ -16,9 +17,16 @@ def register(subparsers: Any) -> None:
         help="run the cluster's gateway: hosts, GPU scheduler, every kernel, control API",
         description="Run the gateway in the foreground until SIGINT or SIGTERM, which shut it "
         "down cleanly (kernels, replicas and local agents with it). Settings: [gateway] "
-        "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents), "
+        "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents, "
+        "http_address, auth_token, http_certfile, http_keyfile, cull_idle_timeout), "
         "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
-        "See docs/deploy.md.",
+        "See docs/deploy.md and docs/jupyter.md.",
+    )
+    parser.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve the Jupyter Kernel Gateway API (jupyter server --gateway-url) there; "
+        "sets [gateway] http_address",
     )
     parser.set_defaults(func=gateway_command)
 
@@ -27,5 +35,9 @@ def gateway_command(args: argparse.Namespace) -> int:
     # Imported here: every nbos command builds this parser, few need the kernel stack.
     from nbos.gateway.service import run_until_signalled
 
-    anyio.run(run_until_signalled, Settings.load(args.config))
+    settings = Settings.load(args.config)
+    if args.http is not None:
+        gateway = msgspec.structs.replace(settings.gateway, http_address=args.http)
+        settings = msgspec.structs.replace(settings, gateway=gateway)
+    anyio.run(run_until_signalled, settings)
     return 0

@@ -154,13 +154,18 @@ class Gateway:
                 await kernel.shutdown()
 
     async def start_kernel(
-        self, *, chooser: ExecutorChooser | None = None, gpus: int = 0
+        self,
+        *,
+        chooser: ExecutorChooser | None = None,
+        gpus: int = 0,
+        env: Mapping[str, str] | None = None,
     ) -> Kernel:
         """Start a kernel's replicas and its front; returns once every replica answered.
 
         The placement policy puts the replicas on distinct hosts; ``gpus`` is the
         kernel's GPUs per cell (a cell may ask for another count). ``chooser``
-        replaces the GPU-aware executor choice. Raises
+        replaces the GPU-aware executor choice. ``env`` goes into the environment of
+        every replica process of the kernel (replacements too). Raises
         :class:`~nbos.core.errors.PlacementError` when the policy cannot place it.
         """
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
@@ -170,10 +175,11 @@ class Gateway:
         placed = dict(enumerate(scheduler.place(kernel_id, gpus), start=1))
         handles: dict[int, ProcessHandle] = {}
         launches: dict[int, _Launch] = {}
+        env = dict(env or {})
         try:
             members = {n: await self._member(h) for n, h in placed.items()}
             for node, host in placed.items():
-                launches[node] = self._launch(kernel_id, node, host, members)
+                launches[node] = self._launch(kernel_id, node, host, members, env)
                 handles[node] = await launches[node].start(self.launcher)
             endpoints = [
                 ReplicaEndpoint(node, await self._connection(kernel_id, node, handles[node]))
@@ -195,7 +201,7 @@ class Gateway:
                 front,
                 handles,
                 launches,
-                _Replacing(members, chooser, gpus, placed),
+                _Replacing(members, chooser, gpus, placed, env),
             )
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -259,7 +265,9 @@ class Gateway:
                     async def spawn(
                         node: int, host: HostId, peers: Mapping[int, MemberAddress]
                     ) -> Spawned:
-                        launches[node] = self._launch(kernel_id, node, host, peers, join=True)
+                        launches[node] = self._launch(
+                            kernel_id, node, host, peers, replacing.env, join=True
+                        )
                         handle = await launches[node].start(launcher)
                         tg.start_soon(watch, node, handle)
                         try:
@@ -326,6 +334,7 @@ class Gateway:
         node: int,
         host: HostId,
         members: Mapping[int, MemberAddress],
+        env: Mapping[str, str],
         *,
         join: bool = False,
     ) -> _Launch:
@@ -359,19 +368,21 @@ class Gateway:
             argv.append("--join")
         if self.launcher.virtual_gpus(host):
             argv.append("--ReplicaApp.virtual_gpus=True")
-        spec = ProcessSpec(argv=argv, label=f"{kernel_id[:8]}-replica-{node}")
+        spec = ProcessSpec(argv=argv, env=env, label=f"{kernel_id[:8]}-replica-{node}")
         return _Launch(host, spec, f"{kernel_id}/replica-{node}", secrets.token_hex(32))
 
 
 @attrs.frozen
 class _Replacing:
     """What replacing a kernel's replicas needs: peer addresses, chooser, GPUs per cell,
-    and the node -> host map that the GPU eviction routes read (kept up to date)."""
+    the node -> host map that the GPU eviction routes read (kept up to date), and the
+    replicas' extra environment."""
 
     members: Mapping[int, MemberAddress]
     chooser: ExecutorChooser
     gpus: int
     hosts: dict[int, HostId]
+    env: Mapping[str, str]
 
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         self.hosts.pop(dead, None)

@@ -87,6 +87,14 @@ class GatewaySettings(_Section, frozen=True):
     agents' interval) is given up and its replicas replaced. ``local_agents``:
     start ``[cluster] hosts`` agents with ``[cluster] gpus_per_host`` virtual GPUs
     on this machine, else wait for agents started elsewhere.
+
+    The Jupyter Kernel Gateway API (``docs/jupyter.md``): ``http_address``
+    (``HOST:PORT``; empty: not served) serves the REST and WebSocket API that
+    ``jupyter server --gateway-url`` speaks; every request must carry
+    ``auth_token`` (``Authorization: token ...`` or ``?token=``) when it is set;
+    ``http_certfile`` and ``http_keyfile`` (PEM) serve it over TLS;
+    ``cull_idle_timeout`` shuts down a kernel that no client is connected to after
+    that many idle seconds (0: never).
     """
 
     address: str = "127.0.0.1:7070"
@@ -95,6 +103,11 @@ class GatewaySettings(_Section, frozen=True):
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 5
     local_agents: bool = True
+    http_address: str = ""
+    auth_token: str = ""
+    http_certfile: str = ""
+    http_keyfile: str = ""
+    cull_idle_timeout: float = 0.0
 
 
 class Settings(_Section, frozen=True):

@@ -8,7 +8,9 @@
   machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs);
 * the :class:`~nbos.cluster.Gateway` running every kernel over the
   :class:`~nbos.gateway.AgentBackend` (the same kernel code as ``LocalCluster``);
-* the control endpoint at ``address`` (:mod:`nbos.gateway.control`).
+* the control endpoint at ``address`` (:mod:`nbos.gateway.control`);
+* with ``http_address``, the Jupyter Kernel Gateway REST and WebSocket API
+  (:mod:`nbos.gateway.http`) that ``jupyter server --gateway-url`` speaks.
 
 Leaving it (SIGINT or SIGTERM for the command) shuts every kernel down, stops
 the replicas still running and the local agents, in that order.
@@ -52,6 +54,7 @@ from nbos.gateway.control import (
     StatusRequest,
     serve_control,
 )
+from nbos.gateway.http import HttpApi, serve_http
 from nbos.transport import ZmqTransport
 from nbos.transport.keys import KeyDirectory
 
@@ -69,6 +72,8 @@ class GatewayService:
         self.directory = directory
         self.gateway = gateway
         self.control_address = control_address
+        #: The Kernel Gateway API, when ``http_address`` is set.
+        self.http: HttpApi | None = None
 
     @classmethod
     @asynccontextmanager
@@ -121,6 +126,10 @@ class GatewayService:
             service = cls(directory, gateway, control)
             tg.start_soon(serve_control, socket, service.handle)
             log.info("gateway: control at %s, agents at %s", control, transport.address)
+            if conf.http_address:
+                service.http = await stack.enter_async_context(
+                    serve_http(conf, gateway, service.max_host_gpus)
+                )
             yield service
 
     # --- control -----------------------------------------------------------------
@@ -152,6 +161,10 @@ class GatewayService:
 
     def _replica_ip(self, kernel: Kernel, node: int) -> str:
         return str(self.gateway.replica_connection(kernel.kernel_id, node).get("ip", ""))
+
+    def max_host_gpus(self) -> int:
+        """The GPU count of the largest host that is up (the kernelspecs offered)."""
+        return max((len(h.gpus) for h in self.directory.hosts() if not h.vanished), default=0)
 
     def host_status(self) -> list[HostStatus]:
         out = []
