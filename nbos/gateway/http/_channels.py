@@ -98,6 +98,9 @@ class ChannelBridge:
         self._session: Session | None = None
         self._nudges: set[str] = set()
         self._subscribed = anyio.Event()
+        #: Set while connected to a front; what a client sends meanwhile waits for it.
+        self._connected = anyio.Event()
+        self._closed = False
         self._scope = anyio.CancelScope()
 
     @property
@@ -121,9 +124,15 @@ class ChannelBridge:
         self._sink = None
         self._buffer.clear()
         self._scope.cancel()
+        self._closed = True
+        self._connected.set()  # nothing to wait for any more
 
     async def send(self, msg: WireMsg) -> None:
-        """Sign ``msg`` and send it to the kernel on its channel."""
+        """Sign ``msg`` and send it to the kernel on its channel.
+
+        Between two kernels of a restart, it waits for the new one.
+        """
+        await self._connected.wait()
         sock, session = self._sockets.get(msg.channel), self._session
         if sock is None or session is None:
             log.warning(
@@ -170,6 +179,7 @@ class ChannelBridge:
                 sock.connect(url(info, channel))
             self._session, self._sockets = session_for(info), sockets
             self._subscribed, self._nudges = anyio.Event(), set()
+            self._connected.set()
             async with anyio.create_task_group() as tg:
                 for channel, sock in sockets.items():
                     tg.start_soon(self._read, channel, sock)
@@ -180,6 +190,8 @@ class ChannelBridge:
             # would end that receive in a bare CancelledError.
             if self._sockets is sockets:
                 self._sockets = {}
+                if not self._closed:
+                    self._connected = anyio.Event()
             for sock in sockets.values():
                 sock.close(0)
 
