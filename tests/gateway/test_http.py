@@ -216,7 +216,11 @@ async def test_clients_share_a_kernel_and_one_that_vanishes_mid_cell_loses_nothi
         back.seen = list(first.seen)
         reply, outputs = await back.finish(msg_id)
         assert reply["content"]["status"] == "ok"
-        printed = [m["content"]["text"] for m in back.seen if m["msg_type"] == "stream"]
+        printed = [
+            m["content"]["text"]
+            for m in back.seen
+            if m["msg_type"] == "stream" and m["parent_header"]["msg_id"] == msg_id
+        ]
         assert "".join(printed) == "0\n1\n2\n3\n"
         assert stdout((await back.run("print(z)"))[1]) == "7\n"
         back.close()

@@ -19,15 +19,16 @@ async def test_a_kernel_without_clients_is_culled_once_idle_and_one_with_a_clien
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="nbos.gateway.http")
-    conf = GatewaySettings(http_address="127.0.0.1:0", cull_idle_timeout=1.0)
+    # Long enough for the kept kernel's client to connect on a loaded machine.
+    conf = GatewaySettings(http_address="127.0.0.1:0", cull_idle_timeout=5.0)
     async with (
         LocalCluster(3, run_dir=tmp_path) as cluster,
         serve_http(conf, cluster.gateway, lambda: 0) as api,
     ):
         kernels = f"{api.url}/api/kernels"
         kept = (await call(kernels, "POST", {}))[1]["id"]
-        culled = (await call(kernels, "POST", {"name": "nbos"}))[1]["id"]
         ws = await KernelSocket.open(f"{kernels}/{kept}/channels")
+        culled = (await call(kernels, "POST", {"name": "nbos"}))[1]["id"]
         try:
 
             async def gone() -> bool:
