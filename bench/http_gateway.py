@@ -79,70 +79,70 @@ def socket_url(base: str, kernel_id: str, token: str) -> str:
     return f"{base}/api/kernels/{kernel_id}/channels?token={token}"
 
 
-async def main(tmp: Path) -> dict[str, object]:
-    gateway, gw_url, gw_log = start_http_gateway(tmp / "gateway", TOKEN)
-    front_js, js_url, _ = start_jupyter_server(tmp / "js-gateway", gw_url, TOKEN, JTOKEN)
-    local_js, local_url, _ = start_jupyter_server(tmp / "js-local", None, "", JTOKEN)
-    try:
-        starts = [(await start_kernel(js_url, "nbos"))[1] for _ in range(2)]
-        kernel_id, start_s = await start_kernel(js_url, "nbos")
-        starts.append(start_s)
-        local_id, local_start_s = await start_kernel(local_url, "python3")
-        nbos_id = (await call(f"{gw_url}/api/kernels/{kernel_id}", token=TOKEN))[1]["nbos"][
-            "kernel_id"
-        ]
-        control = gw_log.read_text().split("control at tcp://")[1].split(",")[0]
-        listed = await control_call(control, ListKernels(), timeout=30)
-        assert isinstance(listed, KernelList)
-        info = next(k for k in listed.kernels if k.kernel_id == nbos_id)
-        client = AsyncKernelClient()
-        client.load_connection_info(dict(info.connection))
-        client.start_channels()
-        paths: dict[str, Cell] = {
-            "jupyter+gateway": over_ws(
-                await KernelSocket.open(socket_url(js_url, kernel_id, JTOKEN))
-            ),
-            "gateway-json": over_ws(await KernelSocket.open(socket_url(gw_url, kernel_id, TOKEN))),
-            "gateway-v1": over_ws(
-                await KernelSocket.open(socket_url(gw_url, kernel_id, TOKEN), v1=True)
-            ),
-            "zmq": over_zmq(client),
-            "jupyter+local": over_ws(
-                await KernelSocket.open(socket_url(local_url, local_id, JTOKEN))
-            ),
-        }
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for cell in paths.values():
-            for _ in range(5):
+async def main(gw_url: str, control: str, js_url: str, local_url: str) -> dict[str, object]:
+    starts = [(await start_kernel(js_url, "nbos"))[1] for _ in range(2)]
+    kernel_id, start_s = await start_kernel(js_url, "nbos")
+    starts.append(start_s)
+    local_id, local_start_s = await start_kernel(local_url, "python3")
+    nbos_id = (await call(f"{gw_url}/api/kernels/{kernel_id}", token=TOKEN))[1]["nbos"]["kernel_id"]
+    listed = await control_call(control, ListKernels(), timeout=30)
+    assert isinstance(listed, KernelList)
+    info = next(k for k in listed.kernels if k.kernel_id == nbos_id)
+    client = AsyncKernelClient()
+    client.load_connection_info(dict(info.connection))
+    client.start_channels()
+    paths: dict[str, Cell] = {
+        "jupyter+gateway": over_ws(await KernelSocket.open(socket_url(js_url, kernel_id, JTOKEN))),
+        "gateway-json": over_ws(await KernelSocket.open(socket_url(gw_url, kernel_id, TOKEN))),
+        "gateway-v1": over_ws(
+            await KernelSocket.open(socket_url(gw_url, kernel_id, TOKEN), v1=True)
+        ),
+        "zmq": over_zmq(client),
+        "jupyter+local": over_ws(await KernelSocket.open(socket_url(local_url, local_id, JTOKEN))),
+    }
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for cell in paths.values():
+        for _ in range(5):
+            await cell()
+    for _ in range(ROUNDS):
+        for name, cell in paths.items():
+            for _ in range(BLOCK):
+                begun = time.perf_counter()
                 await cell()
-        for _ in range(ROUNDS):
-            for name, cell in paths.items():
-                for _ in range(BLOCK):
-                    begun = time.perf_counter()
-                    await cell()
-                    times[name].append((time.perf_counter() - begun) * 1e3)
-        client.stop_channels()
-        summary: dict[str, object] = {
-            "nbos_kernel_start_s": [round(s, 2) for s in starts],
-            "local_kernel_start_s": round(local_start_s, 2),
-        }
-        for name, samples in times.items():
-            q = statistics.quantiles(samples, n=10)
-            summary[f"{name}_p50_ms"] = round(statistics.median(samples), 2)
-            summary[f"{name}_p90_ms"] = round(q[8], 2)
-            print(f"{name:16} p50 {statistics.median(samples):7.2f} ms  p90 {q[8]:7.2f} ms")
-        summary["gateway_overhead_p50_ms"] = round(
-            float(summary["jupyter+gateway_p50_ms"]) - float(summary["jupyter+local_p50_ms"]), 2
-        )
-        return summary
+                times[name].append((time.perf_counter() - begun) * 1e3)
+    client.stop_channels()
+    summary: dict[str, object] = {
+        "nbos_kernel_start_s": [round(s, 2) for s in starts],
+        "local_kernel_start_s": round(local_start_s, 2),
+    }
+    for name, samples in times.items():
+        q = statistics.quantiles(samples, n=10)
+        summary[f"{name}_p50_ms"] = round(statistics.median(samples), 2)
+        summary[f"{name}_p90_ms"] = round(q[8], 2)
+        print(f"{name:16} p50 {statistics.median(samples):7.2f} ms  p90 {q[8]:7.2f} ms")
+    summary["gateway_overhead_p50_ms"] = round(
+        float(summary["jupyter+gateway_p50_ms"]) - float(summary["jupyter+local_p50_ms"]), 2
+    )
+    return summary
+
+
+def run(tmp: Path) -> dict[str, object]:
+    for sub in ("gateway", "js-gateway", "js-local"):
+        (tmp / sub).mkdir()
+    gateway, gw_url, gw_log = start_http_gateway(tmp / "gateway", TOKEN)
+    servers = [gateway]
+    try:
+        front_js, js_url, _ = start_jupyter_server(tmp / "js-gateway", gw_url, TOKEN, JTOKEN)
+        servers.append(front_js)
+        local_js, local_url, _ = start_jupyter_server(tmp / "js-local", None, "", JTOKEN)
+        servers.append(local_js)
+        control = gw_log.read_text().split("control at tcp://")[1].split(",")[0]
+        return anyio.run(main, gw_url, control, js_url, local_url)
     finally:
-        stop(local_js)
-        stop(front_js)
-        stop(gateway)
+        for process in reversed(servers):
+            stop(process)
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="nbos-bench-http-") as tmp:
-        for sub in ("gateway", "js-gateway", "js-local"):
-            (Path(tmp) / sub).mkdir()
-        print(json.dumps(anyio.run(main, Path(tmp))))
+        print(json.dumps(run(Path(tmp))))

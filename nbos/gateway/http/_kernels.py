@@ -135,6 +135,8 @@ class ApiKernels:
     async def restart(self, api: ApiKernel) -> None:
         """A fresh nbos kernel behind ``api`` (the old one shut down first)."""
         async with api.lock:
+            if api.ending:  # deleted while this waited for the lock
+                raise UnknownKernelError(KernelId(api.kernel_id))
             api.execution_state = "restarting"
             old = api.kernel
             await old.shutdown()
