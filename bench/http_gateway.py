@@ -119,7 +119,11 @@ async def main(gw_url: str, control: str, js_url: str, local_url: str) -> dict[s
         q = statistics.quantiles(samples, n=10)
         summary[f"{name}_p50_ms"] = round(statistics.median(samples), 2)
         summary[f"{name}_p90_ms"] = round(q[8], 2)
-        print(f"{name:16} p50 {statistics.median(samples):7.2f} ms  p90 {q[8]:7.2f} ms")
+        summary[f"{name}_p10_ms"] = round(q[0], 2)
+        print(
+            f"{name:16} p10 {q[0]:7.2f} ms  p50 {statistics.median(samples):7.2f} ms"
+            f"  p90 {q[8]:7.2f} ms"
+        )
     summary["gateway_overhead_p50_ms"] = round(
         float(summary["jupyter+gateway_p50_ms"]) - float(summary["jupyter+local_p50_ms"]), 2
     )
