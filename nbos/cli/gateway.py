@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from nbos.core.config import Settings
 
@@ -17,17 +18,25 @@ def register(subparsers: Any) -> None:
         help="run the cluster's gateway: hosts, GPU scheduler, every kernel, control API",
         description="Run the gateway in the foreground until SIGINT or SIGTERM, which shut it "
         "down cleanly (kernels, replicas and local agents with it). Settings: [gateway] "
-        "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents), "
+        "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents, "
+        "http_address, auth_token, http_certfile, http_keyfile, cull_idle_timeout), "
         "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
         "With a data_dir the gateway keeps its kernels there: started again after a crash "
         "or kill -9, it takes them back (agents and replicas run on). With [gateway] "
-        "idle_exit_s it also exits once it has had no kernel for that long. See docs/deploy.md.",
+        "idle_exit_s it also exits once it has had no kernel for that long. "
+        "See docs/deploy.md and docs/jupyter.md.",
     )
     parser.add_argument(
         "--runtime-file",
         metavar="PATH",
         help="announce the control address in PATH while serving (how the nbos kernelspec "
         "finds the per-user gateway it started; see docs/jupyter.md)",
+    )
+    parser.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve the Jupyter Kernel Gateway API (jupyter server --gateway-url) there; "
+        "sets [gateway] http_address",
     )
     parser.set_defaults(func=gateway_command)
 
@@ -36,6 +45,10 @@ def gateway_command(args: argparse.Namespace) -> int:
     # Imported here: every nbos command builds this parser, few need the kernel stack.
     from nbos.gateway.service import run_until_signalled
 
+    settings = Settings.load(args.config)
+    if args.http is not None:
+        gateway = msgspec.structs.replace(settings.gateway, http_address=args.http)
+        settings = msgspec.structs.replace(settings, gateway=gateway)
     runtime_file = Path(args.runtime_file) if args.runtime_file else None
-    anyio.run(run_until_signalled, Settings.load(args.config), runtime_file)
+    anyio.run(run_until_signalled, settings, runtime_file)
     return 0

@@ -216,6 +216,7 @@ class Gateway:
         chooser: ExecutorChooser | None = None,
         gpus: int = 0,
         connection: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Kernel:
         """Start a kernel's replicas and its front; returns once every replica answered.
 
@@ -223,7 +224,8 @@ class Gateway:
         kernel's GPUs per cell (a cell may ask for another count). ``chooser``
         replaces the GPU-aware executor choice. ``connection`` gives the front the
         ``key`` and ports (``shell_port`` ...) of a kernel it replaces (a restart).
-        Raises
+        ``env`` goes into the environment of every replica process of the kernel
+        (replacements too). Raises
         :class:`~nbos.core.errors.PlacementError` when the policy cannot place it.
         """
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
@@ -233,10 +235,11 @@ class Gateway:
         placed = dict(enumerate(scheduler.place(kernel_id, gpus), start=1))
         handles: dict[int, ProcessHandle] = {}
         launches: dict[int, _Launch] = {}
+        env = dict(env or {})
         try:
             members = {n: await self._member(h) for n, h in placed.items()}
             for node, host in placed.items():
-                launches[node] = self._launch(kernel_id, node, host, members)
+                launches[node] = self._launch(kernel_id, node, host, members, env)
                 handles[node] = await launches[node].start(self.launcher)
             endpoints = [
                 ReplicaEndpoint(node, await self._connection(kernel_id, node, handles[node]))
@@ -259,7 +262,7 @@ class Gateway:
                 front,
                 handles,
                 launches,
-                _Replacing(members, chooser, gpus, placed, self._persist_soon),
+                _Replacing(members, chooser, gpus, placed, self._persist_soon, env),
             )
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -301,6 +304,7 @@ class Gateway:
             for r in record.replicas:
                 self._connections[(kernel_id, r.node)] = r.connection
             chooser = GpuChooser(self.gpus.scheduler, kernel_id, placed, record.gpus)
+            env = dict(record.replicas[0].env) if record.replicas else {}
             front = KernelFront(
                 [ReplicaEndpoint(r.node, r.connection) for r in record.replicas],
                 kernel_id=kernel_id,
@@ -318,7 +322,7 @@ class Gateway:
                 front,
                 handles,
                 launches,
-                _Replacing(members, chooser, record.gpus, placed, self._persist_soon),
+                _Replacing(members, chooser, record.gpus, placed, self._persist_soon, env),
             )
         # The front's start fails inside the kernel's task group: an exception group.
         except* (NbosError, OSError) as group:
@@ -458,7 +462,9 @@ class Gateway:
                     async def spawn(
                         node: int, host: HostId, peers: Mapping[int, MemberAddress]
                     ) -> Spawned:
-                        launches[node] = self._launch(kernel_id, node, host, peers, join=True)
+                        launches[node] = self._launch(
+                            kernel_id, node, host, peers, replacing.env, join=True
+                        )
                         handle = await launches[node].start(launcher)
                         tg.start_soon(watch, node, handle)
                         try:
@@ -541,6 +547,7 @@ class Gateway:
         node: int,
         host: HostId,
         members: Mapping[int, MemberAddress],
+        env: Mapping[str, str],
         *,
         join: bool = False,
     ) -> _Launch:
@@ -574,7 +581,7 @@ class Gateway:
             argv.append("--join")
         if self.launcher.virtual_gpus(host):
             argv.append("--ReplicaApp.virtual_gpus=True")
-        spec = ProcessSpec(argv=argv, label=f"{kernel_id[:8]}-replica-{node}")
+        spec = ProcessSpec(argv=argv, env=env, label=f"{kernel_id[:8]}-replica-{node}")
         return _Launch(host, spec, f"{kernel_id}/replica-{node}", secrets.token_hex(32))
 
 
@@ -582,13 +589,15 @@ class Gateway:
 class _Replacing:
     """What replacing a kernel's replicas needs: peer addresses (the replacer keeps them
     up to date), chooser, GPUs per cell, the node -> host map that the GPU eviction
-    routes read (kept up to date), and who hears that the kernel's replicas changed."""
+    routes read (kept up to date), who hears that the kernel's replicas changed, and
+    the replicas' extra environment."""
 
     members: dict[int, MemberAddress]
     chooser: ExecutorChooser
     gpus: int
     hosts: dict[int, HostId]
     changed: Callable[[], None]
+    env: Mapping[str, str]
 
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         self.hosts.pop(dead, None)

@@ -106,6 +106,14 @@ class GatewaySettings(_Section, frozen=True):
     ``host_provider_options``; one whose agent has not registered after
     ``host_start_timeout_s`` is given back. Without ``autoscale`` these keys must keep
     their defaults (they would do nothing).
+
+    The Jupyter Kernel Gateway API (``docs/jupyter.md``): ``http_address``
+    (``HOST:PORT``; empty: not served) serves the REST and WebSocket API that
+    ``jupyter server --gateway-url`` speaks; every request must carry
+    ``auth_token`` (``Authorization: token ...`` or ``?token=``) when it is set;
+    ``http_certfile`` and ``http_keyfile`` (PEM) serve it over TLS;
+    ``cull_idle_timeout`` shuts down a kernel that no client is connected to after
+    that many idle seconds (0: never).
     """
 
     address: str = "127.0.0.1:7070"
@@ -128,6 +136,11 @@ class GatewaySettings(_Section, frozen=True):
     host_provider: str = "local"
     host_provider_options: dict[str, Any] = msgspec.field(default_factory=dict)
     host_start_timeout_s: float = 120.0
+    http_address: str = ""
+    auth_token: str = ""
+    http_certfile: str = ""
+    http_keyfile: str = ""
+    cull_idle_timeout: float = 0.0
 
 
 class Settings(_Section, frozen=True):

@@ -13,6 +13,8 @@
   :class:`~nbos.gateway.AgentBackend` (the same kernel code as ``LocalCluster``);
 * the control endpoint at ``address`` (:mod:`nbos.gateway.control`), and the
   leases of kernels started with one (:mod:`nbos.gateway._leases`);
+* with ``http_address``, the Jupyter Kernel Gateway REST and WebSocket API
+  (:mod:`nbos.gateway.http`) that ``jupyter server --gateway-url`` speaks;
 * with ``metrics_address``, Prometheus metrics there (:mod:`nbos.metrics.prometheus`).
 
 With ``idle_exit_s``, :func:`run_until_signalled` also ends once the gateway has had
@@ -79,6 +81,7 @@ from nbos.gateway.control import (
     WatchKernel,
     serve_control,
 )
+from nbos.gateway.http import HttpApi, serve_http
 from nbos.gateway.providers import LocalHostProvider, load_host_provider
 from nbos.gateway.runtime import RuntimeFile
 from nbos.metrics import installed
@@ -130,6 +133,8 @@ class GatewayService:
         self._last_activity = time.monotonic()
         #: The live autoscaler (``[gateway] autoscale``), else ``None``.
         self.autoscaler = autoscaler
+        #: The Kernel Gateway API, when ``http_address`` is set.
+        self.http: HttpApi | None = None
 
     @classmethod
     @asynccontextmanager
@@ -217,6 +222,10 @@ class GatewayService:
             tg.start_soon(service.expire_leases)
             if conf.metrics_address:
                 await _serve_metrics(service, conf.metrics_address, tg, stack)
+            if conf.http_address:
+                service.http = await stack.enter_async_context(
+                    serve_http(conf, gateway, service.max_host_gpus)
+                )
             log.info(
                 "gateway: control at %s, agents at %s (ready in %.1f s)",
                 control,
@@ -308,6 +317,10 @@ class GatewayService:
         kernels = self.gateway.kernels
         alive = sum(r.alive for k in kernels for r in k.replicas)
         return ClusterSample(gpus, len(kernels), alive)
+
+    def max_host_gpus(self) -> int:
+        """The GPU count of the largest host that is up (the kernelspecs offered)."""
+        return max((len(h.gpus) for h in self.directory.hosts() if not h.vanished), default=0)
 
     def host_status(self) -> list[HostStatus]:
         out = []

@@ -1,0 +1,283 @@
+"""One client's channels on a kernel: the kernel front's ZeroMQ sockets, as a Jupyter client.
+
+A :class:`ChannelBridge` connects shell, control and stdin ``DEALER`` sockets (one
+identity, so the front's ``input_request`` for a cell of this client reaches its
+stdin) and an IOPub ``SUB`` to the front, signs what the client sends with the
+front's key and checks the signature of what comes back (``jupyter_client``'s
+:class:`~jupyter_client.session.Session` does both). Every client has its own
+bridge: replies go to the client that asked, IOPub to every client.
+
+While no client is attached (its WebSocket closed mid-cell) the bridge keeps
+reading and holds what arrives, up to :data:`BUFFER_MAX` messages, for the client
+that comes back with the same session id. When the kernel is restarted the bridge
+connects to the new front; the client's WebSocket stays open.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Protocol, cast
+
+import anyio
+import anyio.abc
+import zmq
+import zmq.asyncio
+from jupyter_client.session import DELIM, Session
+
+from nbos.gateway.http._wsproto import WireMsg
+
+log = logging.getLogger(__name__)
+
+#: Messages kept for a client that is away; older ones are dropped first.
+BUFFER_MAX = 10_000
+#: How long to wait, in all, for the IOPub subscription to carry a first message.
+_NUDGE_TIMEOUT_S = 10.0
+_NUDGE_EVERY_S = 0.2
+
+_SOCKETS = {"shell": zmq.DEALER, "control": zmq.DEALER, "stdin": zmq.DEALER, "iopub": zmq.SUB}
+
+
+class Sink(Protocol):
+    """Where a bridge delivers a client's messages (its WebSocket)."""
+
+    def deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> bool:
+        """Send ``msg`` on; ``False`` once the client is gone."""
+        ...
+
+    def close(self) -> None:
+        """End the client's connection (its kernel is gone)."""
+        ...
+
+
+class KernelLink(Protocol):
+    """The kernel a bridge follows across restarts."""
+
+    @property
+    def kernel_id(self) -> str: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def connection_info(self) -> Mapping[str, Any]: ...
+
+    async def wait_changed(self, generation: int) -> None:
+        """Return once the kernel was restarted past ``generation``, or ended."""
+        ...
+
+
+def session_for(info: Mapping[str, Any]) -> Session:
+    """A Jupyter session that signs and checks messages with the key of ``info``."""
+    key = info["key"]
+    return Session(
+        key=key.encode() if isinstance(key, str) else key,
+        signature_scheme=info.get("signature_scheme", "hmac-sha256"),
+        username="nbos-gateway",
+    )
+
+
+def url(info: Mapping[str, Any], channel: str) -> str:
+    return f"{info.get('transport', 'tcp')}://{info['ip']}:{info[f'{channel}_port']}"
+
+
+class ChannelBridge:
+    """One client's shell, control, stdin and IOPub on a kernel; run it with :meth:`run`."""
+
+    def __init__(self, link: KernelLink, session_key: str, ctx: zmq.asyncio.Context) -> None:
+        self.link = link
+        #: The client's session id (``?session_id=``); empty if it gave none.
+        self.session_key = session_key
+        self._ctx = ctx
+        self._identity = f"{session_key or 'client'}-{secrets.token_hex(4)}".encode()
+        self._sink: Sink | None = None
+        self._buffer: deque[tuple[WireMsg, Mapping[str, Any]]] = deque(maxlen=BUFFER_MAX)
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._session: Session | None = None
+        self._nudges: set[str] = set()
+        self._subscribed = anyio.Event()
+        #: Set while connected to a front; what a client sends meanwhile waits for it.
+        self._connected = anyio.Event()
+        self._closed = False
+        self._scope = anyio.CancelScope()
+
+    @property
+    def attached(self) -> bool:
+        return self._sink is not None
+
+    def attach(self, sink: Sink) -> None:
+        """Deliver to ``sink`` from now on, first what was held while nobody was attached."""
+        self._sink = sink
+        while self._buffer and self._sink is sink:
+            msg, header = self._buffer.popleft()
+            if not sink.deliver(msg, header):
+                self._buffer.appendleft((msg, header))
+                self._sink = None
+
+    def detach(self) -> None:
+        """The client went away: hold its messages until it comes back (or :meth:`close`)."""
+        self._sink = None
+
+    def close(self) -> None:
+        self._sink = None
+        self._buffer.clear()
+        self._scope.cancel()
+        self._closed = True
+        self._connected.set()  # nothing to wait for any more
+
+    async def send(self, msg: WireMsg) -> None:
+        """Sign ``msg`` and send it to the kernel on its channel.
+
+        Between two kernels of a restart, it waits for the new one.
+        """
+        await self._connected.wait()
+        sock, session = self._sockets.get(msg.channel), self._session
+        if sock is None or session is None:
+            log.warning(
+                "kernel %s: %s message with the kernel away", self.link.kernel_id, msg.channel
+            )
+            return
+        await sock.send_multipart([DELIM, session.sign(list(msg.parts)), *msg.parts, *msg.buffers])
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Follow the kernel until :meth:`close` or its end; started once IOPub is subscribed."""
+        with self._scope:
+            try:
+                while True:
+                    generation = self.link.generation
+                    async with anyio.create_task_group() as tg:
+                        await tg.start(self._serve, self.link.connection_info)
+                        task_status.started()
+                        task_status = anyio.TASK_STATUS_IGNORED
+                        await self.link.wait_changed(generation)
+                        tg.cancel_scope.cancel()
+                    if self.link.generation == generation:
+                        return  # the kernel ended
+            except zmq.ZMQError:
+                # One client's channels failing must not take the gateway's API down.
+                log.exception(
+                    "kernel %s: channels of session %s", self.link.kernel_id, self.session_key
+                )
+            finally:
+                self._sink = None
+
+    async def _serve(
+        self, info: Mapping[str, Any], *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        sockets = {channel: self._ctx.socket(kind) for channel, kind in _SOCKETS.items()}
+        try:
+            for channel, sock in sockets.items():
+                sock.setsockopt(zmq.LINGER, 0)
+                if channel == "iopub":
+                    sock.setsockopt(zmq.SUBSCRIBE, b"")
+                else:
+                    sock.setsockopt(zmq.IDENTITY, self._identity)
+                sock.connect(url(info, channel))
+            self._session, self._sockets = session_for(info), sockets
+            self._subscribed, self._nudges = anyio.Event(), set()
+            self._connected.set()
+            async with anyio.create_task_group() as tg:
+                for channel, sock in sockets.items():
+                    tg.start_soon(self._read, channel, sock)
+                await self._nudge()
+                task_status.started()
+        finally:
+            # Readers are cancelled by now: closing a socket under a pending receive
+            # would end that receive in a bare CancelledError.
+            if self._sockets is sockets:
+                self._sockets = {}
+                if not self._closed:
+                    self._connected = anyio.Event()
+            for sock in sockets.values():
+                sock.close(0)
+
+    async def _nudge(self) -> None:
+        """Wait until IOPub carries messages (a SUB misses what is sent before it joined).
+
+        ``kernel_info_request`` on control makes the front publish a status at once,
+        even while a cell runs; the replies to these requests go to nobody.
+        """
+        session = self._session
+        assert session is not None
+        with anyio.move_on_after(_NUDGE_TIMEOUT_S) as scope:
+            while not self._subscribed.is_set():
+                request = session.msg("kernel_info_request")
+                self._nudges.add(request["header"]["msg_id"])
+                await self._sockets["control"].send_multipart(session.serialize(request))
+                with anyio.move_on_after(_NUDGE_EVERY_S):
+                    await self._subscribed.wait()
+        if scope.cancelled_caught:
+            log.warning(
+                "kernel %s: IOPub silent after %.0fs", self.link.kernel_id, _NUDGE_TIMEOUT_S
+            )
+
+    async def _read(self, channel: str, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            parsed = self._parse(channel, frames)
+            if channel == "iopub":
+                self._subscribed.set()
+            if parsed is not None:
+                self._deliver(*parsed)
+
+    def _parse(self, channel: str, frames: list[bytes]) -> tuple[WireMsg, Mapping[str, Any]] | None:
+        session = self._session
+        try:
+            assert session is not None
+            _, fed = session.feed_identities(frames)
+            msg = session.deserialize(fed, content=False)
+            parts = cast(list[bytes], fed)  # copied frames (feed_identities' default)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning(
+                "kernel %s: bad message on %s from the front: %s", self.link.kernel_id, channel, exc
+            )
+            return None
+        if msg["parent_header"].get("msg_id") in self._nudges:
+            return None
+        return WireMsg(channel, (parts[1], parts[2], parts[3], parts[4]), tuple(parts[5:])), msg[
+            "header"
+        ]
+
+    def _deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> None:
+        sink = self._sink
+        if sink is not None and sink.deliver(msg, header):
+            return
+        self._sink = None
+        if len(self._buffer) == BUFFER_MAX:
+            log.warning(
+                "kernel %s: %d messages held for session %s: dropping the oldest",
+                self.link.kernel_id,
+                BUFFER_MAX,
+                self.session_key,
+            )
+        self._buffer.append((msg, header))
+
+
+async def control_request(
+    ctx: zmq.asyncio.Context,
+    info: Mapping[str, Any],
+    msg_type: str,
+    content: dict[str, Any],
+    timeout: float,
+) -> dict[str, Any] | None:
+    """Send one request on the kernel's control channel; its reply, ``None`` after ``timeout``."""
+    session = session_for(info)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(url(info, "control"))
+        request = session.msg(msg_type, content)
+        await sock.send_multipart(session.serialize(request))
+        with anyio.move_on_after(timeout):
+            while True:
+                _, parts = session.feed_identities(await sock.recv_multipart())
+                reply: dict[str, Any] = session.deserialize(parts)
+                if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+                    return reply
+        return None
+    finally:
+        sock.close(0)

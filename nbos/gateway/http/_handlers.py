@@ -1,0 +1,168 @@
+"""The REST side of the Kernel Gateway API (tornado handlers), and the token check.
+
+Errors answer as Jupyter Server's do: a status and ``{"message": ..., "reason": ...}``.
+Every handler, the WebSocket's too, checks the token first (:class:`ApiHandler`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+from tornado import web
+
+from nbos._version import __version__
+from nbos.core.errors import ConfigError, NbosError, PlacementError, UnknownKernelError
+from nbos.gateway.http._kernels import ApiKernel, ApiKernels
+from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_model
+
+log = logging.getLogger(__name__)
+
+
+class _StartRequest(msgspec.Struct):
+    """``POST /api/kernels``: other fields (``path``) are Jupyter Server's own business."""
+
+    name: str = DEFAULT_SPEC
+    env: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class _Empty(msgspec.Struct):
+    """The body of ``interrupt`` and ``restart``: an object (Jupyter Server sends ``{}``)."""
+
+
+class ApiHandler(web.RequestHandler):
+    """Token check and JSON errors for every route."""
+
+    kernels: ApiKernels
+    token: str
+
+    def initialize(self, kernels: ApiKernels, token: str) -> None:
+        self.kernels = kernels
+        self.token = token
+
+    def prepare(self) -> None:
+        check_token(self, self.token)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = exc.log_message if isinstance(exc, web.HTTPError) and exc.log_message else ""
+        self.set_header("Content-Type", "application/json")
+        self.finish(msgspec.json.encode({"message": message, "reason": self._reason}))
+
+    def reply(self, body: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(msgspec.json.encode(body))
+
+    def body_as(self, kind: type[Any]) -> Any:
+        """The request body decoded as ``kind``; 400 if it is not one (empty: the defaults)."""
+        try:
+            return msgspec.json.decode(self.request.body or b"{}", type=kind)
+        except msgspec.DecodeError as exc:
+            log.warning("%s %s: malformed body: %s", self.request.method, self.request.path, exc)
+            raise web.HTTPError(400, f"malformed body: {exc}") from exc
+
+    def kernel(self, kernel_id: str) -> ApiKernel:
+        with api_errors():
+            return self.kernels.get(kernel_id)
+
+
+def check_token(handler: web.RequestHandler, token: str) -> None:
+    """401 without a token, 403 with a wrong one (``Authorization: token X`` or ``?token=X``)."""
+    if not token:
+        return
+    scheme, _, given = handler.request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() not in ("token", "bearer"):
+        given = handler.get_query_argument("token", "")
+    who = f"{handler.request.method} {handler.request.path} from {handler.request.remote_ip}"
+    if not given:
+        log.warning("refused %s: no token", who)
+        raise web.HTTPError(401, "a token is required")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        log.warning("refused %s: wrong token", who)
+        raise web.HTTPError(403, "wrong token")
+
+
+@contextmanager
+def api_errors() -> Iterator[None]:
+    """nbos errors as the HTTP answers Jupyter clients expect."""
+    try:
+        yield
+    except UnknownKernelError as exc:
+        raise web.HTTPError(404, str(exc)) from exc
+    except ConfigError as exc:
+        raise web.HTTPError(400, str(exc)) from exc
+    except PlacementError as exc:
+        log.warning("no room for a kernel: %s", exc)
+        raise web.HTTPError(503, str(exc)) from exc
+    except NbosError as exc:
+        log.exception("kernel request failed")
+        raise web.HTTPError(500, str(exc)) from exc
+
+
+class ApiRoot(ApiHandler):
+    def get(self) -> None:
+        self.reply({"version": __version__, "nbos": __version__})
+
+
+class KernelSpecs(ApiHandler):
+    def get(self) -> None:
+        self.reply(specs_model(self.kernels.max_gpus()))
+
+
+class KernelSpec(ApiHandler):
+    def get(self, name: str) -> None:
+        gpus = spec_gpus(name, self.kernels.max_gpus())
+        if gpus is None:
+            raise web.HTTPError(404, f"no kernelspec {name!r}")
+        self.reply(spec_model(name, gpus))
+
+
+class Kernels(ApiHandler):
+    def get(self) -> None:
+        self.reply([api.model() for api in self.kernels])
+
+    async def post(self) -> None:
+        request: _StartRequest = self.body_as(_StartRequest)
+        gpus = spec_gpus(request.name, self.kernels.max_gpus())
+        if gpus is None:
+            raise web.HTTPError(404, f"no kernelspec {request.name!r}")
+        with api_errors():
+            api = await self.kernels.start(request.name, gpus, request.env)
+        self.set_header("Location", f"/api/kernels/{api.kernel_id}")
+        self.reply(api.model(), 201)
+
+
+class KernelOne(ApiHandler):
+    def get(self, kernel_id: str) -> None:
+        self.reply(self.kernel(kernel_id).model())
+
+    async def delete(self, kernel_id: str) -> None:
+        api = self.kernel(kernel_id)
+        with api_errors():
+            await self.kernels.shutdown(api)
+        self.set_status(204)
+        self.finish()
+
+
+class KernelInterrupt(ApiHandler):
+    async def post(self, kernel_id: str) -> None:
+        self.body_as(_Empty)
+        api = self.kernel(kernel_id)
+        with api_errors():
+            await self.kernels.interrupt(api)
+        self.set_status(204)
+        self.finish()
+
+
+class KernelRestart(ApiHandler):
+    async def post(self, kernel_id: str) -> None:
+        self.body_as(_Empty)
+        api = self.kernel(kernel_id)
+        with api_errors():
+            await self.kernels.restart(api)
+        self.reply(api.model())

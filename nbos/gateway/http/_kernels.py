@@ -1,0 +1,308 @@
+"""The API's kernels: one per ``POST /api/kernels``, its id stable across restarts.
+
+An :class:`ApiKernel` is what Jupyter Server sees: an id, a kernelspec name,
+``last_activity``, ``execution_state`` and ``connections``. Behind it runs one nbos
+kernel of the gateway (3 replicas and a front); a restart shuts that kernel down and
+starts a fresh one (a fresh namespace, as a restarted Jupyter kernel has), which the
+clients' channels follow. The API id is the first nbos kernel's id; the current one
+is in the model's ``nbos.kernel_id``.
+
+Activity is read the way Jupyter Server reads it: every IOPub message is activity,
+and ``status`` messages set ``execution_state``, except those answering requests
+that tools send on their own (``kernel_info_request`` and the like).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.abc
+import zmq
+import zmq.asyncio
+
+from nbos.cluster import Gateway, Kernel
+from nbos.core.errors import ConfigError, KernelError, UnknownKernelError
+from nbos.core.ids import KernelId
+from nbos.gateway.http._channels import ChannelBridge, Sink, control_request, session_for, url
+
+log = logging.getLogger(__name__)
+
+_INTERRUPT_TIMEOUT_S = 30.0
+#: Requests whose busy/idle are not the user's activity (tools send them by themselves).
+_UNTRACKED = frozenset(
+    {"kernel_info_request", "comm_info_request", "interrupt_request", "shutdown_request"}
+)
+#: Only variables named so reach the replicas (as Enterprise Gateway's ``KERNEL_*``).
+_ENV_NAME = re.compile(r"KERNEL_[A-Za-z0-9_]*")
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class ApiKernel:
+    """One kernel of the API: its current nbos kernel, its activity, its clients."""
+
+    def __init__(self, name: str, gpus: int, env: Mapping[str, str], kernel: Kernel) -> None:
+        self.kernel_id: str = kernel.kernel_id
+        self.name = name
+        self.gpus = gpus
+        self.env = dict(env)
+        self.kernel = kernel
+        self.generation = 0
+        self.execution_state = "idle"
+        self.last_activity = _now()
+        #: Open WebSockets (what Jupyter Server calls connections).
+        self.sinks: dict[Sink, ChannelBridge] = {}
+        #: The bridge of the one session whose client went away, holding its messages.
+        self.detached: ChannelBridge | None = None
+        self.ending = False
+        self.lock = anyio.Lock()
+        self._changed = anyio.Event()
+
+    @property
+    def connection_info(self) -> Mapping[str, Any]:
+        return self.kernel.connection_info
+
+    def model(self) -> dict[str, Any]:
+        return {
+            "id": self.kernel_id,
+            "name": self.name,
+            "last_activity": self.last_activity.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "execution_state": self.execution_state,
+            "connections": len(self.sinks),
+            "nbos": {"kernel_id": self.kernel.kernel_id, "gpus": self.gpus},
+        }
+
+    def touch(self) -> None:
+        self.last_activity = _now()
+
+    async def wait_changed(self, generation: int) -> None:
+        while self.generation == generation and not self.ending:
+            await self._changed.wait()
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+class ApiKernels:
+    """Every kernel of the API, over the gateway's :class:`~nbos.cluster.Gateway`."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        tg: anyio.abc.TaskGroup,
+        ctx: zmq.asyncio.Context,
+        max_gpus: Callable[[], int],
+    ) -> None:
+        self.gateway = gateway
+        self.max_gpus = max_gpus
+        self._tg = tg
+        self._ctx = ctx
+        self._kernels: dict[str, ApiKernel] = {}
+
+    def __iter__(self) -> Iterator[ApiKernel]:
+        return iter(list(self._kernels.values()))
+
+    def get(self, kernel_id: str) -> ApiKernel:
+        api = self._kernels.get(kernel_id)
+        if api is None or api.ending:
+            raise UnknownKernelError(KernelId(kernel_id))
+        return api
+
+    async def start(self, name: str, gpus: int, env: Mapping[str, Any]) -> ApiKernel:
+        """Start a kernel of kernelspec ``name`` (``gpus`` per cell); ``env`` as requested."""
+        passed = _kernel_env(env)
+        kernel = await self.gateway.start_kernel(gpus=gpus, env=passed)
+        api = ApiKernel(name, gpus, passed, kernel)
+        self._kernels[api.kernel_id] = api
+        self._tg.start_soon(self._supervise, api)
+        log.info(
+            "kernel %s (%s) started for %s",
+            api.kernel_id,
+            name,
+            passed.get("KERNEL_USERNAME", "an unnamed user"),
+        )
+        return api
+
+    async def restart(self, api: ApiKernel) -> None:
+        """A fresh nbos kernel behind ``api`` (the old one shut down first)."""
+        async with api.lock:
+            if api.ending:  # deleted while this waited for the lock
+                raise UnknownKernelError(KernelId(api.kernel_id))
+            api.execution_state = "restarting"
+            old = api.kernel
+            await old.shutdown()
+            try:
+                api.kernel = await self.gateway.start_kernel(gpus=api.gpus, env=api.env)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._forget(api)
+                raise
+            api.generation += 1
+            api.execution_state = "idle"
+            api.touch()
+            api.changed()
+            log.info("kernel %s restarted: nbos kernel %s", api.kernel_id, api.kernel.kernel_id)
+
+    async def interrupt(self, api: ApiKernel) -> None:
+        """``interrupt_request`` through the front (which sends it to the cell's executor)."""
+        async with api.lock:
+            reply = await control_request(
+                self._ctx, api.connection_info, "interrupt_request", {}, _INTERRUPT_TIMEOUT_S
+            )
+        if reply is None:
+            raise KernelError(f"kernel {api.kernel_id} did not answer an interrupt")
+
+    async def shutdown(self, api: ApiKernel) -> None:
+        async with api.lock:
+            if api.ending:
+                return
+            await self._forget(api)
+            log.info("kernel %s shut down", api.kernel_id)
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for api in list(self._kernels.values()):
+                await self._forget(api)
+
+    # --- clients ----------------------------------------------------------------
+
+    async def connect(self, api: ApiKernel, sink: Sink, session_key: str) -> ChannelBridge:
+        """A bridge for a new WebSocket: the held one of ``session_key``, else a new one."""
+        held, api.detached = api.detached, None
+        if held is not None and session_key and held.session_key == session_key:
+            bridge = held
+        else:
+            if held is not None:  # one session is held per kernel, as Jupyter Server does
+                held.close()
+            bridge = ChannelBridge(api, session_key, self._ctx)
+            await self._tg.start(bridge.run)
+        api.sinks[sink] = bridge
+        bridge.attach(sink)
+        return bridge
+
+    def disconnect(self, api: ApiKernel, sink: Sink) -> None:
+        """A WebSocket closed: its session's messages are held if it named one."""
+        bridge = api.sinks.pop(sink, None)
+        if bridge is None:
+            return
+        if not bridge.session_key or api.ending:
+            bridge.close()
+            return
+        bridge.detach()
+        if api.detached is not None:
+            api.detached.close()
+        api.detached = bridge
+        log.info(
+            "kernel %s: session %s went away: holding its messages",
+            api.kernel_id,
+            bridge.session_key,
+        )
+
+    # --- background ---------------------------------------------------------------
+
+    async def cull_idle(self, timeout: float) -> None:
+        """Shut down kernels with no client that were idle for ``timeout`` seconds."""
+        every = min(max(timeout / 2, 0.5), 60.0)
+        while True:
+            await anyio.sleep(every)
+            now = _now()
+            for api in self:
+                idle_s = (now - api.last_activity).total_seconds()
+                if api.sinks or api.execution_state == "busy" or idle_s < timeout:
+                    continue
+                log.info("kernel %s idle for %.0fs with no client: culled", api.kernel_id, idle_s)
+                await self.shutdown(api)
+
+    async def _supervise(self, api: ApiKernel) -> None:
+        """Watch ``api``'s activity; forget it once its nbos kernel ended by itself."""
+        while not api.ending:
+            generation, kernel = api.generation, api.kernel
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_activity, api, kernel)
+                await _first(kernel.closed.wait, partial(api.wait_changed, generation))
+                tg.cancel_scope.cancel()
+            if api.generation != generation or api.ending:
+                continue
+            if api.execution_state == "restarting":
+                await api.wait_changed(generation)
+                continue
+            # A client's shutdown_request, or the kernel lost its quorum.
+            log.info("kernel %s ended", api.kernel_id)
+            async with api.lock:
+                await self._forget(api)
+
+    async def _watch_activity(self, api: ApiKernel, kernel: Kernel) -> None:
+        info = kernel.connection_info
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(url(info, "iopub"))
+        try:
+            await self._read_activity(api, kernel, sock)
+        except zmq.ZMQError:
+            log.exception("kernel %s: activity no longer watched", api.kernel_id)
+        finally:
+            sock.close(0)
+
+    async def _read_activity(
+        self, api: ApiKernel, kernel: Kernel, sock: zmq.asyncio.Socket
+    ) -> None:
+        session = session_for(kernel.connection_info)
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                _, parts = session.feed_identities(frames)
+                msg = session.deserialize(parts)
+            except (ValueError, TypeError, KeyError):
+                continue  # the bridges log it
+            if msg["parent_header"].get("msg_type") in _UNTRACKED:
+                continue
+            api.touch()
+            if msg["msg_type"] == "status" and api.kernel is kernel:
+                api.execution_state = str(msg["content"].get("execution_state", "idle"))
+
+    async def _forget(self, api: ApiKernel) -> None:
+        api.ending = True
+        api.changed()
+        self._kernels.pop(api.kernel_id, None)
+        for bridge in [*api.sinks.values(), api.detached]:
+            if bridge is not None:
+                bridge.close()
+        for sink in list(api.sinks):
+            sink.close()
+        api.sinks.clear()
+        await api.kernel.shutdown()
+
+
+def _kernel_env(env: Mapping[str, Any]) -> dict[str, str]:
+    """The request's ``KERNEL_*`` variables; :class:`ConfigError` for a value not a string."""
+    passed = {}
+    for name, value in env.items():
+        if not _ENV_NAME.fullmatch(name):
+            log.debug("variable %s of a kernel request not passed on (not KERNEL_*)", name)
+            continue
+        if not isinstance(value, str) or "\0" in value:
+            raise ConfigError(f"env.{name}", value, "a string")
+        passed[name] = value
+    return passed
+
+
+async def _first(*waits: Callable[[], Any]) -> None:
+    """Return once the first of ``waits`` returned."""
+    async with anyio.create_task_group() as tg:
+
+        async def run(wait: Callable[[], Any]) -> None:
+            await wait()
+            tg.cancel_scope.cancel()
+
+        for wait in waits:
+            tg.start_soon(run, wait)

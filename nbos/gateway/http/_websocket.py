@@ -1,0 +1,97 @@
+"""``/api/kernels/{id}/channels``: a client's WebSocket, bridged to the kernel's channels.
+
+The token is checked before the upgrade, an unknown kernel is a 404 then. The
+``v1.kernel.websocket.jupyter.org`` subprotocol is chosen when the client offers
+it, else the legacy JSON protocol (what Jupyter Server's gateway client speaks). A
+frame that is not a message is logged and dropped; the connection goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from tornado import web, websocket
+
+from nbos.core.errors import DecodeError
+from nbos.gateway.http._channels import ChannelBridge
+from nbos.gateway.http._handlers import api_errors, check_token
+from nbos.gateway.http._kernels import ApiKernel, ApiKernels
+from nbos.gateway.http._wsproto import V1_PROTOCOL, WireMsg, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class KernelChannels(websocket.WebSocketHandler):
+    kernels: ApiKernels
+    token: str
+    api: ApiKernel
+    bridge: ChannelBridge | None = None
+    protocol = ""
+
+    def initialize(self, kernels: ApiKernels, token: str) -> None:
+        self.kernels = kernels
+        self.token = token
+
+    def prepare(self) -> None:
+        check_token(self, self.token)
+        with api_errors():
+            self.api = self.kernels.get(self.path_kwargs["kernel_id"])
+
+    def select_subprotocol(self, subprotocols: list[str]) -> str | None:
+        return V1_PROTOCOL if V1_PROTOCOL in subprotocols else None
+
+    async def open(self, *args: str, **kwargs: str) -> None:
+        self.protocol = self.selected_subprotocol or ""
+        session_key = self.get_query_argument("session_id", "")
+        with api_errors():
+            self.bridge = await self.kernels.connect(self.api, self, session_key)
+        self.api.touch()
+        log.info(
+            "kernel %s: client connected (session %s, %s)",
+            self.api.kernel_id,
+            session_key or "-",
+            self.protocol or "JSON",
+        )
+
+    async def on_message(self, message: str | bytes) -> None:
+        if self.bridge is None:
+            return
+        try:
+            msg = decode(message, self.protocol)
+        except DecodeError as exc:
+            log.warning("kernel %s: client message dropped: %s", self.api.kernel_id, exc)
+            return
+        self.api.touch()
+        await self.bridge.send(msg)
+
+    def on_close(self) -> None:
+        if self.bridge is not None:
+            self.kernels.disconnect(self.api, self)
+            self.bridge = None
+
+    # --- Sink --------------------------------------------------------------------
+
+    def deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> bool:
+        frame = encode(msg, dict(header), self.protocol)
+        try:
+            self.write_message(frame, binary=isinstance(frame, bytes))
+        except websocket.WebSocketClosedError:
+            return False
+        return True
+
+    def close(self, code: int | None = None, reason: str | None = None) -> None:
+        self.bridge = None
+        super().close(code, reason)
+
+    def get_compression_options(self) -> dict[str, Any] | None:
+        return None
+
+    def check_xsrf_cookie(self) -> None:
+        """Token auth only: no cookies here."""
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = exc.log_message if isinstance(exc, web.HTTPError) and exc.log_message else ""
+        self.finish({"message": message, "reason": self._reason})

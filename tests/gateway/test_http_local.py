@@ -1,0 +1,92 @@
+"""The Kernel Gateway API over an embedded cluster, in this process: culling, TLS, settings."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from tornado import httpclient
+
+from nbos.cluster import LocalCluster
+from nbos.core.config import GatewaySettings
+from nbos.core.errors import ConfigError
+from nbos.gateway.http import serve_http
+from tests.gateway._http import KernelSocket, call, poll
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_kernel_without_clients_is_culled_once_idle_and_one_with_a_client_is_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nbos.gateway.http")
+    # Long enough for the kept kernel's client to connect on a loaded machine.
+    conf = GatewaySettings(http_address="127.0.0.1:0", cull_idle_timeout=5.0)
+    async with (
+        LocalCluster(3, run_dir=tmp_path) as cluster,
+        serve_http(conf, cluster.gateway, lambda: 0) as api,
+    ):
+        kernels = f"{api.url}/api/kernels"
+        kept = (await call(kernels, "POST", {}))[1]["id"]
+        ws = await KernelSocket.open(f"{kernels}/{kept}/channels")
+        culled = (await call(kernels, "POST", {"name": "nbos"}))[1]["id"]
+        try:
+
+            async def gone() -> bool:
+                return (await call(f"{kernels}/{culled}"))[0] == 404
+
+            await poll(gone)
+            assert [k["id"] for k in (await call(kernels))[1]] == [kept]
+            assert (await ws.run("print('still here')"))[0]["content"]["status"] == "ok"
+        finally:
+            ws.close()
+        assert f"kernel {culled} idle for" in caplog.text
+        assert [k.kernel_id for k in cluster.gateway.kernels] == [kept]
+
+
+async def test_tls_when_a_certificate_is_configured_and_bad_settings_refused(
+    tmp_path: Path,
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    await anyio.run_process(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"),
+            *("-addext", "subjectAltName=IP:127.0.0.1"),
+        ]
+    )
+    conf = GatewaySettings(
+        http_address="127.0.0.1:0", auth_token="t", http_certfile=str(cert), http_keyfile=str(key)
+    )
+    async with (
+        LocalCluster(3, run_dir=tmp_path / "cluster") as cluster,
+        serve_http(conf, cluster.gateway, lambda: 4) as api,
+    ):
+        assert api.url.startswith("https://127.0.0.1:")
+        response = await httpclient.AsyncHTTPClient().fetch(
+            f"{api.url}/api/kernelspecs",
+            headers={"Authorization": "token t"},
+            ca_certs=str(cert),
+        )
+        names = list(msgspec.json.decode(response.body)["kernelspecs"])
+        assert names == ["nbos", "nbos-gpu-1", "nbos-gpu-2", "nbos-gpu-4"]
+        with pytest.raises(httpclient.HTTPClientError) as refused:
+            await httpclient.AsyncHTTPClient().fetch(f"{api.url}/api", ca_certs=str(cert))
+        assert refused.value.code == 401
+        for bad in (
+            {"http_address": "nowhere"},
+            {"http_certfile": str(tmp_path / "missing.pem")},
+            {"http_certfile": "", "http_keyfile": str(key)},
+            {"cull_idle_timeout": -1.0},
+        ):
+            with pytest.raises(ConfigError):
+                async with serve_http(
+                    msgspec.structs.replace(conf, **bad), cluster.gateway, lambda: 0
+                ):
+                    pass
