@@ -142,6 +142,11 @@ class RaftReplicatedLog:
     def commit_index(self) -> int:
         return self._node.commit_index
 
+    @property
+    def quiesced(self) -> bool:
+        """Whether the node is quiesced (its group idle: no ticks, no heartbeats)."""
+        return self._node.quiesced
+
     def voters(self) -> Sequence[NodeId]:
         return [NodeId(v) for v in self._node.conf.voters]
 
