@@ -6,7 +6,8 @@ Usage: ``python bench/idle.py [N]`` (or ``NBOS_BENCH_IDLE_KERNELS``, default 20)
   processes per kernel, durable Raft logs). The gateway, the host agents and every
   kernel's front run in this process; the replicas are its child processes. Every kernel
   ran one cell, then the cluster is left alone for ``NBOS_BENCH_IDLE_SETTLE_S`` seconds
-  (default 5) before the window.
+  (default 15: longer than the fronts' wait before they back their pings off) before
+  the window.
 * ``ipykernel`` (the anchor): the ``python3`` kernelspec started by
   :class:`jupyter_client.manager.AsyncKernelManager`, after one cell; no client stays
   connected to it, as no client stays connected to the nbos kernels.
@@ -45,7 +46,7 @@ KERNELS = (
     int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("NBOS_BENCH_IDLE_KERNELS", "20"))
 )
 WINDOW_S = float(os.environ.get("NBOS_BENCH_IDLE_WINDOW_S", "20"))
-SETTLE_S = float(os.environ.get("NBOS_BENCH_IDLE_SETTLE_S", "5"))
+SETTLE_S = float(os.environ.get("NBOS_BENCH_IDLE_SETTLE_S", "15"))
 TICK = os.sysconf("SC_CLK_TCK")
 MIB = 2**20
 
