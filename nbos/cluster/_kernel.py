@@ -255,7 +255,9 @@ class Kernel:
         if self._client is None:
             client = AsyncKernelClient()
             client.load_connection_info(self.connection_info)
-            client.start_channels()
+            # No heartbeat channel: execute() needs none, and its pings every 3 s would
+            # keep an idle kernel's front busy for nothing.
+            client.start_channels(hb=False)
             self._client = client
         return self._client
 

@@ -49,6 +49,10 @@ class RaftSettings(_Section, frozen=True):
     against power loss); ``batch`` syncs once per batch of ready entries (same
     guarantee, fewer syncs under load); ``never`` leaves it to the OS (survives a
     process crash, not a machine crash).
+
+    ``quiesce_ticks``: a kernel's Raft group with nothing in flight for this many ticks
+    goes quiet: no heartbeats, no election timers, no ticks, until a proposal, a
+    message or a client request wakes it (``docs/raft.md``); 0 keeps it always awake.
     """
 
     tick_ms: int = 10
@@ -58,6 +62,7 @@ class RaftSettings(_Section, frozen=True):
     max_batch_bytes: int = 1 << 20
     snapshot_every: int = 1000
     fsync: FsyncPolicy = "batch"
+    quiesce_ticks: int = 100
 
 
 class TransportSettings(_Section, frozen=True):

@@ -7,7 +7,7 @@ same policy objects.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -45,12 +45,35 @@ class ClusterView:
     replicas_per_kernel: int = 3
     #: Moving ratio of GPUs demanded (subscribed) to GPUs busy, cluster-wide.
     demand_to_busy_ratio: float = 1.0
+    #: Host id -> its position in ``hosts``, from a maker that keeps one (the cluster
+    #: model), so lookups cost O(1) rather than O(hosts) per view; built on first use
+    #: otherwise.
+    positions: Mapping[HostId, int] | None = attrs.field(default=None, eq=False, repr=False)
+    #: The most GPUs a host has, from a maker that keeps it; computed on first use otherwise.
+    largest: int | None = attrs.field(default=None, eq=False, repr=False)
 
     def host(self, host_id: HostId) -> HostView:
-        for h in self.hosts:
-            if h.host_id == host_id:
-                return h
-        raise KeyError(host_id)
+        found = self.get(host_id)
+        if found is None:
+            raise KeyError(host_id)
+        return found
+
+    def get(self, host_id: HostId) -> HostView | None:
+        """The host's view, or ``None`` if it is not in this view."""
+        positions = self.positions
+        if positions is None:
+            positions = {h.host_id: i for i, h in enumerate(self.hosts)}
+            object.__setattr__(self, "positions", positions)  # a cache: frozen otherwise
+        i = positions.get(host_id)
+        return None if i is None else self.hosts[i]
+
+    def largest_gpus(self) -> int:
+        """The most GPUs any host has (0 without hosts)."""
+        if self.largest is None:
+            largest = max((h.gpus_total for h in self.hosts), default=0)
+            object.__setattr__(self, "largest", largest)  # a cache: frozen otherwise
+            return largest
+        return self.largest
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ addresses and the application image together form the Raft snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -118,6 +119,9 @@ class RaftReplicatedLog:
         self._seq = 0
         self._closed = False
         self._last_snapshot = node.snapshot.meta.index
+        #: Set by the node loop when the node is awake: the tick loop waits on it while
+        #: the node is quiesced, so an idle group costs no wake-ups at all.
+        self._awake = anyio.Event()
 
     # --- ReplicatedLog -------------------------------------------------------------
 
@@ -137,6 +141,11 @@ class RaftReplicatedLog:
     @property
     def commit_index(self) -> int:
         return self._node.commit_index
+
+    @property
+    def quiesced(self) -> bool:
+        """Whether the node is quiesced (its group idle: no ticks, no heartbeats)."""
+        return self._node.quiesced
 
     def voters(self) -> Sequence[NodeId]:
         return [NodeId(v) for v in self._node.conf.voters]
@@ -179,6 +188,14 @@ class RaftReplicatedLog:
             raise ProposalTimeoutError(f"read index not confirmed within {timeout}s") from None
         finally:
             self._reads.pop(ctx, None)
+
+    def wake(self) -> None:
+        """Wake the node from quiescence (something will need the group); from its loop only."""
+        # a full inbox means a busy node; a closed one needs nothing
+        with contextlib.suppress(
+            anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError
+        ):
+            self._inbox_send.send_nowait(self._node.wake)
 
     async def wait_applied(self, index: int) -> None:
         await self._applied.wait_for(index)
@@ -284,6 +301,12 @@ class RaftReplicatedLog:
         while True:
             await anyio.sleep(interval)
             self._expire()
+            if self._node.quiesced:
+                # nothing to time until an input wakes the node (it has no proposal
+                # in flight whose deadline could pass meanwhile)
+                self._awake = anyio.Event()
+                await self._awake.wait()
+                continue
             try:
                 self._inbox_send.send_nowait(self._node.tick)
             except anyio.WouldBlock:
@@ -329,6 +352,8 @@ class RaftReplicatedLog:
             while (rd := self._node.ready()) is not None:
                 await self._handle(rd)
             await self._maybe_snapshot()
+            if not self._node.quiesced:
+                self._awake.set()
 
     async def _handle(self, rd: Ready) -> None:
         # A leader's appends go out before its own write (Raft thesis 10.2.1), so the
@@ -543,6 +568,7 @@ async def open_raft_log(
             heartbeat_ticks=settings.heartbeat_ticks,
             max_inflight=settings.max_inflight,
             max_batch_bytes=settings.max_batch_bytes,
+            quiesce_ticks=settings.quiesce_ticks,
         )
         node = RaftNode(int(node_id), view, config, random.Random(seed))
         peers = {n: p for n, p in members.items() if n != node_id}

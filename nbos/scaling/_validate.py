@@ -27,7 +27,6 @@ def validate_hosts(
     least ``request.gpus`` idle GPUs (a migration or reservation target).
     """
     hosts = tuple(chosen)
-    by_id = {h.host_id: h for h in cluster.hosts}
     problem = None
     if len(hosts) != request.replicas or len(set(hosts)) != len(hosts):
         problem = f"needs {request.replicas} distinct hosts"
@@ -36,7 +35,7 @@ def validate_hosts(
             (
                 f"{h} is {why}"
                 for h in hosts
-                if (why := _unfit(h, by_id.get(h), request, commit_now)) is not None
+                if (why := _unfit(h, cluster.get(h), request, commit_now)) is not None
             ),
             None,
         )

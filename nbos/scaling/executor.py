@@ -63,7 +63,7 @@ def choose_executor(
     Raises :class:`GpuError` for a negative count and
     :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
     """
-    check_cell_gpus(gpus, max((h.gpus_total for h in cluster_view.hosts), default=0))
+    check_cell_gpus(gpus, cluster_view.largest_gpus())
     replicas = _views(replica_hosts, cluster_view)
     last = next((h for h in replicas if h.host_id == last_executor_host), None)
     if last is not None and last.gpus_idle >= gpus:
@@ -99,8 +99,8 @@ def check_cell_gpus(gpus: int, largest: int) -> None:
 
 
 def _views(replica_hosts: Sequence[HostId], cluster: ClusterView) -> list[HostView]:
-    by_id = {h.host_id: h for h in cluster.hosts}
-    missing = [h for h in replica_hosts if h not in by_id]
-    if missing:
+    views = [cluster.get(h) for h in replica_hosts]
+    if None in views:
+        missing = [h for h, v in zip(replica_hosts, views, strict=True) if v is None]
         log.debug("replica hosts %s are not in the cluster view", missing)
-    return [by_id[h] for h in replica_hosts if h in by_id]
+    return [v for v in views if v is not None]

@@ -76,11 +76,9 @@ def plan_migration(
 
 
 def _busiest(replica_hosts: Sequence[HostId], cluster: ClusterView) -> HostId:
-    by_id = {h.host_id: h for h in cluster.hosts}
-
     def rank(item: tuple[int, HostId]) -> tuple[float, int, int]:
         index, host_id = item
-        view: HostView | None = by_id.get(host_id)
+        view: HostView | None = cluster.get(host_id)
         if view is None:
             return (float("-inf"), 0, index)
         return (view.gpus_idle, -view.gpus_subscribed, index)

@@ -53,6 +53,8 @@ class ClusterModel:
         self._slot: dict[HostId, int] = {}
         self._stale: set[HostId] = set()
         self._view: ClusterView | None = None
+        # How many hosts have each GPU count (the largest host answers "could ever run").
+        self._totals: Counter[int] = Counter()
         # How many hosts have each number of idle GPUs (all hosts; schedulable ones).
         self._idle_all: Counter[int] = Counter()
         self._idle_schedulable: Counter[int] = Counter()
@@ -66,15 +68,17 @@ class ClusterModel:
     def view(self) -> ClusterView:
         """The cluster as policies see it, hosts sorted by id."""
         if self._view is None:
+            # Only the changed hosts' views are rebuilt (all of them after a reindex), so
+            # a decision after a change costs O(changed hosts) plus one C-level copy.
+            slots, slot = self._slots, self._slot
             for host_id in self._stale:
-                self._slots[self._slot[host_id]] = None
+                slots[slot[host_id]] = self._host_view(host_id)
             self._stale.clear()
-            slots = self._slots
-            for i, view in enumerate(slots):
-                if view is None:
-                    slots[i] = self._host_view(self._order[i])
             hosts: tuple[HostView, ...] = tuple(slots)  # type: ignore[arg-type]
-            self._view = ClusterView(hosts, self._replicas_per_kernel, self._ratio)
+            largest = max((n for n, count in self._totals.items() if count), default=0)
+            self._view = ClusterView(
+                hosts, self._replicas_per_kernel, self._ratio, positions=slot, largest=largest
+            )
         return self._view
 
     def host(self, host_id: HostId) -> HostView:
@@ -124,6 +128,7 @@ class ClusterModel:
             raise _bad(f"cannot add host {host_id} with {gpus} GPUs")
         self._hosts[host_id] = _Host(gpus)
         bisect.insort(self._order, host_id)
+        self._totals[gpus] += 1
         self._reindex()
         self.capacity += gpus
         self._count(host_id, +1)
@@ -139,7 +144,7 @@ class ClusterModel:
         self._count(host_id, -1)
         del self._hosts[host_id]
         self._order.remove(host_id)
-        self._stale.discard(host_id)
+        self._totals[host.total] -= 1
         self._reindex()
         self.capacity -= host.total
 
@@ -247,9 +252,11 @@ class ClusterModel:
         self._view = None
 
     def _reindex(self) -> None:
-        # Hosts come and go rarely: every slot is rebuilt then.
+        # Hosts come and go rarely: every slot is rebuilt then. A new dict, never changed
+        # in place, since views hand it out as their ``positions``.
         self._slot = {h: i for i, h in enumerate(self._order)}
         self._slots = [None] * len(self._order)
+        self._stale = set(self._order)
         self._view = None
 
     def _host_view(self, host_id: HostId) -> HostView:

@@ -107,6 +107,42 @@ async def test_kill_the_executor_between_cells(kernel: Kernel) -> None:
     assert codes[: len(STATE)] == STATE
 
 
+def cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of ``pid`` so far, in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+async def until_idle(kernel: Kernel, window: float = 1.0) -> None:
+    """Until no live replica of ``kernel`` used a clock tick of CPU for ``window`` seconds.
+
+    An awake Raft group ticks every 10 ms and heartbeats every 20 ms, several percent of
+    a core per replica; a quiesced one does nothing at all.
+    """
+    pids = [r.pid for r in kernel.replicas if r.alive and r.pid is not None]
+    with anyio.fail_after(60):
+        while True:
+            before = [cpu_ticks(pid) for pid in pids]
+            await anyio.sleep(window)
+            if [cpu_ticks(pid) for pid in pids] == before:
+                return
+
+
+async def test_an_idle_kernel_takes_no_cpu_and_survives_the_death_of_its_executor(
+    kernel: Kernel,
+) -> None:
+    executor = await run_cells(kernel, STATE)
+    await until_idle(kernel)
+    # The executor leads the kernel's quiesced Raft group: the survivors time nothing
+    # until they are woken (by the front, at the death, and by the next cell's claim).
+    await kernel.kill_replica(executor)
+    result = await kernel.execute(CHECK)
+    assert result.status == "ok", result.reply
+    assert result.executor is not None and result.executor != executor
+    assert result.stdout == "3.14159\n"
+
+
 async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
     await run_cells(kernel, STATE)
     before = await kernel.digests()

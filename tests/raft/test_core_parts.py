@@ -22,6 +22,7 @@ from nbos.core.wire.raft import (
     RaftTimeoutNow,
     RaftVote,
     RaftVoteResponse,
+    RaftWake,
     SnapshotMeta,
 )
 from nbos.raft.core import RaftConfig, RaftLog, apply_change, bootstrap, decode_change
@@ -123,12 +124,14 @@ MESSAGES: list[RaftPeerMessages] = [
     RaftAppend(1, 2, 3, prev_index=4, prev_term=2, commit=4, entries=[Entry(3, 5, data=b"x")]),
     RaftAppendResponse(2, 1, 3, index=4, reject=True, hint_index=2, hint_term=1),
     RaftHeartbeat(1, 2, 3, commit=4, ctx=b"c"),
+    RaftHeartbeat(1, 2, 3, commit=4, quiesce=True),
     RaftHeartbeatResponse(2, 1, 3, ctx=b"c"),
     RaftSnapshotChunk(1, 2, 3, meta=META, offset=0, data=b"img", done=True),
     RaftSnapshotResponse(2, 1, 3, snapshot_index=4, offset=3),
     RaftTimeoutNow(1, 2, 3),
     RaftReadIndex(2, 1, 3, ctx=b"r"),
     RaftReadIndexResponse(1, 2, 3, ctx=b"r", index=4),
+    RaftWake(2, 1, 3),
 ]
 
 

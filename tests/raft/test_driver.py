@@ -175,6 +175,21 @@ async def test_leader_failure_elects_a_new_leader_without_losing_writes() -> Non
         assert g.machines[survivors[0]].data == {"k": "4", "after": "failover"}
 
 
+async def test_an_idle_group_quiesces_and_a_proposal_replaces_its_dead_leader() -> None:
+    async with group([1, 2, 3]) as g:
+        await g.put("k", "v")
+        await eventually(lambda: all(g.nodes[n].quiesced for n in (1, 2, 3)), timeout=30)
+        leader = await g.leader()
+        g.stop(int(leader.node_id))
+        follower = next(raft for raft in g.nodes.values() if raft is not leader)
+        # A quiesced follower times nothing: the proposal (refused, to be forwarded)
+        # wakes it, and it elects a leader with the other survivor.
+        with pytest.raises(NotLeaderError):
+            await follower.propose(encode_command("put", "k", "w"))
+        assert await g.put("k", "w") == b"w"
+        assert (await g.leader()).node_id != leader.node_id
+
+
 async def test_learner_catches_up_from_snapshot_and_is_promoted() -> None:
     async with group([1, 2, 3]) as g, anyio.create_task_group() as tg:
         for i in range(120):  # past snapshot_every, so the learner needs the snapshot

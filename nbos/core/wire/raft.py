@@ -112,10 +112,16 @@ class RaftAppendResponse(RaftPeerMessage):
 
 
 class RaftHeartbeat(RaftPeerMessage):
-    """Leader liveness; ``commit`` never exceeds what the receiver is known to hold."""
+    """Leader liveness; ``commit`` never exceeds what the receiver is known to hold.
+
+    ``quiesce``: the group is idle and the receiver holds the whole log; it stops its
+    election timer (no answer) or, if its log is not the leader's, answers with
+    :class:`RaftWake`.
+    """
 
     commit: int
     ctx: bytes = b""
+    quiesce: bool = False
 
 
 class RaftHeartbeatResponse(RaftPeerMessage):
@@ -149,6 +155,10 @@ class RaftTimeoutNow(RaftPeerMessage):
     """Leadership transfer: campaign now, skipping pre-vote and leases."""
 
 
+class RaftWake(RaftPeerMessage):
+    """A follower that woke up (or could not quiesce) asks a quiesced leader to heartbeat."""
+
+
 class RaftReadIndex(RaftPeerMessage):
     """A follower asks the leader for a linearizable read index for ``ctx``."""
 
@@ -174,5 +184,6 @@ RaftPeerMessages = (
     | RaftTimeoutNow
     | RaftReadIndex
     | RaftReadIndexResponse
+    | RaftWake
 )
 RaftMessage = RaftRecord | RaftPeerMessages

@@ -74,6 +74,7 @@ _LOST_TIMEOUT_S = 30.0
 _CLAIM_ATTEMPTS = 3
 _FINISHED_KEPT = 256
 _SHUTDOWN_TIMEOUT_S = 5.0
+_WAKE_TIMEOUT_S = 5.0
 
 _Incoming = tuple[list[bytes], _wire.Msg]
 
@@ -84,11 +85,18 @@ class HeartbeatPolicy:
 
     A replica is dead after ``misses`` pings in a row got no echo within ``timeout_s``.
     The heartbeat runs on its own thread in the replica, so a long cell does not miss.
+
+    An idle kernel (no client request and none in flight for ``idle_interval_s``) is
+    pinged every ``idle_interval_s`` instead of every ``interval_s``, until the next
+    request or a missed ping: a replica's process exit is reported at once by whoever
+    runs it, so the pings only look for replicas that hang (``idle_interval_s`` at or
+    below ``interval_s``: no back-off).
     """
 
     interval_s: float = 1.0
     timeout_s: float = 2.0
     misses: int = 3
+    idle_interval_s: float = 10.0
 
 
 @attrs.define(eq=False)
@@ -214,6 +222,10 @@ class KernelFront:
         self._idle_for: _wire.Msg | None = None
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
+        #: When the last client request came (the front's start counts as one), and the
+        #: event that ends the heartbeat watchers' idle pauses at the next one.
+        self._last_request = anyio.current_time()
+        self._request_came = anyio.Event()
 
     def _bind(self, kind: int, port: int) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
@@ -332,6 +344,15 @@ class KernelFront:
                 pending.got_lost()
         for listener in self._death_listeners:
             listener(replica, reason)
+        if self._tg is not None and not self._closing:
+            # An idle kernel's Raft group may be quiesced: the survivors must time their
+            # leader again now (it may be the dead one), not when the next cell comes.
+            for survivor in self.alive:
+                self._tg.start_soon(self._wake_replica, survivor)
+
+    async def _wake_replica(self, replica: int) -> None:
+        """Any request wakes a replica's Raft member; a kernel_info one is harmless."""
+        await self.control_request(replica, "kernel_info_request", {}, timeout=_WAKE_TIMEOUT_S)
 
     async def revive(self, replica: int, *, timeout: float = _READY_TIMEOUT_S) -> None:
         """Use ``replica`` again once it answers: it was restarted after :meth:`mark_dead`.
@@ -530,7 +551,29 @@ class KernelFront:
             frames = await sock.recv_multipart()
             incoming = self._parse_client(frames)
             if incoming is not None:
+                self._request_seen()
                 await tx.send(incoming)
+
+    def _request_seen(self) -> None:
+        self._last_request = anyio.current_time()
+        if self._request_came.statistics().tasks_waiting:
+            self._request_came.set()
+            self._request_came = anyio.Event()
+
+    async def _heartbeat_pause(self, misses: int) -> None:
+        """Wait until the next ping: longer while the kernel is idle (see HeartbeatPolicy)."""
+        policy = self._heartbeat
+        idle = (
+            misses == 0
+            and policy.idle_interval_s > policy.interval_s
+            and not self._pending
+            and anyio.current_time() - self._last_request >= policy.idle_interval_s
+        )
+        if not idle:
+            await anyio.sleep(policy.interval_s)
+            return
+        with anyio.move_on_after(policy.idle_interval_s):
+            await self._request_came.wait()
 
     def _parse_client(self, frames: list[bytes]) -> _Incoming | None:
         try:
@@ -1090,7 +1133,7 @@ class KernelFront:
         sock = up.new_heartbeat()
         try:
             while current():
-                await anyio.sleep(policy.interval_s)
+                await self._heartbeat_pause(misses)
                 if not current():
                     return
                 if await self._ping(up.replica, sock, policy.timeout_s):

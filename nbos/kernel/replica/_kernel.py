@@ -171,6 +171,18 @@ class ReplicaKernel(IPythonKernel):
         assert self._raft is not None
         self._raft.start()
 
+    async def dispatch_shell(self, msg: Any, /, *args: Any, **kwargs: Any) -> None:
+        # A request to an idle kernel: its Raft group may be quiesced, and this replica
+        # must time its leader again (it may be gone) before a cell needs a leader.
+        if self._raft is not None:
+            self._raft.wake()
+        await super().dispatch_shell(msg, *args, **kwargs)
+
+    async def dispatch_control(self, msg: Any) -> None:
+        if self._raft is not None:
+            self._raft.wake()
+        await super().dispatch_control(msg)  # type: ignore[no-untyped-call]
+
     def _post_event(self, event: Event) -> None:
         # Called on the Raft thread: hand the event to the kernel's own loop.
         assert self._main_loop is not None and self._events is not None

@@ -14,6 +14,7 @@ its Raft transport, then waits until it has applied the entry itself, so
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -168,6 +169,14 @@ class RaftNode:
                     return
                 await anyio.sleep(_RETRY_S)
         raise ProposalTimeoutError(f"the kernel log's commit index not confirmed in {timeout} s")
+
+    def wake(self) -> None:
+        """Wake the member's Raft group from quiescence, from any thread (a request came)."""
+        loop, raft_log = self._loop, self._log
+        if loop is None or raft_log is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (stop)
+            loop.call_soon_threadsafe(raft_log.wake)
 
     def want_leadership(self) -> None:
         """Ask the leader, in the background, to hand leadership to this member.

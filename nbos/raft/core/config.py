@@ -21,6 +21,9 @@ class RaftConfig:
     * ``max_inflight``: appends in flight per follower in replicate state.
     * ``max_batch_bytes``: payload bytes per append (at least one entry is sent).
     * ``snapshot_chunk_bytes``: bytes of snapshot image per InstallSnapshot chunk.
+    * ``quiesce_ticks``: a leader whose group had nothing in flight, every member
+      holding the whole log, for this many ticks quiesces it: no more heartbeats, and
+      followers stop their election timers, until anything wakes it (0: never).
     """
 
     election_ticks: int = 10
@@ -30,12 +33,15 @@ class RaftConfig:
     snapshot_chunk_bytes: int = 1 << 20
     check_quorum: bool = True
     pre_vote: bool = True
+    quiesce_ticks: int = 0
 
     def __post_init__(self) -> None:
         positive = ("heartbeat_ticks", "max_inflight", "max_batch_bytes", "snapshot_chunk_bytes")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(key, getattr(self, key), "an int >= 1")
+        if self.quiesce_ticks < 0:
+            raise ConfigError("quiesce_ticks", self.quiesce_ticks, "an int >= 0")
         if self.election_ticks <= self.heartbeat_ticks:
             raise ConfigError("election_ticks", self.election_ticks, "more than heartbeat_ticks")
 

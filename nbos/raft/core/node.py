@@ -37,6 +37,7 @@ from nbos.core.wire.raft import (
     RaftTimeoutNow,
     RaftVote,
     RaftVoteResponse,
+    RaftWake,
     SnapshotMeta,
 )
 from nbos.raft.core.confchange import apply_change, decode_change, encode_change
@@ -106,6 +107,14 @@ class RaftNode:
         self._leaving_at: int | None = None
         #: new voters known to have committed past ``_leaving_at``
         self._informed: set[int] = set()
+        #: The group is quiesced (see :meth:`wake`): ticks do nothing.
+        self.quiesced = False
+        #: A leader's count of ticks that the group was quiet at ``_quiet_index``.
+        self._quiet_ticks = 0
+        self._quiet_index = 0
+        #: A follower woke from quiescence and has not heard from the leader since: what
+        #: it knew of the leader's liveness is stale, so it grants no lease on it.
+        self._lease_lost = False
         self._become_follower(self.term, None)
 
     # --- status -------------------------------------------------------------------
@@ -135,8 +144,10 @@ class RaftNode:
     # --- inputs -------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Advance logical time by one tick."""
+        """Advance logical time by one tick (none passes for a quiesced node)."""
         self._check_input()
+        if self.quiesced:
+            return
         if self.role is Role.LEADER:
             self._tick_leader()
             return
@@ -145,8 +156,25 @@ class RaftNode:
             self._election_elapsed = 0
             self._campaign(transfer=False)
 
+    def wake(self) -> None:
+        """Leave quiescence: something needs the group (a client request, a proposal).
+
+        A leader heartbeats at once; a follower restarts its election timer and asks
+        the leader to heartbeat (:class:`RaftWake`), so it campaigns if the leader is
+        gone. Proposals, reads and transfers wake the node themselves; a message does
+        too, unless it is a late answer to a heartbeat that asks for nothing.
+        """
+        self._check_input()
+        if self.quiesced:
+            self._wake(notify=True)
+
     def propose(self, data: bytes) -> int:
-        """Append ``data`` to the log as leader; returns its index (not yet committed)."""
+        """Append ``data`` to the log as leader; returns its index (not yet committed).
+
+        A follower refuses with ``NotLeaderError``, but wakes: it is about to forward
+        the proposal to a leader that it must time again.
+        """
+        self.wake()
         self._check_leader()
         return self._append("normal", data)
 
@@ -157,6 +185,7 @@ class RaftNode:
         leader, its first entry) is not yet applied, when the change does not fit
         the membership, or when promoting a learner that has not caught up.
         """
+        self.wake()
         self._check_leader()
         if self._pending_conf_index > self.log.applied:
             raise MembershipChangeError(
@@ -178,7 +207,7 @@ class RaftNode:
         follower the request goes to the leader; the answer may never come
         (leader change, lost message), so the driver needs a timeout.
         """
-        self._check_input()
+        self.wake()
         if self._leaving_at is not None:
             raise NotLeaderError(None)
         if self.role is Role.LEADER:
@@ -190,7 +219,7 @@ class RaftNode:
 
     def transfer_leadership(self, to: int) -> None:
         """Hand leadership to voter ``to`` once caught up; aborted after an election timeout."""
-        self._check_input()
+        self.wake()
         if self.role is not Role.LEADER:
             raise NotLeaderError(self.leader_id)
         if to not in self.conf.voters:
@@ -227,6 +256,12 @@ class RaftNode:
         if msg.dst != self.id or msg.src == self.id:
             log.warning("node %d: dropping misaddressed %s", self.id, type(msg).__name__)
             return
+        if self.quiesced and not (
+            self.role is Role.LEADER and isinstance(msg, RaftHeartbeatResponse) and not msg.ctx
+        ):
+            # A late answer to a heartbeat from before the leader went quiet asks for
+            # nothing; anything else does.
+            self._wake(notify=False)
         if msg.term > self.term:
             if not self._step_higher_term(msg):
                 return
@@ -307,6 +342,9 @@ class RaftNode:
         self._commit_dirty = False
         self._leaving_at = None
         self._informed = set()
+        self.quiesced = False
+        self._quiet_ticks = 0
+        self._lease_lost = False
 
     def _become_follower(self, term: int, leader: int | None) -> None:
         self._reset(term)
@@ -385,6 +423,7 @@ class RaftNode:
                 self.config.check_quorum
                 and self.leader_id is not None
                 and self._election_elapsed < self.config.election_ticks
+                and not self._lease_lost
             )
             if in_lease and not msg.transfer:
                 # a live leader is known: this candidate cannot win, do not let it disrupt
@@ -440,10 +479,14 @@ class RaftNode:
         if isinstance(msg, _FROM_LEADER):
             self._election_elapsed = 0
             self.leader_id = msg.src
+            self._lease_lost = False
         if isinstance(msg, RaftAppend):
             self._handle_append(msg)
         elif isinstance(msg, RaftHeartbeat):
             self.log.commit_to(msg.commit)
+            if msg.quiesce:
+                self._follow_quiesce(msg)
+                return
             self._send(
                 RaftHeartbeatResponse(
                     self.id, msg.src, self.term, ctx=msg.ctx, commit=self.log.committed
@@ -457,6 +500,14 @@ class RaftNode:
                 self._campaign(transfer=True)
         elif isinstance(msg, RaftReadIndexResponse):
             self._read_states.append(ReadState(msg.index, msg.ctx))
+
+    def _follow_quiesce(self, msg: RaftHeartbeat) -> None:
+        """Go quiet with the leader if this node holds exactly the leader's committed log."""
+        if self.log.committed == msg.commit == self.log.last_index():
+            self.quiesced = True
+        else:
+            # quiet, it would never learn the entries it lacks (or lose the extra ones)
+            self._send(RaftWake(self.id, msg.src, self.term))
 
     def _handle_append(self, msg: RaftAppend) -> None:
         if msg.prev_index < self.log.committed:
@@ -526,9 +577,65 @@ class RaftNode:
                 self._become_follower(self.term, None)
                 return
             self.transferee = None
+        quiet = self._count_quiet_tick()
         if self._heartbeat_elapsed >= self.config.heartbeat_ticks:
             self._heartbeat_elapsed = 0
-            self._broadcast_heartbeat(self._read_only.last_ctx())
+            if quiet:
+                self._quiesce()
+            else:
+                self._broadcast_heartbeat(self._read_only.last_ctx())
+
+    def _count_quiet_tick(self) -> bool:
+        """Whether the group has been quiet, at the same last index, for ``quiesce_ticks``."""
+        if not self.config.quiesce_ticks or not self._group_quiet():
+            self._quiet_ticks = 0
+            return False
+        last = self.log.last_index()
+        if last != self._quiet_index:
+            self._quiet_index, self._quiet_ticks = last, 0
+        self._quiet_ticks += 1
+        return self._quiet_ticks >= self.config.quiesce_ticks
+
+    def _group_quiet(self) -> bool:
+        """Nothing in flight: all committed and applied, every member holds the whole log,
+        no read, transfer, membership change or hand-over pending."""
+        last = self.log.last_index()
+        return (
+            self.log.committed == last
+            and self.log.applied == last
+            and self.transferee is None
+            and self._leaving_at is None
+            and not self._read_only
+            and not self._reads_before_commit
+            and all(
+                pr.match == last and pr.state is ProgressState.REPLICATE
+                for member, pr in self.progress.items()
+                if member != self.id
+            )
+        )
+
+    def _quiesce(self) -> None:
+        """Tell every member to stop timing this leader, and stop heartbeating."""
+        log.debug("node %d: quiescing the group at %d", self.id, self.log.committed)
+        commit = self.log.committed
+        for member in self.progress:
+            if member != self.id:
+                self._send(RaftHeartbeat(self.id, member, self.term, commit=commit, quiesce=True))
+        self.quiesced = True
+
+    def _wake(self, *, notify: bool) -> None:
+        self.quiesced = False
+        self._quiet_ticks = 0
+        self._election_elapsed = 0
+        if self.role is Role.LEADER:
+            self._heartbeat_elapsed = 0
+            for pr in self.progress.values():
+                pr.recent_active = False  # check-quorum counts answers from now on
+            self._broadcast_heartbeat(b"")
+            return
+        self._lease_lost = True
+        if notify and self.leader_id is not None:
+            self._send(RaftWake(self.id, self.leader_id, self.term))
 
     def _quorum_active(self) -> bool:
         active = {self.id}
@@ -545,7 +652,9 @@ class RaftNode:
         pr = self.progress.get(msg.src)
         if pr is None:
             return
-        if isinstance(msg, RaftAppendResponse | RaftHeartbeatResponse | RaftSnapshotResponse):
+        if isinstance(
+            msg, RaftAppendResponse | RaftHeartbeatResponse | RaftSnapshotResponse | RaftWake
+        ):
             pr.recent_active = True
         if isinstance(msg, RaftAppendResponse):
             self._on_append_response(msg, pr)
