@@ -81,11 +81,16 @@ def outputs_until_reply(client: BlockingKernelClient, msg_id: str) -> tuple[list
             return texts, reply["content"]["status"]
 
 
-def first_stream(client: BlockingKernelClient, msg_id: str) -> str:
+def first_output(client: BlockingKernelClient, msg_id: str) -> str:
+    """The text of the cell's first output: a stream, or nbos's wait status display."""
     while True:
         msg = client.get_iopub_msg(timeout=DEADLINE)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
             return str(msg["content"]["text"])
+        if msg["msg_type"] == "display_data" and "nbos" in msg["content"]["metadata"]:
+            return str(msg["content"]["data"]["text/plain"])
 
 
 def test_two_kernels_start_one_gateway_and_wait_for_its_one_gpu(
@@ -118,10 +123,10 @@ def test_two_kernels_start_one_gateway_and_wait_for_its_one_gpu(
             f"while not os.path.exists({str(release)!r}):\n    time.sleep(0.05)"
         )
         held = a.execute(hold)
-        assert first_stream(a, held) == "holding\n"
+        assert first_output(a, held) == "holding\n"
         # The kernelspec's GPU per cell went to the gateway: a's plain cell holds the GPU.
         waiting = b.execute("%%gpus 1\nprint('ran')")
-        assert first_stream(b, waiting).startswith("nbos: the cell waits")
+        assert first_output(b, waiting).startswith("nbos: the cell waits")
         assert b.shell_channel.msg_ready() is False, "the second cell ran beside the first"
         release.touch()
         assert outputs_until_reply(a, held)[1] == "ok"
