@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from tests._servers._process import serve_or_skip
 from tests._servers.browser import Browser, start_browser
+from tests.example_policy import install_example_policy
 
 # Hypothesis's default 200 ms deadline and its too-slow health check measure the machine, not
 # the code: on a loaded 2-core box they fail tests whose outcome is right. Every property
@@ -24,3 +26,10 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
     """Headless Chromium (Debian's, driven by selenium), one per module; skips without it."""
     workdir = tmp_path_factory.mktemp("browser")
     yield from serve_or_skip(lambda: start_browser(workdir), "Debian's chromium, chromium-driver")
+
+
+@pytest.fixture(scope="session")
+def installed_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example placement policy, installed once per session: a module once imported
+    stays the one ``sys.modules`` holds, so every test must see the same install."""
+    return install_example_policy(tmp_path_factory)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
@@ -48,9 +50,12 @@ def docker_image(docker_daemon: DockerDaemon) -> str:
 
 
 def docker_mounts(*writable: Path) -> list[str]:
-    """Read-only host system dirs, this interpreter and the repository; ``writable`` read-write."""
+    """Read-only host system dirs, this interpreter, its environment, the repository and the
+    nbos it runs (an editable install may be another checkout); ``writable`` read-write."""
     system = [p for p in ("/usr", "/lib", "/lib64", "/bin", "/etc") if Path(p).exists()]
-    read_only = [*system, sys.base_prefix, str(REPO)]
+    url = json.loads(distribution("nbos").read_text("direct_url.json") or "{}").get("url", "")
+    editable = [url.removeprefix("file://")] if url.startswith("file://") else []
+    read_only = dict.fromkeys([*system, sys.base_prefix, sys.prefix, str(REPO), *editable])
     return [f"{p}:{p}:ro" for p in read_only] + [f"{p}:{p}" for p in writable]
 
 

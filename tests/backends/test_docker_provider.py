@@ -7,9 +7,7 @@ Docker engine can run.
 
 from __future__ import annotations
 
-import json
 import sys
-from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
@@ -25,18 +23,11 @@ from .conftest import docker_mounts
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 
-def _installed_sources() -> list[Path]:
-    """The environment and where its (editable) nbos lives, as the container needs them."""
-    url = json.loads(distribution("nbos").read_text("direct_url.json") or "{}").get("url", "")
-    editable = [Path(url.removeprefix("file://"))] if url.startswith("file://") else []
-    return [Path(sys.prefix), *editable]
-
-
 async def test_the_docker_provider_adds_an_agent_container_that_runs_a_kernel(
     docker_daemon: DockerDaemon, docker_image: str, tmp_path: Path
 ) -> None:
     control, agents = free_loopback_ports(2)
-    mounts = docker_mounts(tmp_path) + [f"{p}:{p}:ro" for p in _installed_sources()]
+    mounts = docker_mounts(tmp_path)
     settings = Settings(
         cluster=ClusterSettings(
             gpus_per_host=2, replicas_per_kernel=1, data_dir=str(tmp_path / "run")

@@ -30,7 +30,6 @@ from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import PlacementRequest
 from nbos.gateway import Grant
 from nbos.scaling import load_policy
-from tests.example_policy import install_example_policy
 
 pytestmark = pytest.mark.anyio
 
@@ -415,11 +414,6 @@ async def test_a_replacement_replica_runs_cells_with_its_new_hosts_gpus() -> Non
         assert (result.executor, result.stdout) == (new.node, "(0,) 3.0\n")
         await k.shutdown()
         await wait_until(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
-
-
-@pytest.fixture(scope="module")
-def installed_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return install_example_policy(tmp_path_factory)
 
 
 async def test_a_user_policy_registered_by_entry_point_places_the_kernels(

@@ -31,6 +31,9 @@ from tests.jupyter._gateway import (
     wait_until,
 )
 
+# The first kernel of a session may start the per-user gateway, its agents cold.
+pytestmark = pytest.mark.timeout(300)
+
 GRACE_S = 2.0
 # Longer than any gap between two kernels of the module (a restart is one).
 IDLE_EXIT_S = 20.0
@@ -162,8 +165,6 @@ _CLIENT = """
 import sys, time
 from jupyter_client.manager import KernelManager
 
-# The first kernel of a session may start the per-user gateway, its agents cold.
-pytestmark = pytest.mark.timeout(300)
 km = KernelManager(kernel_name="nbos")
 km.start_kernel()
 kernel_id, gateway = km.provisioner._kernel

@@ -16,27 +16,21 @@ import pytest
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import PlacementPolicy, PlacementRequest
 from nbos.scaling import available_policies, load_policy
-from tests.example_policy import install_example_policy
 
 from .conftest import cluster, host
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return install_example_policy(tmp_path_factory)
-
-
 def test_user_policy_is_found_by_name_and_places_replicas(
-    installed: Path, monkeypatch: pytest.MonkeyPatch
+    installed_policy: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.syspath_prepend(str(installed_policy))
     assert "spread-by-name" in available_policies()
     policy = load_policy("spread-by-name", salt="x")
     assert isinstance(policy, PlacementPolicy)
     assert policy.name == "spread-by-name"
     # It came from the package pip just installed, not from the source tree.
     module = sys.modules[type(policy).__module__]
-    assert Path(str(module.__file__)).is_relative_to(installed)
+    assert Path(str(module.__file__)).is_relative_to(installed_policy)
 
     view = cluster(*(host(f"h{i}") for i in range(6)), host("off", schedulable=False))
     req = PlacementRequest(KernelId("k-42"), 1, 3, frozenset({HostId("h2")}))
