@@ -44,6 +44,8 @@ HOLD = (
 #: Generous: a busy 2-core machine starts a lab, a browser and three replicas.
 DEADLINE_S = 120.0
 TOKEN = "lab-gateway-secret"
+#: The notebook on screen: notebooks opened before stay in the page, hidden.
+SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def wait_for(browser: Browser, what: str, found: Callable[[], object]) -> object
 def cells(browser: Browser) -> list[object]:
     from selenium.webdriver.common.by import By
 
-    return list(browser.driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"))
+    return list(browser.driver.find_elements(By.CSS_SELECTOR, f"{SHOWN} .jp-Cell"))
 
 
 def outputs(browser: Browser, cell: int) -> list[str]:
@@ -113,7 +115,7 @@ def outputs(browser: Browser, cell: int) -> list[str]:
     from selenium.webdriver.common.by import By
 
     found = browser.driver.find_elements(
-        By.CSS_SELECTOR, f".jp-Notebook .jp-Cell:nth-child({cell + 1}) .jp-OutputArea-output"
+        By.CSS_SELECTOR, f"{SHOWN} .jp-Cell:nth-child({cell + 1}) .jp-OutputArea-output"
     )
     return [element.text for element in found]
 
@@ -141,7 +143,7 @@ def open_notebook(browser: Browser, lab: JupyterLab, name: str, cell_count: int)
     browser.driver.get(lab.page(f"lab/tree/{name}"))
     wait_for(browser, f"{name}'s cells", lambda: len(cells(browser)) == cell_count)
     wait_for(browser, f"{name}'s kernel to start", lambda: new_kernel_idle(lab, before))
-    browser.driver.find_element(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell .jp-InputPrompt").click()
+    browser.driver.find_element(By.CSS_SELECTOR, f"{SHOWN} .jp-Cell .jp-InputPrompt").click()
 
 
 def test_a_notebook_shows_its_executor_lost_mid_cell_and_runs_on(
