@@ -17,7 +17,9 @@ system-deps:
 	bash scripts/system-deps.sh
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q -p no:cacheprovider
+	# Two workers, a module per worker (module fixtures start once): most of a test's time
+	# is waiting on processes, so two cores run two modules side by side.
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

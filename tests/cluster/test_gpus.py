@@ -397,8 +397,14 @@ async def test_a_replacement_replica_runs_cells_with_its_new_hosts_gpus() -> Non
         first = await k.execute("import torch\nt = torch.ones(3)")
         assert first.executor is not None
         await k.kill_replica(first.executor)
-        # The replica is replaced on the one free host, and its subscription moves there.
-        await wait_until(lambda: subscribed(c) == [0, 1, 1, 1], timeout=60)
+
+        # The replica is replaced on the one free host, and its subscription moves there
+        # (from the moment the replacement starts there: it joins the kernel later).
+        def replaced() -> bool:
+            joined = any(r.alive and r.host == "host-4" for r in k.replicas)
+            return joined and subscribed(c) == [0, 1, 1, 1]
+
+        await wait_until(replaced, timeout=60)
         (new,) = [r for r in k.replicas if r.alive and r.host == "host-4"]
         # The other replicas' hosts are busy: the cell can run only on the new one.
         scheduler = c.gpus.scheduler
