@@ -25,8 +25,6 @@ from nbos.scaling import (
 )
 from nbos.scaling.trace import dump_csv, dump_json, parse_csv, parse_json
 
-from .test_user_policy import installed  # noqa: F401 - the fixture, reused
-
 
 def fixed(mode: str = "nbos", hosts: int = 3, gpus: int = 1, **kw: object) -> SimConfig:
     """A cluster that never scales."""
@@ -291,12 +289,12 @@ def test_cli_refuses_a_malformed_policy_argument() -> None:
 
 @pytest.fixture
 def example_policy(
-    installed: Path,  # noqa: F811 - the fixture imported above
+    installed_policy: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[None]:
     """The example package on sys.path for one test, and forgotten after it, so that
     test_user_policy imports its own copy."""
-    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.syspath_prepend(str(installed_policy))
     yield
     for name in [m for m in sys.modules if m.partition(".")[0] == "nbos_example_policy"]:
         del sys.modules[name]
