@@ -11,18 +11,16 @@ cluster.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import anyio
 import msgspec
 
-from nbos.cli.simulate import add_trace_arguments, load
+from nbos.cli.simulate import add_trace_arguments, load, show
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
 from nbos.gateway.replay import ReplayConfig, replay
 from nbos.scaling.autoscaler import AutoscalerConfig
-from nbos.scaling.simulator import SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.simulator import SimConfig, SimResult, simulate
 from nbos.scaling.trace import Trace
 
 
@@ -68,21 +66,7 @@ def run(args: argparse.Namespace) -> int:
     results = [result]
     if args.simulate:
         results.insert(0, simulate(trace, _sim_config(args)))
-    if args.plot:
-        from nbos.scaling.plot import plot_results
-
-        plot_results(results, args.plot)
-    if args.json:
-        for r in results:
-            print(json.dumps(r.summary()))
-    else:
-        print(metrics_table(results))
-    if result.hours_at_ceiling:
-        print(
-            f"warning: work waited {result.hours_at_ceiling:.1f} h (trace time) while the "
-            "autoscaler was at its host ceiling",
-            file=sys.stderr,
-        )
+    show(results, args, "its host ceiling")
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from nbos.cli._progress import progress_bar
 from nbos.core.errors import ConfigError
 from nbos.scaling.autoscaler import AutoscalerConfig
-from nbos.scaling.simulator import MODES, SimConfig, metrics_table, simulate
+from nbos.scaling.simulator import MODES, SimConfig, SimResult, metrics_table, simulate
 from nbos.scaling.trace import Trace, first_hours, load_trace, synthetic_trace
 
 Progress = Callable[[float], None]
@@ -98,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
         )
         with _progress_bar(mode, trace) as progress:
             results.append(simulate(trace, config, progress=progress))
+    show(results, args, f"its ceiling of {args.max_hosts} hosts (--max-hosts)")
+    return 0
+
+
+def show(results: list[SimResult], args: argparse.Namespace, ceiling: str) -> None:
+    """Print ``results`` as a table (or JSON with ``--json``), draw them with ``--plot``,
+    and warn of each column whose work waited while the autoscaler sat at ``ceiling``."""
     if args.plot:
         from nbos.scaling.plot import plot_results
 
@@ -111,10 +118,9 @@ def run(args: argparse.Namespace) -> int:
         if r.hours_at_ceiling:
             print(
                 f"warning: {r.mode}: work waited {r.hours_at_ceiling:.1f} h while the autoscaler "
-                f"was at its ceiling of {args.max_hosts} hosts (--max-hosts)",
+                f"was at {ceiling}",
                 file=sys.stderr,
             )
-    return 0
 
 
 def load(args: argparse.Namespace) -> Trace:
