@@ -255,15 +255,8 @@ class Gateway:
                 heartbeat=self.options.heartbeat,
                 identity=_restart_identity(connection),
             )
-            self.gpus.add_kernel(kernel_id, front, placed)
-            kernel: Kernel = await self._tg.start(
-                self._run_kernel,
-                kernel_id,
-                front,
-                handles,
-                launches,
-                _Replacing(members, chooser, gpus, placed, self._persist_soon, env),
-            )
+            replacing = _Replacing(members, chooser, gpus, placed, self._persist_soon, env)
+            kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for handle in handles.values():
@@ -272,6 +265,21 @@ class Gateway:
             raise
         self._kernels[kernel_id] = kernel
         await self._persist()
+        return kernel
+
+    async def _serve(
+        self,
+        kernel_id: KernelId,
+        front: KernelFront,
+        handles: dict[int, ProcessHandle],
+        launches: dict[int, _Launch],
+        replacing: _Replacing,
+    ) -> Kernel:
+        """Run a kernel whose replicas and front exist: its GPUs, its task, the kernel."""
+        self.gpus.add_kernel(kernel_id, front, replacing.hosts)
+        kernel: Kernel = await self._tg.start(
+            self._run_kernel, kernel_id, front, handles, launches, replacing
+        )
         return kernel
 
     async def restore(self, records: Sequence[KernelRecord], timeout: float) -> list[Kernel]:
@@ -315,15 +323,8 @@ class Gateway:
                 resume=True,
             )
             self.gpus.scheduler.adopt_placement(kernel_id, placed.values(), record.gpus)
-            self.gpus.add_kernel(kernel_id, front, placed)
-            kernel: Kernel = await self._tg.start(
-                self._run_kernel,
-                kernel_id,
-                front,
-                handles,
-                launches,
-                _Replacing(members, chooser, record.gpus, placed, self._persist_soon, env),
-            )
+            replacing = _Replacing(members, chooser, record.gpus, placed, self._persist_soon, env)
+            kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         # The front's start fails inside the kernel's task group: an exception group.
         except* (NbosError, OSError) as group:
             failures.extend(group.exceptions)

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
+from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.errors import TransportError
 from nbos.gateway.control import (
     ClusterStatus,
@@ -21,6 +22,7 @@ from nbos.gateway.control import (
     StatusRequest,
     call,
 )
+from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, ROOT
 
 
@@ -74,3 +76,19 @@ async def run_cell(info: KernelInfo, code: str) -> dict[str, Any]:
         return {"status": reply["content"]["status"], "stdout": "".join(out)}
     finally:
         client.stop_channels()
+
+
+def local_settings(tmp_path: Path, **gateway: Any) -> Settings:
+    """An in-process gateway's settings: 3 local hosts of 2 virtual GPUs, loopback ports of
+    its own, heartbeats a loaded machine does not miss; ``gateway``: more ``[gateway]`` keys."""
+    control, agents = free_loopback_ports(2)
+    return Settings(
+        cluster=ClusterSettings(hosts=3, gpus_per_host=2, data_dir=str(tmp_path / "run")),
+        gateway=GatewaySettings(
+            address=f"127.0.0.1:{control}",
+            agent_address=f"127.0.0.1:{agents}",
+            heartbeat_s=0.2,
+            missed_heartbeats=25,
+            **gateway,
+        ),
+    )

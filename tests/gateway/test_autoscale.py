@@ -13,39 +13,24 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.errors import ConfigError
 from nbos.core.host_provider import HostProvider
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant
 from nbos.gateway.providers import available_providers, load_host_provider
 from nbos.gateway.service import GatewayService
-from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
 from tests.example_policy import install_example_policy
+from tests.gateway._service import local_settings
 from tests.gateway.test_scheduler import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 
-def _settings(tmp_path: Path, **gateway: object) -> Settings:
-    control, agents = free_loopback_ports(2)
-    return Settings(
-        cluster=ClusterSettings(hosts=3, gpus_per_host=2, data_dir=str(tmp_path / "run")),
-        gateway=GatewaySettings(
-            address=f"127.0.0.1:{control}",
-            agent_address=f"127.0.0.1:{agents}",
-            heartbeat_s=0.2,
-            missed_heartbeats=25,
-            **gateway,  # type: ignore[arg-type]
-        ),
-    )
-
-
 async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_intact(
     tmp_path: Path,
 ) -> None:
-    settings = _settings(
+    settings = local_settings(
         tmp_path,
         autoscale=True,
         min_hosts=3,
@@ -106,11 +91,11 @@ async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_
 
 async def test_autoscaler_keys_without_autoscale_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"gateway\.max_hosts"):
-        async with GatewayService.serve(_settings(tmp_path, max_hosts=9)):
+        async with GatewayService.serve(local_settings(tmp_path, max_hosts=9)):
             pass
     with pytest.raises(ConfigError, match=r"gateway\.host_provider"):
         async with GatewayService.serve(
-            _settings(tmp_path, autoscale=True, host_provider="no-such-provider")
+            local_settings(tmp_path, autoscale=True, host_provider="no-such-provider")
         ):
             pass
 
@@ -125,7 +110,7 @@ async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
     with pytest.raises(ConfigError, match="host_provider_options"):
         load_host_provider("example-vms", zones=3)
 
-    settings = _settings(
+    settings = local_settings(
         tmp_path,
         local_agents=False,
         autoscale=True,

@@ -9,12 +9,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.gateway.control import Usage, UsageRequest, call
 from nbos.gateway.service import GatewayService
 from nbos.scaling.trace import Cell, Session, Trace, dump_json
-from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import ROOT
+from tests.gateway._service import local_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -28,25 +27,12 @@ TRACE = Trace(
 )
 
 
-def _settings(tmp_path: Path) -> Settings:
-    control, agents = free_loopback_ports(2)
-    return Settings(
-        cluster=ClusterSettings(hosts=3, gpus_per_host=2, data_dir=str(tmp_path / "run")),
-        gateway=GatewaySettings(
-            address=f"127.0.0.1:{control}",
-            agent_address=f"127.0.0.1:{agents}",
-            heartbeat_s=0.2,
-            missed_heartbeats=25,
-        ),
-    )
-
-
 async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_accounting(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "trace.json"
     path.write_bytes(dump_json(TRACE))
-    async with GatewayService.serve(_settings(tmp_path)) as service:
+    async with GatewayService.serve(local_settings(tmp_path)) as service:
         shown = await anyio.run_process(
             [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", str(SPEEDUP),
              "--gateway", service.control_address, "--simulate"],
