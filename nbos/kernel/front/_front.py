@@ -195,6 +195,15 @@ class KernelFront:
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise TransportError(f"kernel {kernel_id}: cannot bind its front: {exc}") from exc
+        # Kept apart from the sockets: the gateway records a kernel's ports (its state file)
+        # even while the kernel stops and its sockets are closed.
+        self._ports = {
+            "shell_port": _bound_port(self._shell),
+            "iopub_port": _bound_port(self._iopub),
+            "stdin_port": _bound_port(self._stdin),
+            "control_port": _bound_port(self._control),
+            "hb_port": _bound_port(self._hb),
+        }
         self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
         #: Replicas being added (replacements): reachable, but not used for cells yet.
         self._standby: set[int] = set()
@@ -243,20 +252,14 @@ class KernelFront:
     @property
     def connection_info(self) -> KernelConnectionInfo:
         """What a Jupyter client needs to connect (the content of a connection file)."""
-
-        def port(sock: zmq.asyncio.Socket) -> int:
-            endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-            assert isinstance(endpoint, bytes)
-            return int(endpoint.decode().rsplit(":", 1)[1])
-
         return {
             "transport": "tcp",
             "ip": self._ip,
-            "shell_port": port(self._shell),
-            "iopub_port": port(self._iopub),
-            "stdin_port": port(self._stdin),
-            "control_port": port(self._control),
-            "hb_port": port(self._hb),
+            "shell_port": self._ports["shell_port"],
+            "iopub_port": self._ports["iopub_port"],
+            "stdin_port": self._ports["stdin_port"],
+            "control_port": self._ports["control_port"],
+            "hb_port": self._ports["hb_port"],
             "key": self._key,
             "signature_scheme": "hmac-sha256",
             "kernel_name": "nbos",
@@ -265,9 +268,7 @@ class KernelFront:
     @property
     def identity(self) -> FrontIdentity:
         """What a later front needs to take this kernel over (``takeover``)."""
-        info = self.connection_info
-        ports = {k: int(v) for k, v in info.items() if k.endswith("_port") and isinstance(v, int)}
-        return FrontIdentity(self._key, self.session_id, ports)
+        return FrontIdentity(self._key, self.session_id, dict(self._ports))
 
     @property
     def alive(self) -> tuple[int, ...]:
@@ -1189,3 +1190,9 @@ def _claim_lost(reply: _wire.Msg) -> bool:
     """Whether ``reply`` says the replica's claim lost (it ran nothing)."""
     nbos = reply["metadata"].get("nbos")
     return isinstance(nbos, dict) and "claim_lost_to" in nbos
+
+
+def _bound_port(sock: zmq.asyncio.Socket) -> int:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    return int(endpoint.decode().rsplit(":", 1)[1])

@@ -1,0 +1,37 @@
+"""A front's identity (key, session, ports) outlives its sockets."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from nbos.kernel.front import KernelFront, ReplicaEndpoint
+
+pytestmark = pytest.mark.anyio
+
+#: A replica that never answers: the front binds its own ports regardless.
+SILENT = {
+    "transport": "tcp",
+    "ip": "127.0.0.1",
+    "shell_port": 1,
+    "iopub_port": 2,
+    "stdin_port": 3,
+    "control_port": 4,
+    "hb_port": 5,
+    "key": "k",
+    "signature_scheme": "hmac-sha256",
+}
+
+
+async def test_identity_and_connection_info_stay_readable_after_the_front_stopped() -> None:
+    # The gateway writes its state file while a kernel stops: a closed front must still
+    # say which ports it had (it once raised ZMQError "not a socket" there).
+    front = KernelFront([ReplicaEndpoint(1, SILENT)], kernel_id="k1")
+    before = front.identity
+    with anyio.move_on_after(0.2):
+        await front.serve()  # waits for the silent replica, then closes its sockets
+    after = front.identity
+    assert after == before
+    assert set(after.ports) == {"shell_port", "iopub_port", "stdin_port", "control_port", "hb_port"}
+    assert all(port > 0 for port in after.ports.values())
+    assert front.connection_info["shell_port"] == after.ports["shell_port"]
