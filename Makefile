@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
-	for b in bench/*.py; do $(PY) $$b || exit 1; done
+	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

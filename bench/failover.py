@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import signal
 import statistics
@@ -34,6 +33,7 @@ import sys
 import time
 
 import anyio
+from _measure import pct
 
 import nbos
 from nbos.cluster import Kernel
@@ -42,11 +42,6 @@ KILLS = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("NBOS_BENC
 IDLE_S = float(os.environ.get("NBOS_BENCH_FAILOVER_IDLE_S", "2"))
 CELL = "x += 1"
 RETRIES = 10
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 def pid_of(kernel: Kernel, node: int) -> int:

@@ -33,11 +33,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import anyio
+from _measure import TICK, Group, descendants, measure_cpu, memory_kib
 from jupyter_client.manager import AsyncKernelManager
 
 import nbos
@@ -47,79 +45,7 @@ KERNELS = (
 )
 WINDOW_S = float(os.environ.get("NBOS_BENCH_IDLE_WINDOW_S", "20"))
 SETTLE_S = float(os.environ.get("NBOS_BENCH_IDLE_SETTLE_S", "15"))
-TICK = os.sysconf("SC_CLK_TCK")
 MIB = 2**20
-
-
-def descendants(root: int) -> set[int]:
-    """``root`` and every process below it, from ``/proc/*/stat``'s parent ids."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            ppid = int(_stat_fields(int(entry))[1])
-        except OSError:
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo.extend(children.get(pid, ()))
-    return found
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """``/proc/PID/stat`` from field 3 (state) on: the command name may hold spaces."""
-    with open(f"/proc/{pid}/stat") as f:
-        raw = f.read()
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def cpu_ticks(pids: Iterable[int]) -> dict[int, int]:
-    """utime + stime in clock ticks of each process still there."""
-    ticks = {}
-    for pid in pids:
-        try:
-            fields = _stat_fields(pid)
-        except OSError:
-            continue
-        ticks[pid] = int(fields[11]) + int(fields[12])
-    return ticks
-
-
-def memory_kib(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of ``pid`` in KiB, from ``/proc/PID/smaps_rollup``."""
-    values = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss"):
-                values[key] = int(rest.split()[0])
-    return values["Rss"], values["Pss"]
-
-
-@dataclass
-class Group:
-    """Processes whose CPU is summed: a name and the pids."""
-
-    name: str
-    pids: set[int]
-
-
-def measure_cpu(groups: list[Group], window: float) -> dict[str, float]:
-    """% of one core each group used over ``window`` seconds (processes there at both ends)."""
-    before = {g.name: cpu_ticks(g.pids) for g in groups}
-    start = time.monotonic()
-    time.sleep(window)  # this process must be idle too: it is part of the nbos group
-    after = {g.name: cpu_ticks(g.pids) for g in groups}
-    elapsed = time.monotonic() - start
-    used = {}
-    for g in groups:
-        ticks = sum(after[g.name][p] - t for p, t in before[g.name].items() if p in after[g.name])
-        used[g.name] = 100 * ticks / TICK / elapsed
-    return used
 
 
 async def main() -> None:

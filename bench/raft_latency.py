@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 import anyio
+from _measure import pct
 
 from nbos.raft.kv import NodeProcess
 from nbos.transport.ports import free_loopback_ports
@@ -45,11 +45,6 @@ from raft import VALUE, Cluster, nbos_cluster
 OPS = int(os.environ.get("NBOS_BENCH_LATENCY_OPS", "1000"))
 WARMUP = 100
 ETCD = Path(sys.prefix) / "bin" / "etcd"
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 # --- nbos --------------------------------------------------------------------------------
