@@ -1,4 +1,5 @@
-"""What several benchmarks measure alike: CPU time and memory of processes, percentiles.
+"""What several benchmarks measure alike: a cell's round trip, CPU time and memory of
+processes, percentiles.
 
 Not a benchmark itself: the benches import it (``from _measure import ...``: a script's
 own folder is first on ``sys.path``).
@@ -11,8 +12,13 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from jupyter_client.asynchronous.client import AsyncKernelClient
 
 TICK = os.sysconf("SC_CLK_TCK")
+CELL_TIMEOUT_S = 300.0
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -89,3 +95,33 @@ def measure_cpu(groups: list[Group], window: float) -> dict[str, float]:
         ticks = sum(after[g.name][p] - t for p, t in before[g.name].items() if p in after[g.name])
         used[g.name] = 100 * ticks / TICK / elapsed
     return used
+
+
+async def run_cell(client: AsyncKernelClient, code: str, **kwargs: Any) -> tuple[float, Any]:
+    """One cell's round trip in seconds, and its execute_reply; exits if the cell failed."""
+    begun = time.perf_counter()
+    msg_id = client.execute(code, allow_stdin=False, stop_on_error=False, **kwargs)
+    with anyio.fail_after(CELL_TIMEOUT_S):
+        while (reply := await client.get_shell_msg())["parent_header"].get("msg_id") != msg_id:
+            pass
+        while True:
+            msg = await client.get_iopub_msg()
+            if (
+                msg["parent_header"].get("msg_id") == msg_id
+                and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"
+            ):
+                break
+    elapsed = time.perf_counter() - begun
+    content = reply["content"]
+    if content.get("status") != "ok":
+        raise SystemExit(f"cell {code!r} failed: {content}")
+    return elapsed, reply
+
+
+async def connect(info: Any) -> AsyncKernelClient:
+    client = AsyncKernelClient()
+    client.load_connection_info(info)
+    client.start_channels()
+    await client.wait_for_ready(timeout=60)
+    return client

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from _measure import connect, pct, run_cell
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
 
@@ -68,7 +69,6 @@ PHASE_BUDGET_S = float(os.environ.get("NBOS_BENCH_PHASE_BUDGET_S", "40"))
 WARMUP_TRIVIAL = 20
 WARMUP_ARRAY = 2
 WARMUP_BIG = 3
-CELL_TIMEOUT_S = 300.0
 NBOS_TIMINGS = ("wait_s", "run_s", "commit_s")
 TRIVIAL = "pass"
 MUTATE = "a += 1"
@@ -96,36 +96,13 @@ class Series:
         return 1000 * statistics.median(self.seconds)
 
     def p99_ms(self) -> float:
-        ordered = sorted(self.seconds)
-        return 1000 * ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        return 1000 * pct(self.seconds, 0.99)
 
 
 @dataclass
 class System:
     name: str
     client: AsyncKernelClient
-
-
-async def run_cell(client: AsyncKernelClient, code: str, **kwargs: Any) -> tuple[float, Any]:
-    """One cell's round trip in seconds, and its execute_reply; exits if the cell failed."""
-    begun = time.perf_counter()
-    msg_id = client.execute(code, allow_stdin=False, stop_on_error=False, **kwargs)
-    with anyio.fail_after(CELL_TIMEOUT_S):
-        while (reply := await client.get_shell_msg())["parent_header"].get("msg_id") != msg_id:
-            pass
-        while True:
-            msg = await client.get_iopub_msg()
-            if (
-                msg["parent_header"].get("msg_id") == msg_id
-                and msg["msg_type"] == "status"
-                and msg["content"]["execution_state"] == "idle"
-            ):
-                break
-    elapsed = time.perf_counter() - begun
-    content = reply["content"]
-    if content.get("status") != "ok":
-        raise SystemExit(f"cell {code!r} failed: {content}")
-    return elapsed, reply
 
 
 async def on_both(systems: Sequence[System], code: str, times: int = 1) -> dict[str, float]:
@@ -156,14 +133,6 @@ async def check_same_environment(client: AsyncKernelClient) -> None:
     found = reply["content"]["user_expressions"]["prefix"]["data"]["text/plain"]
     if found.strip("'\"") != sys.prefix:
         raise SystemExit(f"the python3 kernelspec runs {found}, not this environment {sys.prefix}")
-
-
-async def connect(info: Any) -> AsyncKernelClient:
-    client = AsyncKernelClient()
-    client.load_connection_info(info)
-    client.start_channels()
-    await client.wait_for_ready(timeout=60)
-    return client
 
 
 async def main() -> None:
