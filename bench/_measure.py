@@ -64,6 +64,15 @@ def cpu_ticks(pids: Iterable[int]) -> dict[int, int]:
     return ticks
 
 
+def started_at(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``None``: it is gone): with the pid,
+    it names one process, not a later one given the same pid."""
+    try:
+        return int(_stat_fields(pid)[19])
+    except OSError:
+        return None
+
+
 def memory_kib(pid: int) -> tuple[int, int]:
     """(RSS, PSS) of ``pid`` in KiB, from ``/proc/PID/smaps_rollup``."""
     values = {}
