@@ -19,7 +19,10 @@ the control API (``StartKernel``, what the ``nbos`` kernelspec asks) and cells r
    ``nbos.LocalCluster(hosts=3)`` in this process, the embedding API of ``docs/kernel.md``)
    measured in the same run, in alternating blocks of ``NBOS_BENCH_BLOCK`` cells (default
    20) up to ``NBOS_BENCH_GATEWAY_CELLS`` cells each (default 200), after warm-up cells.
-   Then the cell round-robin over all N gateway kernels (``NBOS_BENCH_GATEWAY_PASSES``
+   The anchor's front and agents run in this process, beside the clients that time both
+   (as embedding has it), while the gateway's fronts have a process of their own: on a
+   machine with cores to spare the gateway pays one more hop, on a loaded one its own
+   share of CPU time can make it the faster. Then the cell round-robin over all N gateway kernels (``NBOS_BENCH_GATEWAY_PASSES``
    passes, default 2, after one untimed pass), so no kernel's front or Raft group is warm
    from the cell before.
 3. **Gateway CPU**: every client closed and the anchor shut down, the cluster is left
@@ -100,6 +103,14 @@ def ms(seconds: Sequence[float], q: float | None = None) -> float:
     return 1000 * (statistics.median(samples) if q is None else pct(samples, q))
 
 
+def advance(bar: tqdm[None] | None, done: int, total: int, what: str) -> None:
+    """One more done: the bar on a terminal, else a line at every tenth of the way."""
+    if bar is not None:
+        bar.update()
+    elif done % max(1, total // 10) == 0 or done == total:
+        print(f"  {done}/{total} {what}", flush=True)
+
+
 async def start_kernels(control: str) -> tuple[list[KernelInfo], list[float], float]:
     """N kernels through the control API: their infos, each start's seconds, the phase's."""
     infos: list[KernelInfo] = []
@@ -119,8 +130,7 @@ async def start_kernels(control: str) -> tuple[list[KernelInfo], list[float], fl
                 raise SystemExit(f"the gateway did not start a kernel: {info}")
             times.append(time.perf_counter() - begun)
             infos.append(info)
-            if bar is not None:
-                bar.update()
+            advance(bar, len(infos), KERNELS, "kernels started")
 
     begun = time.perf_counter()
     with progress_bar(KERNELS, "starting kernels", "kernel") as bar:
@@ -145,8 +155,8 @@ async def one_vs_anchor(
             for name in order:
                 for _ in range(min(BLOCK, CELLS - len(series[name]))):
                     series[name].append((await run_cell(clients[name], CELL))[0])
-                    if bar is not None:
-                        bar.update()
+                    done = len(series["gateway"]) + len(series["anchor"])
+                    advance(bar, done, 2 * CELLS, "cells, one kernel vs the anchor")
             order.reverse()  # so neither always runs right after the other
     return series
 
@@ -160,8 +170,7 @@ async def round_robin(clients: Sequence[AsyncKernelClient]) -> list[float]:
         for _ in range(PASSES):
             for client in clients:
                 times.append((await run_cell(client, CELL))[0])
-                if bar is not None:
-                    bar.update()
+                advance(bar, len(times), PASSES * len(clients), "cells round-robin")
     return times
 
 
