@@ -22,9 +22,9 @@ the control API (``StartKernel``, what the ``nbos`` kernelspec asks) and cells r
    The anchor's front and agents run in this process, beside the clients that time both
    (as embedding has it), while the gateway's fronts have a process of their own: on a
    machine with cores to spare the gateway pays one more hop, on a loaded one its own
-   share of CPU time can make it the faster. Then the cell round-robin over all N gateway kernels (``NBOS_BENCH_GATEWAY_PASSES``
-   passes, default 2, after one untimed pass), so no kernel's front or Raft group is warm
-   from the cell before.
+   share of CPU time can make it the faster. Then the cell round-robin over all N
+   gateway kernels (``NBOS_BENCH_GATEWAY_PASSES`` passes, default 2, after one untimed
+   pass), so no kernel's front or Raft group is warm from the cell before.
 3. **Gateway CPU**: every client closed and the anchor shut down, the cluster is left
    alone for ``NBOS_BENCH_GATEWAY_SETTLE_S`` seconds (default 15: longer than the fronts'
    wait before they back their pings off), then the gateway process's own CPU time (user
