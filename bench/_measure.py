@@ -65,12 +65,13 @@ def cpu_ticks(pids: Iterable[int]) -> dict[int, int]:
 
 
 def started_at(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (``None``: it is gone): with the pid,
-    it names one process, not a later one given the same pid."""
+    """When ``pid`` started, in clock ticks since boot (``None``: it ended, a zombie too):
+    with the pid, it names one process, not a later one given the same pid."""
     try:
-        return int(_stat_fields(pid)[19])
+        fields = _stat_fields(pid)
     except OSError:
         return None
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def memory_kib(pid: int) -> tuple[int, int]:

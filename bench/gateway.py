@@ -87,6 +87,8 @@ CELL = "pass"
 WARMUP = 10
 START_TIMEOUT_S = 300.0
 MIN_AVAILABLE_MIB = 2048
+# How long the gateway's processes may take to end after it did.
+LINGER_S = 30.0
 
 
 def available_mib() -> int:
@@ -191,7 +193,7 @@ async def cells(infos: Sequence[KernelInfo]) -> tuple[dict[str, list[float]], li
             client.stop_channels()
 
 
-async def measure(control: str, gateway_pid: int) -> None:
+async def measure(control: str, gateway_pid: int) -> dict[str, object]:
     infos, starts, phase_s = await start_kernels(control)
     print(
         f"starts: {KERNELS} kernels in {phase_s:.1f} s, {KERNELS / phase_s:.2f} kernels/s "
@@ -221,7 +223,7 @@ async def measure(control: str, gateway_pid: int) -> None:
     ]
     cpu = await anyio.to_thread.run_sync(measure_cpu, groups, WINDOW_S)
     show_cpu(cpu, groups)
-    summary = {
+    return {
         "bench": "gateway",
         "metric": f"trivial cell p50 round trip through nbos gateway with {KERNELS} live kernels",
         "unit": "ms",
@@ -231,7 +233,6 @@ async def measure(control: str, gateway_pid: int) -> None:
         "ratio": round(ms(series["gateway"]) / ms(series["anchor"]), 3),
         "better": "lower",
     }
-    print(json.dumps(summary))
 
 
 def show_memory(infos: Sequence[KernelInfo], gateway_pid: int) -> None:
@@ -276,30 +277,41 @@ def main() -> None:
             "NBOS_CLUSTER__HOSTS": str(HOSTS),
             "NBOS_CLUSTER__DATA_DIR": str(Path(tmp) / "run"),
         }
-        gateway = start_gateway(env, Path(tmp) / "gateway.log")
+        log = Path(tmp) / "gateway.log"
+        gateway = start_gateway(env, log)
         address = f"127.0.0.1:{control}"
         try:
-            anyio.run(ready_then_measure, address, gateway.pid)
+            summary = anyio.run(ready_then_measure, address, gateway.pid)
         finally:
-            stop_cluster(gateway)
+            stop_cluster(gateway, log)
+    print(json.dumps(summary))
 
 
-def stop_cluster(gateway: subprocess.Popen[bytes]) -> None:
+def stop_cluster(gateway: subprocess.Popen[bytes], log: Path) -> None:
     """SIGTERM to the gateway, which stops its kernels and agents; SIGKILL to any of them
-    still there after that (the agents run in sessions of their own, so they would outlive
-    a gateway that had to be killed)."""
+    still there a while after (the agents run in sessions of their own, so they would
+    outlive a gateway that had to be killed). Notes go to stderr: stdout ends in JSON."""
     cluster = {pid: started_at(pid) for pid in descendants(gateway.pid) - {gateway.pid}}
     stop(gateway)
-    for pid, started in cluster.items():
-        if started is not None and started_at(pid) == started:
-            print(f"process {pid} outlived the gateway: killed")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    if gateway.returncode == -signal.SIGKILL:
+        print("the gateway did not stop on SIGTERM in time: killed", file=sys.stderr)
+    deadline = time.monotonic() + LINGER_S
+    while True:
+        left = [p for p, t in cluster.items() if t is not None and started_at(p) == t]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        print(f"{len(left)} processes outlived the gateway: killed; its log ends:", file=sys.stderr)
+        print("\n".join(log.read_text().splitlines()[-20:]), file=sys.stderr)
 
 
-async def ready_then_measure(address: str, gateway_pid: int) -> None:
+async def ready_then_measure(address: str, gateway_pid: int) -> dict[str, object]:
     await status_when(address, lambda s: sum(h.state == "up" for h in s.hosts) == HOSTS)
-    await measure(address, gateway_pid)
+    return await measure(address, gateway_pid)
 
 
 if __name__ == "__main__":
