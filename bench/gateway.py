@@ -24,7 +24,9 @@ the control API (``StartKernel``, what the ``nbos`` kernelspec asks) and cells r
    machine with cores to spare the gateway pays one more hop, on a loaded one its own
    share of CPU time can make it the faster. Then the cell round-robin over all N
    gateway kernels (``NBOS_BENCH_GATEWAY_PASSES`` passes, default 2, after one untimed
-   pass), so no kernel's front or Raft group is warm from the cell before.
+   pass): each kernel was idle while the others ran theirs, with 50 kernels longer than
+   the second after which its Raft group goes quiet (``[raft] quiesce_ticks``,
+   ``docs/raft.md``), so these cells wake their group first.
 3. **Gateway CPU**: every client closed and the anchor shut down, the cluster is left
    alone for ``NBOS_BENCH_GATEWAY_SETTLE_S`` seconds (default 15: longer than the fronts'
    wait before they back their pings off), then the gateway process's own CPU time (user
@@ -70,11 +72,10 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 MAX_KERNELS = 200
-KERNELS = min(
-    MAX_KERNELS,
+KERNELS = (
     int(sys.argv[1])
     if len(sys.argv) > 1
-    else int(os.environ.get("NBOS_BENCH_GATEWAY_KERNELS", "50")),
+    else int(os.environ.get("NBOS_BENCH_GATEWAY_KERNELS", "50"))
 )
 PARALLEL = int(os.environ.get("NBOS_BENCH_GATEWAY_PARALLEL", "2"))
 CELLS = int(os.environ.get("NBOS_BENCH_GATEWAY_CELLS", "200"))
@@ -262,6 +263,8 @@ def show_cpu(cpu: dict[str, float], groups: Sequence[Group]) -> None:
 
 
 def main() -> None:
+    if not 1 <= KERNELS <= MAX_KERNELS:
+        raise SystemExit(f"N (NBOS_BENCH_GATEWAY_KERNELS) is {KERNELS}: from 1 to {MAX_KERNELS}")
     print(
         f"{KERNELS} kernels on one `nbos gateway` ({HOSTS} local agents); anchor: one embedded "
         f"kernel on LocalCluster(hosts={HOSTS}); cell {CELL!r}; {os.cpu_count()} CPUs",
