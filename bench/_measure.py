@@ -26,8 +26,8 @@ def pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
-def descendants(root: int) -> set[int]:
-    """``root`` and every process below it, from ``/proc/*/stat``'s parent ids."""
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from ``/proc/*/stat``'s parent ids."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -37,6 +37,16 @@ def descendants(root: int) -> set[int]:
         except OSError:
             continue
         children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def children(parent: int) -> set[int]:
+    return set(_children().get(parent, ()))
+
+
+def descendants(root: int) -> set[int]:
+    """``root`` and every process below it."""
+    children = _children()
     found, todo = set(), [root]
     while todo:
         pid = todo.pop()

@@ -1,9 +1,9 @@
 """One ``nbos gateway`` with N kernels: starts per second, cell round trips, idle CPU.
 
 Usage: ``python bench/gateway.py [N]`` (or ``NBOS_BENCH_GATEWAY_KERNELS``, default 50, at
-most 200). Each kernel is 3 replica processes of about 180 MiB RSS (130 MiB PSS), so 50
-kernels take about 9 GiB: the run stops with a message, before the next start, once the
-machine has less than 2 GiB available.
+most 200). Each kernel is 3 replica processes of together about 180 MiB RSS (130 MiB PSS),
+so 50 kernels take about 6.5 GiB (PSS; 24 GiB machines run them): the run stops with a
+message, before the next start, once the machine has less than 2 GiB available.
 
 The gateway is the daemon ``python -m nbos gateway`` as a user starts it with no cluster
 file (3 local ``nbos agent`` processes of virtual GPUs, the replicas their children), with
@@ -56,7 +56,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
-from _measure import Group, connect, descendants, measure_cpu, memory_kib, pct, run_cell, started_at
+from _measure import (
+    Group,
+    children,
+    connect,
+    descendants,
+    measure_cpu,
+    memory_kib,
+    pct,
+    run_cell,
+    started_at,
+)
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -215,12 +225,11 @@ async def measure(control: str, gateway_pid: int) -> dict[str, object]:
         flush=True,
     )
     await anyio.sleep(SETTLE_S)
-    cluster = descendants(gateway_pid)
-    replicas = {r.pid for info in infos for r in info.replicas if r.pid is not None}
+    agents = children(gateway_pid)
     groups = [
         Group("gateway", {gateway_pid}),
-        Group("agents", cluster - replicas - {gateway_pid}),
-        Group("replicas", replicas),
+        Group("agents", agents),
+        Group("replicas", descendants(gateway_pid) - agents - {gateway_pid}),
     ]
     cpu = await anyio.to_thread.run_sync(measure_cpu, groups, WINDOW_S)
     show_cpu(cpu, groups)
@@ -259,7 +268,7 @@ def show_cpu(cpu: dict[str, float], groups: Sequence[Group]) -> None:
     )
     print(f"  the gateway process, {KERNELS} idle kernels: {cpu['gateway']:.3f}% (goal: under 5%)")
     print(f"  its {sizes['agents']} agents: {cpu['agents']:.3f}%")
-    print(f"  the {sizes['replicas']} replicas: {cpu['replicas']:.3f}%")
+    print(f"  the {sizes['replicas']} processes below them (replicas): {cpu['replicas']:.3f}%")
 
 
 def main() -> None:
