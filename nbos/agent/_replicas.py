@@ -219,6 +219,7 @@ class ReplicaService:
         self._tg = tg
         self._replicas: dict[str, _Replica] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
+        self._starting: dict[str, anyio.Event] = {}
         self._boot_id = read_boot_id()
 
     @classmethod
@@ -280,6 +281,18 @@ class ReplicaService:
             return existing.info()
         if replica_id in self._acked:
             raise UnknownReplicaError(replica_id)
+        starting = self._starting.get(replica_id)
+        if starting is not None:
+            # A resent request while the first one starts it (a container takes seconds).
+            await starting.wait()
+            return self.info(replica_id)
+        self._starting[replica_id] = anyio.Event()
+        try:
+            return await self._start(replica_id, spec)
+        finally:
+            self._starting.pop(replica_id).set()
+
+    async def _start(self, replica_id: str, spec: ReplicaSpec) -> ReplicaInfo:
         argv = spec.argv
         if spec.workdir:
             workdir = workdir_path(self._work, spec.workdir)
@@ -295,7 +308,10 @@ class ReplicaService:
                 self._host, ProcessSpec(argv, container_env(spec.env), label)
             )
             handle, container, where = started, started.container_id, f"container {started.name}"
-            pid = await started.host_pid()
+            try:
+                pid = await started.host_pid()
+            except BackendError:  # logged by the backend; the container runs all the same
+                pid = 0
         record = ReplicaRecord(
             replica_id,
             spec.label,
