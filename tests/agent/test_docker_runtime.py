@@ -18,6 +18,9 @@ import anyio
 import attrs
 import pytest
 
+from nbos.agent import AgentConfig
+from nbos.core.config import Settings
+from nbos.core.errors import ConfigError
 from nbos.gateway.control import ClusterStatus, KernelInfo, StartKernel
 from nbos.transport.ports import free_loopback_ports
 from tests._servers.dockerd import DockerDaemon, docker_mounts
@@ -156,3 +159,28 @@ async def test_replicas_run_as_containers_and_a_killed_one_is_seen_dead_and_repl
     (new,) = set(replicas_of(replaced, kernel.kernel_id)) - {r.node for r in kernel.replicas}
     assert replicas_of(replaced, kernel.kernel_id)[new][0] in cluster.containers()
     assert await run_cell(kernel, "print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+
+
+@pytest.mark.parametrize(
+    ("env", "key"),
+    [
+        ({"NBOS_AGENT__RUNTIME": "podman"}, "agent.runtime"),
+        ({"NBOS_AGENT__RUNTIME": "docker"}, "agent.docker_image"),
+        ({"NBOS_AGENT__DOCKER_IMAGE": "nbos:1"}, "agent.docker_image"),
+        (
+            {
+                "NBOS_AGENT__RUNTIME": "docker",
+                "NBOS_AGENT__DOCKER_IMAGE": "i",
+                **{"NBOS_AGENT__DOCKER_ENGINE": "/var/run/docker.sock"},
+            },
+            "agent.docker_engine",
+        ),
+    ],
+)
+def test_agent_settings_that_cannot_take_effect_are_refused_with_their_key(
+    env: dict[str, str], key: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        settings = Settings.load(env=env)
+        AgentConfig("h1", "127.0.0.1:0", "127.0.0.1:1", tmp_path, settings=settings.agent)
+    assert refused.value.key == key
