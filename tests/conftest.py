@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 
 from tests._servers._process import serve_or_skip
 from tests._servers.browser import Browser, start_browser
+from tests._servers.dockerd import DockerDaemon, import_empty_image, start_dockerd
 from tests.example_policy import install_example_policy
 
 # Hypothesis's default 200 ms deadline and its too-slow health check measure the machine, not
@@ -33,3 +34,17 @@ def installed_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example placement policy, installed once per session: a module once imported
     stays the one ``sys.modules`` holds, so every test must see the same install."""
     return install_example_policy(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def docker_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerDaemon]:
+    """One Docker engine for the whole session (the system's, or a private dockerd)."""
+    # A short path: the daemon's unix socket path must stay under 108 bytes.
+    yield from serve_or_skip(
+        lambda: start_dockerd(tmp_path_factory.mktemp("dockerd")), "a Docker engine"
+    )
+
+
+@pytest.fixture(scope="session")
+def docker_image(docker_daemon: DockerDaemon) -> str:
+    return import_empty_image(docker_daemon)

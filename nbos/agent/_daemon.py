@@ -32,6 +32,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from nbos._version import __version__
 from nbos.agent._agent import HostAgent
 from nbos.agent._replicas import ReplicaService, UnknownReplicaError
+from nbos.agent._runtime import check_agent_settings
+from nbos.core.config import AgentSettings
 from nbos.core.errors import (
     BackendError,
     ConfigError,
@@ -112,7 +114,7 @@ def tcp_address(value: str, key: str) -> str:
 
 @attrs.frozen
 class AgentConfig:
-    """What one ``nbos agent`` runs with (the command's options)."""
+    """What one ``nbos agent`` runs with (the command's options, ``[agent]`` as ``settings``)."""
 
     host_id: str
     address: str
@@ -125,9 +127,11 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     precommit_ttl: float = DEFAULT_PRECOMMIT_TTL
     stop_replicas_on_exit: bool = False
+    settings: AgentSettings = attrs.field(factory=AgentSettings)
 
     def __attrs_post_init__(self) -> None:
         check_host_name(self.host_id)
+        check_agent_settings(self.settings)
         tcp_address(self.address, "address")
         tcp_address(self.gateway_address, "gateway")
         for key in ("heartbeat_interval", "precommit_ttl"):
@@ -189,15 +193,17 @@ class AgentDaemon:
                     address_ip(transport.address),
                     daemon._report_exit,
                     tg,
+                    settings=config.settings,
                 )
                 tg.start_soon(daemon._receive_loop, inbox_in, tg)
                 tg.start_soon(daemon._heartbeat_loop)
                 log.info(
-                    "agent of host %s at %s (%d %s GPUs), gateway %s",
+                    "agent of host %s at %s (%d %s GPUs, replicas as %s), gateway %s",
                     config.host_id,
                     transport.address,
                     len(inventory.devices),
                     inventory.source,
+                    "containers" if config.settings.runtime == "docker" else "processes",
                     gateway,
                 )
                 try:
@@ -205,6 +211,7 @@ class AgentDaemon:
                 finally:
                     with anyio.CancelScope(shield=True):
                         await daemon._leave()
+                        await daemon.replicas.detach()
                     tg.cancel_scope.cancel()
 
     # --- queries -----------------------------------------------------------------
@@ -238,7 +245,7 @@ class AgentDaemon:
             incarnation=self.incarnation,
             address=self.address,
             version=__version__,
-            backend="local",
+            backend="docker" if self.config.settings.runtime == "docker" else "local",
             gpu_source=self._inventory.source,
             gpus=[
                 GpuInfo(d.index, d.uuid, d.name, d.memory_total_mib)

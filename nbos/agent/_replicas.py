@@ -14,6 +14,14 @@ when it starts and again when it ends. An agent that starts over reads them:
   never touched;
 * an ended record stays until the gateway acknowledges its ``ReplicaExited``.
 
+With ``[agent] runtime = "docker"`` each replica is a container on the host's
+Docker engine instead (:mod:`nbos.agent._runtime`), its output in the engine's
+logs. Its record also names the container, and an agent that starts over takes
+it back through the engine by that id: a container still there is adopted, its
+exit status known even then (the engine keeps it); one that is gone is reported
+ended with an unknown status. A container is removed once the gateway
+acknowledged its end.
+
 Leaving the agent does not stop replicas (the backend is not closed), so a
 restarted agent takes them back; :meth:`ReplicaService.stop_all` is the way to
 stop them.
@@ -26,10 +34,12 @@ import logging
 import os
 import re
 import signal
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -37,17 +47,22 @@ import attrs
 import msgspec
 
 from nbos.agent._pids import process_start_ticks, read_boot_id
-from nbos.backends import LocalProcessBackend, LocalProcessHandle
+from nbos.agent._runtime import container_env, docker_backend
+from nbos.backends import LocalProcessBackend
 from nbos.backends.workdir import (
     expand_argv,
     read_connection_file,
     seed_connection_file,
     workdir_path,
 )
-from nbos.core.compute_backend import ProcessSpec
+from nbos.core.compute_backend import ProcessHandle, ProcessSpec
+from nbos.core.config import AgentSettings
 from nbos.core.errors import BackendError, ConfigError
 from nbos.core.ids import HostId
 from nbos.core.wire.agent import ReplicaInfo, ReplicaSpec
+
+if TYPE_CHECKING:
+    from nbos.backends.docker import DockerBackend
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +87,8 @@ class ReplicaRecord(msgspec.Struct, forbid_unknown_fields=True):
     exit_code: int | None = None
     signal: int | None = None
     workdir: str = ""
+    #: The replica's container id (runtime docker); ``pid`` is then its init's PID.
+    container: str = ""
 
 
 @attrs.frozen
@@ -87,11 +104,10 @@ class ExitStatus:
 
 
 class _Child:
-    """A replica this agent started: its child, so its exit status is known."""
+    """A replica this agent started, or a container: its exit status is known."""
 
-    def __init__(self, handle: LocalProcessHandle) -> None:
+    def __init__(self, handle: ProcessHandle) -> None:
         self._handle = handle
-        self.pid = handle.pid
 
     def running(self) -> bool:
         return self._handle.returncode is None
@@ -153,7 +169,7 @@ class _Replica:
         return ReplicaInfo(
             replica_id=r.replica_id,
             label=r.label,
-            handle=f"pid:{r.pid}",
+            handle=f"container:{r.container[:12]}" if r.container else f"pid:{r.pid}",
             pid=r.pid,
             started_at=r.started_at,
             adopted=self.adopted,
@@ -181,35 +197,61 @@ class ReplicaService:
     """
 
     def __init__(
-        self, host: HostId, state_dir: Path, ip: str, report: ExitReport, tg: anyio.abc.TaskGroup
+        self,
+        host: HostId,
+        state_dir: Path,
+        ip: str,
+        report: ExitReport,
+        tg: anyio.abc.TaskGroup,
+        *,
+        settings: AgentSettings,
     ) -> None:
         self._host = host
         self._ip = ip
         self._records = state_dir / "replicas"
-        self._work = state_dir / "work"
+        self._work = state_dir.absolute() / "work"
+        self._python = settings.python or sys.executable
         self._backend = LocalProcessBackend([host], run_dir=state_dir / "logs")
+        self._docker: DockerBackend | None = None
+        if settings.runtime == "docker":
+            self._docker = docker_backend(host, settings, self._work)
         self._report = report
         self._tg = tg
         self._replicas: dict[str, _Replica] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
+        self._starting: dict[str, anyio.Event] = {}
         self._boot_id = read_boot_id()
 
     @classmethod
     async def open(
-        cls, host: HostId, state_dir: Path, ip: str, report: ExitReport, tg: anyio.abc.TaskGroup
+        cls,
+        host: HostId,
+        state_dir: Path,
+        ip: str,
+        report: ExitReport,
+        tg: anyio.abc.TaskGroup,
+        *,
+        settings: AgentSettings | None = None,
     ) -> ReplicaService:
         """The service, with the replicas recorded in ``state_dir`` taken back.
 
-        ``ip`` is the host's address, which Jupyter connection files name.
+        ``ip`` is the host's address, which Jupyter connection files name;
+        ``settings`` say how replicas run (default: local processes).
         """
-        service = cls(host, state_dir, ip, report, tg)
+        service = cls(host, state_dir, ip, report, tg, settings=settings or AgentSettings())
         try:
+            await anyio.Path(service._work).mkdir(parents=True, exist_ok=True)
             await anyio.Path(service._records).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError("state_dir", str(state_dir), f"a writable directory ({exc})") from exc
         for path in sorted(service._records.glob("*.json")):
-            service._take_back(path)
+            await service._take_back(path)
         return service
+
+    async def detach(self) -> None:
+        """Let go of the Docker engine (its containers keep running, as processes do)."""
+        if self._docker is not None:
+            await self._docker.detach()
 
     # --- queries -----------------------------------------------------------------
 
@@ -239,26 +281,50 @@ class ReplicaService:
             return existing.info()
         if replica_id in self._acked:
             raise UnknownReplicaError(replica_id)
+        starting = self._starting.get(replica_id)
+        if starting is not None:
+            # A resent request while the first one starts it (a container takes seconds).
+            await starting.wait()
+            return self.info(replica_id)
+        self._starting[replica_id] = anyio.Event()
+        try:
+            return await self._start(replica_id, spec)
+        finally:
+            self._starting.pop(replica_id).set()
+
+    async def _start(self, replica_id: str, spec: ReplicaSpec) -> ReplicaInfo:
         argv = spec.argv
         if spec.workdir:
             workdir = workdir_path(self._work, spec.workdir)
             await anyio.to_thread.run_sync(self._prepare, workdir, spec.connection_key)
-            argv = expand_argv(argv, workdir)
-        handle = await self._backend.start(
-            self._host, ProcessSpec(argv, spec.env, spec.label or replica_id)
-        )
+            argv = expand_argv(argv, workdir, self._python)
+        label = spec.label or replica_id
+        if self._docker is None:
+            local = await self._backend.start(self._host, ProcessSpec(argv, spec.env, label))
+            handle: ProcessHandle = local
+            pid, container, where = local.pid, "", str(local.log_path)
+        else:
+            started = await self._docker.start(
+                self._host, ProcessSpec(argv, container_env(spec.env), label)
+            )
+            handle, container, where = started, started.container_id, f"container {started.name}"
+            try:
+                pid = await started.host_pid()
+            except BackendError:  # logged by the backend; the container runs all the same
+                pid = 0
         record = ReplicaRecord(
             replica_id,
             spec.label,
-            handle.pid,
-            process_start_ticks(handle.pid),
+            pid,
+            process_start_ticks(pid),
             self._boot_id,
             time.time(),
             workdir=spec.workdir,
+            container=container,
         )
         replica = self._replicas[replica_id] = _Replica(record, _Child(handle), adopted=False)
         await self._save(record)
-        log.info("replica %s started: pid %d (%s)", replica_id, handle.pid, handle.log_path)
+        log.info("replica %s started: pid %d (%s)", replica_id, pid, where)
         self._tg.start_soon(self._watch, replica)
         return replica.info()
 
@@ -291,6 +357,12 @@ class ReplicaService:
             return
         # The record goes first: once the replica is no longer listed, it is gone from disk.
         await anyio.to_thread.run_sync(self._path(replica_id).unlink, True)
+        container = replica.record.container
+        if container and self._docker is not None:
+            try:
+                await self._docker.remove(self._host, container, grace=0)
+            except BackendError as exc:  # the engine logged it; the container is left
+                log.warning("replica %s: container %s not removed: %s", replica_id, container, exc)
         self._replicas.pop(replica_id, None)  # a duplicate ack may have come meanwhile
         self._acked[replica_id] = None
         while len(self._acked) > _ACKED_MEMORY:
@@ -361,13 +433,18 @@ class ReplicaService:
         replica.ended.set()
         await self._report(replica.info())
 
-    def _take_back(self, path: Path) -> None:
+    async def _take_back(self, path: Path) -> None:
         try:
-            record = msgspec.json.decode(path.read_bytes(), type=ReplicaRecord)
+            data = await anyio.Path(path).read_bytes()
+            record = msgspec.json.decode(data, type=ReplicaRecord)
         except (OSError, msgspec.DecodeError) as exc:
             log.warning("replica record %s unreadable, ignored: %s", path, exc)
             return
-        process = None if record.ended else self._adopt(record)
+        process: _Process | None = None
+        if record.container and not record.ended:
+            process = await self._adopt_container(record)
+        elif not record.ended:
+            process = self._adopt(record)
         replica = _Replica(record, process, adopted=True)
         if record.ended:
             replica.ended.set()
@@ -377,6 +454,23 @@ class ReplicaService:
             self._tg.start_soon(self._watch, replica)
         elif not record.ended:
             self._tg.start_soon(self._finish, replica, ExitStatus(None, None))
+
+    async def _adopt_container(self, record: ReplicaRecord) -> _Child | None:
+        """A handle on the recorded container, kept by the engine even once it ended."""
+        if self._docker is None:
+            log.warning(
+                "replica %s ran in container %s, but this agent's runtime is not docker: "
+                "reported ended, its container left as it is",
+                record.replica_id,
+                record.container,
+            )
+            return None
+        try:
+            handle = await self._docker.adopt(self._host, record.container)
+        except BackendError as exc:
+            log.warning("replica %s: container %s: %s", record.replica_id, record.container, exc)
+            return None
+        return None if handle is None else _Child(handle)
 
     def _adopt(self, record: ReplicaRecord) -> _Adopted | None:
         """A handle on the recorded process if it is still the one we started, else ``None``."""

@@ -90,6 +90,14 @@ class DockerProcessHandle(HandleBase):
             self._returncode = normalize_exit_status(int(result["StatusCode"]))
         return self._returncode
 
+    async def host_pid(self) -> int:
+        """The PID, on the engine's machine, of the container's first process (0 once it ended)."""
+        try:
+            state = await self._container.show()
+        except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+            raise _translate(self._host, f"inspect {self.name}", exc) from exc
+        return int(state["State"]["Pid"])
+
     async def signal(self, signum: int) -> None:
         """Pause/unpause for SIGSTOP/SIGCONT, else ``docker kill``; a no-op once it ended."""
         if self._returncode is not None:
@@ -194,6 +202,19 @@ class DockerBackend:
         self._handles = with_running(self._handles, handle)
         logger.debug("started %r on %s: container %s", spec.label, host, name)
         return handle
+
+    async def adopt(self, host: HostId, container_id: str) -> DockerProcessHandle | None:
+        """A handle on container ``container_id`` of ``host`` (started by an earlier
+        instance, running or ended), or ``None`` once it is gone."""
+        if host not in self._urls:
+            raise HostUnreachableError(host, f"not a host of the {self.name} backend")
+        try:
+            container = await self._client(host).containers.get(container_id)
+        except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+            if isinstance(exc, aiodocker.DockerError) and exc.status == _NOT_FOUND:
+                return None
+            raise _translate(host, f"inspect {container_id[:12]}", exc) from exc
+        return DockerProcessHandle(host, container, str(container["Name"]).lstrip("/"))
 
     async def detach(self) -> None:
         """Close the engine clients and leave every container running: ending them is the

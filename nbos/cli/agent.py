@@ -19,7 +19,8 @@ def register(subparsers: Any) -> None:
         description="Serve this host's GPUs and replica processes to the gateway over ZeroMQ "
         "(CURVE with --keys) until SIGINT or SIGTERM. Replicas keep running when the agent "
         "stops; an agent started again with the same --state-dir takes them back. "
-        "See docs/deploy.md.",
+        "[agent] settings (--config, NBOS_AGENT__*) run them as local processes or as "
+        "containers on this host's Docker engine. See docs/deploy.md.",
     )
     parser.add_argument("--host", required=True, help="this host's name (as in nbos keys)")
     parser.add_argument(
@@ -73,6 +74,7 @@ def agent_command(args: argparse.Namespace) -> int:
         virtual_memory_mib=settings.cluster.gpu_memory_mib,
         heartbeat_interval=args.heartbeat,
         stop_replicas_on_exit=args.stop_replicas_on_exit,
+        settings=settings.agent,
     )
     anyio.run(run_until_signalled, config)
     return 0

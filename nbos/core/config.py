@@ -148,6 +148,28 @@ class GatewaySettings(_Section, frozen=True):
     cull_idle_timeout: float = 0.0
 
 
+class AgentSettings(_Section, frozen=True):
+    """``nbos agent``: how it runs its host's replicas (``docs/deploy.md``).
+
+    ``runtime``: ``process`` runs each replica as a local process of the agent;
+    ``docker`` runs each as a container of ``docker_image`` (never pulled: it must be
+    on the engine) on the Docker engine at ``docker_engine`` (``unix://`` or
+    ``tcp://``), which must run on the agent's own machine: containers use the host
+    network (so a replica binds the host's address as a process would) and bind-mount
+    the agent's ``STATE/work`` at its own path (so the Raft log and connection file
+    stay on the host), plus ``docker_mounts`` (``SRC:DST[:ro]``). ``python``: the
+    interpreter, with nbos, that replicas run (``""``: the agent's own; in an image,
+    its path there). Without ``runtime = "docker"`` the ``docker_*`` keys must keep
+    their defaults (they would do nothing).
+    """
+
+    runtime: Literal["process", "docker"] = "process"
+    docker_engine: str = "unix:///var/run/docker.sock"
+    docker_image: str = ""
+    docker_mounts: list[str] = msgspec.field(default_factory=list)
+    python: str = ""
+
+
 class Settings(_Section, frozen=True):
     """All nbos settings."""
 
@@ -156,6 +178,7 @@ class Settings(_Section, frozen=True):
     transport: TransportSettings = msgspec.field(default_factory=TransportSettings)
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
+    agent: AgentSettings = msgspec.field(default_factory=AgentSettings)
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:

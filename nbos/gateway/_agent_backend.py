@@ -59,6 +59,9 @@ UNKNOWN_STATUS = -254
 _CONNECTION_POLL_S = 0.1
 # How long after SIGKILL a stop may take on the agent, on top of the grace.
 _STOP_SLACK_S = 10.0
+# A start may pull nothing but still create and start a container (runtime docker),
+# seconds on a loaded engine: more than the usual answer's time.
+_START_TIMEOUT_S = 30.0
 
 
 class AgentProcessHandle(HandleBase):
@@ -277,7 +280,7 @@ class AgentBackend:
         handle = self._handles[replica_id] = AgentProcessHandle(self, host, replica_id)
         try:
             reply = await self._directory.call(
-                host, lambda rid: ReplicaStart(rid, replica_id, spec)
+                host, lambda rid: ReplicaStart(rid, replica_id, spec), timeout=_START_TIMEOUT_S
             )
         except BaseException:
             # The agent may have started it before we gave up: it must not live on.

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import http.client
 import io
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tarfile
 from dataclasses import dataclass, field
+from importlib.metadata import distribution
 from pathlib import Path
 
 from tests._servers._process import ServerUnavailableError, stop_process, wait_ready
 
+REPO = Path(__file__).resolve().parents[2]
 SYSTEM_SOCKET = Path("/var/run/docker.sock")
 EMPTY_IMAGE = "nbos-test-empty:latest"
 
@@ -112,6 +116,17 @@ def import_empty_image(daemon: DockerDaemon, tag: str = EMPTY_IMAGE) -> str:
     if status != 200 or b'"error"' in body:
         raise RuntimeError(f"importing {tag} failed: {status} {body[-500:]!r}")
     return tag
+
+
+def docker_mounts(*writable: Path) -> list[str]:
+    """Read-only host system dirs, this interpreter, its environment, the repository and the
+    nbos it runs (an editable install may be another checkout); ``writable`` read-write:
+    what a container of :func:`import_empty_image`'s image needs to run nbos."""
+    system = [p for p in ("/usr", "/lib", "/lib64", "/bin", "/etc") if Path(p).exists()]
+    url = json.loads(distribution("nbos").read_text("direct_url.json") or "{}").get("url", "")
+    editable = [url.removeprefix("file://")] if url.startswith("file://") else []
+    read_only = dict.fromkeys([*system, sys.base_prefix, sys.prefix, str(REPO), *editable])
+    return [f"{p}:{p}:ro" for p in read_only] + [f"{p}:{p}" for p in writable]
 
 
 def _launch(binary: str, workdir: Path) -> tuple[DockerDaemon, subprocess.Popen[bytes]]:

@@ -167,10 +167,14 @@ def start_agent(
     keys: Path | None = None,
     extra: Sequence[str] = (),
     where: Where = here,
+    config: Path | None = None,
 ) -> AgentProcess:
+    """``nbos agent`` for ``host`` (``config``: its settings file, with ``[agent]``)."""
     state_dir = tmp / f"state-{host}"
     log = tmp / f"agent-{host}.log"
-    argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", "agent", "--host", host]
+    settings = ["--config", str(config)] if config is not None else []
+    argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", *settings, "agent"]
+    argv += ["--host", host]
     argv += ["--address", address, "--gateway", gateway, "--state-dir", str(state_dir)]
     argv += ["--gpus", "2", "--heartbeat", "0.2", *extra]
     if keys is not None:

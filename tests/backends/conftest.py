@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
@@ -16,12 +13,11 @@ from nbos.backends import LocalProcessBackend
 from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
 from nbos.core.ids import HostId
 from tests._servers._process import serve_or_skip
-from tests._servers.dockerd import DockerDaemon, import_empty_image, start_dockerd
+from tests._servers.dockerd import DockerDaemon, docker_mounts
 from tests._servers.sshd import SshServer, start_sshd
 from tests.backends._procs import MARKER_ENV
 from tests.backends._ssh import ssh_target
 
-REPO = Path(__file__).resolve().parents[2]
 HOSTS = (HostId("h1"), HostId("h2"))
 
 
@@ -34,29 +30,6 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
     yield from serve_or_skip(lambda: start_sshd(tmp_path_factory.mktemp("sshd")), "a real sshd")
-
-
-@pytest.fixture(scope="session")
-def docker_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerDaemon]:
-    # A short path: the daemon's unix socket path must stay under 108 bytes.
-    yield from serve_or_skip(
-        lambda: start_dockerd(tmp_path_factory.mktemp("dockerd")), "a Docker engine"
-    )
-
-
-@pytest.fixture(scope="session")
-def docker_image(docker_daemon: DockerDaemon) -> str:
-    return import_empty_image(docker_daemon)
-
-
-def docker_mounts(*writable: Path) -> list[str]:
-    """Read-only host system dirs, this interpreter, its environment, the repository and the
-    nbos it runs (an editable install may be another checkout); ``writable`` read-write."""
-    system = [p for p in ("/usr", "/lib", "/lib64", "/bin", "/etc") if Path(p).exists()]
-    url = json.loads(distribution("nbos").read_text("direct_url.json") or "{}").get("url", "")
-    editable = [url.removeprefix("file://")] if url.startswith("file://") else []
-    read_only = dict.fromkeys([*system, sys.base_prefix, sys.prefix, str(REPO), *editable])
-    return [f"{p}:{p}:ro" for p in read_only] + [f"{p}:{p}" for p in writable]
 
 
 @dataclass

@@ -12,9 +12,8 @@ from nbos.backends.docker import BACKEND_LABEL, DockerBackend
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError, HostUnreachableError
 from nbos.core.ids import HostId
-from tests._servers.dockerd import DockerDaemon
+from tests._servers.dockerd import DockerDaemon, docker_mounts
 from tests.backends._procs import EXIT_3, SLEEP, python
-from tests.backends.conftest import docker_mounts
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

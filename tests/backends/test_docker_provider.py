@@ -16,9 +16,7 @@ from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.ids import HostId
 from nbos.gateway.service import GatewayService
 from nbos.transport.ports import free_loopback_ports
-from tests._servers.dockerd import DockerDaemon
-
-from .conftest import docker_mounts
+from tests._servers.dockerd import DockerDaemon, docker_mounts
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

@@ -16,7 +16,7 @@ import pytest
 
 from nbos.deploy._up import RECORD
 from tests._servers._process import process_running, serve_or_skip
-from tests._servers.dockerd import DockerDaemon, import_empty_image, start_dockerd
+from tests._servers.dockerd import DockerDaemon
 from tests._servers.netns import Netns, netns_or_skip
 from tests._servers.sshd import SshServer, start_sshd
 from tests.agent._daemons import DEADLINE, ROOT
@@ -148,14 +148,6 @@ known_hosts = "{sshd.known_hosts}"
 # --- Docker ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def docker_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerDaemon]:
-    # A short path: the daemon's unix socket path must stay under 108 bytes.
-    yield from serve_or_skip(
-        lambda: start_dockerd(tmp_path_factory.mktemp("dockerd")), "a Docker engine"
-    )
-
-
 def containers(daemon: DockerDaemon) -> list[dict[str, object]]:
     filters = urllib.parse.quote(json.dumps({"label": ["nbos.host=d1"]}))
     status, body = daemon.request("GET", f"/containers/json?all=1&filters={filters}")
@@ -164,8 +156,10 @@ def containers(daemon: DockerDaemon) -> list[dict[str, object]]:
     return listed
 
 
-def test_docker_host_up_cell_down(docker_daemon: DockerDaemon, tmp_path: Path) -> None:
-    image = import_empty_image(docker_daemon)
+def test_docker_host_up_cell_down(
+    docker_daemon: DockerDaemon, docker_image: str, tmp_path: Path
+) -> None:
+    image = docker_image
     (tmp_path / "tmp").mkdir()
     system = [p for p in ("/usr", "/lib", "/lib64", "/bin", "/etc") if Path(p).exists()]
     # The interpreter, its virtual environment and this checkout, at their own paths.

@@ -93,9 +93,7 @@ class Signer:
         ]
         return [*idents, DELIM, self.session.sign(parts), *parts, *msg.get("buffers", ())]
 
-    def new_message(
-        self, msg_type: str, content: dict[str, Any], parent: Msg | None = None
-    ) -> Msg:
+    def new_message(self, msg_type: str, content: dict[str, Any], parent: Msg | None = None) -> Msg:
         """A fresh message of this signer's session (its own msg_id and session id)."""
         msg: Msg = self.session.msg(msg_type, content, parent=parent)
         return msg

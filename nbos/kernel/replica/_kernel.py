@@ -414,9 +414,7 @@ class ReplicaKernel(IPythonKernel):
             stream, "execute_reply", content, parent, metadata={"nbos": info}, ident=ident
         )
 
-    def _reply_error(
-        self, stream: Any, ident: Any, parent: dict[str, Any], exc: Exception
-    ) -> None:
+    def _reply_error(self, stream: Any, ident: Any, parent: dict[str, Any], exc: Exception) -> None:
         content = error_content(exc, self.execution_count)
         self._session.send(stream, "execute_reply", content, parent, ident=ident)
 
@@ -629,9 +627,7 @@ class ReplicaKernel(IPythonKernel):
         # them in user_ns_hidden: each replica has its own, so they are not user state.
         hidden = self._shell.user_ns_hidden
         return {
-            k: v
-            for k, v in self._shell.user_ns.items()
-            if k not in hidden or hidden[k] is not v
+            k: v for k, v in self._shell.user_ns.items() if k not in hidden or hidden[k] is not v
         }
 
     async def _evict_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
@@ -711,5 +707,3 @@ def error_content(exc: BaseException, execution_count: int) -> dict[str, Any]:
         "traceback": [f"{name}: {exc}"],
         "execution_count": execution_count,
     }
-
-

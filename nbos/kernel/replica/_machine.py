@@ -160,9 +160,7 @@ class KernelStateMachine:
         if isinstance(entry, Done):
             return self._done(index, entry)
         if isinstance(entry, CommEntry):
-            self._on_event(
-                CommDelivered(index, entry.replica, entry.message, tuple(entry.buffers))
-            )
+            self._on_event(CommDelivered(index, entry.replica, entry.message, tuple(entry.buffers)))
             return self._outcome(index, accepted=True)
         log.warning("kernel log entry %d ignored: %s is not a kernel entry", index, type(entry))
         return self._outcome(index, accepted=False)
