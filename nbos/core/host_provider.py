@@ -26,7 +26,9 @@ class AgentCommand:
     (those of ``local``); ``heartbeat_s``: the agents' report
     interval; ``keys``: the key directory's path on the host (``""``: plain TCP);
     ``data_dir``: the gateway's run directory (providers on this machine keep
-    agent state and logs there).
+    agent state and logs there); ``settings``: a settings file in it holding the
+    gateway's ``[agent]`` table, for agents on this machine (remote agents have their
+    own settings).
     """
 
     gateway: str
@@ -34,17 +36,29 @@ class AgentCommand:
     heartbeat_s: float
     keys: str = ""
     data_dir: str = ""
+    settings: str = ""
 
     def argv(
-        self, host_id: HostId, address: str, state_dir: str, python: str, *, virtual: bool
+        self,
+        host_id: HostId,
+        address: str,
+        state_dir: str,
+        python: str,
+        *,
+        virtual: bool,
+        settings: str = "",
     ) -> list[str]:
         """``nbos agent`` for ``host_id``, listening at ``address``, run by ``python``;
-        ``virtual``: with :attr:`gpus` virtual GPUs, else the host's NVML GPUs.
+        ``virtual``: with :attr:`gpus` virtual GPUs, else the host's NVML GPUs;
+        ``settings``: a settings file for the agent to read.
 
         The agent stops its replicas when it stops: a host a provider takes back holds
         none (it was drained), and one torn down with the gateway must not leave any.
         """
-        argv = [python, "-m", "nbos", "--log-level", "INFO", "agent", "--host", host_id]
+        argv = [python, "-m", "nbos", "--log-level", "INFO"]
+        if settings:
+            argv += ["--config", settings]
+        argv += ["agent", "--host", host_id]
         argv += ["--address", address, "--gateway", self.gateway, "--state-dir", state_dir]
         argv += ["--heartbeat", str(self.heartbeat_s), "--stop-replicas-on-exit"]
         if virtual:

@@ -170,7 +170,14 @@ class LocalHostProvider(_AgentProcesses):
             self._agents[host_id] = _Agent(_AdoptedAgent(pidfd), None)
             return host_id
         backend = LocalProcessBackend([host_id], run_dir=root / "logs")
-        argv = agent.argv(host_id, "127.0.0.1:0", str(root / host_id), self._python, virtual=True)
+        argv = agent.argv(
+            host_id,
+            "127.0.0.1:0",
+            str(root / host_id),
+            self._python,
+            virtual=True,
+            settings=agent.settings,
+        )
         handle = await self._start(backend, host_id, host_id, argv, own=True)
         assert isinstance(handle, LocalProcessHandle)  # what a LocalProcessBackend starts
         identity = ProcessIdentity.of(handle.pid)

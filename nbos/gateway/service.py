@@ -37,6 +37,7 @@ a data dir the gateway runs in a temporary directory and keeps nothing.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -50,6 +51,7 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -57,7 +59,7 @@ from prometheus_client import CollectorRegistry
 from nbos.agent import address_ip, tcp_address
 from nbos.cluster import Gateway, Kernel, KernelOptions
 from nbos.cluster._gpus import ClusterGpus
-from nbos.core.config import GatewaySettings, Settings
+from nbos.core.config import AgentSettings, GatewaySettings, Settings
 from nbos.core.errors import ConfigError, TransportError
 from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.gateway import AgentBackend, HostDirectory
@@ -187,6 +189,7 @@ class GatewayService:
                 heartbeat_s=conf.heartbeat_s,
                 keys=conf.keys,
                 data_dir=str(run_dir),
+                settings=str(_agent_settings_file(settings.agent, run_dir)),
             )
             if provider is not None:
                 stack.push_async_callback(_shielded_close, provider)
@@ -502,3 +505,16 @@ async def _until_idle(service: GatewayService, idle_s: float, runtime: RuntimeFi
                 runtime.remove_if_mine()
                 break
     log.info("gateway: no kernel for %g s, stopping", idle_s)
+
+
+def _agent_settings_file(agent: AgentSettings, run_dir: Path) -> Path:
+    """The gateway's ``[agent]`` table as a settings file, for its local agents.
+
+    Its values are strings and lists of strings, whose JSON form is valid TOML.
+    """
+    lines = ["[agent]"]
+    for key, value in msgspec.to_builtins(agent).items():
+        lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
+    path = run_dir / "agent.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
