@@ -367,14 +367,15 @@ class _Forwarder:
         curve: CurveKeys | None,
     ) -> AsyncIterator[_Forwarder]:
         ctx = zmq.asyncio.Context()
+        # ZAP first: the ROUTER must not accept a connection before it can be vetted.
         auth = start_authenticator(ctx, f"forwarder at {bind}", curve) if curve else None
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        if curve is not None:
-            curve_server(router, curve)
-        router.bind(bind)
         forwarder = cls(raft_log, ctx, curve)
+        router = ctx.socket(zmq.ROUTER)
         try:
+            router.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                curve_server(router, curve)
+            router.bind(bind)
             async with anyio.create_task_group() as tg:
                 forwarder._tg = tg
                 for node, address in peers.items():
