@@ -18,6 +18,11 @@ down or lost, a replica restarted or replaced), and :meth:`Gateway.restore` take
 kernels it names back after a restart: the replicas kept running on their hosts (the
 launcher adopts them), each front binds its old ports with its old key, and the cells
 go on from the replicas' log. The embedded cluster keeps no state file.
+
+With :attr:`KernelOptions.curve` (``nbos gateway`` with keys) every kernel gets a
+CURVE key pair of its own at its start (:func:`~nbos.transport.keys.kernel_keys_env`),
+in the environment of each of its replicas (replacements and restarts too, and in
+the state file): their Raft and forwarder links admit only that pair.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from nbos.kernel.front import (
     KernelFront,
     ReplicaEndpoint,
 )
+from nbos.transport.keys import kernel_keys_env
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +94,9 @@ class KernelOptions:
     ``replace_after_s`` replaces a replica whose process ended, or that the front
     declared dead, and that was not restarted within that many seconds (``None``: never
     by itself); ``fence_dead_replicas`` kills a replica declared dead whose process still
-    runs (``False``: it runs on, as on a host nobody can reach to kill it).
+    runs (``False``: it runs on, as on a host nobody can reach to kill it); ``curve``
+    gives each kernel a CURVE key pair of its own for its replicas' Raft and forwarder
+    links (only where the links to the agents, which carry it, are CURVE too).
     """
 
     settings: Settings
@@ -99,6 +107,7 @@ class KernelOptions:
     replace_after_s: float | None = 1.0
     fence_dead_replicas: bool = True
     front_ip: str = "127.0.0.1"
+    curve: bool = False
 
 
 @attrs.frozen
@@ -239,6 +248,8 @@ class Gateway:
         handles: dict[int, ProcessHandle] = {}
         launches: dict[int, _Launch] = {}
         env = dict(env or {})
+        if self.options.curve:
+            env |= kernel_keys_env()
         try:
             members = {n: await self._member(h) for n, h in placed.items()}
             for node, host in placed.items():

@@ -7,9 +7,12 @@ every kernel that is not shut down, with what taking it back needs after a
 * the front's ports, key and session id, so that clients reconnect to the same
   sockets and keep signing with the same key;
 * each replica's host, its agent's replica id (the agent keeps the process; the
-  new gateway adopts it), how it was started (to restart it in place), its Raft
+  new gateway adopts it), how it was started (to restart it in place: argv,
+  environment, with the kernel's CURVE keys where it has some), its Raft
   and forwarder addresses (for replacements) and its connection info (the front
   connects to it again).
+
+The file holds secrets (HMAC and CURVE keys): it is written with mode ``0600``.
 
 Not kept: which cell index comes next (the replicas' logs say, see
 :meth:`~nbos.kernel.front.KernelFront.serve`), GPU grants (the agents report
@@ -114,7 +117,10 @@ class StateFile:
         """Replace the file by ``state`` atomically and durably."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with tmp.open("wb") as f:
+        # It holds secrets (connection keys, kernels' CURVE keys): the owner's only.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a leftover temporary file keeps its mode through O_CREAT
+        with os.fdopen(fd, "wb") as f:
             f.write(msgspec.json.encode(state))
             f.flush()
             os.fsync(f.fileno())

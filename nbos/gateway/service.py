@@ -2,7 +2,8 @@
 
 :class:`GatewayService` composes, on ``[gateway]`` settings:
 
-* the gateway's endpoint at ``agent_address`` (CURVE with ``keys``) and its
+* the gateway's endpoint at ``agent_address`` (CURVE with ``keys``, and then each
+  kernel's replicas with a key pair of the kernel's among themselves) and its
   :class:`~nbos.gateway.HostDirectory`, which owns the one GPU scheduler;
 * with ``local_agents``, ``[cluster] hosts`` ``nbos agent`` processes on this
   machine (127.0.0.1, ports of their own, ``[cluster] gpus_per_host`` virtual GPUs),
@@ -197,7 +198,11 @@ class GatewayService:
                 await _local_agents(settings.cluster.hosts, agent, provider, directory, stack)
             stack.push_async_callback(backend.aclose)
             options = KernelOptions(
-                settings=settings, store=_store(settings, run_dir), front_ip=address_ip(control)
+                settings=settings,
+                store=_store(settings, run_dir),
+                front_ip=address_ip(control),
+                # A kernel's keys reach its replicas over the agent links: CURVE only if they are.
+                curve=keys is not None,
             )
             gateway = await stack.enter_async_context(
                 Gateway.serve(ClusterGpus(None, directory.scheduler), backend, options, state=state)

@@ -12,6 +12,15 @@ The whole directory stays on the machine that made it. The gateway needs
 ``gateway.key_secret`` and every ``hosts/*.key``; the agent of host NAME needs
 ``hosts/NAME.key_secret`` and ``gateway.key``, in the same layout (see
 ``docs/deploy.md``). :class:`KeyDirectory` reads either subset.
+
+A kernel's replicas have a key pair of their own, made by the gateway when it
+starts the kernel (:func:`kernel_keys_env`), never on disk but in the gateway's
+state file: every replica of the kernel holds the same pair and admits only it
+(the cluster key model of :class:`~nbos.transport.CurveKeys`) on its Raft port
+and its proposal forwarder. It reaches a replica in its environment (through the
+agent link, itself CURVE), never on a command line, and the replica takes it out
+of its environment at start (:func:`take_kernel_keys`), so that neither cells nor
+their subprocesses see it.
 """
 
 from __future__ import annotations
@@ -21,12 +30,12 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from pathlib import Path
 
 import zmq.auth
 
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, TransportError
 from nbos.transport.zmq import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -34,6 +43,9 @@ log = logging.getLogger(__name__)
 GATEWAY_KEY = "gateway"
 HOSTS_DIR = "hosts"
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+#: The environment variables that hand a replica its kernel's key pair (Z85).
+KERNEL_SECRET_ENV = "NBOS_KERNEL_CURVE_SECRET"
+KERNEL_PUBLIC_ENV = "NBOS_KERNEL_CURVE_PUBLIC"
 
 
 def check_host_name(name: str) -> str:
@@ -126,3 +138,27 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
         return zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
         raise ConfigError("keys", str(path), f"a readable ZeroMQ certificate ({exc})") from exc
+
+
+def kernel_keys_env() -> dict[str, str]:
+    """A new key pair for one kernel's replicas, as the environment that hands it to them."""
+    public, secret = zmq.curve_keypair()
+    return {KERNEL_PUBLIC_ENV: public.decode(), KERNEL_SECRET_ENV: secret.decode()}
+
+
+def take_kernel_keys(environ: MutableMapping[str, str]) -> CurveKeys | None:
+    """The kernel's keys from ``environ`` (removed from it); ``None`` when it holds none.
+
+    Raises :class:`ConfigError` when only one of the pair is there or a key is malformed.
+    """
+    secret, public = environ.pop(KERNEL_SECRET_ENV, ""), environ.pop(KERNEL_PUBLIC_ENV, "")
+    if not secret and not public:
+        return None
+    try:
+        keys = CurveKeys(secret.encode(), public.encode())
+        matched = zmq.curve_public(keys.secret_key) == keys.public_key
+    except (TransportError, ValueError, zmq.ZMQError) as exc:
+        raise ConfigError(KERNEL_SECRET_ENV, None, f"the kernel's CURVE key pair ({exc})") from exc
+    if not matched:
+        raise ConfigError(KERNEL_PUBLIC_ENV, None, f"the public key of {KERNEL_SECRET_ENV}")
+    return keys

@@ -47,6 +47,12 @@ authenticate cluster membership, not individual peer ids: an admitted member
 can claim any routing id. The ZAP handler is pyzmq's, which runs as its own
 asyncio task from :meth:`ZmqTransport.open` until :meth:`ZmqTransport.aclose`;
 ZAP tells it the refused key but not the remote address, so the log names the key.
+:func:`start_authenticator`, :func:`curve_server` and :func:`curve_client` are
+those steps for other ZeroMQ sockets (a replica's proposal forwarder).
+
+Where nbos uses it: agent links with the cluster's keys (:mod:`nbos.transport.keys`,
+``allowed_clients`` and a ``server_key`` per host), and each kernel's Raft group
+with a key pair of the kernel's own (the cluster key model, on a gateway with keys).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
@@ -127,7 +133,7 @@ def _check_key(name: str, key: bytes) -> None:
 class _KeyRing:
     """ZAP credentials provider: admits listed client keys, logs the rest."""
 
-    def __init__(self, local: PeerId, admitted: frozenset[bytes]) -> None:
+    def __init__(self, local: str, admitted: frozenset[bytes]) -> None:
         self._local = local
         self._admitted = admitted
 
@@ -136,6 +142,32 @@ class _KeyRing:
             return True
         log.warning("%s: refused CURVE client key %s (domain %r)", self._local, key, domain)
         return False
+
+
+def start_authenticator(
+    context: zmq.Context[Any], local: str, curve: CurveKeys
+) -> zmq.auth.asyncio.AsyncioAuthenticator:
+    """Start a ZAP handler on ``context`` (a task of the running asyncio loop) under which
+    its CURVE servers admit only ``curve.admitted`` and log every other key; ``stop()`` it
+    before the context ends. Start it before such a server binds."""
+    auth = zmq.auth.asyncio.AsyncioAuthenticator(context, log=log)
+    auth.start()
+    auth.configure_curve_callback("*", _KeyRing(local, curve.admitted))
+    return auth
+
+
+def curve_server(socket: zmq.Socket[Any], curve: CurveKeys) -> None:
+    """Make ``socket`` (before it binds) a CURVE server with ``curve``'s key pair."""
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+
+
+def curve_client(socket: zmq.Socket[Any], curve: CurveKeys, server_key: bytes | None) -> None:
+    """Make ``socket`` (before it connects) a CURVE client with ``curve``'s key pair, of a
+    server whose public key is ``server_key`` (``None``: ``curve``'s own, the cluster key)."""
+    socket.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+    socket.setsockopt(zmq.CURVE_SERVERKEY, server_key or curve.public_key)
 
 
 class _Readiness:
@@ -380,9 +412,7 @@ class ZmqTransport:
 
     def _start_auth(self, curve: CurveKeys) -> None:
         # The handler must be bound before the ROUTER accepts its first connection.
-        self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._context, log=log)
-        self._auth.start()
-        self._auth.configure_curve_callback("*", _KeyRing(self._local, curve.admitted))
+        self._auth = start_authenticator(self._context, self._local, curve)
 
     def _bind(self, address: str) -> zmq.Socket[bytes]:
         router: zmq.Socket[bytes] = self._context.socket(zmq.ROUTER)
@@ -391,8 +421,7 @@ class ZmqTransport:
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         router.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
         if self._curve is not None:
-            router.setsockopt(zmq.CURVE_SERVER, 1)
-            router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret_key)
+            curve_server(router, self._curve)
         try:
             router.bind(address)
         except zmq.ZMQError as exc:
@@ -417,9 +446,7 @@ class ZmqTransport:
         for option, value in options.items():
             dealer.setsockopt(option, value)
         if self._curve is not None:
-            dealer.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret_key)
-            dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public_key)
-            dealer.setsockopt(zmq.CURVE_SERVERKEY, server_key or self._curve.public_key)
+            curve_client(dealer, self._curve, server_key)
         try:
             dealer.connect(address)
         except zmq.ZMQError as exc:

@@ -7,7 +7,8 @@ kernel's front on its old ports with its old key, so that a Jupyter client
 connected before the kill gets the reply to its next cell, which sees the state
 of every cell acknowledged before the kill. Replicas that died while the gateway
 was down are replaced; a kernel left without a majority is given up, its last
-replica stopped.
+replica stopped. The gateway has keys, so each kernel's replicas speak CURVE with
+keys of their kernel's, which must survive the restart (a replacement after it joins).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 
 from nbos.agent import ProcessIdentity
 from nbos.gateway.control import KernelInfo, KernelList, ListKernels, StartKernel
+from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas
 from tests.gateway._service import ask, run_cell, start_gateway, status_when
@@ -47,7 +49,9 @@ class Gateway:
         self.address = f"127.0.0.1:{control}"
         self.run_dir = tmp_path / "run"
         self.log = tmp_path / "gateway.log"
+        generate_keys(tmp_path / "keys", ["host-1", "host-2", "host-3"])
         self.env = {
+            "NBOS_GATEWAY__KEYS": str(tmp_path / "keys"),
             "NBOS_GATEWAY__ADDRESS": self.address,
             "NBOS_GATEWAY__AGENT_ADDRESS": f"127.0.0.1:{agents}",
             "NBOS_GATEWAY__HEARTBEAT_S": "0.2",

@@ -12,7 +12,14 @@ from nbos.cli.main import main
 from nbos.core.errors import ConfigError
 from nbos.core.ids import PeerId
 from nbos.transport import ZmqTransport
-from nbos.transport.keys import KeyDirectory, generate_keys
+from nbos.transport.keys import (
+    KERNEL_PUBLIC_ENV,
+    KERNEL_SECRET_ENV,
+    KeyDirectory,
+    generate_keys,
+    kernel_keys_env,
+    take_kernel_keys,
+)
 
 
 def _mode(path: Path) -> int:
@@ -84,3 +91,33 @@ async def test_a_host_key_reaches_the_gateway_and_a_foreign_key_does_not(tmp_pat
                 if payload == b"member":
                     with anyio.fail_after(30):
                         assert await gateway.receive() == ("h1/agent", b"member")
+
+
+def test_a_kernels_keys_are_taken_out_of_the_environment_that_hands_them_over() -> None:
+    env = {**kernel_keys_env(), "OTHER": "1"}
+    made = dict(env)
+    keys = take_kernel_keys(env)
+    assert env == {"OTHER": "1"}  # cells and their subprocesses do not see them
+    assert keys is not None
+    assert keys.secret_key == made[KERNEL_SECRET_ENV].encode()
+    assert keys.admitted == {made[KERNEL_PUBLIC_ENV].encode()}
+    assert take_kernel_keys(env) is None
+    assert kernel_keys_env() != made
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {KERNEL_SECRET_ENV: ""},  # one of the pair only
+        {KERNEL_SECRET_ENV: "short"},
+        {KERNEL_PUBLIC_ENV: kernel_keys_env()[KERNEL_PUBLIC_ENV]},  # another pair's
+    ],
+)
+def test_a_broken_kernel_key_pair_is_a_config_error_that_does_not_show_it(
+    broken: dict[str, str],
+) -> None:
+    env = kernel_keys_env() | broken
+    secret = env[KERNEL_SECRET_ENV]
+    with pytest.raises(ConfigError) as caught:
+        take_kernel_keys(env)
+    assert not secret or secret not in str(caught.value)

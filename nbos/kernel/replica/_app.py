@@ -4,6 +4,8 @@ Run as ``python -m nbos.kernel.replica --connection-file F --kernel-id K --node-
 --raft-peers JSON --store DIR|URL [--data-dir DIR] [--join]``. ``--raft-peers`` maps every
 node id of the group to ``[raft address, forwarder address]``; with ``--join`` the
 replica starts empty and waits for the leader to add it as a learner (a replacement).
+The kernel's CURVE key pair, when its cluster has keys, comes in the environment
+(:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from nbos.core.object_store import ObjectStore
 from nbos.kernel.replica._kernel import ReplicaKernel
 from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
 from nbos.store.local import LocalObjectStore
+from nbos.transport.keys import take_kernel_keys
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,7 @@ class ReplicaApp(IPKernelApp):
             machine=kernel.machine(),
             settings=parse_raft_settings(self.raft_settings),
             join=self.join,
+            curve=take_kernel_keys(os.environ),
         )
         kernel.attach(raft, open_store(self.store))
         if self.virtual_gpus:

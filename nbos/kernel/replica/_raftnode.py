@@ -9,6 +9,10 @@ Only the leader accepts proposals. A follower forwards its proposal to the
 leader's *forwarder*, a small ZeroMQ request socket every replica binds next to
 its Raft transport, then waits until it has applied the entry itself, so
 ``propose`` always returns after the entry applied on this node.
+
+With the kernel's CURVE keys (``curve``, see :mod:`nbos.transport.keys`) both the
+Raft transport and the forwarder speak CURVE: encrypted, and open only to peers
+that hold the kernel's key pair; a peer without it never gets a message through.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from nbos.core.wire import encode
 from nbos.core.wire.entries import KernelEntry
 from nbos.kernel.replica._machine import Outcome, decode_outcome
 from nbos.raft import RaftReplicatedLog, open_raft_log
-from nbos.transport import ZmqTransport
+from nbos.transport import CurveKeys, ZmqTransport
+from nbos.transport.zmq import curve_client, curve_server, start_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +91,10 @@ class RaftNode:
         machine: StateMachine,
         settings: RaftSettings,
         join: bool = False,
+        curve: CurveKeys | None = None,
     ) -> None:
         # ``join``: a new, empty member (a replacement) that the leader adds as a learner.
+        # ``curve``: the kernel's key pair, which every member holds (None: plain TCP).
         if node_id not in peers:
             raise ReplicationError(f"node {node_id} is not among the peers {sorted(peers)}")
         self._kernel_id = kernel_id
@@ -97,6 +104,7 @@ class RaftNode:
         self._machine = machine
         self._settings = settings
         self._join = join
+        self._curve = curve
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._serving: Future[None] | None = None
@@ -245,7 +253,8 @@ class RaftNode:
     async def _serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         me = self._peers[self._node_id]
         members = {n: peer_id(self._kernel_id, n) for n in self._peers}
-        async with await ZmqTransport.open(members[self._node_id], me.raft) as transport:
+        local = members[self._node_id]
+        async with await ZmqTransport.open(local, me.raft, curve=self._curve) as transport:
             for node, address in self._peers.items():
                 if node != self._node_id:
                     transport.add_peer(members[node], address.raft)
@@ -259,7 +268,7 @@ class RaftNode:
                     settings=self._settings,
                     join=self._join,
                 ) as raft_log,
-                _Forwarder.open(raft_log, me.forward, self._peers) as forwarder,
+                _Forwarder.open(raft_log, me.forward, self._peers, self._curve) as forwarder,
             ):
                 self._log, self._forwarder = raft_log, forwarder
                 self._order = anyio.Lock()
@@ -324,9 +333,12 @@ class _Forwarder:
     ``[request id, ok flag, outcome]`` (no reply to a transfer).
     """
 
-    def __init__(self, raft_log: ReplicatedLog, ctx: zmq.asyncio.Context) -> None:
+    def __init__(
+        self, raft_log: ReplicatedLog, ctx: zmq.asyncio.Context, curve: CurveKeys | None
+    ) -> None:
         self._log = raft_log
         self._ctx = ctx
+        self._curve = curve
         self._dealers: dict[NodeId, zmq.asyncio.Socket] = {}
         self._waiting: dict[bytes, asyncio.Future[Outcome | None]] = {}
         self._ids = itertools.count(1)
@@ -339,6 +351,8 @@ class _Forwarder:
         assert self._tg is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            curve_client(dealer, self._curve, None)
         dealer.connect(address.forward)
         self._dealers[node] = dealer
         self._tg.start_soon(self._read_replies, dealer)
@@ -346,14 +360,22 @@ class _Forwarder:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, raft_log: ReplicatedLog, bind: str, peers: Mapping[NodeId, PeerAddress]
+        cls,
+        raft_log: ReplicatedLog,
+        bind: str,
+        peers: Mapping[NodeId, PeerAddress],
+        curve: CurveKeys | None,
     ) -> AsyncIterator[_Forwarder]:
         ctx = zmq.asyncio.Context()
+        # ZAP first: the ROUTER must not accept a connection before it can be vetted.
+        auth = start_authenticator(ctx, f"forwarder at {bind}", curve) if curve else None
+        forwarder = cls(raft_log, ctx, curve)
         router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(bind)
-        forwarder = cls(raft_log, ctx)
         try:
+            router.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                curve_server(router, curve)
+            router.bind(bind)
             async with anyio.create_task_group() as tg:
                 forwarder._tg = tg
                 for node, address in peers.items():
@@ -364,6 +386,8 @@ class _Forwarder:
         finally:
             for sock in (router, *forwarder._dealers.values()):
                 sock.close(0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
 
     async def ask(self, leader: NodeId, client_id: str, seq: int, data: bytes) -> Outcome | None:
