@@ -65,14 +65,6 @@ class RaftSettings(_Section, frozen=True):
     quiesce_ticks: int = 100
 
 
-class TransportSettings(_Section, frozen=True):
-    """ZeroMQ transport limits and optional CURVE keys (Z85 strings)."""
-
-    queue_size: int = 1000
-    curve_secret_key: str = ""
-    curve_public_key: str = ""
-
-
 class StoreSettings(_Section, frozen=True):
     """Where large values of kernel namespaces are kept."""
 
@@ -175,7 +167,6 @@ class Settings(_Section, frozen=True):
 
     cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
     raft: RaftSettings = msgspec.field(default_factory=RaftSettings)
-    transport: TransportSettings = msgspec.field(default_factory=TransportSettings)
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
     agent: AgentSettings = msgspec.field(default_factory=AgentSettings)

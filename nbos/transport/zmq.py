@@ -42,7 +42,7 @@ server key of its ROUTER and the client key of its DEALERs. A ZAP handler
 key is in ``allowed_clients`` and logs every refusal. A DEALER must know the
 server public key of the peer it connects to: ``add_peer(..., server_key=...)``;
 by default it is the endpoint's own public key, which is the *cluster key*
-model where all members share one key pair from ``TransportSettings``. Keys
+model where all members share one key pair (a kernel's replicas do). Keys
 authenticate cluster membership, not individual peer ids: an admitted member
 can claim any routing id. The ZAP handler is pyzmq's, which runs as its own
 asyncio task from :meth:`ZmqTransport.open` until :meth:`ZmqTransport.aclose`;
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 from typing import Any, cast
 
 import anyio
@@ -68,7 +67,6 @@ import attrs
 import zmq
 import zmq.auth.asyncio
 
-from nbos.core.config import TransportSettings
 from nbos.core.errors import ConfigError, TransportClosedError, TransportError, UnknownPeerError
 from nbos.core.ids import PeerId
 
@@ -110,18 +108,6 @@ class CurveKeys:
         """The client keys the ZAP handler admits."""
         return self.allowed_clients or frozenset({self.public_key})
 
-    @classmethod
-    def from_settings(
-        cls, settings: TransportSettings, allowed_clients: Iterable[bytes] = ()
-    ) -> CurveKeys | None:
-        """Keys from settings, or ``None`` when CURVE is not configured."""
-        if not settings.curve_secret_key and not settings.curve_public_key:
-            return None
-        return cls(
-            settings.curve_secret_key.encode(),
-            settings.curve_public_key.encode(),
-            frozenset(allowed_clients),
-        )
 
 
 def _check_key(name: str, key: bytes) -> None:
@@ -275,18 +261,6 @@ class ZmqTransport:
             curve=curve,
             max_message_size=max_message_size,
         )
-
-    @classmethod
-    async def from_settings(
-        cls,
-        local: PeerId | str,
-        settings: TransportSettings,
-        bind: str = "tcp://127.0.0.1:0",
-        allowed_clients: Iterable[bytes] = (),
-    ) -> ZmqTransport:
-        """:meth:`open` with the queue size and CURVE keys of ``settings``."""
-        curve = CurveKeys.from_settings(settings, allowed_clients)
-        return await cls.open(local, bind, queue_size=settings.queue_size, curve=curve)
 
     async def __aenter__(self) -> ZmqTransport:
         return self

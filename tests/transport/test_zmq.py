@@ -14,7 +14,6 @@ import anyio
 import pytest
 import zmq
 
-from nbos.core.config import TransportSettings
 from nbos.core.errors import ConfigError, TransportError
 from nbos.core.ids import PeerId
 from nbos.transport import CurveKeys, ZmqTransport
@@ -199,13 +198,11 @@ async def test_curve_admits_listed_keys_and_refuses_others(
     assert all(bad_public.decode() in m for m in refused)
 
 
-async def test_curve_cluster_key_from_settings() -> None:
-    secret, public = keypair()
-    settings = TransportSettings(curve_secret_key=secret.decode(), curve_public_key=public.decode())
-    assert CurveKeys.from_settings(TransportSettings()) is None
+async def test_curve_cluster_key_shared_by_all_members() -> None:
+    keys = CurveKeys(*keypair())
     async with (
-        await ZmqTransport.from_settings("a", settings) as a,
-        await ZmqTransport.from_settings("b", settings) as b,
+        await ZmqTransport.open("a", curve=keys) as a,
+        await ZmqTransport.open("b", curve=keys) as b,
     ):
         a.add_peer(b.local, b.address)  # the server key defaults to the shared cluster key
         await a.send(b.local, b"members only")
