@@ -32,6 +32,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from nbos._version import __version__
 from nbos.agent._agent import HostAgent
 from nbos.agent._replicas import ReplicaService, UnknownReplicaError
+from nbos.core.config import AgentSettings, convert_strictly
 from nbos.core.errors import (
     BackendError,
     ConfigError,
@@ -125,9 +126,12 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     precommit_ttl: float = DEFAULT_PRECOMMIT_TTL
     stop_replicas_on_exit: bool = False
+    warm_replicas: int = 0
 
     def __attrs_post_init__(self) -> None:
         check_host_name(self.host_id)
+        # The [agent] section's own check, so both ways in take the same values.
+        convert_strictly({"warm_replicas": self.warm_replicas}, AgentSettings)
         tcp_address(self.address, "address")
         tcp_address(self.gateway_address, "gateway")
         for key in ("heartbeat_interval", "precommit_ttl"):
@@ -189,6 +193,7 @@ class AgentDaemon:
                     address_ip(transport.address),
                     daemon._report_exit,
                     tg,
+                    warm=config.warm_replicas,
                 )
                 tg.start_soon(daemon._receive_loop, inbox_in, tg)
                 tg.start_soon(daemon._heartbeat_loop)
@@ -386,6 +391,8 @@ class AgentDaemon:
             log.warning("host %s could not reach the gateway: %s", self.config.host_id, exc)
 
     async def _leave(self) -> None:
+        if self._replicas is not None:
+            await self._replicas.close_warm()
         if self.config.stop_replicas_on_exit and self._replicas is not None:
             with anyio.move_on_after(2 * _STOP_GRACE):
                 await self._replicas.stop_all(_STOP_GRACE)

@@ -14,6 +14,9 @@ when it starts and again when it ends. An agent that starts over reads them:
   never touched;
 * an ended record stays until the gateway acknowledges its ``ReplicaExited``.
 
+With ``warm`` above 0 the service keeps that many pre-started replica processes
+(:class:`~nbos.agent._warm.WarmPool`) and starts a replica by handing one out.
+
 Leaving the agent does not stop replicas (the backend is not closed), so a
 restarted agent takes them back; :meth:`ReplicaService.stop_all` is the way to
 stop them.
@@ -37,6 +40,7 @@ import attrs
 import msgspec
 
 from nbos.agent._pids import process_start_ticks, read_boot_id
+from nbos.agent._warm import WarmPool
 from nbos.backends import LocalProcessBackend, LocalProcessHandle
 from nbos.backends.workdir import (
     expand_argv,
@@ -181,13 +185,21 @@ class ReplicaService:
     """
 
     def __init__(
-        self, host: HostId, state_dir: Path, ip: str, report: ExitReport, tg: anyio.abc.TaskGroup
+        self,
+        host: HostId,
+        state_dir: Path,
+        ip: str,
+        report: ExitReport,
+        tg: anyio.abc.TaskGroup,
+        *,
+        warm: int = 0,
     ) -> None:
         self._host = host
         self._ip = ip
         self._records = state_dir / "replicas"
         self._work = state_dir / "work"
         self._backend = LocalProcessBackend([host], run_dir=state_dir / "logs")
+        self._warm = WarmPool(self._backend, host, warm, tg)
         self._report = report
         self._tg = tg
         self._replicas: dict[str, _Replica] = {}
@@ -196,22 +208,36 @@ class ReplicaService:
 
     @classmethod
     async def open(
-        cls, host: HostId, state_dir: Path, ip: str, report: ExitReport, tg: anyio.abc.TaskGroup
+        cls,
+        host: HostId,
+        state_dir: Path,
+        ip: str,
+        report: ExitReport,
+        tg: anyio.abc.TaskGroup,
+        *,
+        warm: int = 0,
     ) -> ReplicaService:
         """The service, with the replicas recorded in ``state_dir`` taken back.
 
-        ``ip`` is the host's address, which Jupyter connection files name.
+        ``ip`` is the host's address, which Jupyter connection files name; ``warm``
+        how many pre-started replica processes it keeps (filled in the background).
         """
-        service = cls(host, state_dir, ip, report, tg)
+        service = cls(host, state_dir, ip, report, tg, warm=warm)
         try:
             await anyio.Path(service._records).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError("state_dir", str(state_dir), f"a writable directory ({exc})") from exc
         for path in sorted(service._records.glob("*.json")):
             service._take_back(path)
+        service._warm.fill()
         return service
 
     # --- queries -----------------------------------------------------------------
+
+    @property
+    def warm_pids(self) -> list[int]:
+        """The pre-started processes waiting for a replica to become."""
+        return self._warm.pids
 
     def infos(self) -> list[ReplicaInfo]:
         """Every replica held: running ones and ended ones not yet acknowledged."""
@@ -244,7 +270,7 @@ class ReplicaService:
             workdir = workdir_path(self._work, spec.workdir)
             await anyio.to_thread.run_sync(self._prepare, workdir, spec.connection_key)
             argv = expand_argv(argv, workdir)
-        handle = await self._backend.start(
+        handle = await self._warm.take(argv, spec.env) or await self._backend.start(
             self._host, ProcessSpec(argv, spec.env, spec.label or replica_id)
         )
         record = ReplicaRecord(
@@ -295,6 +321,10 @@ class ReplicaService:
         self._acked[replica_id] = None
         while len(self._acked) > _ACKED_MEMORY:
             self._acked.popitem(last=False)
+
+    async def close_warm(self) -> None:
+        """Let the pre-started processes go and start no more (the agent is leaving)."""
+        await self._warm.aclose()
 
     async def report_unacknowledged(self) -> None:
         for replica in list(self._replicas.values()):

@@ -57,6 +57,12 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="stop this host's replicas when the agent stops (default: leave them running)",
     )
+    parser.add_argument(
+        "--warm-replicas",
+        type=int,
+        metavar="N",
+        help="pre-started replica processes to keep (default: [agent] warm_replicas; 0: none)",
+    )
     parser.set_defaults(func=agent_command)
 
 
@@ -73,6 +79,9 @@ def agent_command(args: argparse.Namespace) -> int:
         virtual_memory_mib=settings.cluster.gpu_memory_mib,
         heartbeat_interval=args.heartbeat,
         stop_replicas_on_exit=args.stop_replicas_on_exit,
+        warm_replicas=(
+            settings.agent.warm_replicas if args.warm_replicas is None else args.warm_replicas
+        ),
     )
     anyio.run(run_until_signalled, config)
     return 0

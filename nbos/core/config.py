@@ -15,7 +15,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -148,6 +148,19 @@ class GatewaySettings(_Section, frozen=True):
     cull_idle_timeout: float = 0.0
 
 
+class AgentSettings(_Section, frozen=True):
+    """``nbos agent``, and the agents a gateway starts (``docs/deploy.md``).
+
+    ``warm_replicas``: how many pre-started replica processes the agent keeps (each has
+    imported IPython, ipykernel and nbos and waits to be told which replica to be);
+    a kernel's start takes one per replica and the agent starts another in the
+    background. Each costs the memory of an idle Python with those imports (about
+    100 MiB); 0 starts every replica from scratch.
+    """
+
+    warm_replicas: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
+
+
 class Settings(_Section, frozen=True):
     """All nbos settings."""
 
@@ -156,6 +169,7 @@ class Settings(_Section, frozen=True):
     transport: TransportSettings = msgspec.field(default_factory=TransportSettings)
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
+    agent: AgentSettings = msgspec.field(default_factory=AgentSettings)
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:

@@ -26,7 +26,8 @@ class AgentCommand:
     (those of ``local``); ``heartbeat_s``: the agents' report
     interval; ``keys``: the key directory's path on the host (``""``: plain TCP);
     ``data_dir``: the gateway's run directory (providers on this machine keep
-    agent state and logs there).
+    agent state and logs there); ``warm_replicas``: the agent's pre-started replica
+    processes (``None``: the agent's own ``[agent] warm_replicas``).
     """
 
     gateway: str
@@ -34,6 +35,7 @@ class AgentCommand:
     heartbeat_s: float
     keys: str = ""
     data_dir: str = ""
+    warm_replicas: int | None = None
 
     def argv(
         self, host_id: HostId, address: str, state_dir: str, python: str, *, virtual: bool
@@ -47,6 +49,8 @@ class AgentCommand:
         argv = [python, "-m", "nbos", "--log-level", "INFO", "agent", "--host", host_id]
         argv += ["--address", address, "--gateway", self.gateway, "--state-dir", state_dir]
         argv += ["--heartbeat", str(self.heartbeat_s), "--stop-replicas-on-exit"]
+        if self.warm_replicas is not None:
+            argv += ["--warm-replicas", str(self.warm_replicas)]
         if virtual:
             argv += ["--gpus", str(self.gpus)]
         if self.keys:

@@ -187,6 +187,7 @@ class GatewayService:
                 heartbeat_s=conf.heartbeat_s,
                 keys=conf.keys,
                 data_dir=str(run_dir),
+                warm_replicas=settings.agent.warm_replicas,
             )
             if provider is not None:
                 stack.push_async_callback(_shielded_close, provider)

@@ -1,0 +1,101 @@
+"""Pre-started replica processes (``[agent] warm_replicas``): handed out, refilled, checked."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from nbos.agent import AgentConfig
+from nbos.core.config import AgentSettings, Settings
+from nbos.core.errors import ConfigError
+from nbos.gateway.service import GatewayService
+from tests.agent._daemons import DEADLINE
+from tests.gateway._service import local_settings
+
+pytestmark = pytest.mark.timeout(300)
+
+WARM_ARGV = ["-m", "nbos.kernel.replica", "--warm"]
+
+
+def _proc(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def warm_by_agent() -> dict[int, set[int]]:
+    """The pre-started replicas of this process's agents (its children), by agent pid."""
+    found: dict[int, set[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        argv = _proc(int(entry), "cmdline").decode(errors="replace").split("\0")[:-1]
+        if argv[1:] != WARM_ARGV:
+            continue
+        parent = _parent(int(entry))
+        if parent and _parent(parent) == os.getpid():
+            found.setdefault(parent, set()).add(int(entry))
+    return found
+
+
+def _parent(pid: int) -> int:
+    stat = _proc(pid, "stat").decode()
+    return int(stat.rpartition(")")[2].split()[1]) if stat else 0
+
+
+async def pools_full(agents: int, size: int, without: set[int] = frozenset()) -> set[int]:
+    """Poll until ``agents`` agents each hold ``size`` warm processes not in ``without``."""
+    with anyio.fail_after(2 * DEADLINE):
+        while True:
+            pools = {a: p - without for a, p in warm_by_agent().items()}
+            if len(pools) >= agents and all(len(p) >= size for p in pools.values()):
+                return set().union(*pools.values())
+            await anyio.sleep(0.2)
+
+
+@pytest.mark.anyio
+async def test_a_kernel_starts_on_warm_replicas_survives_a_kill_and_the_pools_refill(
+    tmp_path: Path,
+) -> None:
+    settings = msgspec.structs.replace(
+        local_settings(tmp_path), agent=AgentSettings(warm_replicas=1)
+    )
+    async with GatewayService.serve(settings) as service:
+        warm = await pools_full(agents=3, size=1)
+        kernel = await service.gateway.start_kernel()
+        pids = {r.pid for r in kernel.replicas}
+        # Every replica is a process that was running before the kernel was asked for.
+        assert pids <= warm, (pids, warm)
+        assert (await kernel.execute("x = 41")).status == "ok"
+
+        victim = next(r for r in kernel.replicas if r.pid is not None)
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        # The first cell after the kill may be reported lost (if it hit the victim);
+        # one re-run must then succeed on the two left.
+        result = await kernel.execute("x += 1; print(x)", timeout=DEADLINE)
+        if result.status != "ok":
+            result = await kernel.execute("x += 1; print(x)", timeout=DEADLINE)
+        assert result.status == "ok", result.reply
+        assert result.stdout.strip() == "42"  # a lost cell left no trace
+
+        # Each agent started a new one in the background.
+        await pools_full(agents=3, size=1, without=warm)
+        await kernel.shutdown()
+
+
+def test_the_setting_is_validated_where_it_is_read() -> None:
+    assert Settings.load(env={}).agent.warm_replicas == 2
+    assert Settings.load(env={"NBOS_AGENT__WARM_REPLICAS": "0"}).agent.warm_replicas == 0
+    for bad in ("-1", "65", "two"):
+        with pytest.raises(ConfigError) as caught:
+            Settings.load(env={"NBOS_AGENT__WARM_REPLICAS": bad})
+        assert caught.value.key == "agent.warm_replicas"
+    with pytest.raises(ConfigError):
+        AgentConfig("h1", "127.0.0.1:1", "127.0.0.1:2", Path("/tmp"), warm_replicas=-1)
