@@ -13,6 +13,8 @@ replica it names; at end of file (its agent went away) it exits without a word.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -130,6 +132,20 @@ class ReplicaApp(IPKernelApp):
 
 #: The only argument of a pre-started replica process.
 WARM_FLAG = "--warm"
+# What ipykernel and IPython import only while a kernel starts (to start sooner
+# themselves; found with ``python -X importtime``): a pre-started replica has the time
+# before its assignment. One that is not installed is ipykernel's concern, not ours.
+_STARTUP_IMPORTS = (
+    "anyio._core._sockets",
+    "anyio._core._streams",
+    "argcomplete",
+    "IPython.core.debugger",
+    "IPython.core.oinspect",
+    "ipykernel.debugger",
+    "psutil",
+    "sqlite3",
+    "tornado.platform.asyncio",
+)
 
 
 def wait_for_assignment() -> list[str]:
@@ -139,6 +155,9 @@ def wait_for_assignment() -> list[str]:
     a line that does not decode, with status 2. Stdin is /dev/null afterwards, as a
     replica started cold has it, so the agent's pipe does not stay open.
     """
+    for name in _STARTUP_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     line = sys.stdin.buffer.readline()
     if not line:
         os._exit(0)
