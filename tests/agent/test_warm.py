@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -11,13 +12,22 @@ import msgspec
 import pytest
 
 from nbos.agent import AgentConfig
+from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
 from nbos.core.config import AgentSettings, Settings
 from nbos.core.errors import ConfigError
+from nbos.core.wire.agent import (
+    ReplicaConnection,
+    ReplicaConnectionRequest,
+    ReplicaSpec,
+    ReplicaStart,
+    ReplicaState,
+)
 from nbos.gateway.service import GatewayService
-from tests.agent._daemons import DEADLINE
+from nbos.transport.ports import free_loopback_address
+from tests.agent._daemons import DEADLINE, AgentProcess, FakeGateway, alive, start_agent
 from tests.gateway._service import local_settings
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 WARM_ARGV = ["-m", "nbos.kernel.replica", "--warm"]
 
@@ -59,7 +69,6 @@ async def pools_full(agents: int, size: int, without: set[int] = frozenset()) ->
             await anyio.sleep(0.2)
 
 
-@pytest.mark.anyio
 async def test_a_kernel_starts_on_warm_replicas_survives_a_kill_and_the_pools_refill(
     tmp_path: Path,
 ) -> None:
@@ -88,6 +97,49 @@ async def test_a_kernel_starts_on_warm_replicas_survives_a_kill_and_the_pools_re
         # Each agent started a new one in the background.
         await pools_full(agents=3, size=1, without=warm)
         await kernel.shutdown()
+
+
+def replica_spec(tmp_path: Path) -> ReplicaSpec:
+    """A real one-member replica, as the gateway asks for one."""
+    peers = {1: [free_loopback_address(), free_loopback_address()]}
+    argv = [PYTHON_TOKEN, "-m", "nbos.kernel.replica"]
+    argv += ["--connection-file", f"{WORKDIR_TOKEN}/connection.json", "--kernel-id", "k1"]
+    argv += ["--node-id", "1", "--raft-peers", json.dumps(peers), "--store", str(tmp_path)]
+    return ReplicaSpec(argv, {}, "k1-1", "k1/replica-1", "key")
+
+
+async def test_a_warm_replica_is_taken_back_by_a_restarted_agent_and_waiting_ones_end_with_it(
+    tmp_path: Path, gateway: FakeGateway, agents: list[AgentProcess]
+) -> None:
+    agents.append(start_agent("h1", gateway.address, tmp_path, extra=["--warm-replicas", "1"]))
+    await gateway.welcome("h1")
+    [warm] = await pools_full(agents=1, size=1)
+    spec = replica_spec(tmp_path)
+    reply = await gateway.call("h1/agent", lambda rid: ReplicaStart(rid, "k1-1", spec))
+    assert isinstance(reply, ReplicaState) and reply.replica.pid == warm
+    with anyio.fail_after(DEADLINE):  # it became that replica: a kernel that bound its ports
+        while True:
+            answer = await gateway.call(
+                "h1/agent", lambda rid: ReplicaConnectionRequest(rid, "k1-1")
+            )
+            assert isinstance(answer, ReplicaConnection)
+            if answer.info:
+                break
+            await anyio.sleep(0.1)
+    [refill] = await pools_full(agents=1, size=1, without={warm})
+
+    agents[0].kill(signal.SIGKILL)
+    agents[0].wait()
+    with anyio.fail_after(DEADLINE):
+        while alive(refill):  # noqa: ASYNC110 - nothing signals a process's end here
+            await anyio.sleep(0.05)
+    assert alive(warm)
+
+    seen = len(gateway.received)
+    agents.append(start_agent("h1", gateway.address, tmp_path, extra=["--warm-replicas", "0"]))
+    hello = await gateway.welcome("h1", after=seen)
+    [info] = hello.replicas
+    assert (info.replica_id, info.pid, info.running, info.adopted) == ("k1-1", warm, True, True)
 
 
 def test_the_setting_is_validated_where_it_is_read() -> None:
