@@ -234,11 +234,6 @@ class ReplicaService:
 
     # --- queries -----------------------------------------------------------------
 
-    @property
-    def warm_pids(self) -> list[int]:
-        """The pre-started processes waiting for a replica to become."""
-        return self._warm.pids
-
     def infos(self) -> list[ReplicaInfo]:
         """Every replica held: running ones and ended ones not yet acknowledged."""
         return [r.info() for r in self._replicas.values()]

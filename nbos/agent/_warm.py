@@ -76,11 +76,6 @@ class WarmPool:
             self._starting += 1
             self._tg.start_soon(self._start_one)
 
-    @property
-    def pids(self) -> list[int]:
-        """The processes waiting for an assignment now."""
-        return [h.pid for h in self._ready]
-
     def serves(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether a warm process can become the replica ``argv`` (already expanded)."""
         return (
@@ -106,8 +101,9 @@ class WarmPool:
                 await handle.stdin.send(line + b"\n")
                 await handle.stdin.aclose()
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                # It died since it was last seen alive: try the next one.
+                # It died since it was last seen alive: reap it, try the next one.
                 log.info("warm replica (pid %d) gone before its assignment: %r", handle.pid, exc)
+                self._tg.start_soon(handle.wait)
                 continue
             return handle
         return None
