@@ -108,7 +108,7 @@ def replica_spec(tmp_path: Path) -> ReplicaSpec:
     return ReplicaSpec(argv, {}, "k1-1", "k1/replica-1", "key")
 
 
-async def test_a_warm_replica_is_taken_back_by_a_restarted_agent_and_waiting_ones_end_with_it(
+async def test_a_taken_warm_replica_is_adopted_and_waiting_ones_are_replaced_or_end_with_the_agent(
     tmp_path: Path, gateway: FakeGateway, agents: list[AgentProcess]
 ) -> None:
     agents.append(start_agent("h1", gateway.address, tmp_path, extra=["--warm-replicas", "1"]))
@@ -127,6 +127,9 @@ async def test_a_warm_replica_is_taken_back_by_a_restarted_agent_and_waiting_one
                 break
             await anyio.sleep(0.1)
     [refill] = await pools_full(agents=1, size=1, without={warm})
+    # One that dies while it waits is replaced (after a pause, as it lived only briefly).
+    os.kill(refill, signal.SIGKILL)
+    [refill] = await pools_full(agents=1, size=1, without={warm, refill})
 
     agents[0].kill(signal.SIGKILL)
     agents[0].wait()
