@@ -30,7 +30,7 @@ from nbos.backends import LocalProcessBackend, LocalProcessHandle
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError
 from nbos.core.ids import HostId
-from nbos.core.wire.agent import WarmAssignment
+from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class WarmPool:
             if self._closed:
                 return
             spec = ProcessSpec(
-                [self._python, *REPLICA_MODULE, "--warm"], label=f"warm-{next(self._seq)}"
+                [self._python, *REPLICA_MODULE, WARM_FLAG], label=f"warm-{next(self._seq)}"
             )
             try:
                 handle = await self._backend.start(self._host, spec, stdin_pipe=True)

@@ -371,6 +371,10 @@ AgentMessage = (
 )
 
 
+#: The only argument of a pre-started replica (``python -m nbos.kernel.replica --warm``).
+WARM_FLAG = "--warm"
+
+
 class WarmAssignment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What an agent tells a pre-started replica process to become (``docs/deploy.md``).
 

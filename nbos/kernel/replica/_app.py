@@ -29,7 +29,7 @@ from nbos.core.config import RaftSettings
 from nbos.core.errors import ConfigError, NbosError
 from nbos.core.ids import KernelId, NodeId
 from nbos.core.object_store import ObjectStore
-from nbos.core.wire.agent import WarmAssignment
+from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
 from nbos.kernel.replica._kernel import ReplicaKernel
 from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
 from nbos.store.local import LocalObjectStore
@@ -130,8 +130,6 @@ class ReplicaApp(IPKernelApp):
             kernel.use_virtual_gpus()
 
 
-#: The only argument of a pre-started replica process.
-WARM_FLAG = "--warm"
 # What ipykernel and IPython import only while a kernel starts (to start sooner
 # themselves; found with ``python -X importtime``): a pre-started replica has the time
 # before its assignment. One that is not installed is ipykernel's concern, not ours.
