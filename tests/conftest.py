@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,12 @@ settings.register_profile(
     "nbos", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 settings.load_profile("nbos")
+
+# Agents keep no pre-started replicas here (tests/agent/test_warm.py turns them on): two
+# idle Pythons importing ipykernel per agent are CPU that most tests, starting agents and
+# no kernel or one, would pay for nothing on a 2-core machine. NBOS_AGENT__WARM_REPLICAS
+# set outside still wins (a run of the suite with pools on).
+os.environ.setdefault("NBOS_AGENT__WARM_REPLICAS", "0")
 
 
 @pytest.fixture(scope="module")

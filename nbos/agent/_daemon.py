@@ -127,7 +127,8 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     precommit_ttl: float = DEFAULT_PRECOMMIT_TTL
     stop_replicas_on_exit: bool = False
-    settings: AgentSettings = attrs.field(factory=AgentSettings)
+    #: Built in code, an agent keeps no pre-started replicas unless told to.
+    settings: AgentSettings = attrs.field(factory=lambda: AgentSettings(warm_replicas=0))
 
     def __attrs_post_init__(self) -> None:
         check_host_name(self.host_id)
@@ -393,6 +394,8 @@ class AgentDaemon:
             log.warning("host %s could not reach the gateway: %s", self.config.host_id, exc)
 
     async def _leave(self) -> None:
+        if self._replicas is not None:
+            await self._replicas.close_warm()
         if self.config.stop_replicas_on_exit and self._replicas is not None:
             with anyio.move_on_after(2 * _STOP_GRACE):
                 await self._replicas.stop_all(_STOP_GRACE)

@@ -22,6 +22,10 @@ exit status known even then (the engine keeps it); one that is gone is reported
 ended with an unknown status. A container is removed once the gateway
 acknowledged its end.
 
+With ``[agent] warm_replicas`` above 0 (processes only) the service keeps that many
+pre-started replica processes (:class:`~nbos.agent._warm.WarmPool`) and starts a
+replica by handing one out.
+
 Leaving the agent does not stop replicas (the backend is not closed), so a
 restarted agent takes them back; :meth:`ReplicaService.stop_all` is the way to
 stop them.
@@ -48,6 +52,7 @@ import msgspec
 
 from nbos.agent._pids import process_start_ticks, read_boot_id
 from nbos.agent._runtime import container_env, docker_backend
+from nbos.agent._warm import WarmPool
 from nbos.backends import LocalProcessBackend
 from nbos.backends.workdir import (
     expand_argv,
@@ -215,6 +220,7 @@ class ReplicaService:
         self._docker: DockerBackend | None = None
         if settings.runtime == "docker":
             self._docker = docker_backend(host, settings, self._work)
+        self._warm = WarmPool(self._backend, host, settings.pool_size, tg, python=self._python)
         self._report = report
         self._tg = tg
         self._replicas: dict[str, _Replica] = {}
@@ -236,9 +242,11 @@ class ReplicaService:
         """The service, with the replicas recorded in ``state_dir`` taken back.
 
         ``ip`` is the host's address, which Jupyter connection files name;
-        ``settings`` say how replicas run (default: local processes).
+        ``settings`` say how replicas run (default: no settings file's, so local
+        processes without pre-started ones).
         """
-        service = cls(host, state_dir, ip, report, tg, settings=settings or AgentSettings())
+        settings = settings or AgentSettings(warm_replicas=0)
+        service = cls(host, state_dir, ip, report, tg, settings=settings)
         try:
             await anyio.Path(service._work).mkdir(parents=True, exist_ok=True)
             await anyio.Path(service._records).mkdir(parents=True, exist_ok=True)
@@ -246,6 +254,7 @@ class ReplicaService:
             raise ConfigError("state_dir", str(state_dir), f"a writable directory ({exc})") from exc
         for path in sorted(service._records.glob("*.json")):
             await service._take_back(path)
+        service._warm.fill()
         return service
 
     async def detach(self) -> None:
@@ -300,7 +309,9 @@ class ReplicaService:
             argv = expand_argv(argv, workdir, self._python)
         label = spec.label or replica_id
         if self._docker is None:
-            local = await self._backend.start(self._host, ProcessSpec(argv, spec.env, label))
+            local = await self._warm.take(argv, spec.env) or await self._backend.start(
+                self._host, ProcessSpec(argv, spec.env, label)
+            )
             handle: ProcessHandle = local
             pid, container, where = local.pid, "", str(local.log_path)
         else:
@@ -367,6 +378,10 @@ class ReplicaService:
         self._acked[replica_id] = None
         while len(self._acked) > _ACKED_MEMORY:
             self._acked.popitem(last=False)
+
+    async def close_warm(self) -> None:
+        """Let the pre-started processes go and start no more (the agent is leaving)."""
+        await self._warm.aclose()
 
     async def report_unacknowledged(self) -> None:
         for replica in list(self._replicas.values()):

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nbos.core.config import AgentSettings
+import msgspec
+
+from nbos.core.config import AgentSettings, Settings, convert_strictly
 from nbos.core.errors import ConfigError
 from nbos.core.ids import HostId
 
@@ -33,6 +35,9 @@ _INHERITED = ("PYTHONPATH",)
 
 def check_agent_settings(settings: AgentSettings) -> None:
     """:class:`ConfigError` naming the first ``[agent]`` key that cannot take effect."""
+    # A Struct built in code skips the checks of its fields' constraints: the section's
+    # own conversion makes both ways in take the same values.
+    convert_strictly({"agent": msgspec.to_builtins(settings)}, Settings)
     if settings.runtime != "docker":
         default = AgentSettings()
         for key in ("docker_engine", "docker_image", "docker_mounts"):
@@ -44,6 +49,10 @@ def check_agent_settings(settings: AgentSettings) -> None:
     if settings.docker_engine.partition("://")[0] not in _ENGINE_SCHEMES:
         raise ConfigError(
             "agent.docker_engine", settings.docker_engine, "a unix:// or tcp:// engine URL"
+        )
+    if settings.pool_size:
+        raise ConfigError(
+            "agent.warm_replicas", settings.warm_replicas, 'unset or 0 with runtime = "docker"'
         )
     if not settings.docker_image:
         raise ConfigError("agent.docker_image", settings.docker_image, "an image on that engine")

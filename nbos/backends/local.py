@@ -52,6 +52,8 @@ class LocalProcessHandle(HandleBase):
         self.log_path = log_path
         #: The process id, which is also its process group id.
         self.pid = process.pid
+        #: The write end of its stdin, when it was started with ``stdin_pipe``.
+        self.stdin = process.stdin
         self._group_ended = False
 
     def __repr__(self) -> str:
@@ -128,11 +130,15 @@ class LocalProcessBackend:
     def hosts(self) -> Sequence[HostId]:
         return self._hosts
 
-    async def start(self, host: HostId, spec: ProcessSpec) -> LocalProcessHandle:
+    async def start(
+        self, host: HostId, spec: ProcessSpec, *, stdin_pipe: bool = False
+    ) -> LocalProcessHandle:
+        """Start ``spec`` on ``host``; ``stdin_pipe``: its stdin is a pipe whose write end
+        is the handle's ``stdin`` (else ``/dev/null``)."""
         check_start(self.name, self._closed, host, self._hosts, spec)
         log_path, log = await self._open_log(host, spec)
         try:
-            process = await self._spawn(host, spec, log)
+            process = await self._spawn(host, spec, log, stdin_pipe)
         finally:
             # The child holds its own copy of the descriptor.
             log.close()
@@ -155,12 +161,14 @@ class LocalProcessBackend:
             logger.error("processes %s survived SIGKILL for %.0fs", stuck, _REAP_TIMEOUT)
         self._handles.clear()
 
-    async def _spawn(self, host: HostId, spec: ProcessSpec, log: BinaryIO) -> anyio.abc.Process:
+    async def _spawn(
+        self, host: HostId, spec: ProcessSpec, log: BinaryIO, stdin_pipe: bool
+    ) -> anyio.abc.Process:
         env = {**os.environ, **process_env(host, spec.env)}
         try:
             return await anyio.open_process(
                 list(spec.argv),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,

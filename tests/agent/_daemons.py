@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
@@ -168,8 +168,10 @@ def start_agent(
     extra: Sequence[str] = (),
     where: Where = here,
     config: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> AgentProcess:
-    """``nbos agent`` for ``host`` (``config``: its settings file, with ``[agent]``)."""
+    """``nbos agent`` for ``host`` (``config``: its settings file, with ``[agent]``;
+    ``env``: more environment, ``NBOS_*`` settings over those of ``config``)."""
     state_dir = tmp / f"state-{host}"
     log = tmp / f"agent-{host}.log"
     settings = ["--config", str(config)] if config is not None else []
@@ -186,7 +188,7 @@ def start_agent(
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         )
     return AgentProcess(host, process, log, state_dir)
 

@@ -6,7 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -47,7 +47,6 @@ from tests.agent._daemons import (
     FakeGateway,
     Where,
     alive,
-    end_replicas,
     fake_gateway,
     recorded,
     start_agent,
@@ -56,23 +55,6 @@ from tests.agent._daemons import (
 pytestmark = pytest.mark.anyio
 
 AGENT = "h1/agent"
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
-    """Agents a test starts; each is SIGKILLed and its recorded replicas ended afterwards."""
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.kill()
-        agent.wait()
-        end_replicas(agent.state_dir)
-
-
-@pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[FakeGateway]:
-    async with fake_gateway(tmp_path) as gw:
-        yield gw
 
 
 async def _poll(condition: Callable[[], bool]) -> None:

@@ -80,9 +80,11 @@ async def run_cell(info: KernelInfo, code: str) -> dict[str, Any]:
 
 def local_settings(tmp_path: Path, **gateway: Any) -> Settings:
     """An in-process gateway's settings: 3 local hosts of 2 virtual GPUs, loopback ports of
-    its own, heartbeats a loaded machine does not miss; ``gateway``: more ``[gateway]`` keys."""
+    its own, heartbeats a loaded machine does not miss, the environment's ``[agent]`` section (no
+    pre-started replicas, see ``tests/conftest.py``); ``gateway``: more ``[gateway]`` keys."""
     control, agents = free_loopback_ports(2)
     return Settings(
+        agent=Settings.load().agent,
         cluster=ClusterSettings(hosts=3, gpus_per_host=2, data_dir=str(tmp_path / "run")),
         gateway=GatewaySettings(
             address=f"127.0.0.1:{control}",

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
 from nbos.core.wire.base import Message
 
 ReservationStateName = Literal["precommitted", "committed", "released", "expired"]
@@ -367,3 +369,19 @@ AgentMessage = (
     | ReplicaSpec
     | ReplicaInfo
 )
+
+
+#: The only argument of a pre-started replica (``python -m nbos.kernel.replica --warm``).
+WARM_FLAG = "--warm"
+
+
+class WarmAssignment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What an agent tells a pre-started replica process to become (``docs/deploy.md``).
+
+    One JSON line on the process's stdin: ``argv`` are the arguments of
+    ``python -m nbos.kernel.replica`` (what follows the module name), ``env`` the
+    replica's extra environment. Not a gateway message: it never leaves the host.
+    """
+
+    argv: list[str]
+    env: dict[str, str] = {}

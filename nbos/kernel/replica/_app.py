@@ -6,10 +6,17 @@ node id of the group to ``[raft address, forwarder address]``; with ``--join`` t
 replica starts empty and waits for the leader to add it as a learner (a replacement).
 The kernel's CURVE key pair, when its cluster has keys, comes in the environment
 (:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line.
+
+``python -m nbos.kernel.replica --warm`` is a pre-started replica (an agent's pool,
+``docs/deploy.md``): it imports everything a replica needs, then waits for one
+:class:`~nbos.core.wire.agent.WarmAssignment` line on its stdin and runs as the
+replica it names; at end of file (its agent went away) it exits without a word.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -24,6 +31,7 @@ from nbos.core.config import RaftSettings
 from nbos.core.errors import ConfigError, NbosError
 from nbos.core.ids import KernelId, NodeId
 from nbos.core.object_store import ObjectStore
+from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
 from nbos.kernel.replica._kernel import ReplicaKernel
 from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
 from nbos.store.local import LocalObjectStore
@@ -126,6 +134,49 @@ class ReplicaApp(IPKernelApp):
             kernel.use_virtual_gpus()
 
 
+# What ipykernel and IPython import only while a kernel starts (to start sooner
+# themselves; found with ``python -X importtime``): a pre-started replica has the time
+# before its assignment. One that is not installed is ipykernel's concern, not ours.
+_STARTUP_IMPORTS = (
+    "anyio._core._sockets",
+    "anyio._core._streams",
+    "argcomplete",
+    "IPython.core.debugger",
+    "IPython.core.oinspect",
+    "ipykernel.debugger",
+    "psutil",
+    "sqlite3",
+    "tornado.platform.asyncio",
+)
+
+
+def wait_for_assignment() -> list[str]:
+    """The argv a pre-started replica was assigned on its stdin, with its environment set.
+
+    End of file (the agent went or closed its pool) ends the process with status 0;
+    a line that does not decode, with status 2. Stdin is /dev/null afterwards, as a
+    replica started cold has it, so the agent's pipe does not stay open.
+    """
+    for name in _STARTUP_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    line = sys.stdin.buffer.readline()
+    if not line:
+        os._exit(0)
+    try:
+        assignment = msgspec.json.decode(line, type=WarmAssignment)
+    except msgspec.MsgspecError as exc:
+        log.error("pre-started replica: bad assignment (%s)", exc)  # noqa: TRY400
+        os._exit(2)
+    # Read by Python at its start (PYTHONPATH ...), such variables come too late here;
+    # the agent starts replicas that name them cold.
+    os.environ.update(assignment.env)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return assignment.argv
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Entry point of ``python -m nbos.kernel.replica``.
 
@@ -139,6 +190,8 @@ def main(argv: list[str] | None = None) -> Any:
     nbos_log.addHandler(handler)
     nbos_log.setLevel(logging.INFO)
     nbos_log.propagate = False
+    if argv is None and sys.argv[1:] == [WARM_FLAG]:
+        argv = wait_for_assignment()
     try:
         ReplicaApp.launch_instance(argv=argv)
     except NbosError as exc:

@@ -1,0 +1,167 @@
+"""Pre-started replica processes (``[agent] warm_replicas``): handed out, refilled, checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from nbos.agent import AgentConfig
+from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
+from nbos.core.config import AgentSettings, Settings
+from nbos.core.errors import ConfigError
+from nbos.core.wire.agent import (
+    ReplicaConnection,
+    ReplicaConnectionRequest,
+    ReplicaSpec,
+    ReplicaStart,
+    ReplicaState,
+)
+from nbos.gateway.service import GatewayService
+from nbos.transport.ports import free_loopback_address
+from tests.agent._daemons import DEADLINE, AgentProcess, FakeGateway, alive, start_agent
+from tests.gateway._service import local_settings
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+WARM_ARGV = ["-m", "nbos.kernel.replica", "--warm"]
+
+
+def _proc(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def warm_by_agent() -> dict[int, set[int]]:
+    """The pre-started replicas of this process's agents (its children), by agent pid."""
+    found: dict[int, set[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        argv = _proc(int(entry), "cmdline").decode(errors="replace").split("\0")[:-1]
+        if argv[1:] != WARM_ARGV:
+            continue
+        parent = _parent(int(entry))
+        if parent and _parent(parent) == os.getpid():
+            found.setdefault(parent, set()).add(int(entry))
+    return found
+
+
+def _parent(pid: int) -> int:
+    stat = _proc(pid, "stat").decode()
+    return int(stat.rpartition(")")[2].split()[1]) if stat else 0
+
+
+async def pools_full(agents: int, size: int, without: set[int] = frozenset()) -> set[int]:
+    """Poll until ``agents`` agents each hold ``size`` warm processes not in ``without``."""
+    with anyio.fail_after(2 * DEADLINE):
+        while True:
+            pools = {a: p - without for a, p in warm_by_agent().items()}
+            if len(pools) >= agents and all(len(p) >= size for p in pools.values()):
+                return set().union(*pools.values())
+            await anyio.sleep(0.2)
+
+
+async def test_a_kernel_starts_on_warm_replicas_survives_a_kill_and_the_pools_refill(
+    tmp_path: Path,
+) -> None:
+    settings = msgspec.structs.replace(
+        local_settings(tmp_path), agent=AgentSettings(warm_replicas=1)
+    )
+    async with GatewayService.serve(settings) as service:
+        warm = await pools_full(agents=3, size=1)
+        kernel = await service.gateway.start_kernel()
+        pids = {r.pid for r in kernel.replicas}
+        # Every replica is a process that was running before the kernel was asked for.
+        assert pids <= warm, (pids, warm)
+        assert (await kernel.execute("x = 41")).status == "ok"
+
+        victim = next(r for r in kernel.replicas if r.pid is not None)
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        # The first cell after the kill may be reported lost (if it hit the victim);
+        # one re-run must then succeed on the two left.
+        result = await kernel.execute("x += 1; print(x)", timeout=DEADLINE)
+        if result.status != "ok":
+            result = await kernel.execute("x += 1; print(x)", timeout=DEADLINE)
+        assert result.status == "ok", result.reply
+        assert result.stdout.strip() == "42"  # a lost cell left no trace
+
+        # Each agent started a new one in the background.
+        await pools_full(agents=3, size=1, without=warm)
+        await kernel.shutdown()
+
+
+def replica_spec(tmp_path: Path) -> ReplicaSpec:
+    """A real one-member replica, as the gateway asks for one."""
+    peers = {1: [free_loopback_address(), free_loopback_address()]}
+    argv = [PYTHON_TOKEN, "-m", "nbos.kernel.replica"]
+    argv += ["--connection-file", f"{WORKDIR_TOKEN}/connection.json", "--kernel-id", "k1"]
+    argv += ["--node-id", "1", "--raft-peers", json.dumps(peers), "--store", str(tmp_path)]
+    return ReplicaSpec(argv, {}, "k1-1", "k1/replica-1", "key")
+
+
+async def test_a_taken_warm_replica_is_adopted_and_waiting_ones_are_replaced_or_end_with_the_agent(
+    tmp_path: Path, gateway: FakeGateway, agents: list[AgentProcess]
+) -> None:
+    agents.append(
+        start_agent("h1", gateway.address, tmp_path, env={"NBOS_AGENT__WARM_REPLICAS": "1"})
+    )
+    await gateway.welcome("h1")
+    [warm] = await pools_full(agents=1, size=1)
+    spec = replica_spec(tmp_path)
+    reply = await gateway.call("h1/agent", lambda rid: ReplicaStart(rid, "k1-1", spec))
+    assert isinstance(reply, ReplicaState) and reply.replica.pid == warm
+    with anyio.fail_after(DEADLINE):  # it became that replica: a kernel that bound its ports
+        while True:
+            answer = await gateway.call(
+                "h1/agent", lambda rid: ReplicaConnectionRequest(rid, "k1-1")
+            )
+            assert isinstance(answer, ReplicaConnection)
+            if answer.info:
+                break
+            await anyio.sleep(0.1)
+    [refill] = await pools_full(agents=1, size=1, without={warm})
+    # One that dies while it waits is replaced (after a pause, as it lived only briefly).
+    os.kill(refill, signal.SIGKILL)
+    [refill] = await pools_full(agents=1, size=1, without={warm, refill})
+
+    agents[0].kill(signal.SIGKILL)
+    agents[0].wait()
+    with anyio.fail_after(DEADLINE):
+        while alive(refill):  # noqa: ASYNC110 - nothing signals a process's end here
+            await anyio.sleep(0.05)
+    assert alive(warm)
+
+    seen = len(gateway.received)
+    agents.append(
+        start_agent("h1", gateway.address, tmp_path, env={"NBOS_AGENT__WARM_REPLICAS": "0"})
+    )
+    hello = await gateway.welcome("h1", after=seen)
+    [info] = hello.replicas
+    assert (info.replica_id, info.pid, info.running, info.adopted) == ("k1-1", warm, True, True)
+
+
+def test_the_setting_is_validated_where_it_is_read() -> None:
+    assert Settings.load(env={}).agent.pool_size == 2
+    assert Settings.load(env={"NBOS_AGENT__WARM_REPLICAS": "0"}).agent.pool_size == 0
+    docker = {"NBOS_AGENT__RUNTIME": "docker", "NBOS_AGENT__DOCKER_IMAGE": "nbos:1"}
+    assert Settings.load(env=docker).agent.pool_size == 0  # containers have no pool
+    for bad in ("-1", "65", "two"):
+        with pytest.raises(ConfigError) as caught:
+            Settings.load(env={"NBOS_AGENT__WARM_REPLICAS": bad})
+        assert caught.value.key == "agent.warm_replicas"
+    for settings in (
+        AgentSettings(warm_replicas=-1),
+        AgentSettings(runtime="docker", docker_image="nbos:1", warm_replicas=1),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            AgentConfig("h1", "127.0.0.1:1", "127.0.0.1:2", Path("/tmp"), settings=settings)
+        assert caught.value.key == "agent.warm_replicas"
