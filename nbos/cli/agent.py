@@ -51,6 +51,13 @@ def register(subparsers: Any) -> None:
         "where NVML finds none)",
     )
     parser.add_argument(
+        "--agent-settings",
+        type=Path,
+        metavar="FILE",
+        help="take the [agent] table of FILE as it is, NBOS_AGENT__* variables not applied "
+        "(a gateway hands the agents it starts its own table this way)",
+    )
+    parser.add_argument(
         "--heartbeat", type=float, default=1.0, metavar="S", help="report interval (default: 1)"
     )
     parser.add_argument(
@@ -63,6 +70,9 @@ def register(subparsers: Any) -> None:
 
 def agent_command(args: argparse.Namespace) -> int:
     settings = Settings.load(args.config)
+    agent = settings.agent
+    if args.agent_settings is not None:
+        agent = Settings.load(args.agent_settings, env={}).agent
     config = AgentConfig(
         host_id=args.host,
         address=args.address,
@@ -74,7 +84,7 @@ def agent_command(args: argparse.Namespace) -> int:
         virtual_memory_mib=settings.cluster.gpu_memory_mib,
         heartbeat_interval=args.heartbeat,
         stop_replicas_on_exit=args.stop_replicas_on_exit,
-        settings=settings.agent,
+        settings=agent,
     )
     anyio.run(run_until_signalled, config)
     return 0

@@ -50,21 +50,20 @@ class AgentCommand:
     ) -> list[str]:
         """``nbos agent`` for ``host_id``, listening at ``address``, run by ``python``;
         ``virtual``: with :attr:`gpus` virtual GPUs, else the host's NVML GPUs;
-        ``settings``: a settings file for the agent to read.
+        ``settings``: a file whose ``[agent]`` table the agent takes as it is.
 
         The agent stops its replicas when it stops: a host a provider takes back holds
         none (it was drained), and one torn down with the gateway must not leave any.
         """
-        argv = [python, "-m", "nbos", "--log-level", "INFO"]
-        if settings:
-            argv += ["--config", settings]
-        argv += ["agent", "--host", host_id]
+        argv = [python, "-m", "nbos", "--log-level", "INFO", "agent", "--host", host_id]
         argv += ["--address", address, "--gateway", self.gateway, "--state-dir", state_dir]
         argv += ["--heartbeat", str(self.heartbeat_s), "--stop-replicas-on-exit"]
         if virtual:
             argv += ["--gpus", str(self.gpus)]
         if self.keys:
             argv += ["--keys", self.keys]
+        if settings:
+            argv += ["--agent-settings", settings]
         return argv
 
 

@@ -515,11 +515,13 @@ async def _until_idle(service: GatewayService, idle_s: float, runtime: RuntimeFi
 def _agent_settings_file(agent: AgentSettings, run_dir: Path) -> Path:
     """The gateway's ``[agent]`` table as a settings file, for its local agents.
 
-    Its values are strings and lists of strings, whose JSON form is valid TOML.
+    Its values are strings, numbers and lists of strings, whose JSON form is valid TOML;
+    TOML has no null, so a key left unset is left out.
     """
     lines = ["[agent]"]
     for key, value in msgspec.to_builtins(agent).items():
-        lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
+        if value is not None:
+            lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
     path = run_dir / "agent.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -31,5 +31,6 @@ async def test_local_agents_run_replicas_with_the_gateways_agent_settings(
         kernel = await service.gateway.start_kernel()
         assert (await kernel.execute("x = 1")).status == "ok"
         pids = {r.pid for r in kernel.replicas}
-    # The wrapper execs the interpreter: each replica keeps the pid it wrote.
-    assert {int(line) for line in started.read_text().split()} == pids
+    # The wrapper execs the interpreter: each replica keeps the pid it wrote (so do the
+    # agents' pre-started replicas, which also run it).
+    assert pids <= {int(line) for line in started.read_text().split()}
