@@ -7,8 +7,10 @@ front of each group:
 
 * by GPU count: ``(subscribed, committed, host id)``. Among hosts of one size the
   subscription ratio after a placement grows with ``subscribed`` (distinct integer
-  counts give distinct ratios: they are far below 2**40), so the least-loaded hosts
-  of a size are its first entries, and admission (ratio within the limit) is a prefix;
+  counts give distinct ratios: they are far below 2**40; on hosts without GPUs the
+  ratio is 0 or inf, so there only "subscribed at all" counts), so the least-loaded
+  hosts of a size are its first entries, and admission (ratio within the limit) is a
+  prefix;
 * by idle GPUs and GPU count: ``(subscribed, host id)``, for the migration target (most
   idle GPUs, then lowest ratio, then host id) and for "may a replica move at all".
 
@@ -58,7 +60,7 @@ class HostIndex:
             self._views[view.host_id] = view
             bisect.insort(self._load.setdefault(view.gpus_total, []), _load(view))
             room = self._room.setdefault((view.gpus_idle, view.gpus_total), [])
-            bisect.insort(room, (view.gpus_subscribed, view.host_id))
+            bisect.insort(room, (_rank(view), view.host_id))
 
     def discard(self, host_id: HostId) -> None:
         """The host left the cluster."""
@@ -95,7 +97,7 @@ class HostIndex:
             del self._load[view.gpus_total]
         key = (view.gpus_idle, view.gpus_total)
         room = self._room[key]
-        del room[bisect.bisect_left(room, (view.gpus_subscribed, view.host_id))]
+        del room[bisect.bisect_left(room, (_rank(view), view.host_id))]
         if not room:
             del self._room[key]
 
@@ -115,8 +117,14 @@ def current_index(cluster: ClusterView) -> HostIndex | None:
     return None
 
 
+def _rank(view: HostView) -> int:
+    """What orders the host's ratio after a placement among hosts of its size: its
+    subscription, except on a host without GPUs, whose ratio is 0 unsubscribed, else inf."""
+    return view.gpus_subscribed if view.gpus_total > 0 else min(view.gpus_subscribed, 1)
+
+
 def _load(view: HostView) -> _Load:
-    return (view.gpus_subscribed, view.gpus_committed, view.host_id)
+    return (_rank(view), view.gpus_committed, view.host_id)
 
 
 def _first(entries: Iterable[_Room], exclude: frozenset[HostId]) -> HostId | None:

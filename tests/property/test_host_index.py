@@ -13,7 +13,7 @@ Size: ``NBOS_PROPERTY_EXAMPLES`` (default 200).
 from __future__ import annotations
 
 import attrs
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from nbos.core.errors import NbosError
@@ -54,13 +54,17 @@ def _answer(decide: object, *args: object) -> object:
 
 
 @sized(examples=200)
+# Hosts without GPUs: their ratios are 0 or inf whatever they subscribe (found by this test).
+@example(
+    specs=[(0, 0, 2, False), (0, 0, 1, False)], gpus=0, replicas=1, picks=[], last=0, ratio=0.0
+)
 @given(
     specs=hosts,
     gpus=st.integers(0, 9),
     replicas=st.integers(1, 4),
     picks=st.lists(st.integers(0, 12), max_size=5, unique=True),
     last=st.integers(0, 12),
-    ratio=st.sampled_from([0.0, 0.25, 0.5, 1.0, 4 / 3, 2.0, 10.0]),
+    ratio=st.sampled_from([0.0, 0.25, 0.5, 1.0, 4 / 3, 2.0, 10.0, float("inf")]),
 )
 def test_indexed_decisions_are_the_plain_rules(
     specs: list[tuple[int, int, int, bool]],
