@@ -3,15 +3,16 @@
 Usage: ``python bench/decide.py [SESSIONS [HOSTS]]`` (or ``NBOS_BENCH_DECIDE_SESSIONS``,
 default 2,000, and ``NBOS_BENCH_DECIDE_HOSTS``, default 200).
 
-The trace-driven simulator replays :func:`nbos.scaling.synthetic_trace` (SESSIONS
-sessions over ``NBOS_BENCH_DECIDE_HOURS`` hours, default 8) on a fixed cluster of HOSTS
-hosts of 8 GPUs in nbos mode (3 replicas per kernel, the least-loaded policy, no
-autoscaler), and every decision goes through :class:`~nbos.scaling.ClusterDecisions`,
-the object the gateway's scheduler uses, over the :class:`~nbos.scaling.model.ClusterModel`
-the gateway keeps. Each call (``place``, ``place_one``, ``reserve``, ``cell``,
-``scale``) is timed, together with the :meth:`ClusterModel.view` it was given (the
-view is rebuilt only after a change, so that cost is part of a decision too). The time is
-the thread's CPU time (``time.thread_time_ns``), which a busy machine's preemptions do not
+The trace-driven simulator replays :func:`nbos.scaling.synthetic_trace` (SESSIONS sessions
+over ``NBOS_BENCH_DECIDE_HOURS`` hours, default 8) on a fixed cluster of HOSTS hosts of 8
+GPUs in nbos mode (3 replicas per kernel, the least-loaded policy, no autoscaler), and
+every decision goes through :class:`~nbos.scaling.ClusterDecisions`, the object the
+gateway's scheduler uses, over the simulator's :class:`~nbos.scaling.model.ClusterModel`
+(whose host index lets least-loaded decide without ranking every host; the gateway builds
+its views without one). Each call (``place``, ``place_one``, ``reserve``, ``cell``,
+``scale``) is timed, together with the :meth:`ClusterModel.view` it was given (the view is
+rebuilt only after a change, so that cost is part of a decision too). The time is the
+thread's CPU time (``time.thread_time_ns``), which a busy machine's preemptions do not
 inflate; the wall-clock p99 is shown beside it.
 
 The anchor is the same trace shape at a tenth of the size (SESSIONS/10 sessions on

@@ -60,12 +60,19 @@ class ClusterView:
 
     def get(self, host_id: HostId) -> HostView | None:
         """The host's view, or ``None`` if it is not in this view."""
+        i = self._positions().get(host_id)
+        return None if i is None else self.hosts[i]
+
+    def has_duplicates(self) -> bool:
+        """Whether two hosts share an id (O(1) with the maker's ``positions``)."""
+        return len(self._positions()) != len(self.hosts)
+
+    def _positions(self) -> Mapping[HostId, int]:
         positions = self.positions
         if positions is None:
             positions = {h.host_id: i for i, h in enumerate(self.hosts)}
             object.__setattr__(self, "positions", positions)  # a cache: frozen otherwise
-        i = positions.get(host_id)
-        return None if i is None else self.hosts[i]
+        return positions
 
     def largest_gpus(self) -> int:
         """The most GPUs any host has (0 without hosts)."""

@@ -14,10 +14,11 @@ cluster-wide, the more a host may be oversubscribed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from nbos.core.errors import PlacementError
 from nbos.core.placement import ClusterView, HostView, PlacementRequest
@@ -47,11 +48,29 @@ def admissible(request: PlacementRequest, cluster: ClusterView) -> list[HostView
     Raises :class:`PlacementError` for a malformed request or cluster view.
     Rejected hosts are not an error here; :func:`require` turns too few into one.
     """
-    _validate(request, cluster)
+    check_request(request, cluster)
     return sorted(
         (h for h in cluster.hosts if _reject_reason(h, request, cluster) is None),
         key=lambda h: h.host_id,
     )
+
+
+def admitted_first(
+    groups: Iterable[Iterable[HostView]], request: PlacementRequest, cluster: ClusterView
+) -> list[HostView]:
+    """The first ``request.replicas`` admitted hosts of each group, for groups that list
+    their admitted hosts first (hosts of one size, least subscribed first: the ratio after a
+    placement grows along such a group, so admission ends at the first host it rejects)."""
+    check_request(request, cluster)
+
+    def admitted(host: HostView) -> bool:
+        return _reject_reason(host, request, cluster) is None
+
+    return [
+        h
+        for hosts in groups
+        for h in itertools.islice(itertools.takewhile(admitted, hosts), request.replicas)
+    ]
 
 
 def require(
@@ -85,7 +104,8 @@ def _reject_reason(host: HostView, request: PlacementRequest, cluster: ClusterVi
     return None
 
 
-def _validate(request: PlacementRequest, cluster: ClusterView) -> None:
+def check_request(request: PlacementRequest, cluster: ClusterView) -> None:
+    """:class:`PlacementError` for a malformed request or cluster view."""
     problem = None
     if request.replicas < 1 or request.gpus < 0:
         problem = (
@@ -97,7 +117,7 @@ def _validate(request: PlacementRequest, cluster: ClusterView) -> None:
             f"bad cluster view: replicas_per_kernel={cluster.replicas_per_kernel}, "
             f"demand_to_busy_ratio={cluster.demand_to_busy_ratio}"
         )
-    elif len({h.host_id for h in cluster.hosts}) != len(cluster.hosts):
+    elif cluster.has_duplicates():
         ids = sorted(h.host_id for h in cluster.hosts)
         problem = f"bad cluster view: duplicate host ids in {ids}"
     if problem is not None:
@@ -107,7 +127,7 @@ def _validate(request: PlacementRequest, cluster: ClusterView) -> None:
 
 def migration_candidates(request: PlacementRequest, cluster: ClusterView) -> list[HostView]:
     """Schedulable hosts outside ``exclude`` that can commit the request's GPUs now, by id."""
-    _validate(request, cluster)
+    check_request(request, cluster)
     return sorted(
         (
             h

@@ -29,7 +29,7 @@ from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
 from nbos.scaling._validate import validate_hosts
 from nbos.scaling.autoscaler import Autoscaler, Hold, ScaleDecision
-from nbos.scaling.executor import Execute, Migrate, Wait, choose_executor
+from nbos.scaling.executor import Execute, Wait, execute_or_wait
 from nbos.scaling.migration import MigrationPlan, plan_migration
 from nbos.scaling.registry import load_policy
 
@@ -134,11 +134,11 @@ class ClusterDecisions:
 
         :class:`Execute` on a replica's host; else, when another host could commit
         the GPUs, the :class:`MigrationPlan` moving the busiest replica there; else
-        :class:`Wait`. Raises as :func:`choose_executor` for GPU counts no host can
+        :class:`Wait`. Raises as :func:`~nbos.scaling.choose_executor` for GPU counts no host can
         ever satisfy, and :class:`PolicyContractError` for a bad migration target.
         """
-        choice = choose_executor(last_host, replica_hosts, cluster, gpus)
-        if not isinstance(choice, Migrate):
+        choice = execute_or_wait(last_host, replica_hosts, cluster, gpus)
+        if choice is not None:
             return choice
         request = PlacementRequest(kernel_id, gpus, 1)
         plan = plan_migration(replica_hosts, request, cluster, self._policy)

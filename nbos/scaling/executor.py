@@ -18,6 +18,7 @@ import attrs
 from nbos.core.errors import GpuError, InsufficientGpusError
 from nbos.core.ids import HostId
 from nbos.core.placement import ClusterView, HostView
+from nbos.scaling._index import current_index
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,26 @@ def choose_executor(
     Raises :class:`GpuError` for a negative count and
     :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
     """
+    choice = execute_or_wait(last_executor_host, replica_hosts, cluster_view, gpus)
+    if choice is not None:
+        return choice
+    on_replica = frozenset(replica_hosts)
+    movable = sorted(
+        h.host_id
+        for h in cluster_view.hosts
+        if h.schedulable and h.host_id not in on_replica and h.gpus_idle >= gpus
+    )
+    return Migrate(tuple(movable), f"no replica's host has {gpus} idle GPUs")
+
+
+def execute_or_wait(
+    last_executor_host: HostId | None,
+    replica_hosts: Sequence[HostId],
+    cluster_view: ClusterView,
+    gpus: int,
+) -> Execute | Wait | None:
+    """:func:`choose_executor`'s answer, ``None`` for a :class:`Migrate` (without listing
+    its candidates, which costs a scan of the cluster: the decisions ask the policy instead)."""
     check_cell_gpus(gpus, cluster_view.largest_gpus())
     replicas = _views(replica_hosts, cluster_view)
     last = next((h for h in replicas if h.host_id == last_executor_host), None)
@@ -72,15 +93,19 @@ def choose_executor(
     if fitting:
         # max() keeps the first of equals, so ties go to the earlier replica.
         return Execute(max(fitting, key=lambda h: h.gpus_idle).host_id, "most-idle")
-    on_replica = {h.host_id for h in replicas}
-    movable = sorted(
-        h.host_id
-        for h in cluster_view.hosts
-        if h.schedulable and h.host_id not in on_replica and h.gpus_idle >= gpus
+    if not _movable(frozenset(replica_hosts), cluster_view, gpus):
+        return Wait(f"waiting for {gpus} GPUs: no host has them idle")
+    return None
+
+
+def _movable(on_replica: frozenset[HostId], cluster: ClusterView, gpus: int) -> bool:
+    """Whether a schedulable host without a replica has ``gpus`` idle GPUs."""
+    index = current_index(cluster)
+    if index is not None:
+        return next(index.most_room(gpus, on_replica), None) is not None
+    return any(
+        h.schedulable and h.host_id not in on_replica and h.gpus_idle >= gpus for h in cluster.hosts
     )
-    if movable:
-        return Migrate(tuple(movable), f"no replica's host has {gpus} idle GPUs")
-    return Wait(f"waiting for {gpus} GPUs: no host has them idle")
 
 
 def check_cell_gpus(gpus: int, largest: int) -> None:

@@ -6,8 +6,10 @@ hosts, and the smoothed demand-to-busy ratio. Each change costs O(1) (a move
 O(replicas)); :meth:`ClusterModel.view` rebuilds the
 :class:`~nbos.core.placement.ClusterView` that policies take only after a change,
 reusing the :class:`~nbos.core.placement.HostView` of every host that did not
-change. Counts of hosts by idle GPUs answer "could any host commit N GPUs now?"
-without a view, which is what lets waiting work be skipped cheaply.
+change, and moves the changed hosts in its :class:`~nbos.scaling._index.HostIndex`
+(handed out with the view), so that least-loaded ranks hosts without scanning them.
+Counts of hosts by idle GPUs answer "could any host commit N GPUs now?" without a view,
+which is what lets waiting work be skipped cheaply.
 
 The model does no I/O and keeps no clock; what it holds is what its owner told it.
 Inconsistent changes (releasing more than committed, removing a host that still
@@ -26,6 +28,7 @@ import attrs
 from nbos.core.errors import ScalingError
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView
+from nbos.scaling._index import HostIndex, IndexedView
 from nbos.scaling.autoscaler import smoothed_demand_ratio
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ class ClusterModel:
         self._slot: dict[HostId, int] = {}
         self._stale: set[HostId] = set()
         self._view: ClusterView | None = None
+        # The schedulable hosts sorted for least-loaded, in step with the latest view.
+        self._index = HostIndex()
         # How many hosts have each GPU count (the largest host answers "could ever run").
         self._totals: Counter[int] = Counter()
         # How many hosts have each number of idle GPUs (all hosts; schedulable ones).
@@ -70,14 +75,21 @@ class ClusterModel:
         if self._view is None:
             # Only the changed hosts' views are rebuilt (all of them after a reindex), so
             # a decision after a change costs O(changed hosts) plus one C-level copy.
-            slots, slot = self._slots, self._slot
+            slots, slot, index = self._slots, self._slot, self._index
             for host_id in self._stale:
-                slots[slot[host_id]] = self._host_view(host_id)
+                slots[slot[host_id]] = view = self._host_view(host_id)
+                index.put(view)
             self._stale.clear()
             hosts: tuple[HostView, ...] = tuple(slots)  # type: ignore[arg-type]
             largest = max((n for n, count in self._totals.items() if count), default=0)
-            self._view = ClusterView(
-                hosts, self._replicas_per_kernel, self._ratio, positions=slot, largest=largest
+            self._view = IndexedView(
+                hosts,
+                self._replicas_per_kernel,
+                self._ratio,
+                positions=slot,
+                largest=largest,
+                index=index,
+                version=index.version,
             )
         return self._view
 
@@ -143,6 +155,7 @@ class ClusterModel:
             )
         self._count(host_id, -1)
         del self._hosts[host_id]
+        self._index.discard(host_id)
         self._order.remove(host_id)
         self._totals[host.total] -= 1
         self._reindex()
