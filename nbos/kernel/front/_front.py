@@ -50,6 +50,7 @@ from nbos.core.errors import (
     QuorumLostError,
     TransportError,
 )
+from nbos.kernel import protocol
 from nbos.kernel.front import _requests, _wire
 from nbos.kernel.front._chooser import (
     CellPlan,
@@ -59,7 +60,6 @@ from nbos.kernel.front._chooser import (
 )
 from nbos.kernel.front._status import WaitStatus
 from nbos.kernel.front._upstream import Channel, ReplicaEndpoint, Upstream
-from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, error_content
 from nbos.metrics import events
 
 log = logging.getLogger(__name__)
@@ -506,14 +506,14 @@ class KernelFront:
         last_done, claimant = 0, -1
         for replica in self.alive:
             reply = await self.control_request(
-                replica, "nbos_progress_request", {}, timeout=_LOST_TIMEOUT_S
+                replica, protocol.PROGRESS_REQUEST, {}, timeout=_LOST_TIMEOUT_S
             )
             if reply is None or reply["content"].get("status") != "ok":
                 continue
             content = reply["content"]
-            if int(content.get("last_done", 0)) >= last_done:
-                last_done = int(content.get("last_done", 0))
-                claimant = int(content.get("next_claimed_by", -1))
+            if int(content.get(protocol.LAST_DONE, 0)) >= last_done:
+                last_done = int(content.get(protocol.LAST_DONE, 0))
+                claimant = int(content.get(protocol.NEXT_CLAIMED_BY, -1))
         self._next_index = last_done + 1
         self._settled_index = last_done
         if claimant in self.alive:
@@ -612,7 +612,7 @@ class KernelFront:
             return
         sock = self._shell if channel == "shell" else self._control
         await self._flush_busy()
-        reply = self._signer.new_message(reply_type, error_content(exc, 0), msg)
+        reply = self._signer.new_message(reply_type, protocol.error_content(exc, 0), msg)
         await self._to_client(sock, reply, idents)
 
     async def _to_client(
@@ -721,7 +721,7 @@ class KernelFront:
                 await wait.ended(started=False)
                 log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
                 self._next_index = index  # nothing was sent under it: the next cell takes it
-                return await self._fail_cell(idents, msg, error_content(exc, 0))
+                return await self._fail_cell(idents, msg, protocol.error_content(exc, 0))
             await wait.ended(started=True)
             try:
                 status = await self._execute_on(idents, msg, index, plan)
@@ -735,7 +735,7 @@ class KernelFront:
             if await self._settle(index) is None:
                 return await self._quorum_lost(idents, msg)
         failure = KernelError(f"no replica could claim the cell in {_CLAIM_ATTEMPTS} attempts")
-        return await self._fail_cell(idents, msg, error_content(failure, 0))
+        return await self._fail_cell(idents, msg, protocol.error_content(failure, 0))
 
     async def _quorum_lost(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Reply ``QuorumLostError`` to a cell that cannot run: no majority, or an earlier
@@ -746,7 +746,7 @@ class KernelFront:
             else f"cells {sorted(self._unsettled)} could not be settled: no majority answered"
         )
         log.warning("kernel %s: %s", self._kernel_id, lost)
-        return await self._fail_cell(idents, msg, error_content(lost, 0))
+        return await self._fail_cell(idents, msg, protocol.error_content(lost, 0))
 
     async def _fail_cell(self, idents: list[bytes], msg: _wire.Msg, content: dict[str, Any]) -> str:
         """Answer a cell with the error reply ``content``; returns its status, ``"error"``.
@@ -794,13 +794,13 @@ class KernelFront:
         """The reply's status, or ``None`` if the replica's claim lost (nothing ran)."""
 
         async def relay(reply: _wire.Msg) -> bool:
-            if _claim_lost(reply):
+            if protocol.claim_lost(reply["metadata"]):
                 return False
             self._last_executor = plan.replica
             await self._to_client(self._shell, reply, idents)
             return True
 
-        metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
+        metadata = protocol.cell_metadata(msg["metadata"], index, plan.devices)
         # The front aborts what is queued behind a failed cell (stop_on_error); a replica
         # doing it too would abort the front's next request, sent after the failure.
         content = {**msg["content"], "stop_on_error": False}
@@ -817,7 +817,7 @@ class KernelFront:
         )
         if pending.reply is None:
             return await self._cell_lost(idents, msg, index, plan.replica)
-        if _claim_lost(pending.reply):
+        if protocol.claim_lost(pending.reply["metadata"]):
             return None
         return str(pending.reply["content"].get("status", "error"))
 
@@ -832,8 +832,8 @@ class KernelFront:
                 break
             reply = await self.control_request(
                 survivor,
-                "nbos_lost_request",
-                {"exec_index": index},
+                protocol.LOST_REQUEST,
+                {protocol.LOST_INDEX: index},
                 timeout=_LOST_TIMEOUT_S,
                 needs_quorum=True,
             )
@@ -856,7 +856,7 @@ class KernelFront:
                     "kernel %s: cell %d settled as %s",
                     self._kernel_id,
                     index,
-                    settled.get("cell_status"),
+                    settled.get(protocol.CELL_STATUS),
                 )
             return True
 
@@ -883,21 +883,21 @@ class KernelFront:
                 f"cell {index} stopped with its kernel's majority of replicas: it is settled "
                 "(committed or lost) once a majority is back"
             )
-            content = error_content(exc, 0)
-        elif settled.get("cell_status") == "lost":
-            content = error_content(
-                CellLostError(index, executor), int(settled.get("execution_count", 0))
+            content = protocol.error_content(exc, 0)
+        elif settled.get(protocol.CELL_STATUS) == "lost":
+            content = protocol.error_content(
+                CellLostError(index, executor), int(settled.get(protocol.EXECUTION_COUNT, 0))
             )
         else:
             # The executor committed the cell and died before its reply reached us.
             content = {
-                "status": settled.get("cell_status", "ok"),
-                "execution_count": int(settled.get("execution_count", 1)) - 1,
+                "status": settled.get(protocol.CELL_STATUS, "ok"),
+                "execution_count": int(settled.get(protocol.EXECUTION_COUNT, 1)) - 1,
                 "user_expressions": {},
                 "payload": [],
             }
             if content["status"] == "error":
-                content.update(error_content(KernelError(f"cell {index} failed"), 0))
+                content.update(protocol.error_content(KernelError(f"cell {index} failed"), 0))
         log.warning("kernel %s: cell %d settled as %s", self._kernel_id, index, content["status"])
         if content["status"] == "error":
             return await self._fail_cell(idents, msg, content)
@@ -1184,12 +1184,6 @@ def _without_subshells(reply: _wire.Msg) -> _wire.Msg:
         return reply
     kept = [f for f in features if f != "kernel subshells"]
     return {**reply, "content": {**reply["content"], "supported_features": kept}}
-
-
-def _claim_lost(reply: _wire.Msg) -> bool:
-    """Whether ``reply`` says the replica's claim lost (it ran nothing)."""
-    nbos = reply["metadata"].get("nbos")
-    return isinstance(nbos, dict) and "claim_lost_to" in nbos
 
 
 def _bound_port(sock: zmq.asyncio.Socket) -> int:
