@@ -12,9 +12,9 @@ from nbos.core.errors import AuthenticationError, ConfigError, DecodeError, Kern
 from nbos.core.ids import NodeId
 from nbos.kernel.front._requests import Channel, UnknownRequestError, reply_type, screen
 from nbos.kernel.front._wire import Signer
+from nbos.kernel.protocol import cell_request
 from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, PeerAddress, parse_peers
 from nbos.kernel.replica._app import parse_raft_settings
-from nbos.kernel.replica._kernel import cell_request
 
 KEY = "k" * 64
 

@@ -19,6 +19,11 @@ relays, re-signing every message both ways:
 * if the executor dies mid-cell, a survivor commits ``Done(index, lost)`` and the
   client gets a ``CellLostError`` reply; nothing is re-run.
 
+The front is the Jupyter server side (client sockets, routing, relaying); it composes
+the cell protocol (:mod:`._cells`: exec indices, claims, settles) and the replicas'
+liveness (:mod:`._liveness`: heartbeats, deaths, the majority), and speaks to replicas
+in the terms of :mod:`nbos.kernel.protocol`.
+
 Every message to clients carries the front's session id. A client message that
 is unsigned, wrongly signed or malformed is refused with a log line; a signed
 request of a type the kernel does not serve is logged and ignored, one with bad
@@ -43,23 +48,24 @@ from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.errors import (
     AuthenticationError,
-    CellLostError,
     DecodeError,
     KernelError,
     NbosError,
     QuorumLostError,
     TransportError,
 )
+from nbos.kernel import protocol
 from nbos.kernel.front import _requests, _wire
+from nbos.kernel.front._cells import CellRefused, Cells
 from nbos.kernel.front._chooser import (
     CellPlan,
     ChoiceRequest,
     ExecutorChooser,
     LastExecutorChooser,
 )
+from nbos.kernel.front._liveness import HeartbeatPolicy, Liveness
 from nbos.kernel.front._status import WaitStatus
 from nbos.kernel.front._upstream import Channel, ReplicaEndpoint, Upstream
-from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, error_content
 from nbos.metrics import events
 
 log = logging.getLogger(__name__)
@@ -70,33 +76,11 @@ IDLE_GRACE_S = 2.0
 #: sends none for a request its handler failed on) before the client gets an error.
 NO_REPLY_GRACE_S = 10.0
 _READY_TIMEOUT_S = 60.0
-_LOST_TIMEOUT_S = 30.0
-_CLAIM_ATTEMPTS = 3
 _FINISHED_KEPT = 256
 _SHUTDOWN_TIMEOUT_S = 5.0
 _WAKE_TIMEOUT_S = 5.0
 
 _Incoming = tuple[list[bytes], _wire.Msg]
-
-
-@attrs.frozen
-class HeartbeatPolicy:
-    """How the front pings each replica's heartbeat socket, and when it gives up on one.
-
-    A replica is dead after ``misses`` pings in a row got no echo within ``timeout_s``.
-    The heartbeat runs on its own thread in the replica, so a long cell does not miss.
-
-    An idle kernel (no client request and none in flight for ``idle_interval_s``) is
-    pinged every ``idle_interval_s`` instead of every ``interval_s``, until the next
-    request or a missed ping: a replica's process exit is reported at once by whoever
-    runs it, so the pings only look for replicas that hang (``idle_interval_s`` at or
-    below ``interval_s``: no back-off).
-    """
-
-    interval_s: float = 1.0
-    timeout_s: float = 2.0
-    misses: int = 3
-    idle_interval_s: float = 10.0
 
 
 @attrs.define(eq=False)
@@ -183,7 +167,6 @@ class KernelFront:
             session_id=identity.session if identity is not None else None,
         )
         self._chooser: ExecutorChooser = chooser or LastExecutorChooser()
-        self._heartbeat = heartbeat or HeartbeatPolicy()
         self._ctx = zmq.asyncio.Context()
         ports = identity.ports if identity is not None else {}
         try:
@@ -205,8 +188,12 @@ class KernelFront:
             "hb_port": _bound_port(self._hb),
         }
         self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
-        #: Replicas being added (replacements): reachable, but not used for cells yet.
-        self._standby: set[int] = set()
+        self._liveness = Liveness(
+            kernel_id, self._upstreams, heartbeat or HeartbeatPolicy(), lambda: bool(self._pending)
+        )
+        # First of the death listeners: requests in flight end before anyone hears of it.
+        self._liveness.on_dead(self._replica_died)
+        self._cells = Cells(kernel_id, self._liveness, self.control_request)
         self._reader_scopes: dict[int, anyio.CancelScope] = {}
         self._pending: dict[str, _Pending] = {}
         #: Shell requests that finished, and the replica that handled each.
@@ -214,16 +201,7 @@ class KernelFront:
         self._active: _Pending | None = None
         #: Set while the chooser picks a cell's executor (it may wait for GPUs).
         self._choosing: anyio.CancelScope | None = None
-        self._next_index = 1
-        #: Indices whose settle (``Done(index, lost)``) found no majority: each is settled
-        #: again, in order, before the next cell (which could not run before it anyway).
-        self._unsettled: set[int] = set()
-        self._settling = anyio.Lock()
-        self._settled_index = 0
-        self._death_listeners: list[Callable[[int, str], None]] = []
-        self._last_executor: int | None = None
         self._refused = 0
-        self._closing = False
         self._tg: anyio.abc.TaskGroup | None = None
         #: The shell request whose ``busy`` is still due (see :meth:`_flush_busy`).
         self._busy_for: _wire.Msg | None = None
@@ -231,10 +209,6 @@ class KernelFront:
         self._idle_for: _wire.Msg | None = None
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
-        #: When the last client request came (the front's start counts as one), and the
-        #: event that ends the heartbeat watchers' idle pauses at the next one.
-        self._last_request = anyio.current_time()
-        self._request_came = anyio.Event()
 
     def _bind(self, kind: int, port: int) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
@@ -273,14 +247,12 @@ class KernelFront:
     @property
     def alive(self) -> tuple[int, ...]:
         """Node ids of the replicas the front believes alive, ascending."""
-        return tuple(
-            sorted(r for r, up in self._upstreams.items() if up.alive and r not in self._standby)
-        )
+        return self._liveness.alive
 
     @property
     def has_quorum(self) -> bool:
         """Whether a majority of the kernel's replicas is alive (its log can commit)."""
-        return len(self.alive) * 2 > len(self._upstreams) - len(self._standby)
+        return self._liveness.has_quorum
 
     @property
     def refused(self) -> int:
@@ -295,7 +267,7 @@ class KernelFront:
     @property
     def last_executor(self) -> int | None:
         """The replica that ran the last cell (``None`` before the first, or once it died)."""
-        return self._last_executor
+        return self._cells.last_executor
 
     @property
     def running_on(self) -> int | None:
@@ -305,7 +277,7 @@ class KernelFront:
     @property
     def last_exec_index(self) -> int:
         """The ``exec_index`` given to the latest cell (0 before the first)."""
-        return self._next_index - 1
+        return self._cells.last_exec_index
 
     @property
     def settled_exec_index(self) -> int:
@@ -313,16 +285,16 @@ class KernelFront:
 
         Its ``Done`` has committed; a cell in flight has a later index.
         """
-        return self._settled_index
+        return self._cells.settled_exec_index
 
     @property
     def is_closing(self) -> bool:
         """Whether the kernel is being shut down (:meth:`closing` was called)."""
-        return self._closing
+        return self._liveness.closing
 
     def closing(self) -> None:
         """The kernel is being shut down: replicas that end from now on are expected to."""
-        self._closing = True
+        self._liveness.closing = True
 
     def on_dead(self, listener: Callable[[int, str], None]) -> None:
         """Call ``listener(replica, reason)`` whenever the front declares a replica dead.
@@ -330,22 +302,19 @@ class KernelFront:
         Whoever runs the replica's process fences it there: one the front gave up on
         (missed heartbeats) may only be frozen, and must not come back.
         """
-        self._death_listeners.append(listener)
+        self._liveness.on_dead(listener)
 
     def mark_dead(self, replica: int, reason: str) -> None:
         """Stop using ``replica``; requests in flight there end as lost."""
-        up = self._upstreams.get(replica)
-        if up is None or not up.mark_dead():
-            return
-        level = logging.INFO if self._closing else logging.WARNING
-        log.log(level, "kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)
+        self._liveness.mark_dead(replica, reason)
+
+    def _replica_died(self, replica: int, reason: str) -> None:
+        """End the requests that died with ``replica``, and wake the survivors."""
         quorum = self.has_quorum
         for pending in list(self._pending.values()):
             if pending.target == replica or (pending.needs_quorum and not quorum):
                 pending.got_lost()
-        for listener in self._death_listeners:
-            listener(replica, reason)
-        if self._tg is not None and not self._closing:
+        if self._tg is not None and not self.is_closing:
             # An idle kernel's Raft group may be quiesced: the survivors must time their
             # leader again now (it may be the dead one), not when the next cell comes.
             for survivor in self.alive:
@@ -367,7 +336,7 @@ class KernelFront:
         if not await self._probe(replica, timeout=timeout):
             up.mark_dead()
             raise KernelError(f"replica {replica} did not answer within {timeout} s")
-        self._tg.start_soon(self._watch_heartbeat, up)
+        self._tg.start_soon(self._liveness.watch, up)
         log.info("kernel %s: replica %d is back", self._kernel_id, replica)
         self._settle_soon()
 
@@ -409,7 +378,7 @@ class KernelFront:
                     await tg.start(self._serve_upstream, up)
                 await self._wait_ready()
                 if self._resume:
-                    await self._resume_cells()
+                    await self._cells.resume()
                 tg.start_soon(self._read_client, self._shell, shell_tx)
                 tg.start_soon(self._read_client, self._control, control_tx)
                 tg.start_soon(self._read_client_stdin)
@@ -417,7 +386,7 @@ class KernelFront:
                 tg.start_soon(self._shell_worker, shell_rx)
                 tg.start_soon(self._control_worker, control_rx)
                 for up in self._upstreams.values():
-                    tg.start_soon(self._watch_heartbeat, up)
+                    tg.start_soon(self._liveness.watch, up)
                 task_status.started()
         finally:
             self._close()
@@ -436,7 +405,7 @@ class KernelFront:
             raise KernelError(f"kernel {self._kernel_id}: cannot add replica {replica}")
         up = Upstream(endpoint, self._ctx)
         self._upstreams[replica] = up
-        self._standby.add(replica)
+        self._liveness.standby(replica)
         await self._tg.start(self._serve_upstream, up)
         if not await self._probe(replica, timeout=timeout):
             self.remove_replica(replica)
@@ -444,23 +413,21 @@ class KernelFront:
 
     def activate_replica(self, replica: int) -> None:
         """Let cells go to ``replica``, added by :meth:`add_replica` (a Raft voter by now)."""
-        if replica not in self._standby or self._tg is None:
+        if self._tg is None or not self._liveness.activate(replica):
             return
-        self._standby.discard(replica)
-        self._tg.start_soon(self._watch_heartbeat, self._upstreams[replica])
+        self._tg.start_soon(self._liveness.watch, self._upstreams[replica])
         log.info("kernel %s: replica %d joined", self._kernel_id, replica)
         self._settle_soon()
 
     def remove_replica(self, replica: int) -> None:
         """Forget ``replica`` for good (it was replaced): requests there end as lost."""
         self.mark_dead(replica, "removed from the kernel")
-        self._standby.discard(replica)
+        self._liveness.forget(replica)
         scope = self._reader_scopes.pop(replica, None)
         if scope is not None:
             scope.cancel()
         self._upstreams.pop(replica, None)
-        if self._last_executor == replica:
-            self._last_executor = None
+        self._cells.forget(replica)
 
     async def _serve_upstream(
         self, up: Upstream, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -497,34 +464,6 @@ class KernelFront:
                 f"{sorted(self._upstreams)} started"
             )
 
-    async def _resume_cells(self) -> None:
-        """Go on after the cells that ran under an earlier front: from the last ``Done`` the
-        replicas' log committed, with the replica that claimed the next cell (a cell still
-        running there, or its early claim) as the last executor, so the next cell goes
-        there if it can. An index it gets wrong costs a lost claim and a retry, no more.
-        """
-        last_done, claimant = 0, -1
-        for replica in self.alive:
-            reply = await self.control_request(
-                replica, "nbos_progress_request", {}, timeout=_LOST_TIMEOUT_S
-            )
-            if reply is None or reply["content"].get("status") != "ok":
-                continue
-            content = reply["content"]
-            if int(content.get("last_done", 0)) >= last_done:
-                last_done = int(content.get("last_done", 0))
-                claimant = int(content.get("next_claimed_by", -1))
-        self._next_index = last_done + 1
-        self._settled_index = last_done
-        if claimant in self.alive:
-            self._last_executor = claimant
-        log.info(
-            "kernel %s taken over after cell %d (next claimed by %s)",
-            self._kernel_id,
-            last_done,
-            claimant if claimant >= 0 else "none",
-        )
-
     async def _probe(self, replica: int, *, timeout: float) -> bool:
         """Whether ``replica`` answers, probing until it does, it dies or ``timeout`` passes.
 
@@ -552,29 +491,8 @@ class KernelFront:
             frames = await sock.recv_multipart()
             incoming = self._parse_client(frames)
             if incoming is not None:
-                self._request_seen()
+                self._liveness.request_seen()
                 await tx.send(incoming)
-
-    def _request_seen(self) -> None:
-        self._last_request = anyio.current_time()
-        if self._request_came.statistics().tasks_waiting:
-            self._request_came.set()
-            self._request_came = anyio.Event()
-
-    async def _heartbeat_pause(self, misses: int) -> None:
-        """Wait until the next ping: longer while the kernel is idle (see HeartbeatPolicy)."""
-        policy = self._heartbeat
-        idle = (
-            misses == 0
-            and policy.idle_interval_s > policy.interval_s
-            and not self._pending
-            and anyio.current_time() - self._last_request >= policy.idle_interval_s
-        )
-        if not idle:
-            await anyio.sleep(policy.interval_s)
-            return
-        with anyio.move_on_after(policy.idle_interval_s):
-            await self._request_came.wait()
 
     def _parse_client(self, frames: list[bytes]) -> _Incoming | None:
         try:
@@ -612,7 +530,7 @@ class KernelFront:
             return
         sock = self._shell if channel == "shell" else self._control
         await self._flush_busy()
-        reply = self._signer.new_message(reply_type, error_content(exc, 0), msg)
+        reply = self._signer.new_message(reply_type, protocol.error_content(exc, 0), msg)
         await self._to_client(sock, reply, idents)
 
     async def _to_client(
@@ -708,45 +626,27 @@ class KernelFront:
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Run one cell; returns the status of the reply the client got."""
-        if not self.has_quorum or not await self._settle_unsettled():
-            # Without a majority nothing can commit: say so now rather than time out.
-            return await self._quorum_lost(idents, msg)
         wait = self._wait_status(msg)
-        for _ in range(_CLAIM_ATTEMPTS):
-            index = self._next_index
-            self._next_index += 1
+
+        async def choose(index: int) -> CellPlan:
             try:
                 plan = await self._choose(msg, index, wait)
-            except NbosError as exc:
+            except NbosError:
                 await wait.ended(started=False)
-                log.warning("kernel %s: no executor for cell %d: %s", self._kernel_id, index, exc)
-                self._next_index = index  # nothing was sent under it: the next cell takes it
-                return await self._fail_cell(idents, msg, error_content(exc, 0))
+                raise
             await wait.ended(started=True)
+            return plan
+
+        async def execute(index: int, plan: CellPlan) -> str | None:
             try:
-                status = await self._execute_on(idents, msg, index, plan)
+                return await self._execute_on(idents, msg, index, plan)
             finally:
                 await self._chooser.release(plan)
-            if status is not None:
-                self._settled_index = index
-                return status
-            # Another replica holds the index's claim (it claimed early and was not
-            # chosen after all): retire the index and send the cell again under a new one.
-            if await self._settle(index) is None:
-                return await self._quorum_lost(idents, msg)
-        failure = KernelError(f"no replica could claim the cell in {_CLAIM_ATTEMPTS} attempts")
-        return await self._fail_cell(idents, msg, error_content(failure, 0))
 
-    async def _quorum_lost(self, idents: list[bytes], msg: _wire.Msg) -> str:
-        """Reply ``QuorumLostError`` to a cell that cannot run: no majority, or an earlier
-        index still unsettled."""
-        lost = QuorumLostError(
-            f"only replicas {list(self.alive)} of {sorted(self._upstreams)} are alive"
-            if not self.has_quorum
-            else f"cells {sorted(self._unsettled)} could not be settled: no majority answered"
-        )
-        log.warning("kernel %s: %s", self._kernel_id, lost)
-        return await self._fail_cell(idents, msg, error_content(lost, 0))
+        try:
+            return await self._cells.run(choose, execute)
+        except CellRefused as refused:
+            return await self._fail_cell(idents, msg, protocol.error_content(refused.error, 0))
 
     async def _fail_cell(self, idents: list[bytes], msg: _wire.Msg, content: dict[str, Any]) -> str:
         """Answer a cell with the error reply ``content``; returns its status, ``"error"``.
@@ -781,7 +681,7 @@ class KernelFront:
         code = msg["content"].get("code", "")
         return ChoiceRequest(
             index,
-            self._last_executor,
+            self.last_executor,
             self.alive,
             code=code if isinstance(code, str) else "",
             metadata=msg["metadata"],
@@ -794,13 +694,13 @@ class KernelFront:
         """The reply's status, or ``None`` if the replica's claim lost (nothing ran)."""
 
         async def relay(reply: _wire.Msg) -> bool:
-            if _claim_lost(reply):
+            if protocol.claim_lost(reply["metadata"]):
                 return False
-            self._last_executor = plan.replica
+            self._cells.ran_on(plan.replica)
             await self._to_client(self._shell, reply, idents)
             return True
 
-        metadata = {**msg["metadata"], EXEC_INDEX_KEY: index, DEVICES_KEY: list(plan.devices)}
+        metadata = protocol.cell_metadata(msg["metadata"], index, plan.devices)
         # The front aborts what is queued behind a failed cell (stop_on_error); a replica
         # doing it too would abort the front's next request, sent after the failure.
         content = {**msg["content"], "stop_on_error": False}
@@ -817,57 +717,18 @@ class KernelFront:
         )
         if pending.reply is None:
             return await self._cell_lost(idents, msg, index, plan.replica)
-        if _claim_lost(pending.reply):
+        if protocol.claim_lost(pending.reply["metadata"]):
             return None
         return str(pending.reply["content"].get("status", "error"))
 
-    async def _settle(self, index: int) -> dict[str, Any] | None:
-        """Have a live replica commit ``Done(index, lost)``; what it says counts for the cell.
-
-        ``None`` (at once when no majority is alive) if none could: the index is then
-        kept and settled again once a majority is back (:meth:`_settle_unsettled`).
-        """
-        for survivor in self.alive:
-            if not self.has_quorum:
-                break
-            reply = await self.control_request(
-                survivor,
-                "nbos_lost_request",
-                {"exec_index": index},
-                timeout=_LOST_TIMEOUT_S,
-                needs_quorum=True,
-            )
-            if reply is not None and reply["content"].get("status") == "ok":
-                self._unsettled.discard(index)
-                settled: dict[str, Any] = reply["content"]
-                return settled
-        self._unsettled.add(index)
-        log.warning("kernel %s: cell %d is not settled yet", self._kernel_id, index)
-        return None
-
-    async def _settle_unsettled(self) -> bool:
-        """Settle the indices whose settle found no majority, in order; whether all are."""
-        async with self._settling:
-            for index in sorted(self._unsettled):
-                settled = await self._settle(index)
-                if settled is None:
-                    return False
-                log.info(
-                    "kernel %s: cell %d settled as %s",
-                    self._kernel_id,
-                    index,
-                    settled.get("cell_status"),
-                )
-            return True
-
     def _settle_soon(self) -> None:
         """A replica is back: settle what waits for a majority now, not at the next cell."""
-        if self._unsettled and self.has_quorum and self._tg is not None:
+        if self._cells.has_unsettled and self.has_quorum and self._tg is not None:
             self._tg.start_soon(self._settle_in_background)
 
     async def _settle_in_background(self) -> None:
         try:
-            await self._settle_unsettled()
+            await self._cells.settle_unsettled()
         except (NbosError, zmq.ZMQError):
             # The next cell tries again; the front must not go down with this.
             log.exception("kernel %s: settling cells failed", self._kernel_id)
@@ -876,29 +737,7 @@ class KernelFront:
         self, idents: list[bytes], msg: _wire.Msg, index: int, executor: int
     ) -> str:
         """The executor died before replying: have a survivor settle the cell, tell the client."""
-        self._last_executor = None
-        settled = await self._settle(index)
-        if settled is None:
-            exc: NbosError = QuorumLostError(
-                f"cell {index} stopped with its kernel's majority of replicas: it is settled "
-                "(committed or lost) once a majority is back"
-            )
-            content = error_content(exc, 0)
-        elif settled.get("cell_status") == "lost":
-            content = error_content(
-                CellLostError(index, executor), int(settled.get("execution_count", 0))
-            )
-        else:
-            # The executor committed the cell and died before its reply reached us.
-            content = {
-                "status": settled.get("cell_status", "ok"),
-                "execution_count": int(settled.get("execution_count", 1)) - 1,
-                "user_expressions": {},
-                "payload": [],
-            }
-            if content["status"] == "error":
-                content.update(error_content(KernelError(f"cell {index} failed"), 0))
-        log.warning("kernel %s: cell %d settled as %s", self._kernel_id, index, content["status"])
+        content = await self._cells.lost(index, executor)
         if content["status"] == "error":
             return await self._fail_cell(idents, msg, content)
         await self._reply(idents, msg, "execute_reply", content)
@@ -920,7 +759,8 @@ class KernelFront:
             return True
 
         expects_reply = msg["header"]["msg_type"].endswith("_request")
-        preferred = [self._last_executor] if self._last_executor in self.alive else []
+        last = self._cells.last_executor
+        preferred = [last] if last in self.alive else []
         for target in [*preferred, *self.alive]:
             assert target is not None
             pending = await self._roundtrip(
@@ -1022,7 +862,7 @@ class KernelFront:
             await self._to_client(self._control, reply, idents)
             return
         active = self._active
-        target = active.target if active is not None else self._last_executor
+        target = active.target if active is not None else self._cells.last_executor
         if target is None or target not in self.alive:
             target = self.alive[0] if self.alive else None
         if target is None:
@@ -1117,51 +957,6 @@ class KernelFront:
             )
             return None
 
-    async def _watch_heartbeat(self, up: Upstream) -> None:
-        """Ping ``up`` until it is marked dead (a revival starts a new watcher).
-
-        The watcher's REQ socket is its own, closed by nobody else: a receive pending on
-        a zmq.asyncio socket that is closed ends in a bare ``CancelledError``, which
-        would cancel every task of the front.
-        """
-        policy = self._heartbeat
-        life = up.life
-
-        def current() -> bool:
-            return up.alive and up.life == life
-
-        misses = 0
-        sock = up.new_heartbeat()
-        try:
-            while current():
-                await self._heartbeat_pause(misses)
-                if not current():
-                    return
-                if await self._ping(up.replica, sock, policy.timeout_s):
-                    misses = 0
-                    continue
-                # A REQ socket that got no answer is stuck mid-exchange: start a fresh one.
-                sock.close(0)
-                sock = up.new_heartbeat()
-                misses += 1
-                # A watcher of an earlier life never counts against a revived replica.
-                if misses >= policy.misses and current():
-                    self.mark_dead(up.replica, f"{misses} heartbeats missed")
-        finally:
-            sock.close(0)
-
-    async def _ping(self, replica: int, sock: zmq.asyncio.Socket, timeout: float) -> bool:
-        with anyio.move_on_after(timeout):
-            try:
-                await sock.send(b"ping")
-                await sock.recv()
-            except zmq.ZMQError as exc:
-                log.debug("heartbeat of replica %d: %s", replica, exc)
-            else:
-                return True
-        return False
-
-
 async def _wait_reply(pending: _Pending) -> None:
     """Until ``pending`` has its reply, or its replica went idle without sending one."""
     async with anyio.create_task_group() as tg:
@@ -1184,12 +979,6 @@ def _without_subshells(reply: _wire.Msg) -> _wire.Msg:
         return reply
     kept = [f for f in features if f != "kernel subshells"]
     return {**reply, "content": {**reply["content"], "supported_features": kept}}
-
-
-def _claim_lost(reply: _wire.Msg) -> bool:
-    """Whether ``reply`` says the replica's claim lost (it ran nothing)."""
-    nbos = reply["metadata"].get("nbos")
-    return isinstance(nbos, dict) and "claim_lost_to" in nbos
 
 
 def _bound_port(sock: zmq.asyncio.Socket) -> int:

@@ -35,6 +35,25 @@ from nbos.core.object_store import ObjectStore
 from nbos.core.wire.entries import CellStatus, Claim, CommEntry, Done
 from nbos.core.wire.state import StateDelta
 from nbos.gpu import TorchGpuBinder
+from nbos.kernel.protocol import (
+    CELL_STATUS,
+    DIGEST_AFTER,
+    DIGEST_REQUEST,
+    EVICT_DEVICES,
+    EVICT_REQUEST,
+    EXECUTION_COUNT,
+    LAST_DONE,
+    LOST_INDEX,
+    LOST_REQUEST,
+    MEMBER_REQUEST,
+    NEXT_CLAIMED_BY,
+    PROGRESS_REQUEST,
+    REPLY_INFO_KEY,
+    cell_request,
+    claim_lost_info,
+    error_content,
+    reply_of,
+)
 from nbos.kernel.replica._machine import (
     CellCommitted,
     CommDelivered,
@@ -50,9 +69,6 @@ from nbos.kernel.replica._sync import NamespaceSync
 
 log = logging.getLogger(__name__)
 
-#: Keys the front puts in an ``execute_request``'s metadata.
-EXEC_INDEX_KEY = "nbos_exec_index"
-DEVICES_KEY = "nbos_devices"
 _COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
 
 
@@ -66,18 +82,6 @@ class _Cell:
     commit_s: float = 0.0
     status: str = ""
     code: str = ""
-
-
-def cell_request(metadata: Any) -> tuple[int, tuple[int, ...]]:
-    """The exec index and device ids of a front's request; ``KernelError`` if absent or bad."""
-    if not isinstance(metadata, dict):
-        raise KernelError("execute_request without metadata")
-    index, devices = metadata.get(EXEC_INDEX_KEY), metadata.get(DEVICES_KEY, [])
-    if not isinstance(index, int) or isinstance(index, bool) or index < 1:
-        raise KernelError(f"execute_request needs a positive int {EXEC_INDEX_KEY}, got {index!r}")
-    if not isinstance(devices, list) or not all(isinstance(d, int) for d in devices):
-        raise KernelError(f"{DEVICES_KEY} must be a list of ints, got {devices!r}")
-    return index, tuple(devices)
 
 
 class ReplicaKernel(IPythonKernel):
@@ -97,11 +101,11 @@ class ReplicaKernel(IPythonKernel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
-        self.control_handlers["nbos_lost_request"] = self._lost_request
-        self.control_handlers["nbos_digest_request"] = self._digest_request
-        self.control_handlers["nbos_progress_request"] = self._progress_request
-        self.control_handlers["nbos_evict_request"] = self._evict_request
-        self.control_handlers["nbos_member_request"] = self._member_request
+        self.control_handlers[LOST_REQUEST] = self._lost_request
+        self.control_handlers[DIGEST_REQUEST] = self._digest_request
+        self.control_handlers[PROGRESS_REQUEST] = self._progress_request
+        self.control_handlers[EVICT_REQUEST] = self._evict_request
+        self.control_handlers[MEMBER_REQUEST] = self._member_request
         self._comm_handlers = {t: self.shell_handlers[t] for t in _COMM_TYPES}
         for msg_type in _COMM_TYPES:
             self.shell_handlers[msg_type] = self._comm_through_log
@@ -214,7 +218,7 @@ class ReplicaKernel(IPythonKernel):
             self._reply_error(stream, ident, parent, exc)
             return
         if claim != self.node:
-            self._reply_aborted(stream, ident, parent, {"claim_lost_to": claim})
+            self._reply_aborted(stream, ident, parent, claim_lost_info(claim))
             return
         await self._wait_done(index - 1)
         waited = time.monotonic() - begun
@@ -395,7 +399,7 @@ class ReplicaKernel(IPythonKernel):
         metadata = super().finish_metadata(parent, metadata, reply_content)  # type: ignore[no-untyped-call]
         cell = self._cell
         if cell is not None:
-            metadata["nbos"] = {
+            metadata[REPLY_INFO_KEY] = {
                 "exec_index": cell.index,
                 "replica": self.node,
                 "devices": list(cell.devices),
@@ -411,7 +415,7 @@ class ReplicaKernel(IPythonKernel):
     ) -> None:
         content = {"status": "aborted", "execution_count": self.execution_count}
         self._session.send(
-            stream, "execute_reply", content, parent, metadata={"nbos": info}, ident=ident
+            stream, "execute_reply", content, parent, metadata={REPLY_INFO_KEY: info}, ident=ident
         )
 
     def _reply_error(self, stream: Any, ident: Any, parent: dict[str, Any], exc: Exception) -> None:
@@ -574,18 +578,18 @@ class ReplicaKernel(IPythonKernel):
         assert self._raft is not None
         content: dict[str, Any]
         try:
-            index = int(parent["content"]["exec_index"])
+            index = int(parent["content"][LOST_INDEX])
             done = Done(index, self.node, int(self._shell.execution_count), "lost")
             outcome = await self._raft.propose(done)
             content = {
                 "status": "ok",
-                "cell_status": outcome.status,
-                "execution_count": outcome.execution_count,
+                CELL_STATUS: outcome.status,
+                EXECUTION_COUNT: outcome.execution_count,
             }
         except (KeyError, TypeError, ValueError, NbosError) as exc:
             log.warning("nbos_lost_request failed: %s", exc)
             content = error_content(exc, self.execution_count)
-        self._session.send(stream, "nbos_lost_reply", content, parent, ident=ident)
+        self._session.send(stream, reply_of(LOST_REQUEST), content, parent, ident=ident)
 
     async def _progress_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Reply where the kernel's cells stand, as committed when the request came: the
@@ -599,15 +603,15 @@ class ReplicaKernel(IPythonKernel):
             content = error_content(exc, self.execution_count)
         else:
             done, claimed_by = self._machine.progress()
-            content = {"status": "ok", "last_done": done, "next_claimed_by": claimed_by}
-        self._session.send(stream, "nbos_progress_reply", content, parent, ident=ident)
+            content = {"status": "ok", LAST_DONE: done, NEXT_CLAIMED_BY: claimed_by}
+        self._session.send(stream, reply_of(PROGRESS_REQUEST), content, parent, ident=ident)
 
     async def _digest_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Reply the namespace digest once the cell ``after`` (default: none) has applied."""
         assert self._main_loop is not None
         content: dict[str, Any]
         try:
-            after = int(parent["content"].get("after", 0))
+            after = int(parent["content"].get(DIGEST_AFTER, 0))
         except (TypeError, ValueError) as exc:
             log.warning("nbos_digest_request refused: %s", exc)
             content = error_content(exc, self.execution_count)
@@ -615,7 +619,7 @@ class ReplicaKernel(IPythonKernel):
             future = asyncio.run_coroutine_threadsafe(self._digest_after(after), self._main_loop)
             digest, done = await asyncio.wrap_future(future)
             content = {"status": "ok", "digest": digest, "applied_done": done}
-        self._session.send(stream, "nbos_digest_reply", content, parent, ident=ident)
+        self._session.send(stream, reply_of(DIGEST_REQUEST), content, parent, ident=ident)
 
     async def _digest_after(self, index: int) -> tuple[str, int]:
         await self._wait_done(index)
@@ -636,7 +640,7 @@ class ReplicaKernel(IPythonKernel):
         ``devices`` in the content, if given, names the devices the host needs.
         """
         assert self._main_loop is not None
-        devices = parent.get("content", {}).get("devices")
+        devices = parent.get("content", {}).get(EVICT_DEVICES)
         needed = (
             tuple(devices)
             if isinstance(devices, list) and all(isinstance(d, int) for d in devices)
@@ -649,7 +653,7 @@ class ReplicaKernel(IPythonKernel):
         except Exception as exc:
             log.exception("eviction failed")
             content = error_content(exc, self.execution_count)
-        self._session.send(stream, "nbos_evict_reply", content, parent, ident=ident)
+        self._session.send(stream, reply_of(EVICT_REQUEST), content, parent, ident=ident)
 
     async def _evict(self, needed: tuple[int, ...] | None) -> None:
         # A cell binds all of our tensors onto its own devices: if none of ours is on a
@@ -664,7 +668,7 @@ class ReplicaKernel(IPythonKernel):
         """Change the kernel's Raft membership (see :func:`member_reply`)."""
         assert self._raft is not None
         content = await member_reply(self._raft, parent["content"])
-        self._session.send(stream, "nbos_member_reply", content, parent, ident=ident)
+        self._session.send(stream, reply_of(MEMBER_REQUEST), content, parent, ident=ident)
 
     # --- process ---------------------------------------------------------------------
 
@@ -695,15 +699,3 @@ def _consume_failure(early: asyncio.Future[Outcome]) -> None:
     # An early claim nobody waits for must not end as "exception never retrieved".
     if not early.cancelled() and early.exception() is not None:
         log.debug("early claim failed: %s", early.exception())
-
-
-def error_content(exc: BaseException, execution_count: int) -> dict[str, Any]:
-    """The content of an error reply for ``exc`` (``ename`` is its class name)."""
-    name = type(exc).__name__
-    return {
-        "status": "error",
-        "ename": name,
-        "evalue": str(exc),
-        "traceback": [f"{name}: {exc}"],
-        "execution_count": execution_count,
-    }

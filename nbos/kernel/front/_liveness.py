@@ -1,0 +1,186 @@
+"""Which of a kernel's replicas the front counts on: heartbeats, deaths, the majority.
+
+A replica is alive until whoever runs it reports its exit, or it misses
+``HeartbeatPolicy.misses`` heartbeats in a row, or it is removed (replaced). A
+replica being added is on standby: reachable, but not counted, until activated.
+Death listeners hear of every replica declared dead; the front is the first of them
+(it ends the requests in flight there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import anyio
+import attrs
+import zmq
+import zmq.asyncio
+
+from nbos.kernel.front._upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class HeartbeatPolicy:
+    """How the front pings each replica's heartbeat socket, and when it gives up on one.
+
+    A replica is dead after ``misses`` pings in a row got no echo within ``timeout_s``.
+    The heartbeat runs on its own thread in the replica, so a long cell does not miss.
+
+    An idle kernel (no client request and none in flight for ``idle_interval_s``) is
+    pinged every ``idle_interval_s`` instead of every ``interval_s``, until the next
+    request or a missed ping: a replica's process exit is reported at once by whoever
+    runs it, so the pings only look for replicas that hang (``idle_interval_s`` at or
+    below ``interval_s``: no back-off).
+    """
+
+    interval_s: float = 1.0
+    timeout_s: float = 2.0
+    misses: int = 3
+    idle_interval_s: float = 10.0
+
+
+#: ``listener(replica, reason)``: a replica was declared dead.
+DeathListener = Callable[[int, str], None]
+
+
+class Liveness:
+    """The liveness of the replicas in ``upstreams`` (the front's map, read here only).
+
+    ``busy()`` says whether a request is in flight: an idle kernel is pinged less often.
+    """
+
+    def __init__(
+        self,
+        kernel_id: str,
+        upstreams: Mapping[int, Upstream],
+        policy: HeartbeatPolicy,
+        busy: Callable[[], bool],
+    ) -> None:
+        self._kernel_id = kernel_id
+        self._upstreams = upstreams
+        self._policy = policy
+        self._busy = busy
+        #: Replicas being added (replacements): reachable, but not used for cells yet.
+        self._standby: set[int] = set()
+        self._listeners: list[DeathListener] = []
+        #: The kernel is being shut down: replicas that end from now on are expected to.
+        self.closing = False
+        #: When the last client request came (the start counts as one), and the event
+        #: that ends the heartbeat watchers' idle pauses at the next one.
+        self._last_request = anyio.current_time()
+        self._request_came = anyio.Event()
+
+    @property
+    def alive(self) -> tuple[int, ...]:
+        """Node ids of the replicas believed alive (standby ones aside), ascending."""
+        return tuple(
+            sorted(r for r, up in self._upstreams.items() if up.alive and r not in self._standby)
+        )
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Node ids of every replica, dead and standby ones too, ascending."""
+        return tuple(sorted(self._upstreams))
+
+    @property
+    def has_quorum(self) -> bool:
+        """Whether a majority of the kernel's replicas is alive (its log can commit)."""
+        return len(self.alive) * 2 > len(self._upstreams) - len(self._standby)
+
+    def standby(self, replica: int) -> None:
+        """``replica`` is being added: not counted until :meth:`activate`."""
+        self._standby.add(replica)
+
+    def activate(self, replica: int) -> bool:
+        """Count ``replica``, on standby until now; whether it was."""
+        if replica not in self._standby:
+            return False
+        self._standby.discard(replica)
+        return True
+
+    def forget(self, replica: int) -> None:
+        """``replica`` is gone for good (the front drops its upstream too)."""
+        self._standby.discard(replica)
+
+    def on_dead(self, listener: DeathListener) -> None:
+        """Call ``listener(replica, reason)`` whenever a replica is declared dead."""
+        self._listeners.append(listener)
+
+    def mark_dead(self, replica: int, reason: str) -> None:
+        """Declare ``replica`` dead (once; a revival may make it alive again)."""
+        up = self._upstreams.get(replica)
+        if up is None or not up.mark_dead():
+            return
+        level = logging.INFO if self.closing else logging.WARNING
+        log.log(level, "kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)
+        for listener in self._listeners:
+            listener(replica, reason)
+
+    def request_seen(self) -> None:
+        """A client request came: the kernel is not idle, ping at the busy pace again."""
+        self._last_request = anyio.current_time()
+        if self._request_came.statistics().tasks_waiting:
+            self._request_came.set()
+            self._request_came = anyio.Event()
+
+    async def watch(self, up: Upstream) -> None:
+        """Ping ``up`` until it is marked dead (a revival starts a new watcher).
+
+        The watcher's REQ socket is its own, closed by nobody else: a receive pending on
+        a zmq.asyncio socket that is closed ends in a bare ``CancelledError``, which
+        would cancel every task of the front.
+        """
+        life = up.life
+
+        def current() -> bool:
+            return up.alive and up.life == life
+
+        misses = 0
+        sock = up.new_heartbeat()
+        try:
+            while current():
+                await self._pause(misses)
+                if not current():
+                    return
+                if await _ping(up.replica, sock, self._policy.timeout_s):
+                    misses = 0
+                    continue
+                # A REQ socket that got no answer is stuck mid-exchange: start a fresh one.
+                sock.close(0)
+                sock = up.new_heartbeat()
+                misses += 1
+                # A watcher of an earlier life never counts against a revived replica.
+                if misses >= self._policy.misses and current():
+                    self.mark_dead(up.replica, f"{misses} heartbeats missed")
+        finally:
+            sock.close(0)
+
+    async def _pause(self, misses: int) -> None:
+        """Wait until the next ping: longer while the kernel is idle (see HeartbeatPolicy)."""
+        policy = self._policy
+        idle = (
+            misses == 0
+            and policy.idle_interval_s > policy.interval_s
+            and not self._busy()
+            and anyio.current_time() - self._last_request >= policy.idle_interval_s
+        )
+        if not idle:
+            await anyio.sleep(policy.interval_s)
+            return
+        with anyio.move_on_after(policy.idle_interval_s):
+            await self._request_came.wait()
+
+
+async def _ping(replica: int, sock: zmq.asyncio.Socket, timeout: float) -> bool:
+    with anyio.move_on_after(timeout):
+        try:
+            await sock.send(b"ping")
+            await sock.recv()
+        except zmq.ZMQError as exc:
+            log.debug("heartbeat of replica %d: %s", replica, exc)
+        else:
+            return True
+    return False

@@ -1,0 +1,102 @@
+"""What a kernel's front and its replicas say to each other beyond the Jupyter protocol.
+
+The front and the replica both import this module, and it imports neither side: the
+front (which runs in the gateway) must not load ipykernel, IPython or Raft, and the
+replica must not load the front. It holds:
+
+* the ``execute_request`` metadata keys the front sets (:func:`cell_metadata`) and the
+  replica reads (:func:`cell_request`);
+* the replica's reply metadata under :data:`REPLY_INFO_KEY`, in which a replica whose
+  claim lost names the winner (:func:`claim_lost_info`, :func:`claim_lost`);
+* the front's own control requests (the ``nbos_*_request`` message types), their
+  replies' types (:func:`reply_of`) and the content fields the front reads back;
+* :func:`error_content`, the content of every error reply either side makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nbos.core.errors import KernelError
+
+#: ``execute_request`` metadata: the cell's index in the kernel's log (a positive int).
+EXEC_INDEX_KEY = "nbos_exec_index"
+#: ``execute_request`` metadata: the host-local GPU device ids the cell runs with.
+DEVICES_KEY = "nbos_devices"
+#: ``execute_reply`` metadata: what the replica says about the cell (its index, timings,
+#: or the winner of the claim that beat it).
+REPLY_INFO_KEY = "nbos"
+#: In :data:`REPLY_INFO_KEY` of an ``aborted`` reply: the replica whose claim won.
+CLAIM_LOST_TO = "claim_lost_to"
+
+#: Commit ``Done(exec_index, lost)`` for a cell whose executor died (or that was never
+#: run under that index); the reply says how the cell ended (:data:`CELL_STATUS`).
+LOST_REQUEST = "nbos_lost_request"
+#: The namespace digest once cell ``after`` has applied (tests, replacement checks).
+DIGEST_REQUEST = "nbos_digest_request"
+#: The last committed ``Done`` (:data:`LAST_DONE`) and who claimed the cell after it
+#: (:data:`NEXT_CLAIMED_BY`): what a front that takes a kernel over goes on from.
+PROGRESS_REQUEST = "nbos_progress_request"
+#: Move tensors left on GPUs to host memory (the host needs the ``devices``).
+EVICT_REQUEST = "nbos_evict_request"
+#: A Raft membership change, for replacing a dead replica.
+MEMBER_REQUEST = "nbos_member_request"
+
+#: Content fields: of :data:`LOST_REQUEST` (the cell to settle), of
+#: :data:`DIGEST_REQUEST` (the cell to wait for) and of :data:`EVICT_REQUEST`.
+LOST_INDEX = "exec_index"
+DIGEST_AFTER = "after"
+EVICT_DEVICES = "devices"
+#: Content fields of the replies the front reads.
+CELL_STATUS = "cell_status"
+EXECUTION_COUNT = "execution_count"
+LAST_DONE = "last_done"
+NEXT_CLAIMED_BY = "next_claimed_by"
+
+
+def reply_of(request_type: str) -> str:
+    """The message type of the reply to one of the control requests above."""
+    return request_type.removesuffix("_request") + "_reply"
+
+
+def cell_metadata(
+    metadata: Mapping[str, Any], exec_index: int, devices: tuple[int, ...]
+) -> dict[str, Any]:
+    """A client's ``execute_request`` metadata with the front's keys for one replica."""
+    return {**metadata, EXEC_INDEX_KEY: exec_index, DEVICES_KEY: list(devices)}
+
+
+def cell_request(metadata: Any) -> tuple[int, tuple[int, ...]]:
+    """The exec index and device ids of a front's request; ``KernelError`` if absent or bad."""
+    if not isinstance(metadata, dict):
+        raise KernelError("execute_request without metadata")
+    index, devices = metadata.get(EXEC_INDEX_KEY), metadata.get(DEVICES_KEY, [])
+    if not isinstance(index, int) or isinstance(index, bool) or index < 1:
+        raise KernelError(f"execute_request needs a positive int {EXEC_INDEX_KEY}, got {index!r}")
+    if not isinstance(devices, list) or not all(isinstance(d, int) for d in devices):
+        raise KernelError(f"{DEVICES_KEY} must be a list of ints, got {devices!r}")
+    return index, tuple(devices)
+
+
+def claim_lost_info(winner: int) -> dict[str, Any]:
+    """The :data:`REPLY_INFO_KEY` of a replica whose claim lost to ``winner``."""
+    return {CLAIM_LOST_TO: winner}
+
+
+def claim_lost(reply_metadata: Mapping[str, Any]) -> bool:
+    """Whether an ``execute_reply`` says the replica's claim lost (it ran nothing)."""
+    info = reply_metadata.get(REPLY_INFO_KEY)
+    return isinstance(info, dict) and CLAIM_LOST_TO in info
+
+
+def error_content(exc: BaseException, execution_count: int) -> dict[str, Any]:
+    """The content of an error reply for ``exc`` (``ename`` is its class name)."""
+    name = type(exc).__name__
+    return {
+        "status": "error",
+        "ename": name,
+        "evalue": str(exc),
+        "traceback": [f"{name}: {exc}"],
+        "execution_count": execution_count,
+    }
