@@ -8,8 +8,8 @@ every kernel that is not shut down, with what taking it back needs after a
   sockets and keep signing with the same key;
 * each replica's host, its agent's replica id (the agent keeps the process; the
   new gateway adopts it), how it was started (to restart it in place), its Raft
-  and forwarder addresses (for replacements) and its connection info (the front
-  connects to it again).
+  address (for replacements) and its connection info (the front connects to it
+  again).
 
 Not kept: which cell index comes next (the replicas' logs say, see
 :meth:`~nbos.kernel.front.KernelFront.serve`), GPU grants (the agents report
@@ -53,7 +53,7 @@ class FrontRecord(_Record, frozen=True):
     session: str
 
 
-class ReplicaRecord(_Record, frozen=True):
+class ReplicaRecord(_Record, frozen=True, omit_defaults=True):
     """One replica of a kernel: where it runs and how to reach, restart or replace it."""
 
     node: int
@@ -64,10 +64,12 @@ class ReplicaRecord(_Record, frozen=True):
     key: str
     argv: list[str]
     raft: str
-    forward: str
     connection: dict[str, str | int]
     env: dict[str, str] = {}
     label: str = ""
+    #: The address of the proposal forwarder that replicas had before forwarding moved
+    #: into the Raft driver: read from an older gateway's file, never used or written.
+    forward: str | None = None
 
 
 class KernelRecord(_Record, frozen=True):

@@ -43,9 +43,9 @@ from nbos.kernel.replica._machine import (
     Outcome,
     Restored,
 )
+from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._membership import member_reply
 from nbos.kernel.replica._output import CellOutput
-from nbos.kernel.replica._raftnode import RaftNode
 from nbos.kernel.replica._sync import NamespaceSync
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class ReplicaKernel(IPythonKernel):
         self._comm_handlers = {t: self.shell_handlers[t] for t in _COMM_TYPES}
         for msg_type in _COMM_TYPES:
             self.shell_handlers[msg_type] = self._comm_through_log
-        self._raft: RaftNode | None = None
+        self._raft: RaftMemberThread | None = None
         self._sync: NamespaceSync | None = None
         self._machine: KernelStateMachine | None = None
         # Held while a cell runs and while the namespace is imaged for a snapshot.
@@ -139,7 +139,7 @@ class ReplicaKernel(IPythonKernel):
         self._machine = KernelStateMachine(self._post_event)
         return self._machine
 
-    def attach(self, raft: RaftNode, store: ObjectStore) -> None:
+    def attach(self, raft: RaftMemberThread, store: ObjectStore) -> None:
         self._raft, self._sync = raft, NamespaceSync(store)
 
     def use_virtual_gpus(self) -> None:
@@ -414,9 +414,7 @@ class ReplicaKernel(IPythonKernel):
             stream, "execute_reply", content, parent, metadata={"nbos": info}, ident=ident
         )
 
-    def _reply_error(
-        self, stream: Any, ident: Any, parent: dict[str, Any], exc: Exception
-    ) -> None:
+    def _reply_error(self, stream: Any, ident: Any, parent: dict[str, Any], exc: Exception) -> None:
         content = error_content(exc, self.execution_count)
         self._session.send(stream, "execute_reply", content, parent, ident=ident)
 
@@ -629,9 +627,7 @@ class ReplicaKernel(IPythonKernel):
         # them in user_ns_hidden: each replica has its own, so they are not user state.
         hidden = self._shell.user_ns_hidden
         return {
-            k: v
-            for k, v in self._shell.user_ns.items()
-            if k not in hidden or hidden[k] is not v
+            k: v for k, v in self._shell.user_ns.items() if k not in hidden or hidden[k] is not v
         }
 
     async def _evict_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
@@ -711,5 +707,3 @@ def error_content(exc: BaseException, execution_count: int) -> dict[str, Any]:
         "traceback": [f"{name}: {exc}"],
         "execution_count": execution_count,
     }
-
-
