@@ -222,15 +222,7 @@ class RaftReplicatedLog:
         pending = _Pending(client_id, seq)
         if forward:
             return await self._enqueue(lambda: self._track(proposal, pending), pending, timeout)
-        payload = _encoder.encode(proposal)
-
-        def append() -> None:
-            try:
-                self._pending[self._node.propose(payload)] = pending
-            except Exception as exc:
-                pending.outcome.fail(exc)
-
-        return await self._enqueue(append, pending, timeout)
+        return await self._enqueue(self._appender(proposal, pending), pending, timeout)
 
     async def ask_for_leadership(self) -> None:
         """Ask the leader this node knows of to hand leadership to it (best effort:
@@ -346,6 +338,10 @@ class RaftReplicatedLog:
     async def _replicate_command(self, command: MemberAddress) -> None:
         self._seq += 1
         pending = _Pending(self._client_id, self._seq)
+        await self._enqueue(self._appender(command, pending), pending, timeout=10.0)
+
+    def _appender(self, command: Proposal | MemberAddress, pending: _Pending) -> Callable[[], None]:
+        """What appends ``command`` on the node loop as the leader (a follower refuses)."""
         payload = _encoder.encode(command)
 
         def append() -> None:
@@ -354,7 +350,7 @@ class RaftReplicatedLog:
             except Exception as exc:
                 pending.outcome.fail(exc)
 
-        await self._enqueue(append, pending, timeout=10.0)
+        return append
 
     # --- forwarding (on the node loop) ---------------------------------------------
 
