@@ -109,9 +109,11 @@ class _Forwarding:
         self.payload = _encoder.encode(proposal)
         #: Callers of ``propose`` waiting on it (a retry with the same session joins).
         self.waiters = [pending]
-        #: ``(term, leader)`` when it was last handed over, and the driver's tick then.
+        #: ``(term, leader)`` when it was last handed over; it is handed over again when
+        #: that changes, or at tick ``retry_at`` (``None``: this leader appended it, and
+        #: it stays in the log for as long as the term lasts).
         self.via: tuple[int, int | None] = (-1, None)
-        self.tick = 0
+        self.retry_at: int | None = 0
 
     @property
     def done(self) -> bool:
@@ -369,14 +371,20 @@ class RaftReplicatedLog:
     def _hand_over(self, tracked: _Forwarding) -> None:
         """Append ``tracked`` as the leader, or send it to the leader this node knows of."""
         node = self._node
-        tracked.via, tracked.tick = (node.term, node.leader_id), self._ticks
+        tracked.via = (node.term, node.leader_id)
         try:
             node.propose(tracked.payload)  # a follower refuses, but wakes to time the leader
-        except NotLeaderError as exc:
-            leader = exc.leader_hint
-            if leader is not None and leader != node.id:
-                self._forward_batch.setdefault(leader, []).append(tracked.proposal)
-            # else: no leader known; handed over on the tick after one is
+        except NotLeaderError:
+            if node.leader_id is None or node.leader_id == node.id:
+                # No leader known, or this one refuses for now (a leadership transfer,
+                # its own removal): try again on the next tick.
+                tracked.retry_at = self._ticks + 1
+            else:
+                self._forward_batch.setdefault(node.leader_id, []).append(tracked.proposal)
+                # lost on the way, or dropped by a leader in transfer: sent again later
+                tracked.retry_at = self._ticks + self._settings.election_ticks
+        else:
+            tracked.retry_at = None
 
     def _retry_forwarding(self) -> None:
         """Hand over again what a leader change (or a lost message) may have dropped."""
@@ -386,10 +394,8 @@ class RaftReplicatedLog:
             if tracked.done:  # its callers' deadlines passed
                 del self._forwarding[key]
             elif tracked.via != now or (
-                node.leader_id != node.id
-                and self._ticks - tracked.tick >= self._settings.election_ticks
+                tracked.retry_at is not None and self._ticks >= tracked.retry_at
             ):
-                # A leader's own append stays in its log for as long as its term lasts.
                 self._hand_over(tracked)
 
     def _settle_from_session(self, proposal: Proposal, waiters: list[_Pending]) -> bool:

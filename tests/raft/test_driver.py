@@ -271,6 +271,19 @@ async def test_a_proposal_forwarded_twice_applies_once() -> None:
         await sender.aclose()
 
 
+async def test_a_leaders_own_proposal_waits_out_a_transfer_to_a_dead_member() -> None:
+    # The executor asks for leadership after each cell; killed right after, it leaves
+    # the leader transferring to a dead member, which refuses proposals until the
+    # transfer is given up (an election timeout later).
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        dead = next(n for n in (1, 2, 3) if n != leader.node_id)
+        g.stop(dead)
+        await leader.transfer_leadership(NodeId(dead))
+        put = encode_command("put", "k", "v")
+        assert await leader.propose(put, forward=True, timeout=30) == b"v"
+
+
 async def test_a_follower_without_a_leader_to_forward_to_times_out() -> None:
     async with group([1, 2, 3]) as g:
         leader = await g.leader()
