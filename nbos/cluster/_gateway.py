@@ -8,9 +8,9 @@ One implementation for every cluster: :class:`Gateway` runs kernels over a
 from this package's kernel, replacement and chooser, which use the scheduler there.)
 
 A kernel's replica ``N`` gets a working directory ``KERNEL/replica-N`` on its host
-(its connection file, and its Raft log when durable), Raft and forwarder ports free on
-that host, and a connection file naming that host's address: replicas listen on the
-address their host is reached at. Fronts bind ``front_ip``.
+(its connection file, and its Raft log when durable), a Raft port free on that host,
+and a connection file naming that host's address: replicas listen on the address
+their host is reached at. Fronts bind ``front_ip``.
 
 Durability: given a :class:`~nbos.gateway._state.StateFile` (``nbos gateway`` with a
 data dir), the gateway rewrites it whenever its kernels change (a kernel started, shut
@@ -22,7 +22,7 @@ go on from the replicas' log. The embedded cluster keeps no state file.
 With :attr:`KernelOptions.curve` (``nbos gateway`` with keys) every kernel gets a
 CURVE key pair of its own at its start (:func:`~nbos.transport.keys.kernel_keys_env`),
 in the environment of each of its replicas (replacements and restarts too, and in
-the state file): their Raft and forwarder links admit only that pair.
+the state file): their Raft links admit only that pair.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import msgspec
 from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
 from nbos.cluster._chooser import GpuChooser
 from nbos.cluster._kernel import Kernel, stop_processes
-from nbos.cluster._replacement import MemberAddress, Replacer, Spawn, Spawned
+from nbos.cluster._replacement import Replacer, Spawn, Spawned
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, NbosError, UnknownKernelError
@@ -95,7 +95,7 @@ class KernelOptions:
     declared dead, and that was not restarted within that many seconds (``None``: never
     by itself); ``fence_dead_replicas`` kills a replica declared dead whose process still
     runs (``False``: it runs on, as on a host nobody can reach to kill it); ``curve``
-    gives each kernel a CURVE key pair of its own for its replicas' Raft and forwarder
+    gives each kernel a CURVE key pair of its own for its replicas' Raft
     links (only where the links to the agents, which carry it, are CURVE too).
     """
 
@@ -322,7 +322,7 @@ class Gateway:
                     tg.start_soon(self._adopt, handles, replica, timeout)
             placed = {r.node: HostId(r.host) for r in record.replicas}
             launches = {r.node: _launch_of(r) for r in record.replicas}
-            members = {r.node: MemberAddress(r.raft, r.forward) for r in record.replicas}
+            members = {r.node: r.raft for r in record.replicas}
             for r in record.replicas:
                 self._connections[(kernel_id, r.node)] = r.connection
             chooser = GpuChooser(self.gpus.scheduler, kernel_id, placed, record.gpus)
@@ -406,8 +406,7 @@ class Gateway:
                     argv=list(launch.spec.argv),
                     env=dict(launch.spec.env),
                     label=launch.spec.label,
-                    raft=member.raft,
-                    forward=member.forward,
+                    raft=member,
                     connection=_plain(connection),
                 )
             )
@@ -429,9 +428,10 @@ class Gateway:
         self._connections[(kernel_id, node)] = info
         return info
 
-    async def _member(self, host: HostId) -> MemberAddress:
-        raft, forward = await self.launcher.addresses(host, 2)
-        return MemberAddress(raft, forward)
+    async def _member(self, host: HostId) -> str:
+        """A Raft address for a new replica on ``host``."""
+        (raft,) = await self.launcher.addresses(host, 1)
+        return raft
 
     async def _run_kernel(
         self,
@@ -474,9 +474,7 @@ class Gateway:
                         self._persist_soon()
                         return handle
 
-                    async def spawn(
-                        node: int, host: HostId, peers: Mapping[int, MemberAddress]
-                    ) -> Spawned:
+                    async def spawn(node: int, host: HostId, peers: Mapping[int, str]) -> Spawned:
                         launches[node] = self._launch(
                             kernel_id, node, host, peers, replacing.env, join=True
                         )
@@ -561,14 +559,13 @@ class Gateway:
         kernel_id: KernelId,
         node: int,
         host: HostId,
-        members: Mapping[int, MemberAddress],
+        members: Mapping[int, str],
         env: Mapping[str, str],
         *,
         join: bool = False,
     ) -> _Launch:
         """Replica ``node`` of ``kernel_id`` on ``host``; ``join``: a replacement's."""
         options = self.options
-        peers = {n: [a.raft, a.forward] for n, a in members.items()}
         argv = [
             PYTHON_TOKEN,
             "-m",
@@ -580,7 +577,7 @@ class Gateway:
             "--node-id",
             str(node),
             "--raft-peers",
-            json.dumps(peers),
+            json.dumps(members),
             "--store",
             options.store,
             # Each replica keeps its own input history (filled from the log), not a
@@ -607,7 +604,7 @@ class _Replacing:
     routes read (kept up to date), who hears that the kernel's replicas changed, and
     the replicas' extra environment."""
 
-    members: dict[int, MemberAddress]
+    members: dict[int, str]
     chooser: ExecutorChooser
     gpus: int
     hosts: dict[int, HostId]

@@ -210,8 +210,6 @@ class Kernel:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is still running")
         self._processes[node] = await self._restart(node)
         await self.front.revive(node, timeout=timeout)
-        if self._replacer is not None:
-            await self._replacer.introduce(node)
 
     async def replace_replica(
         self, node: int, *, timeout: float = 60.0, target: HostId | None = None

@@ -8,8 +8,8 @@ the dead member's place is taken by a new Raft member (a new node id), in this o
 2. a new replica process starts, empty and in ``--join`` mode, on the given host (a
    migration's target) or else on one the placement policy picks among those that hold
    none of the kernel's live replicas;
-3. the Raft leader adds it as a learner (every live replica first learns its addresses,
-   so any of them can forward proposals to it should it lead one day); it catches up
+3. the Raft leader adds it as a learner (its Raft address goes through the log, so
+   every member, and any later leader, reaches it); it catches up
    from a snapshot plus the log, i.e. the namespace image and the deltas after it;
 4. it is promoted to voter once the leader finds it caught up, then the dead member is
    removed: one membership change at a time, each retried until the Raft core takes it;
@@ -51,14 +51,6 @@ POLICY_BACKOFF_S = (1.0, 16.0)
 
 
 @attrs.frozen
-class MemberAddress:
-    """Where one replica's Raft transport and proposal forwarder listen."""
-
-    raft: str
-    forward: str
-
-
-@attrs.frozen
 class Spawned:
     """A replacement replica process that is up: its handle and Jupyter connection info."""
 
@@ -67,11 +59,10 @@ class Spawned:
 
 
 class Spawn(Protocol):
-    """Starts replica ``node`` on ``host`` in join mode; ``peers`` includes itself."""
+    """Starts replica ``node`` on ``host`` in join mode; ``peers`` (their Raft addresses)
+    includes itself."""
 
-    def __call__(
-        self, node: int, host: HostId, peers: Mapping[int, MemberAddress]
-    ) -> Awaitable[Spawned]: ...
+    def __call__(self, node: int, host: HostId, peers: Mapping[int, str]) -> Awaitable[Spawned]: ...
 
 
 #: Picks a host for a replacement of ``kernel``'s replica, avoiding ``exclude``.
@@ -105,8 +96,9 @@ class MoveListener(Protocol):
 class Replacer:
     """Replaces dead replicas of one kernel, one at a time.
 
-    ``processes`` and ``members`` are the kernel's live bookkeeping, shared with the
-    cluster: a replacement adds the new node to both and drops the dead one.
+    ``processes`` and ``members`` (their Raft addresses) are the kernel's live
+    bookkeeping, shared with the cluster: a replacement adds the new node to both and
+    drops the dead one.
     """
 
     def __init__(
@@ -115,10 +107,10 @@ class Replacer:
         kernel_id: KernelId,
         front: KernelFront,
         processes: dict[int, ProcessHandle],
-        members: dict[int, MemberAddress],
+        members: dict[int, str],
         spawn: Spawn,
         place: Place,
-        new_member: Callable[[HostId], Awaitable[MemberAddress]],
+        new_member: Callable[[HostId], Awaitable[str]],
         listeners: Sequence[object] = (),
     ) -> None:
         # Those of ``listeners`` that are ReplacementListeners hear of each replacement,
@@ -225,19 +217,6 @@ class Replacer:
     def _kernel_ending(self) -> bool:
         return self._closed or self._front.is_closing
 
-    async def introduce(self, node: int) -> None:
-        """Tell replica ``node`` (restarted in place) where every other member's forwarder is.
-
-        Its Raft transport learns the members from its log; its forwarder knows only the
-        peers it was first started with, which may since have been replaced.
-        """
-        for member, address in list(self._members.items()):
-            if member != node:
-                content = _content("peer", member, address)
-                await self._front.control_request(
-                    node, "nbos_member_request", content, timeout=_REQUEST_TIMEOUT_S
-                )
-
     def replacing(self, node: int) -> bool:
         """Whether replica ``node`` is being replaced right now."""
         return self._replacing == node
@@ -311,15 +290,11 @@ class Replacer:
     async def _join(
         self,
         node: int,
-        address: MemberAddress,
+        address: str,
         spawned: Spawned,
         live: list[int],
         after: int | None,
     ) -> None:
-        for member in live:  # best effort: one that misses it cannot forward to the new node
-            await self._front.control_request(
-                member, "nbos_member_request", _content("peer", node, address), timeout=2.0
-            )
         await self._change(live, "add_learner", node, address)
         await self._front.add_replica(ReplicaEndpoint(node, spawned.connection))
         # The Raft core refuses to promote a learner that has not caught up: retried.
@@ -358,7 +333,7 @@ class Replacer:
                 self._scopes.discard(scope)
 
     async def _change(
-        self, live: Sequence[int], op: str, node: int, address: MemberAddress | None = None
+        self, live: Sequence[int], op: str, node: int, address: str | None = None
     ) -> None:
         """Have the Raft leader make one membership change; retried until it took effect."""
         content = _content(op, node, address)
@@ -387,8 +362,8 @@ class Replacer:
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
 
-def _content(op: str, node: int, address: MemberAddress | None) -> dict[str, Any]:
+def _content(op: str, node: int, address: str | None) -> dict[str, Any]:
     content: dict[str, Any] = {"op": op, "node": node}
     if address is not None:
-        content |= {"raft": address.raft, "forward": address.forward}
+        content["raft"] = address
     return content

@@ -9,8 +9,8 @@ every kernel that is not shut down, with what taking it back needs after a
 * each replica's host, its agent's replica id (the agent keeps the process; the
   new gateway adopts it), how it was started (to restart it in place: argv,
   environment, with the kernel's CURVE keys where it has some), its Raft
-  and forwarder addresses (for replacements) and its connection info (the front
-  connects to it again).
+  address (for replacements) and its connection info (the front connects to it
+  again).
 
 The file holds secrets (HMAC and CURVE keys): it is written with mode ``0600``.
 
@@ -56,7 +56,7 @@ class FrontRecord(_Record, frozen=True):
     session: str
 
 
-class ReplicaRecord(_Record, frozen=True):
+class ReplicaRecord(_Record, frozen=True, omit_defaults=True):
     """One replica of a kernel: where it runs and how to reach, restart or replace it."""
 
     node: int
@@ -67,10 +67,12 @@ class ReplicaRecord(_Record, frozen=True):
     key: str
     argv: list[str]
     raft: str
-    forward: str
     connection: dict[str, str | int]
     env: dict[str, str] = {}
     label: str = ""
+    #: The address of the proposal forwarder that replicas had before forwarding moved
+    #: into the Raft driver: read from an older gateway's file, never used or written.
+    forward: str | None = None
 
 
 class KernelRecord(_Record, frozen=True):

@@ -10,11 +10,19 @@ The driver wraps application data in a :class:`~nbos.core.wire.log_commands.Prop
 carrying a client session ``(client_id, seq)``: a retried proposal with the same
 pair applies once, and the retry gets the first result. Sessions, member
 addresses and the application image together form the Raft snapshot.
+
+``propose(..., forward=True)`` works on any member, as etcd-io/raft's proposal
+forwarding does: a follower sends the proposal to the leader it knows of in a
+:class:`~nbos.core.wire.raft.RaftForward` over the same transport, and hands it
+over again when the leader (or the term) changes or nothing applied within an
+election timeout. The session makes each hand-over idempotent, and the caller's
+wait ends when the entry with its ``(client_id, seq)`` applies on this node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -38,6 +46,7 @@ from nbos.core.errors import (
     LogClosedError,
     NotLeaderError,
     ProposalTimeoutError,
+    ReplicationError,
     TransportClosedError,
     UnknownPeerError,
 )
@@ -46,7 +55,16 @@ from nbos.core.replicated_log import StateMachine
 from nbos.core.transport import Transport
 from nbos.core.wire import decode, encode
 from nbos.core.wire.log_commands import ClientSession, DriverSnapshot, MemberAddress, Proposal
-from nbos.core.wire.raft import ConfChange, Entry, RaftAppend, RaftPeerMessages, SnapshotMeta
+from nbos.core.wire.raft import (
+    ConfChange,
+    Entry,
+    RaftAppend,
+    RaftDriverMessages,
+    RaftForward,
+    RaftPeerMessages,
+    RaftTransferRequest,
+    SnapshotMeta,
+)
 from nbos.raft._waiters import Outcome, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
 from nbos.raft.storage import DiskStorage, LogStorage, MemoryStorage
@@ -56,6 +74,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PEER_MESSAGES: tuple[type, ...] = typing.get_args(RaftPeerMessages)
+_DRIVER_MESSAGES: tuple[type, ...] = typing.get_args(RaftDriverMessages)
 _command_decoder = msgspec.msgpack.Decoder(Proposal | MemberAddress)
 _snapshot_decoder = msgspec.msgpack.Decoder(DriverSnapshot)
 _encoder = msgspec.msgpack.Encoder()
@@ -80,6 +99,29 @@ class _Pending:
                 f"proposal {self.client_id}/{self.seq} not applied within {self.timeout}s"
             )
         )
+
+
+class _Forwarding:
+    """A ``forward=True`` proposal not applied here yet, and whom it was last handed to."""
+
+    def __init__(self, proposal: Proposal, pending: _Pending) -> None:
+        self.proposal = proposal
+        self.payload = _encoder.encode(proposal)
+        #: Callers of ``propose`` waiting on it (a retry with the same session joins).
+        self.waiters = [pending]
+        #: ``(term, leader)`` when it was last handed over; it is handed over again when
+        #: that changes, or at tick ``retry_at`` (``None``: this leader appended it, and
+        #: it stays in the log for as long as the term lasts).
+        self.via: tuple[int, int | None] = (-1, None)
+        self.retry_at: int | None = 0
+
+    @property
+    def done(self) -> bool:
+        return all(w.outcome.done for w in self.waiters)
+
+    def settle(self, result: bytes) -> None:
+        for waiter in self.waiters:
+            waiter.outcome.set(result)
 
 
 class RaftReplicatedLog:
@@ -111,6 +153,12 @@ class RaftReplicatedLog:
         self._deadlines: list[tuple[float, int, _Pending]] = []
         self._tiebreak = itertools.count()
         self._reads: dict[bytes, Outcome[int]] = {}
+        self._forwarding: dict[tuple[str, int], _Forwarding] = {}
+        # What the node loop sends after it took its queued input: forwarded proposals
+        # per leader (one message each) and leadership requests.
+        self._forward_batch: dict[int, list[Proposal]] = {}
+        self._outbox: list[RaftDriverMessages] = []
+        self._ticks = 0
         self._applied = Watermark(node.applied_index)
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Callable[[], None]](
             10_000
@@ -160,15 +208,34 @@ class RaftReplicatedLog:
         client_id: str | None = None,
         seq: int | None = None,
         timeout: float = 10.0,
+        forward: bool = False,
     ) -> bytes:
+        """See :class:`~nbos.core.replicated_log.ReplicatedLog`; ``forward=True`` on a
+        follower hands the proposal to the leader instead of raising ``NotLeaderError``,
+        and keeps doing so across leader changes until it applied here or ``timeout``
+        passed (``ProposalTimeoutError``)."""
         if client_id is None or seq is None:
             self._seq += 1
             client_id, seq = self._client_id, self._seq
         session = self._sessions.get(client_id)
         if session is not None and session.seq == seq:
             return session.result
-        payload = _encoder.encode(Proposal(client_id, seq, data))
-        return await self._replicate(payload, _Pending(client_id, seq), timeout)
+        proposal = Proposal(client_id, seq, data)
+        pending = _Pending(client_id, seq)
+        if forward:
+            return await self._enqueue(lambda: self._track(proposal, pending), pending, timeout)
+        return await self._enqueue(self._appender(proposal, pending), pending, timeout)
+
+    async def ask_for_leadership(self) -> None:
+        """Ask the leader this node knows of to hand leadership to it (best effort:
+        nothing answers, and a leader that cannot does nothing)."""
+
+        def ask() -> None:
+            node = self._node
+            if node.leader_id is not None and node.leader_id != node.id:
+                self._outbox.append(RaftTransferRequest(node.id, node.leader_id, node.term))
+
+        await self._call(ask)
 
     async def read_index(self, *, timeout: float = 10.0) -> int:
         ctx = uuid.uuid4().bytes
@@ -240,21 +307,16 @@ class RaftReplicatedLog:
             raise LogClosedError("the replicated log was closed") from None
         return await outcome.wait()
 
-    async def _replicate(self, payload: bytes, pending: _Pending, timeout: float) -> bytes:
-        """Append on the node loop and wait for the entry to apply, in one trip.
+    async def _enqueue(
+        self, submit: Callable[[], None], pending: _Pending, timeout: float
+    ) -> bytes:
+        """Run ``submit`` on the node loop and wait for ``pending``, in one trip.
 
         This is the hot path under load, so it avoids a cancel scope and timer per
         proposal: the deadline goes on a heap that the tick loop sweeps (so it is
-        kept to within a tick), and a refusal by the node fails the same outcome
+        kept to within a tick), and ``submit`` fails on refusal the same outcome
         that the apply sets.
         """
-
-        def append() -> None:
-            try:
-                self._pending[self._node.propose(payload)] = pending
-            except Exception as exc:
-                pending.outcome.fail(exc)
-
         if self._closed:
             raise LogClosedError("the replicated log was closed")
         pending.timeout = timeout
@@ -262,9 +324,9 @@ class RaftReplicatedLog:
         heapq.heappush(self._deadlines, (deadline, next(self._tiebreak), pending))
         try:
             try:
-                self._inbox_send.send_nowait(append)
+                self._inbox_send.send_nowait(submit)
             except anyio.WouldBlock:
-                await self._inbox_send.send(append)
+                await self._inbox_send.send(submit)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise LogClosedError("the replicated log was closed") from None
         return await pending.outcome.wait()
@@ -278,7 +340,105 @@ class RaftReplicatedLog:
     async def _replicate_command(self, command: MemberAddress) -> None:
         self._seq += 1
         pending = _Pending(self._client_id, self._seq)
-        await self._replicate(_encoder.encode(command), pending, timeout=10.0)
+        await self._enqueue(self._appender(command, pending), pending, timeout=10.0)
+
+    def _appender(self, command: Proposal | MemberAddress, pending: _Pending) -> Callable[[], None]:
+        """What appends ``command`` on the node loop as the leader (a follower refuses)."""
+        payload = _encoder.encode(command)
+
+        def append() -> None:
+            try:
+                self._pending[self._node.propose(payload)] = pending
+            except Exception as exc:
+                pending.outcome.fail(exc)
+
+        return append
+
+    # --- forwarding (on the node loop) ---------------------------------------------
+
+    def _track(self, proposal: Proposal, pending: _Pending) -> None:
+        """Start handing ``proposal`` to the leader until it applies here."""
+        if self._settle_from_session(proposal, [pending]):
+            return
+        key = (proposal.client_id, proposal.seq)
+        tracked = self._forwarding.get(key)
+        if tracked is not None:  # the same proposal again: it waits with the first
+            tracked.waiters.append(pending)
+            return
+        tracked = self._forwarding[key] = _Forwarding(proposal, pending)
+        self._hand_over(tracked)
+
+    def _hand_over(self, tracked: _Forwarding) -> None:
+        """Append ``tracked`` as the leader, or send it to the leader this node knows of."""
+        node = self._node
+        tracked.via = (node.term, node.leader_id)
+        try:
+            node.propose(tracked.payload)  # a follower refuses, but wakes to time the leader
+        except NotLeaderError:
+            if node.leader_id is None or node.leader_id == node.id:
+                # No leader known, or this one refuses for now (a leadership transfer,
+                # its own removal): try again on the next tick.
+                tracked.retry_at = self._ticks + 1
+            else:
+                self._forward_batch.setdefault(node.leader_id, []).append(tracked.proposal)
+                # lost on the way, or dropped by a leader in transfer: sent again later
+                tracked.retry_at = self._ticks + self._settings.election_ticks
+        else:
+            tracked.retry_at = None
+
+    def _retry_forwarding(self) -> None:
+        """Hand over again what a leader change (or a lost message) may have dropped."""
+        node = self._node
+        now = (node.term, node.leader_id)
+        for key, tracked in list(self._forwarding.items()):
+            if tracked.done:  # its callers' deadlines passed
+                del self._forwarding[key]
+            elif tracked.via != now or (
+                tracked.retry_at is not None and self._ticks >= tracked.retry_at
+            ):
+                self._hand_over(tracked)
+
+    def _settle_from_session(self, proposal: Proposal, waiters: list[_Pending]) -> bool:
+        """Settle ``waiters`` if ``proposal``'s session shows it applied already."""
+        session = self._sessions.get(proposal.client_id)
+        if session is None or proposal.seq > session.seq:
+            return False
+        for waiter in waiters:
+            waiter.outcome.set(session.result if proposal.seq == session.seq else b"")
+        return True
+
+    def _settle_forwarded(self, session: ClientSession) -> None:
+        tracked = self._forwarding.pop((session.client_id, session.seq), None)
+        if tracked is not None:
+            tracked.settle(session.result)
+
+    def _take_forward(self, message: RaftForward) -> None:
+        """As the leader, append proposals a follower forwarded (dropped otherwise)."""
+        for proposal in message.proposals:
+            session = self._sessions.get(proposal.client_id)
+            if session is not None and proposal.seq <= session.seq:
+                continue  # applied already: its proposer learns the result applying it
+            try:
+                self._node.propose(_encoder.encode(proposal))
+            except NotLeaderError as exc:
+                # the follower hands them over again once it knows the new leader
+                log.debug("node %d: forwarded proposals dropped: %s", self._node.id, exc)
+                return
+
+    def _take_transfer_request(self, message: RaftTransferRequest) -> None:
+        try:
+            self._node.transfer_leadership(message.src)
+        except ReplicationError as exc:
+            log.debug("node %d: no transfer to %d: %s", self._node.id, message.src, exc)
+
+    async def _flush_outbox(self) -> None:
+        node = self._node
+        batch, self._forward_batch = self._forward_batch, {}
+        outbox, self._outbox = self._outbox, []
+        for leader, proposals in batch.items():
+            await self._send(RaftForward(node.id, leader, node.term, proposals=proposals))
+        for message in outbox:
+            await self._send(message)
 
     async def _change(self, change: ConfChange) -> None:
         pending = _Pending("", 0)
@@ -301,18 +461,24 @@ class RaftReplicatedLog:
         while True:
             await anyio.sleep(interval)
             self._expire()
-            if self._node.quiesced:
+            if self._node.quiesced and not self._forwarding:
                 # nothing to time until an input wakes the node (it has no proposal
                 # in flight whose deadline could pass meanwhile)
                 self._awake = anyio.Event()
                 await self._awake.wait()
                 continue
             try:
-                self._inbox_send.send_nowait(self._node.tick)
+                self._inbox_send.send_nowait(self._tick)
             except anyio.WouldBlock:
                 log.warning("node %d: inbox full, skipping a tick", self._node.id)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
+
+    def _tick(self) -> None:
+        self._ticks += 1
+        self._node.tick()
+        if self._forwarding:
+            self._retry_forwarding()
 
     async def _receive_loop(self) -> None:
         while True:
@@ -324,8 +490,14 @@ class RaftReplicatedLog:
             if message is None:
                 continue
             self._peers.setdefault(message.src, sender)
+            if isinstance(message, RaftForward):
+                step = functools.partial(self._take_forward, message)
+            elif isinstance(message, RaftTransferRequest):
+                step = functools.partial(self._take_transfer_request, message)
+            else:
+                step = functools.partial(self._node.step, message)
             try:
-                await self._inbox_send.send(_stepper(self._node, message))
+                await self._inbox_send.send(step)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
 
@@ -335,8 +507,12 @@ class RaftReplicatedLog:
         except DecodeError as exc:
             log.warning("node %d: dropped a bad message from %s: %s", self._node.id, sender, exc)
             return None
-        if not isinstance(message, _PEER_MESSAGES):
+        if not isinstance(message, _PEER_MESSAGES + _DRIVER_MESSAGES):
             log.warning("node %d: %s is not a Raft message", self._node.id, type(message).__name__)
+            return None
+        if isinstance(message, RaftForward | RaftTransferRequest) and message.dst != self._node.id:
+            # the core checks this itself for its own messages
+            log.warning("node %d: dropping misaddressed %s", self._node.id, type(message).__name__)
             return None
         return message
 
@@ -349,6 +525,8 @@ class RaftReplicatedLog:
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     # EndOfStream: closed while draining; the `async for` then ends.
                     break
+            if self._forward_batch or self._outbox:
+                await self._flush_outbox()
             while (rd := self._node.ready()) is not None:
                 await self._handle(rd)
             await self._maybe_snapshot()
@@ -374,6 +552,10 @@ class RaftReplicatedLog:
                 await self._send(message)
         if rd.snapshot is not None:
             self._restore(rd.snapshot.data)
+            # what the snapshot covers applied here without passing through _apply
+            for key, tracked in list(self._forwarding.items()):
+                if self._settle_from_session(tracked.proposal, tracked.waiters):
+                    del self._forwarding[key]
         for entry in rd.committed_entries:
             self._apply(entry)
         self._node.advance(rd)
@@ -392,7 +574,7 @@ class RaftReplicatedLog:
         if rd.entries or rd.hard_state is not None:
             self._storage.save(rd.hard_state, rd.entries)
 
-    async def _send(self, message: RaftPeerMessages) -> None:
+    async def _send(self, message: RaftPeerMessages | RaftDriverMessages) -> None:
         peer = self._peers.get(message.dst)
         if peer is None:
             log.debug("node %d: no address for node %d yet", self._node.id, message.dst)
@@ -442,15 +624,22 @@ class RaftReplicatedLog:
         if session is not None and command.seq <= session.seq:
             # A retry of something already applied: the first result stands.
             return session.result if command.seq == session.seq else b""
+        result = self._apply_new(index, command)
+        session = self._sessions[command.client_id] = ClientSession(
+            command.client_id, command.seq, result
+        )
+        if self._forwarding:
+            self._settle_forwarded(session)
+        return result
+
+    def _apply_new(self, index: int, command: Proposal) -> bytes:
         try:
-            result = self._sm.apply(index, command.data)
+            return self._sm.apply(index, command.data)
         except Exception:
             # The StateMachine contract forbids raising; every replica hits the same
             # entry, so skipping it keeps them equal rather than stopping all of them.
             log.exception("node %d: state machine raised on entry %d", self._node.id, index)
-            result = b""
-        self._sessions[command.client_id] = ClientSession(command.client_id, command.seq, result)
-        return result
+            return b""
 
     def _learn_address(self, member: MemberAddress) -> None:
         self._addresses[member.node] = member
@@ -511,10 +700,7 @@ class RaftReplicatedLog:
         for outcome in self._reads.values():
             outcome.fail(error)
         self._pending.clear()
-
-
-def _stepper(node: RaftNode, message: RaftPeerMessages) -> Callable[[], None]:
-    return lambda: node.step(message)
+        self._forwarding.clear()
 
 
 def _open_storage(data_dir: Path | None, settings: RaftSettings) -> LogStorage:

@@ -16,8 +16,8 @@ The whole directory stays on the machine that made it. The gateway needs
 A kernel's replicas have a key pair of their own, made by the gateway when it
 starts the kernel (:func:`kernel_keys_env`), never on disk but in the gateway's
 state file: every replica of the kernel holds the same pair and admits only it
-(the cluster key model of :class:`~nbos.transport.CurveKeys`) on its Raft port
-and its proposal forwarder. It reaches a replica in its environment (through the
+(the cluster key model of :class:`~nbos.transport.CurveKeys`) on its Raft port,
+which also carries forwarded proposals. It reaches a replica in its environment (through the
 agent link, itself CURVE), never on a command line, and the replica takes it out
 of its environment at start (:func:`take_kernel_keys`), so that neither cells nor
 their subprocesses see it.

@@ -48,7 +48,7 @@ can claim any routing id. The ZAP handler is pyzmq's, which runs as its own
 asyncio task from :meth:`ZmqTransport.open` until :meth:`ZmqTransport.aclose`;
 ZAP tells it the refused key but not the remote address, so the log names the key.
 :func:`start_authenticator`, :func:`curve_server` and :func:`curve_client` are
-those steps for other ZeroMQ sockets (a replica's proposal forwarder).
+those steps, one socket at a time.
 
 Where nbos uses it: agent links with the cluster's keys (:mod:`nbos.transport.keys`,
 ``allowed_clients`` and a ``server_key`` per host), and each kernel's Raft group

@@ -60,7 +60,7 @@ async def gateway_side(
         tg.cancel_scope.cancel()
 
 
-def single_replica(kernel_id: str, peers: list[str], store: str) -> ProcessSpec:
+def single_replica(kernel_id: str, raft: str, store: str) -> ProcessSpec:
     """A one-replica kernel (its own Raft group) that binds the host's address."""
     argv = [
         sys.executable,
@@ -73,7 +73,7 @@ def single_replica(kernel_id: str, peers: list[str], store: str) -> ProcessSpec:
         "--node-id",
         "1",
         "--raft-peers",
-        json.dumps({1: peers}),
+        json.dumps({1: raft}),
         "--store",
         store,
         "--data-dir",

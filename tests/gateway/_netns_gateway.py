@@ -27,8 +27,8 @@ _DEADLINE = 120.0
 
 
 async def _kernel_on(gw: GatewaySide, host: HostId, store: str) -> dict[str, str]:
-    raft, forward = await gw.backend.addresses(host, 2)
-    spec = single_replica(f"k-{host}", [raft, forward], store)
+    (raft,) = await gw.backend.addresses(host, 1)
+    spec = single_replica(f"k-{host}", raft, store)
     handle = await gw.backend.start_replica(
         host, spec, workdir=f"k-{host}/replica-1", connection_key=secrets.token_hex(16)
     )

@@ -107,10 +107,10 @@ async def test_a_replica_on_an_agent_binds_ports_the_agent_chose_and_serves_cell
     async with gateway_side(keys) as gw:
         agents.append(start_agent("h1", gw.address, tmp_path, keys=keys))
         await gw.directory.wait_for_hosts(1, timeout=DEADLINE)
-        raft, forward = await gw.backend.addresses(H1, 2)
-        assert raft.startswith("tcp://127.0.0.1:") and raft != forward
+        raft, other = await gw.backend.addresses(H1, 2)
+        assert raft.startswith("tcp://127.0.0.1:") and raft != other
         key = secrets.token_hex(32)
-        spec = single_replica("k1", [raft, forward], str(tmp_path / "store"))
+        spec = single_replica("k1", raft, str(tmp_path / "store"))
         handle = await gw.backend.start_replica(
             H1, spec, workdir="k1/replica-1", connection_key=key
         )

@@ -1,7 +1,7 @@
 """A gateway with keys: each kernel's replicas speak CURVE among themselves, with its own keys.
 
-A peer without the kernel's key pair, probing a replica's Raft port or its proposal
-forwarder with another pair or with no CURVE at all, never completes a handshake (the
+A peer without the kernel's key pair, probing a replica's Raft port (which also carries
+forwarded proposals) with another pair or with no CURVE at all, never completes a handshake (the
 replica logs the refused key), while one holding the kernel's pair does; the kernel
 runs cells meanwhile and after a replica's replacement, which joins over CURVE.
 """
@@ -74,15 +74,15 @@ async def test_replicas_admit_only_their_kernels_keys_and_survive_a_replacement(
         public, secret = zmq.curve_keypair()
         stranger = CurveKeys(secret, public)
         for replica in record.replicas:
-            for address in (replica.raft, replica.forward):
-                # Even knowing the server's public key, only the kernel's pair gets in.
-                server = keys.public_key
-                ok = await anyio.to_thread.run_sync(_handshake, address, keys, server)
-                assert ok == zmq.EVENT_HANDSHAKE_SUCCEEDED, address
-                refused = await anyio.to_thread.run_sync(_handshake, address, stranger, server)
-                assert refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH, address
-                plain = await anyio.to_thread.run_sync(_handshake, address, None, server)
-                assert plain != zmq.EVENT_HANDSHAKE_SUCCEEDED, address
+            address = replica.raft
+            # Even knowing the server's public key, only the kernel's pair gets in.
+            server = keys.public_key
+            ok = await anyio.to_thread.run_sync(_handshake, address, keys, server)
+            assert ok == zmq.EVENT_HANDSHAKE_SUCCEEDED, address
+            refused = await anyio.to_thread.run_sync(_handshake, address, stranger, server)
+            assert refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH, address
+            plain = await anyio.to_thread.run_sync(_handshake, address, None, server)
+            assert plain != zmq.EVENT_HANDSHAKE_SUCCEEDED, address
         with anyio.fail_after(DEADLINE):
             refusal = f"refused CURVE client key {public!r}"
             while not await anyio.to_thread.run_sync(_logged, tmp_path / "run", refusal):  # noqa: ASYNC110 (other processes' logs)

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
-import zmq
-import zmq.asyncio
 
 import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.core.errors import KernelError
+from nbos.core.ids import PeerId
+from nbos.core.wire import encode
+from nbos.core.wire.raft import RaftTransferRequest
+from nbos.transport import ZmqTransport
 from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import run_cells
 
@@ -151,23 +152,21 @@ gate = Gate({flag!r})
 """
 
 
-def forwarder(pid: int, node: int) -> str:
-    """Where ``node``'s proposal forwarder listens, from the ``--raft-peers`` of process ``pid``."""
+def raft_address(pid: int, node: int) -> str:
+    """Where ``node``'s Raft transport listens, from the ``--raft-peers`` of process ``pid``."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     peers = json.loads(argv[argv.index(b"--raft-peers") + 1])
-    return str(peers[str(node)][1])
+    return str(peers[str(node)])
 
 
-async def ask_leadership(kernel: Kernel, node: int) -> None:
-    """Ask every live replica's forwarder (the leader heeds it) to hand leadership to ``node``,
-    the request an executor makes for itself."""
-    ctx = zmq.asyncio.Context.instance()
+async def ask_leadership(transport: ZmqTransport, kernel: Kernel, node: int) -> None:
+    """Send every live replica (the leader heeds it) the request that ``node`` makes for
+    itself as an executor: hand leadership to ``node``."""
     for replica in kernel.replicas:
         if replica.alive and replica.pid is not None:
-            with ctx.socket(zmq.DEALER) as dealer:
-                dealer.setsockopt(zmq.LINGER, 1000)
-                dealer.connect(forwarder(replica.pid, replica.node))
-                await dealer.send_multipart([b"", b"T", struct.pack(">Q", node)])
+            member = PeerId(f"member-{replica.node}")
+            transport.add_peer(member, raft_address(replica.pid, replica.node))
+            await transport.send(member, encode(RaftTransferRequest(node, replica.node, 0)))
 
 
 async def test_a_replacement_that_became_the_leader_still_gets_the_dead_member_removed(
@@ -199,9 +198,10 @@ async def test_a_replacement_that_became_the_leader_still_gets_the_dead_member_r
                 while not any(promoted in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
                     await anyio.sleep(0.1)  # log records come with no event to wait on
                 log = next((tmp_path / "run" / "logs").glob(f"*/*-replica-{new}.log"))
-                while f"node {new}: leader for term" not in log.read_text():
-                    await ask_leadership(kernel, new)
-                    await anyio.sleep(0.2)
+                async with await ZmqTransport.open("test-asker") as transport:
+                    while f"node {new}: leader for term" not in log.read_text():
+                        await ask_leadership(transport, kernel, new)
+                        await anyio.sleep(0.2)
             flag.touch()
         assert nodes == [new] and victim not in {r.node for r in kernel.replicas}
         assert set(kernel.front.alive) == {r.node for r in kernel.replicas}

@@ -13,7 +13,7 @@ from nbos.core.ids import NodeId
 from nbos.kernel.front._requests import Channel, UnknownRequestError, reply_type, screen
 from nbos.kernel.front._wire import Signer
 from nbos.kernel.protocol import cell_request
-from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, PeerAddress, parse_peers
+from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, parse_peers
 from nbos.kernel.replica._app import parse_raft_settings
 
 KEY = "k" * 64
@@ -93,10 +93,12 @@ def test_cell_requests_need_a_positive_index_and_int_devices() -> None:
 
 
 def test_replica_arguments_parse_or_raise_config_errors() -> None:
-    peers = parse_peers('{"1": ["tcp://a:1", "tcp://a:2"], "2": ["tcp://b:1", "tcp://b:2"]}')
-    assert peers[NodeId(2)] == PeerAddress("tcp://b:1", "tcp://b:2")
+    peers = parse_peers('{"1": "tcp://a:1", "2": "tcp://b:1"}')
+    assert peers == {NodeId(1): "tcp://a:1", NodeId(2): "tcp://b:1"}
+    # an older gateway's [raft, forwarder] pairs: a replica it launched restarts in place
+    assert parse_peers('{"1": ["tcp://a:1", "tcp://a:2"]}') == {NodeId(1): "tcp://a:1"}
     assert parse_raft_settings('{"tick_ms": 5}') == RaftSettings(tick_ms=5)
-    for text in ("{bad", "{}", '{"x": ["a", "b"]}', '{"1": ["only one"]}'):
+    for text in ("{bad", "{}", '{"x": "a"}', '{"1": ["only one"]}', '{"1": 7}'):
         with pytest.raises(ConfigError):
             parse_peers(text)
     with pytest.raises(ConfigError):

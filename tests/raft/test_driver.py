@@ -17,6 +17,9 @@ from nbos.core.errors import (
     ProposalTimeoutError,
 )
 from nbos.core.ids import NodeId, PeerId
+from nbos.core.wire import encode
+from nbos.core.wire.log_commands import Proposal
+from nbos.core.wire.raft import RaftForward
 from nbos.raft import RaftReplicatedLog, open_raft_log
 from nbos.raft.kv import KeyValueStateMachine, encode_command
 from nbos.transport import MemoryNetwork
@@ -182,12 +185,125 @@ async def test_an_idle_group_quiesces_and_a_proposal_replaces_its_dead_leader() 
         leader = await g.leader()
         g.stop(int(leader.node_id))
         follower = next(raft for raft in g.nodes.values() if raft is not leader)
-        # A quiesced follower times nothing: the proposal (refused, to be forwarded)
-        # wakes it, and it elects a leader with the other survivor.
-        with pytest.raises(NotLeaderError):
-            await follower.propose(encode_command("put", "k", "w"))
-        assert await g.put("k", "w") == b"w"
+        # A quiesced follower times nothing: the proposal to forward wakes it, it elects
+        # a leader with the other survivor, and hands the proposal to that one.
+        assert await follower.propose(encode_command("put", "k", "w"), forward=True) == b"w"
         assert (await g.leader()).node_id != leader.node_id
+
+
+async def test_a_follower_forwards_its_proposal_and_returns_once_applied_there() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        node, follower = next((n, r) for n, r in g.nodes.items() if r is not leader)
+        for i in range(5):
+            put = encode_command("put", "k", str(i))
+            assert await follower.propose(put, forward=True) == str(i).encode()
+            assert g.machines[node].data["k"] == str(i)  # applied here before it returned
+        await g.converged([1, 2, 3])
+
+
+async def test_a_proposal_the_new_leader_holds_already_applies_once() -> None:
+    async with group([1, 2, 3]) as g:
+        old = await g.leader()
+        f, m = (n for n in (1, 2, 3) if n != old.node_id)
+        follower = g.nodes[f]
+        await eventually(lambda: follower.leader_id == old.node_id)
+        # The follower reaches the leader, but the leader no longer reaches it: the
+        # entry commits with the third member while the follower never learns of it.
+        g.network.cut(peer(int(old.node_id)), peer(f))
+        data = encode_command("append", "log", "x")
+        async with anyio.create_task_group() as tg:
+            results: list[bytes] = []
+
+            async def propose() -> None:
+                results.append(await follower.propose(data, client_id="c", seq=1, forward=True))
+
+            tg.start_soon(propose)
+            await eventually(lambda: g.machines[m].data.get("log") == "x", timeout=30)
+            # A new leader: the follower hands the same proposal to it.
+            g.stop(int(old.node_id))
+        assert results == [b"x"]
+        assert g.nodes[m].leader_id != old.node_id
+        await g.converged([f, m], timeout=30)
+        assert g.machines[f].data["log"] == g.machines[m].data["log"] == "x"
+
+
+async def test_a_proposal_the_dead_leader_kept_to_itself_goes_to_the_next_one() -> None:
+    async with group([1, 2, 3]) as g:
+        old = await g.leader()
+        lost = old._node.log.last_index()
+        f = next(n for n in (1, 2, 3) if n != old.node_id)
+        await eventually(lambda: g.nodes[f].leader_id == old.node_id)
+        for n in (1, 2, 3):  # the leader hears the others but reaches no one
+            g.network.cut(peer(int(old.node_id)), peer(n))
+        data = encode_command("append", "log", "x")
+        async with anyio.create_task_group() as tg:
+            results: list[bytes] = []
+
+            async def propose() -> None:
+                results.append(await g.nodes[f].propose(data, forward=True, timeout=30))
+
+            tg.start_soon(propose)
+            await eventually(lambda: old._node.log.last_index() > lost, timeout=30)
+            g.stop(int(old.node_id))  # with the only copy of the entry
+        assert results == [b"x"]
+        survivors = [n for n in (1, 2, 3) if n != old.node_id]
+        await g.converged(survivors, timeout=30)
+        assert all(g.machines[n].data["log"] == "x" for n in survivors)
+
+
+async def test_a_proposal_forwarded_twice_applies_once() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        f = next(n for n in (1, 2, 3) if n != leader.node_id)
+        # Two copies of one forward, as a follower sends after a lost message or a
+        # leader change; a stand-in sends them, so both surely reach the leader.
+        sender = g.network.endpoint(PeerId("raft/stand-in"))
+        sender.add_peer(peer(int(leader.node_id)), f"mem://{peer(int(leader.node_id))}")
+        proposal = Proposal("c", 1, encode_command("append", "log", "x"))
+        forward = RaftForward(f, int(leader.node_id), 0, proposals=[proposal])
+        for _ in range(2):
+            await sender.send(peer(int(leader.node_id)), encode(forward))
+        await eventually(lambda: all(m.data.get("log") for m in g.machines.values()))
+        await g.put("after", "both")  # both copies are in the log before this entry
+        await g.converged([1, 2, 3])
+        assert all(m.data["log"] == "x" for m in g.machines.values())
+        await sender.aclose()
+
+
+async def test_a_leaders_own_proposal_waits_out_a_transfer_to_a_dead_member() -> None:
+    # The executor asks for leadership after each cell; killed right after, it leaves
+    # the leader transferring to a dead member, which refuses proposals until the
+    # transfer is given up (an election timeout later).
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        dead = next(n for n in (1, 2, 3) if n != leader.node_id)
+        g.stop(dead)
+        await leader.transfer_leadership(NodeId(dead))
+        put = encode_command("put", "k", "v")
+        assert await leader.propose(put, forward=True, timeout=30) == b"v"
+
+
+async def test_a_follower_without_a_leader_to_forward_to_times_out() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        survivor = next(n for n in (1, 2, 3) if n != leader.node_id)
+        for node in (1, 2, 3):
+            if node != survivor:
+                g.stop(node)
+        with pytest.raises(ProposalTimeoutError):
+            await g.nodes[survivor].propose(b"no quorum", forward=True, timeout=1.0)
+
+
+async def test_a_follower_asks_for_leadership_and_gets_it() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        follower = next(r for r in g.nodes.values() if r is not leader)
+        await eventually(lambda: follower.leader_id == leader.node_id)
+        with anyio.fail_after(30):
+            while follower.leader_id != follower.node_id:
+                await follower.ask_for_leadership()
+                await anyio.sleep(0.05)
 
 
 async def test_learner_catches_up_from_snapshot_and_is_promoted() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 from nbos.core.wire.base import Message
+from nbos.core.wire.log_commands import Proposal
 
 EntryKind = Literal["normal", "conf", "noop"]
 ConfChangeKind = Literal["add_voter", "add_learner", "promote", "remove"]
@@ -186,4 +187,24 @@ RaftPeerMessages = (
     | RaftReadIndexResponse
     | RaftWake
 )
-RaftMessage = RaftRecord | RaftPeerMessages
+
+
+# --- driver messages: between Raft drivers, never stepped into the core ------------
+
+
+class RaftForward(RaftPeerMessage):
+    """A follower hands its proposals to the leader (etcd's forwarded ``MsgProp``).
+
+    Each keeps its proposer's session ``(client_id, seq)``: a proposal forwarded again
+    (a lost message, a new leader) applies once all the same.
+    """
+
+    proposals: list[Proposal]
+
+
+class RaftTransferRequest(RaftPeerMessage):
+    """A follower asks the leader to hand leadership to it (the sender)."""
+
+
+RaftDriverMessages = RaftForward | RaftTransferRequest
+RaftMessage = RaftRecord | RaftPeerMessages | RaftDriverMessages

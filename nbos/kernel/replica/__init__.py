@@ -15,15 +15,14 @@ from nbos.kernel.protocol import DEVICES_KEY, EXEC_INDEX_KEY, error_content
 from nbos.kernel.replica._app import ReplicaApp, parse_peers
 from nbos.kernel.replica._kernel import ReplicaKernel
 from nbos.kernel.replica._machine import KernelStateMachine, Outcome
-from nbos.kernel.replica._raftnode import PeerAddress, RaftNode, peer_id
+from nbos.kernel.replica._member_thread import RaftMemberThread, peer_id
 
 __all__ = [
     "DEVICES_KEY",
     "EXEC_INDEX_KEY",
     "KernelStateMachine",
     "Outcome",
-    "PeerAddress",
-    "RaftNode",
+    "RaftMemberThread",
     "ReplicaApp",
     "ReplicaKernel",
     "error_content",

@@ -2,7 +2,7 @@
 
 Run as ``python -m nbos.kernel.replica --connection-file F --kernel-id K --node-id N
 --raft-peers JSON --store DIR|URL [--data-dir DIR] [--join]``. ``--raft-peers`` maps every
-node id of the group to ``[raft address, forwarder address]``; with ``--join`` the
+node id of the group to its Raft address; with ``--join`` the
 replica starts empty and waits for the leader to add it as a learner (a replacement).
 The kernel's CURVE key pair, when its cluster has keys, comes in the environment
 (:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line.
@@ -33,22 +33,27 @@ from nbos.core.ids import KernelId, NodeId
 from nbos.core.object_store import ObjectStore
 from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
 from nbos.kernel.replica._kernel import ReplicaKernel
-from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
+from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
 
 log = logging.getLogger(__name__)
 
 
-def parse_peers(text: str) -> dict[NodeId, PeerAddress]:
-    """Decode ``--raft-peers``; raises :class:`ConfigError` for anything malformed."""
+def parse_peers(text: str) -> dict[NodeId, str]:
+    """Decode ``--raft-peers``; raises :class:`ConfigError` for anything malformed.
+
+    An older gateway gave each node ``[raft address, forwarder address]``; a replica it
+    launched can still be restarted in place from that command line (the forwarder's
+    address is ignored: proposals go over Raft now).
+    """
     try:
-        raw = msgspec.json.decode(text, type=dict[int, tuple[str, str]])
+        raw = msgspec.json.decode(text, type=dict[int, str | tuple[str, str]])
     except msgspec.MsgspecError as exc:
-        raise ConfigError("raft-peers", text, f"JSON {{node: [raft, forward]}} ({exc})") from exc
+        raise ConfigError("raft-peers", text, f"JSON {{node: raft address}} ({exc})") from exc
     if not raw:
         raise ConfigError("raft-peers", text, "at least one peer")
-    return {NodeId(n): PeerAddress(raft, fwd) for n, (raft, fwd) in raw.items()}
+    return {NodeId(n): a if isinstance(a, str) else a[0] for n, a in raw.items()}
 
 
 def open_store(where: str) -> ObjectStore:
@@ -79,9 +84,7 @@ class ReplicaApp(IPKernelApp):
     kernel_class = Type(ReplicaKernel, klass=ReplicaKernel)
     kernel_id = Unicode("", help="The replicated kernel's id.").tag(config=True)
     node_id = Int(0, help="This replica's Raft node id.").tag(config=True)
-    raft_peers = Unicode("", help="JSON {node id: [raft address, forwarder address]}.").tag(
-        config=True
-    )
+    raft_peers = Unicode("", help="JSON {node id: Raft address}.").tag(config=True)
     store = Unicode("", help="The object store: a directory, or a Redis URL.").tag(config=True)
     data_dir = Unicode("", help="Directory of this replica's Raft log (empty: in memory).").tag(
         config=True
@@ -119,7 +122,7 @@ class ReplicaApp(IPKernelApp):
         # which replicas keep in step) behind the user's back, on one replica only.
         assert kernel.shell is not None
         kernel.shell.enable_tip = False
-        raft = RaftNode(
+        raft = RaftMemberThread(
             kernel_id=KernelId(self.kernel_id),
             node_id=NodeId(self.node_id),
             peers=parse_peers(self.raft_peers),

@@ -62,9 +62,9 @@ from nbos.kernel.replica._machine import (
     Outcome,
     Restored,
 )
+from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._membership import member_reply
 from nbos.kernel.replica._output import CellOutput
-from nbos.kernel.replica._raftnode import RaftNode
 from nbos.kernel.replica._sync import NamespaceSync
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class ReplicaKernel(IPythonKernel):
         self._comm_handlers = {t: self.shell_handlers[t] for t in _COMM_TYPES}
         for msg_type in _COMM_TYPES:
             self.shell_handlers[msg_type] = self._comm_through_log
-        self._raft: RaftNode | None = None
+        self._raft: RaftMemberThread | None = None
         self._sync: NamespaceSync | None = None
         self._machine: KernelStateMachine | None = None
         # Held while a cell runs and while the namespace is imaged for a snapshot.
@@ -143,7 +143,7 @@ class ReplicaKernel(IPythonKernel):
         self._machine = KernelStateMachine(self._post_event)
         return self._machine
 
-    def attach(self, raft: RaftNode, store: ObjectStore) -> None:
+    def attach(self, raft: RaftMemberThread, store: ObjectStore) -> None:
         self._raft, self._sync = raft, NamespaceSync(store)
 
     def use_virtual_gpus(self) -> None:

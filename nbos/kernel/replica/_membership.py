@@ -4,9 +4,6 @@ A replacement replica joins as a learner, is promoted once it caught up, and the
 member it replaces is removed. Only the Raft leader can make those changes, so the
 request goes to any live replica: the leader makes the change, any other replica
 answers ``NotLeaderError`` with the leader it knows of, and the caller asks that one.
-
-Every request also tells the replica where the new member's forwarder listens, so
-proposals can be forwarded to it should it become the leader.
 """
 
 from __future__ import annotations
@@ -18,34 +15,27 @@ import msgspec
 
 from nbos.core.errors import NotLeaderError, ReplicationError
 from nbos.core.ids import NodeId
-from nbos.kernel.replica._raftnode import PeerAddress, RaftNode
+from nbos.kernel.replica._member_thread import RaftMemberThread
 
 log = logging.getLogger(__name__)
 
-MemberOp = Literal["peer", "add_learner", "promote", "remove"]
+MemberOp = Literal["add_learner", "promote", "remove"]
 
 
 class MemberRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The content of an ``nbos_member_request``.
-
-    ``peer`` only records the member's addresses; the others are Raft membership
-    changes of ``node`` (``add_learner`` needs the addresses).
-    """
+    """The content of an ``nbos_member_request``: a Raft membership change of ``node``
+    (``add_learner`` needs its Raft address, ``raft``)."""
 
     op: MemberOp
     node: Annotated[int, msgspec.Meta(gt=0)]
     raft: str = ""
-    forward: str = ""
 
     def __post_init__(self) -> None:
-        if self.op in ("peer", "add_learner") and self.address() is None:
-            raise ValueError(f"{self.op} needs raft and forward addresses")
-
-    def address(self) -> PeerAddress | None:
-        return PeerAddress(self.raft, self.forward) if self.raft and self.forward else None
+        if self.op == "add_learner" and not self.raft:
+            raise ValueError("add_learner needs the Raft address")
 
 
-async def member_reply(raft: RaftNode, content: Any) -> dict[str, Any]:
+async def member_reply(raft: RaftMemberThread, content: Any) -> dict[str, Any]:
     """Carry out one ``nbos_member_request``; the reply content.
 
     ``{"status": "ok", "voters", "learners"}`` once the change applied here (a change
@@ -55,7 +45,7 @@ async def member_reply(raft: RaftNode, content: Any) -> dict[str, Any]:
     try:
         request = msgspec.convert(content, MemberRequest)
         voters, learners = await raft.change_members(
-            request.op, NodeId(request.node), request.address()
+            request.op, NodeId(request.node), request.raft or None
         )
     except msgspec.ValidationError as exc:
         log.warning("nbos_member_request refused: %s", exc)

@@ -1,0 +1,265 @@
+"""The replica's Raft member, on its own thread and event loop.
+
+A cell runs on the kernel's main thread and may hold it for minutes; Raft must
+keep answering heartbeats meanwhile, so the member lives on a thread of its own
+(an anyio blocking portal). Proposals from the kernel's threads cross over with
+:meth:`RaftMemberThread.propose`, which any asyncio loop can await.
+
+Any member takes proposals: the Raft driver forwards a follower's to the leader over
+the Raft transport (``forward=True``), and ``propose`` returns once the entry applied
+on this node.
+
+With the kernel's CURVE keys (``curve``, see :mod:`nbos.transport.keys`) the Raft
+transport speaks CURVE: encrypted, and open only to peers that hold the kernel's key
+pair; a peer without it never gets a message through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+
+from nbos.core.config import RaftSettings
+from nbos.core.errors import (
+    LogClosedError,
+    MembershipChangeError,
+    NotLeaderError,
+    ProposalTimeoutError,
+    ReplicationError,
+)
+from nbos.core.ids import KernelId, NodeId, PeerId
+from nbos.core.replicated_log import StateMachine
+from nbos.core.wire import encode
+from nbos.core.wire.entries import KernelEntry
+from nbos.kernel.replica._machine import Outcome, decode_outcome
+from nbos.raft import RaftReplicatedLog, open_raft_log
+from nbos.transport import CurveKeys, ZmqTransport
+
+log = logging.getLogger(__name__)
+
+_RETRY_S = 0.02
+#: One read-index attempt: a deposed leader or a dead one never answers it.
+_READ_ATTEMPT_S = 1.0
+
+T = TypeVar("T")
+
+
+def peer_id(kernel_id: KernelId, node: NodeId) -> PeerId:
+    """The transport peer id of ``node`` in ``kernel_id``'s Raft group."""
+    return PeerId(f"{kernel_id}/raft/{node}")
+
+
+class RaftMemberThread:
+    """One kernel replica's Raft member on its own thread; :meth:`start` it, then
+    :meth:`propose`. ``peers`` maps every member to its Raft transport's address."""
+
+    def __init__(
+        self,
+        *,
+        kernel_id: KernelId,
+        node_id: NodeId,
+        peers: Mapping[NodeId, str],
+        data_dir: Path | None,
+        machine: StateMachine,
+        settings: RaftSettings,
+        join: bool = False,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        # ``join``: a new, empty member (a replacement) that the leader adds as a learner.
+        if node_id not in peers:
+            raise ReplicationError(f"node {node_id} is not among the peers {sorted(peers)}")
+        self._kernel_id = kernel_id
+        self._node_id = node_id
+        self._peers = dict(peers)
+        self._data_dir = data_dir
+        self._machine = machine
+        self._settings = settings
+        self._join = join
+        # The kernel's key pair, which every member holds (None: plain TCP).
+        self._curve = curve
+        self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._serving: Future[None] | None = None
+        #: The member's event loop while it serves (set on its thread before start returns).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._log: RaftReplicatedLog | None = None
+        # A process-unique client id lets the log drop a retried proposal's duplicate.
+        self._client_id = f"{kernel_id}/{node_id}/{os.getpid()}"
+        self._seq = itertools.count(1)
+        # The log keeps one session per client id and drops an entry whose seq is below
+        # the last applied one, so this client's proposals must commit in seq order.
+        self._order: anyio.Lock | None = None
+
+    @property
+    def node_id(self) -> NodeId:
+        return self._node_id
+
+    @property
+    def leader_id(self) -> NodeId | None:
+        """The Raft leader this member knows of (a racy read from another thread: a hint)."""
+        raft_log = self._log
+        return raft_log.leader_id if raft_log is not None else None
+
+    def start(self) -> None:
+        """Start the member's thread; returns once the log is open."""
+        self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        self._serving, _ = self._portal.start_task(self._serve, name="raft-member")
+
+    def stop(self) -> None:
+        """Stop the member and its thread; pending proposals fail with ``LogClosedError``."""
+        if self._serving is not None:
+            self._serving.cancel()
+        if self._portal_cm is not None:
+            self._portal_cm.__exit__(None, None, None)
+        self._portal_cm = self._portal = self._serving = self._loop = None
+
+    async def propose(self, entry: KernelEntry, *, timeout: float = 30.0) -> Outcome:
+        """Commit ``entry``; returns its outcome once it has applied on this node."""
+        return await asyncio.wrap_future(self.propose_soon(entry, timeout=timeout))
+
+    def propose_soon(self, entry: KernelEntry, *, timeout: float = 30.0) -> Future[Outcome]:
+        """Hand ``entry`` to the member now, from any thread; the future gets :meth:`propose`'s
+        outcome. Unlike a task that calls :meth:`propose`, the proposal does not wait for
+        the caller's event loop to get a turn."""
+        data = encode(entry)
+        # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
+        return self._submit(self._propose(data, timeout))
+
+    async def caught_up(self, *, timeout: float = 30.0) -> None:
+        """Return once this member has applied every entry committed before the call.
+
+        A read-index barrier: the leader confirms with a majority what its commit
+        index is, and this member waits until it has applied that far. A member that
+        was frozen or cut off learns here what was decided without it.
+        """
+        await asyncio.wrap_future(self._submit(self._caught_up(timeout)))
+
+    async def _caught_up(self, timeout: float) -> None:
+        assert self._log is not None
+        with anyio.move_on_after(timeout):
+            while True:
+                try:
+                    await self._log.read_index(timeout=_READ_ATTEMPT_S)
+                except (NotLeaderError, ProposalTimeoutError) as exc:
+                    # No leader known yet, or this member was deposed meanwhile.
+                    log.debug("read index not confirmed (%s); asking again", exc)
+                else:
+                    return
+                await anyio.sleep(_RETRY_S)
+        raise ProposalTimeoutError(f"the kernel log's commit index not confirmed in {timeout} s")
+
+    def wake(self) -> None:
+        """Wake the member's Raft group from quiescence, from any thread (a request came)."""
+        loop, raft_log = self._loop, self._log
+        if loop is None or raft_log is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (stop)
+            loop.call_soon_threadsafe(raft_log.wake)
+
+    def want_leadership(self) -> None:
+        """Ask the leader, in the background, to hand leadership to this member.
+
+        The executor proposes for every cell (its ``Done``, the next cell's claim); as
+        the leader it saves the hop to the leader each time. A refused or lost request
+        changes nothing.
+        """
+        raft_log = self._log
+        if raft_log is None or self.leader_id in (None, self._node_id):
+            return
+        self._submit(raft_log.ask_for_leadership())
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run ``coro`` on the member's loop; the caller's thread does not wait for that loop.
+
+        The portal's ``start_task_soon`` blocks its caller until the member's loop has
+        taken the task, a round trip between threads (0.5 ms and more on a busy host)
+        on every proposal; this only queues it. Tasks still running at :meth:`stop`
+        are cancelled as the loop ends, which cancels their futures.
+        """
+        loop = self._loop
+        if loop is not None:
+            try:
+                return asyncio.run_coroutine_threadsafe(coro, loop)
+            except RuntimeError:  # the loop closed meanwhile (stop)
+                pass
+        coro.close()
+        raise LogClosedError("the replica's Raft member is not running")
+
+    async def change_members(
+        self, op: str, node: NodeId, address: str | None
+    ) -> tuple[Sequence[NodeId], Sequence[NodeId]]:
+        """Make one membership change through this member; the voters and learners after it.
+
+        ``op`` is ``add_learner`` (at Raft ``address``), ``promote`` or ``remove``. A
+        change already in effect is not made again. Raises ``NotLeaderError`` on a
+        follower and ``MembershipChangeError`` when the Raft core refuses (another
+        change pending, a learner not caught up yet).
+        """
+        if self._portal is None:
+            raise LogClosedError("the replica's Raft member is not running")
+        future = self._portal.start_task_soon(self._change_members, op, node, address)
+        return await asyncio.wrap_future(future)
+
+    async def _change_members(
+        self, op: str, node: NodeId, address: str | None
+    ) -> tuple[Sequence[NodeId], Sequence[NodeId]]:
+        raft_log = self._log
+        assert raft_log is not None
+        voters, learners = raft_log.voters(), raft_log.learners()
+        if op == "add_learner" and node not in (*voters, *learners):
+            assert address is not None
+            await raft_log.add_learner(node, peer_id(self._kernel_id, node), address)
+        elif op == "promote" and node not in voters:
+            await raft_log.promote(node)
+        elif op == "remove" and node in (*voters, *learners):
+            await raft_log.remove(node)
+        elif op not in ("add_learner", "promote", "remove"):
+            raise MembershipChangeError(f"unknown membership change {op!r}")
+        return raft_log.voters(), raft_log.learners()
+
+    async def _serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        members = {n: peer_id(self._kernel_id, n) for n in self._peers}
+        bind = self._peers[self._node_id]
+        local = members[self._node_id]
+        async with await ZmqTransport.open(local, bind, curve=self._curve) as transport:
+            for node, address in self._peers.items():
+                if node != self._node_id:
+                    transport.add_peer(members[node], address)
+            async with open_raft_log(
+                node_id=self._node_id,
+                members=members,
+                transport=transport,
+                data_dir=self._data_dir,
+                state_machine=self._machine,
+                settings=self._settings,
+                join=self._join,
+            ) as raft_log:
+                self._log = raft_log
+                self._order = anyio.Lock()
+                self._loop = asyncio.get_running_loop()
+                task_status.started()
+                await anyio.sleep_forever()
+
+    async def _propose(self, data: bytes, timeout: float) -> Outcome:
+        assert self._order is not None
+        async with self._order:
+            return await self._propose_in_order(data, next(self._seq), timeout)
+
+    async def _propose_in_order(self, data: bytes, seq: int, timeout: float) -> Outcome:
+        assert self._log is not None
+        result = await self._log.propose(
+            data, client_id=self._client_id, seq=seq, timeout=timeout, forward=True
+        )
+        return decode_outcome(result)
