@@ -10,6 +10,7 @@ from jupyter_client.manager import KernelManager
 
 from nbos.gpu import discover_gpus
 from nbos.jupyter import kernel_json
+from tests.jupyter._gateway import stop_local_gateway
 
 
 def test_the_kernelspec_argv_carries_the_gpus() -> None:
@@ -31,6 +32,10 @@ def test_kernelspec_metadata_sets_the_gpus_of_every_cell(
     (kernel_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
     monkeypatch.setenv("NBOS_CLUSTER__GPUS_PER_HOST", "2")
+    # A per-user gateway of its own, stopped at the end: not the user's (~/.local), which
+    # it once started and left running, nor another test's, with other settings.
+    runtime_dir = tmp_path / "runtime"
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime_dir))
     km = KernelManager(kernel_name="nbos")
     km.start_kernel()
     try:
@@ -52,3 +57,4 @@ def test_kernelspec_metadata_sets_the_gpus_of_every_cell(
         client.stop_channels()
     finally:
         km.shutdown_kernel(now=True)
+        stop_local_gateway(runtime_dir)
