@@ -362,6 +362,10 @@ class ReplicaKernel(IPythonKernel):
             # The cell's processes print on its own descriptors, never into later cells.
             with CellOutput():
                 return await run
+        except KeyboardInterrupt:
+            # The interrupt landed in IPython's own steps around the user's code, which
+            # let it through: the cell ends interrupted, the process must not.
+            return error_content(KeyboardInterrupt("interrupted"), self.execution_count)
         finally:
             self._in_user_code = False
 
