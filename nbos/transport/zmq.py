@@ -109,7 +109,6 @@ class CurveKeys:
         return self.allowed_clients or frozenset({self.public_key})
 
 
-
 def _check_key(name: str, key: bytes) -> None:
     if len(key) != 40:
         log.warning("bad CURVE key for %s: %d bytes", name, len(key))

@@ -370,6 +370,40 @@ async def test_late_output_of_a_finished_cell_still_reaches_the_client(
     assert msg["content"]["text"] == "late\n"
 
 
+# A replica whose idle, and the cell's last output before it, come seconds after its
+# reply (a loaded machine): the cell's stdout holds its text back until the flush ipykernel
+# makes after the reply, and that flush is slow.
+LATE_FLUSH = """
+import sys, time
+class _LateFlush:
+    def __init__(self, real):
+        self.real, self.text, self.flushes = real, [], 0
+    def write(self, text):
+        self.text.append(text)
+        return len(text)
+    def flush(self):
+        self.flushes += 1
+        if self.flushes == 2:  # the one after the reply
+            time.sleep(3)
+            sys.stdout = self.real
+            self.real.write("".join(self.text))
+            self.real.flush()
+sys.stdout = _LateFlush(sys.stdout)
+print("after the reply")
+"""
+
+
+async def test_output_sent_late_before_the_replicas_idle_still_comes_before_the_idle(
+    client: AsyncKernelClient,
+) -> None:
+    # The front once gave up on the replica's idle 2 s after the reply and published its
+    # own: the output that followed came after the cell's idle, lost to a client that
+    # reads a cell up to its idle (seen on a loaded machine after a kernel restart).
+    reply, messages = await run(client, LATE_FLUSH)
+    assert reply["content"]["status"] == "ok"
+    assert stdout(messages) == "after the reply\n"
+
+
 async def requested(
     client: AsyncKernelClient, msg_type: str, content: dict[str, Any], *, control: bool = False
 ) -> dict[str, Any] | None:

@@ -231,9 +231,7 @@ class Cells:
         )
 
 
-def lost_cell_reply(
-    index: int, executor: int, settled: Mapping[str, Any] | None
-) -> dict[str, Any]:
+def lost_cell_reply(index: int, executor: int, settled: Mapping[str, Any] | None) -> dict[str, Any]:
     """The ``execute_reply`` content of cell ``index``, whose ``executor`` died before its
     reply, from the reply to its settle (``None``: no majority could settle it)."""
     if settled is None:

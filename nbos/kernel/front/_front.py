@@ -71,7 +71,10 @@ from nbos.metrics import events
 log = logging.getLogger(__name__)
 
 #: After a replica's reply, how long to wait for its ``idle`` before going on without it.
-IDLE_GRACE_S = 2.0
+#: A live replica always sends one, after all the request's output: a loaded machine can
+#: hold it back for seconds, and an idle sent before that output would cut it off the
+#: cell. A replica that dies ends the wait at once; this bounds only a lost message.
+IDLE_GRACE_S = 30.0
 #: After a replica's ``idle``, how long to wait for a reply it has not sent (ipykernel
 #: sends none for a request its handler failed on) before the client gets an error.
 NO_REPLY_GRACE_S = 10.0
@@ -819,8 +822,17 @@ class KernelFront:
                 pending.answered = await on_reply(pending.reply)
             # The replica's idle follows everything it published for the request; past
             # the grace we go on without it (an IOPub message can be lost).
-            with anyio.move_on_after(grace):
+            with anyio.move_on_after(grace) as waited:
                 await pending.idled.wait()
+            if waited.cancelled_caught and grace >= IDLE_GRACE_S:
+                log.warning(
+                    "kernel %s: no idle from replica %d for %s %s within %.0f s; going on",
+                    self._kernel_id,
+                    target,
+                    header["msg_type"],
+                    pending.msg_id,
+                    grace,
+                )
         finally:
             self._pending.pop(pending.msg_id, None)
             if self._active is pending:
@@ -956,6 +968,7 @@ class KernelFront:
                 "kernel %s: replica %d sent a bad message: %s", self._kernel_id, up.replica, exc
             )
             return None
+
 
 async def _wait_reply(pending: _Pending) -> None:
     """Until ``pending`` has its reply, or its replica went idle without sending one."""
