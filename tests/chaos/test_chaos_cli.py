@@ -82,9 +82,26 @@ def test_progress_on_a_terminal_is_a_bar_naming_each_fault() -> None:
         ):
             observer.fault_started(FAULT, Strike("replica 3", (3,)))
             observer.fault_done(DONE)
-        shown = os.read(primary, 65536).decode(errors="replace")
+        shown = _read_all(primary)
     finally:
         os.close(primary)
     assert "fault 1: kill-follower replica 3" in shown  # the bar's description
     assert "fault 1: kill-follower: recovered in 1.2 s" in shown
     assert "%|" in shown  # a bar, not plain lines
+
+
+def _read_all(primary: int) -> str:
+    """All a closed terminal showed. The kernel hands what was written on to the reading
+    side in the background: one read may get only the first write (it did, on a loaded
+    machine). Reading ends with EIO once the closed side has nothing more."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
