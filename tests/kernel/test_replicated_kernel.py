@@ -176,6 +176,31 @@ async def test_interrupt_reaches_the_executor(client: AsyncKernelClient) -> None
     assert after["content"]["status"] == "ok"
 
 
+# Stands in for a SIGINT that lands in IPython's own steps around the user's code: IPython
+# lets a KeyboardInterrupt through there (its input transformers are one such step).
+ARM_INTERRUPT = """
+def _interrupt_once(lines):
+    if any("interrupt here" in line for line in lines):
+        get_ipython().input_transformers_post.remove(_interrupt_once)
+        raise KeyboardInterrupt
+    return lines
+get_ipython().input_transformers_post.append(_interrupt_once)
+"""
+
+
+async def test_an_interrupt_outside_the_users_code_ends_the_cell_not_the_replica(
+    kernel: Kernel,
+) -> None:
+    # asyncio re-raises a KeyboardInterrupt out of the replica's event loop: it ended the
+    # executor, and the interrupted cell came back as lost (CellLostError).
+    armed = await kernel.execute(ARM_INTERRUPT)
+    assert armed.status == "ok"
+    hit = await kernel.execute("x = 1  # interrupt here")
+    assert hit.error is not None and hit.error[0] == "KeyboardInterrupt"
+    after = await kernel.execute("print('still here')")
+    assert after.stdout == "still here\n" and after.executor == armed.executor
+
+
 async def test_bad_messages_are_refused_and_the_kernel_keeps_serving(
     kernel: Kernel, client: AsyncKernelClient, caplog: pytest.LogCaptureFixture
 ) -> None:
