@@ -78,8 +78,18 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
-_HEARTBEAT_IVL_MS = 1000
-_HEARTBEAT_TIMEOUT_MS = 3000
+#: A dead link is found by the operating system's TCP, not by ZeroMQ's own pings: those
+#: woke every endpoint's I/O thread each second, about half of what an idle kernel's
+#: replicas cost. Keepalive probes (an idle link) and the retransmission timeout (data
+#: unacknowledged) are answered and timed in the kernel, and end a link to a host that
+#: vanished within seconds all the same; ZeroMQ then reconnects.
+_TCP_LIVENESS: dict[int, int] = {
+    zmq.TCP_KEEPALIVE: 1,
+    zmq.TCP_KEEPALIVE_IDLE: 2,
+    zmq.TCP_KEEPALIVE_INTVL: 1,
+    zmq.TCP_KEEPALIVE_CNT: 3,
+    zmq.TCP_MAXRT: 3000,
+}
 # A receive that finds a message ready returns it at once, but every this many in
 # a row it yields to the event loop, so a flood cannot starve the other tasks.
 _YIELD_EVERY = 32
@@ -393,6 +403,8 @@ class ZmqTransport:
         router.setsockopt(zmq.RCVHWM, self._queue_size)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         router.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+        for option, value in _TCP_LIVENESS.items():
+            router.setsockopt(option, value)
         if self._curve is not None:
             curve_server(router, self._curve)
         try:
@@ -413,8 +425,7 @@ class ZmqTransport:
             zmq.ROUTING_ID: self._identity,
             zmq.RECONNECT_IVL: _RECONNECT_IVL_MS,
             zmq.RECONNECT_IVL_MAX: _RECONNECT_IVL_MAX_MS,
-            zmq.HEARTBEAT_IVL: _HEARTBEAT_IVL_MS,
-            zmq.HEARTBEAT_TIMEOUT: _HEARTBEAT_TIMEOUT_MS,
+            **_TCP_LIVENESS,
         }
         for option, value in options.items():
             dealer.setsockopt(option, value)
