@@ -9,10 +9,9 @@ driver, no library, no permission) is a fact about the host, reported in
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
-import pynvml
 
 from nbos.core.errors import ConfigError, GpuError
 
@@ -25,8 +24,6 @@ DiscoveryMode = Literal["auto", "nvml", "virtual"]
 DEFAULT_VIRTUAL_COUNT = 8
 #: Memory of one virtual GPU; matches ``[cluster] gpu_memory_mib``.
 DEFAULT_VIRTUAL_MEMORY_MIB = 40_960
-
-_MIB = 1024 * 1024
 
 
 @attrs.frozen
@@ -76,7 +73,11 @@ def discover_gpus(
         raise ConfigError("virtual_memory_mib", virtual_memory_mib, "a positive size in MiB")
     if mode == "virtual":
         return virtual_inventory(count, virtual_memory_mib, reason="virtual GPUs requested")
-    found = _nvml_inventory()
+    # Imported here: pynvml costs every process that only accounts for GPUs (a replica
+    # binding them, a simulator) about 2 MiB.
+    from nbos.gpu._nvml import nvml_inventory
+
+    found = nvml_inventory()
     if isinstance(found, Inventory):
         return found
     if mode == "nvml":
@@ -99,65 +100,3 @@ def virtual_inventory(count: int, memory_mib: int, *, reason: str) -> Inventory:
         for i in range(count)
     )
     return Inventory(devices, "virtual", nvml_unavailable_reason=reason)
-
-
-def _nvml_inventory() -> Inventory | str:
-    """The NVML view of this host, or the reason there is none."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return _reason(exc)
-    try:
-        driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        devices = tuple(
-            dev for i in range(pynvml.nvmlDeviceGetCount()) if (dev := _device(i)) is not None
-        )
-    except pynvml.NVMLError as exc:
-        return _reason(exc)
-    finally:
-        _shutdown()
-    if not devices:
-        return "NVML reports no usable GPU devices"
-    log.info("NVML: %d GPUs, driver %s", len(devices), driver)
-    return Inventory(devices, "nvml", driver_version=driver)
-
-
-def _device(index: int) -> GpuDevice | None:
-    # One broken device (fallen off the bus, no permission) must not hide the others.
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        return GpuDevice(
-            index=index,
-            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-            name=_text(pynvml.nvmlDeviceGetName(handle)),
-            memory_total_mib=int(memory.total) // _MIB,
-            memory_used_mib=int(memory.used) // _MIB,
-            utilization_pct=_utilization(handle),
-        )
-    except pynvml.NVMLError as exc:
-        log.warning("GPU %d skipped: %s", index, _reason(exc))
-        return None
-
-
-def _utilization(handle: Any) -> int | None:
-    try:
-        return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except pynvml.NVMLError_NotSupported:
-        return None
-
-
-def _shutdown() -> None:
-    try:
-        pynvml.nvmlShutdown()
-    except pynvml.NVMLError as exc:
-        log.warning("nvmlShutdown failed: %s", _reason(exc))
-
-
-def _reason(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _text(value: str | bytes) -> str:
-    # Older bindings return bytes, newer ones str.
-    return value.decode() if isinstance(value, bytes) else value

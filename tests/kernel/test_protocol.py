@@ -34,6 +34,9 @@ def test_the_replica_uses_the_protocol_without_loading_the_front() -> None:
     loaded = _modules_after_import("nbos.kernel.replica")
     assert "nbos.kernel.protocol" in loaded
     assert _under(loaded, "nbos.kernel.front") == []
+    # Every replica of every kernel pays for what it imports (about 2 MiB for pynvml); a
+    # replica binds the GPUs the agent found, it never asks NVML itself.
+    assert _under(loaded, "pynvml") == []
 
 
 def test_a_cell_request_reads_back_what_the_front_put_in_it() -> None:
