@@ -38,7 +38,6 @@ class ClusterSettings(_Section, frozen=True):
     gpu_memory_mib: int = 40_960
     replicas_per_kernel: int = 3
     placement_policy: str = "least-loaded"
-    backend: str = "local"
     data_dir: str = ""
 
 

@@ -32,6 +32,8 @@ def test_toml_then_environment_override(tmp_path: Path) -> None:
         ({"NBOS_RAFT__FSYNC": "sometimes"}, "raft.fsync", "sometimes"),
         ({"NBOS_RAFT__NO_SUCH_KEY": "1"}, "raft.no_such_key", "1"),
         ({"NBOS_STORE__KIND": "s3"}, "store.kind", "s3"),
+        # Accepted once and read by nothing (how a host's agent starts is the cluster file's).
+        ({"NBOS_CLUSTER__BACKEND": "bogus"}, "cluster.backend", "bogus"),
         ({"NBOS_GATEWAY__ADRESS": "127.0.0.1:1"}, "gateway.adress", "127.0.0.1:1"),
         ({"NBOS_GATEWAY__MISSED_HEARTBEATS": "few"}, "gateway.missed_heartbeats", "few"),
         ({"NBOS___TICK_MS": "1"}, "NBOS___TICK_MS", "1"),
