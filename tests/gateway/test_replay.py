@@ -12,8 +12,9 @@ import pytest
 from nbos.gateway.control import Usage, UsageRequest, call
 from nbos.gateway.service import GatewayService
 from nbos.scaling.trace import Cell, Session, Trace, dump_json
-from tests.agent._daemons import ROOT
+from tests.agent._daemons import DEADLINE, ROOT
 from tests.gateway._service import local_settings
+from tests.gateway.test_scheduler import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -58,3 +59,46 @@ async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_account
     assert held >= busy
     assert rows["GPU-hours reserved"][-1] == f"{held / 3600:,.0f}"
     assert rows["GPU-hours busy"] == [f"{busy / 3600:,.0f}"] * 2
+
+
+# Four sessions whose 2-GPU cells overlap, on 3 hosts of 2 GPUs: one cell must wait for a
+# fourth host. Ten seconds of trace a second of replay: the cells run 20 s, longer than a
+# host takes to start on a loaded machine, so the waiting one runs there, not on GPUs freed.
+BURST_SPEEDUP = 10.0
+BURST = Trace(tuple(Session(f"s{i}", 0, 300, 2, (Cell(20 + 5 * i, 200),)) for i in range(4)))
+
+
+async def test_a_replayed_burst_scales_the_cluster_out_then_back_in(tmp_path: Path) -> None:
+    path = tmp_path / "burst.json"
+    path.write_bytes(dump_json(BURST))
+    settings = local_settings(
+        tmp_path,
+        autoscale=True,
+        min_hosts=3,
+        max_hosts=4,
+        autoscale_period_s=0.3,
+        scale_out_cooldown_s=0.0,
+        scale_in_cooldown_s=0.0,
+        idle_grace_s=1.0,
+    )
+    async with GatewayService.serve(settings) as service:
+        shown = await anyio.run_process(
+            [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", str(BURST_SPEEDUP),
+             "--gateway", service.control_address],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr.decode()
+        ledger = service.directory.scheduler.ledger
+        await eventually(lambda: ledger.scale_ins >= 1, timeout=DEADLINE)
+        usage = await call(service.control_address, UsageRequest())
+    assert isinstance(usage, Usage)
+    assert usage.scale_outs >= 1 and usage.scale_ins >= 1
+    assert max(h.hosts for h in usage.hosts) == 4 and usage.hosts[-1].hosts == 3
+    # Every cell ran, and one waited for the fourth host: ready before it came, run after.
+    assert len(usage.cells) == 4 and all(c.ended is not None for c in usage.cells)
+    fourth = min(h.time for h in usage.hosts if h.hosts == 4)
+    assert any(c.ready < fourth <= (c.started or 0) for c in usage.cells)
+    rows = {line[:36].strip(): line[36:].split() for line in shown.stdout.decode().splitlines()}
+    assert rows["cells never run"] == ["0"]
