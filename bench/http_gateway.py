@@ -15,8 +15,10 @@ then times a trivial cell (``pass``) by the paths a notebook can take:
 A round trip runs from sending ``execute_request`` until both its reply and its
 ``idle`` arrived. Paths alternate in blocks of ``NBOS_BENCH_BLOCK`` cells (default 20)
 for ``NBOS_BENCH_ROUNDS`` rounds (default 5), after warm-up cells, so machine noise hits
-all alike. Kernel start times through Jupyter Server are printed too. The last line is
-a JSON summary. Run from the repository root: ``python bench/http_gateway.py``.
+all alike. Kernel start times through Jupyter Server are printed too, then a JSON object
+of every figure; the last line is the JSON summary (Jupyter Server + gateway against
+Jupyter Server on its local kernel, p50). Run from the repository root:
+``python bench/http_gateway.py``.
 """
 
 from __future__ import annotations
@@ -147,6 +149,25 @@ def run(tmp: Path) -> dict[str, object]:
             stop(process)
 
 
+def closing_line(figures: dict[str, object]) -> dict[str, object]:
+    """The summary every benchmark ends with: Jupyter Server + gateway against Jupyter
+    Server with its own local kernel, p50 (the goal: within +5 ms)."""
+    value = float(str(figures["jupyter+gateway_p50_ms"]))
+    anchor = float(str(figures["jupyter+local_p50_ms"]))
+    return {
+        "bench": "http_gateway",
+        "metric": "trivial cell round trip p50 through Jupyter Server + nbos gateway",
+        "unit": "ms",
+        "value": value,
+        "anchor": "the same cell through Jupyter Server on its own local python3 kernel (p50)",
+        "anchor_value": anchor,
+        "ratio": round(value / anchor, 3),
+        "better": "lower",
+    }
+
+
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="nbos-bench-http-") as tmp:
-        print(json.dumps(run(Path(tmp))))
+        figures = run(Path(tmp))
+    print(json.dumps(figures))
+    print(json.dumps(closing_line(figures)))
