@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -131,6 +132,7 @@ class ReplicaKernel(IPythonKernel):
         #: Whether user code runs now, and whether an interrupt came before it did.
         self._in_user_code = False
         self._interrupt_pending = False
+        self._interrupt_lock = threading.Lock()
         self._requests = 0
         self._warned: set[str] = set()
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
@@ -351,20 +353,25 @@ class ReplicaKernel(IPythonKernel):
             # run, and its Done (status error) still commits so later cells go on.
             log.exception("binding GPUs %s for cell %d failed", cell.devices, cell.index)
             return error_content(GpuError(f"cannot bind GPUs {list(cell.devices)}: {exc}"), 0)
-        if self._interrupt_pending:
-            # Interrupted while it was claimed or waited for the cell before it: it does
-            # not run, and its Done (status error) still commits so later cells go on.
-            self._interrupt_pending = False
-            run.close()
-            return error_content(KeyboardInterrupt("interrupted before the cell started"), 0)
-        self._in_user_code = True
         try:
+            # The interrupt comes on the control thread: it either finds the cell not
+            # started (and marks it) or started (and signals it), never in between, where
+            # it was lost (the cell then ran to its end).
+            with self._interrupt_lock:
+                interrupted, self._interrupt_pending = self._interrupt_pending, False
+                self._in_user_code = not interrupted
+            if interrupted:
+                # Interrupted while it was claimed or waited for the cell before it: it does
+                # not run, and its Done (status error) still commits so later cells go on.
+                run.close()
+                return error_content(KeyboardInterrupt("interrupted before the cell started"), 0)
             # The cell's processes print on its own descriptors, never into later cells.
             with CellOutput():
                 return await run
         except KeyboardInterrupt:
             # The interrupt landed in IPython's own steps around the user's code, which
             # let it through: the cell ends interrupted, the process must not.
+            run.close()
             return error_content(KeyboardInterrupt("interrupted"), self.execution_count)
         finally:
             self._in_user_code = False
@@ -681,10 +688,11 @@ class ReplicaKernel(IPythonKernel):
         # take it. Before the cell runs (its claim, the wait for the cell before it) the
         # interrupt is kept and the cell ends without running. This process only: the
         # base class signals the whole process group, which could hold other replicas.
-        if self._in_user_code:
-            os.kill(os.getpid(), signal.SIGINT)
-        elif self._requests:
-            self._interrupt_pending = True
+        with self._interrupt_lock:
+            if self._in_user_code:
+                os.kill(os.getpid(), signal.SIGINT)
+            elif self._requests:
+                self._interrupt_pending = True
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
         if self._raft is not None:
