@@ -7,7 +7,7 @@ gateway. The messages are in :mod:`nbos.core.wire.agent`; the GPU protocol is
 described in ``docs/placement.md``, registration and replicas in ``docs/deploy.md``.
 """
 
-from nbos.agent._agent import EvictHook, HostAgent, reservation_message
+from nbos.agent._agent import EVICT_TIMEOUT_S, EvictHook, HostAgent, reservation_message
 from nbos.agent._daemon import (
     GATEWAY_PEER,
     AgentConfig,
@@ -20,6 +20,7 @@ from nbos.agent._daemon import (
 from nbos.agent._pids import ProcessIdentity, process_start_ticks
 
 __all__ = [
+    "EVICT_TIMEOUT_S",
     "GATEWAY_PEER",
     "AgentConfig",
     "AgentDaemon",

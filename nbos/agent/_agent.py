@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 #: its resident tensors to host memory (``devices`` are the ones about to be reused).
 EvictHook = Callable[[KernelId, tuple[int, ...]], Awaitable[None]]
 
+#: How long a replica may take to move its resident tensors off a device.
+EVICT_TIMEOUT_S = 30.0
+
 #: How many reservations the agent remembers as already evicted for, so retries skip it.
 _EVICTED_MEMORY = 4096
 

@@ -27,10 +27,11 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import attrs
+import zmq.asyncio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from nbos._version import __version__
-from nbos.agent._agent import HostAgent
+from nbos.agent._agent import EVICT_TIMEOUT_S, HostAgent
 from nbos.agent._replicas import ReplicaService, UnknownReplicaError
 from nbos.agent._runtime import check_agent_settings
 from nbos.core.config import AgentSettings
@@ -38,10 +39,11 @@ from nbos.core.errors import (
     BackendError,
     ConfigError,
     DecodeError,
+    GpuError,
     TransportClosedError,
     TransportError,
 )
-from nbos.core.ids import HostId, PeerId
+from nbos.core.ids import HostId, KernelId, PeerId
 from nbos.core.wire import AnyMessage, decode, encode
 from nbos.core.wire.agent import (
     AgentError,
@@ -67,6 +69,8 @@ from nbos.core.wire.agent import (
     ReplicaStop,
 )
 from nbos.gpu import GpuPool, Inventory, discover_gpus
+from nbos.kernel.control import control_request
+from nbos.kernel.protocol import EVICT_DEVICES, EVICT_REQUEST
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink
 from nbos.transport.keys import KeyDirectory, check_host_name
@@ -157,6 +161,7 @@ class AgentDaemon:
         self._welcomed: str | None = None
         self._gpu: HostAgent | None = None
         self._replicas: ReplicaService | None = None
+        self._zmq = zmq.asyncio.Context()
 
     @classmethod
     @asynccontextmanager
@@ -185,6 +190,8 @@ class AgentDaemon:
                     gateway_address=gateway,
                     address=transport.address,
                     heartbeat_interval=config.heartbeat_interval,
+                    on_evict=daemon._evict,
+                    evict_timeout=EVICT_TIMEOUT_S,
                 ) as gpu,
             ):
                 daemon._gpu = gpu
@@ -214,6 +221,7 @@ class AgentDaemon:
                         await daemon._leave()
                         await daemon.replicas.detach()
                     tg.cancel_scope.cancel()
+                    daemon._zmq.destroy(linger=0)
 
     # --- queries -----------------------------------------------------------------
 
@@ -372,6 +380,21 @@ class AgentDaemon:
             await self._error("invalid", str(exc), message.request_id)
             return
         await self._send(PortsGranted(message.request_id, ip, ports))
+
+    async def _evict(self, kernel_id: KernelId, devices: tuple[int, ...]) -> None:
+        """Have ``kernel_id``'s replica here move its tensors off ``devices``, which another
+        kernel's cell is to get (lazy eviction); raises :class:`GpuError` if it does not."""
+        for replica_id in self.replicas.of_kernel(kernel_id):
+            info = await self.replicas.connection(replica_id)
+            if not info:
+                continue  # its kernel never bound its ports: it holds no tensors
+            content = {EVICT_DEVICES: list(devices)}
+            reply = await control_request(
+                self._zmq, info, EVICT_REQUEST, content, timeout=EVICT_TIMEOUT_S
+            )
+            if reply is None or reply["content"].get("status") != "ok":
+                why = "no answer" if reply is None else reply["content"].get("evalue", "refused")
+                raise GpuError(f"replica {replica_id} did not move its tensors off: {why}")
 
     async def _report_exit(self, info: ReplicaInfo) -> None:
         await self._send(ReplicaExited(self.config.host_id, info))

@@ -271,6 +271,15 @@ class ReplicaService:
     def info(self, replica_id: str) -> ReplicaInfo:
         return self._get(replica_id).info()
 
+    def of_kernel(self, kernel_id: str) -> list[str]:
+        """The running replicas of ``kernel_id`` here: those whose workdir is under its name
+        (the gateway gives each replica ``KERNEL_ID/replica-N``, see ``ReplicaSpec``)."""
+        return [
+            rid
+            for rid, r in self._replicas.items()
+            if not r.record.ended and r.record.workdir.split("/")[0] == kernel_id
+        ]
+
     async def connection(self, replica_id: str) -> dict[str, str | int]:
         """The replica's connection info, empty until its kernel wrote its ports."""
         name = self._get(replica_id).record.workdir

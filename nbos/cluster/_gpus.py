@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 import attrs
 
-from nbos.agent import EvictHook, HostAgent
+from nbos.agent import EVICT_TIMEOUT_S, EvictHook, HostAgent
 from nbos.core.config import ClusterSettings
 from nbos.core.errors import GpuError
 from nbos.core.ids import HostId, KernelId
@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 GATEWAY_PEER = "gateway"
 #: How long a pre-commit waits for its cell before the agent frees it.
 PRECOMMIT_TTL_S = 30.0
-#: How long a replica may take to move its resident tensors off a device.
-EVICT_TIMEOUT_S = 30.0
 _HOSTS_TIMEOUT_S = 10.0
 #: How long freeing a gone kernel's GPUs may hold up its caller; an agent that did not
 #: answer by then is told when it reports again (the scheduler owes it the release).

@@ -169,7 +169,9 @@ class ReplicaSpec(Message):
     ``{workdir}`` in ``argv`` becomes its absolute path. ``connection_key`` makes it
     a Jupyter kernel: the agent seeds ``{workdir}/connection.json`` with the host's
     address, this HMAC key and ports 0 (the kernel binds free ports and writes them
-    back), and :class:`ReplicaConnectionRequest` reads it.
+    back), and :class:`ReplicaConnectionRequest` reads it. The gateway names a kernel's
+    replica's workdir ``KERNEL_ID/replica-N``: the agent finds a kernel's replica by it when
+    the host needs the devices its tensors stay on (lazy eviction).
     """
 
     argv: list[str]

@@ -28,6 +28,7 @@ import zmq.asyncio
 from jupyter_client.session import DELIM, Session
 
 from nbos.gateway.http._wsproto import WireMsg
+from nbos.kernel.control import channel_url, session_for
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +68,6 @@ class KernelLink(Protocol):
     async def wait_changed(self, generation: int) -> None:
         """Return once the kernel was restarted past ``generation``, or ended."""
         ...
-
-
-def session_for(info: Mapping[str, Any]) -> Session:
-    """A Jupyter session that signs and checks messages with the key of ``info``."""
-    key = info["key"]
-    return Session(
-        key=key.encode() if isinstance(key, str) else key,
-        signature_scheme=info.get("signature_scheme", "hmac-sha256"),
-        username="nbos-gateway",
-    )
-
-
-def url(info: Mapping[str, Any], channel: str) -> str:
-    return f"{info.get('transport', 'tcp')}://{info['ip']}:{info[f'{channel}_port']}"
 
 
 class ChannelBridge:
@@ -176,7 +163,7 @@ class ChannelBridge:
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
                 else:
                     sock.setsockopt(zmq.IDENTITY, self._identity)
-                sock.connect(url(info, channel))
+                sock.connect(channel_url(info, channel))
             self._session, self._sockets = session_for(info), sockets
             self._subscribed, self._nudges = anyio.Event(), set()
             self._connected.set()
@@ -255,29 +242,3 @@ class ChannelBridge:
                 self.session_key,
             )
         self._buffer.append((msg, header))
-
-
-async def control_request(
-    ctx: zmq.asyncio.Context,
-    info: Mapping[str, Any],
-    msg_type: str,
-    content: dict[str, Any],
-    timeout: float,
-) -> dict[str, Any] | None:
-    """Send one request on the kernel's control channel; its reply, ``None`` after ``timeout``."""
-    session = session_for(info)
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(url(info, "control"))
-        request = session.msg(msg_type, content)
-        await sock.send_multipart(session.serialize(request))
-        with anyio.move_on_after(timeout):
-            while True:
-                _, parts = session.feed_identities(await sock.recv_multipart())
-                reply: dict[str, Any] = session.deserialize(parts)
-                if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
-                    return reply
-        return None
-    finally:
-        sock.close(0)

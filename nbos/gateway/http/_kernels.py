@@ -29,7 +29,8 @@ import zmq.asyncio
 from nbos.cluster import Gateway, Kernel
 from nbos.core.errors import ConfigError, KernelError, UnknownKernelError
 from nbos.core.ids import KernelId
-from nbos.gateway.http._channels import ChannelBridge, Sink, control_request, session_for, url
+from nbos.gateway.http._channels import ChannelBridge, Sink
+from nbos.kernel.control import channel_url, control_request, session_for
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class ApiKernels:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(url(info, "iopub"))
+        sock.connect(channel_url(info, "iopub"))
         try:
             await self._read_activity(api, kernel, sock)
         except zmq.ZMQError:
