@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from nbos.jupyter import install
@@ -21,10 +22,21 @@ def register(subparsers: Any) -> None:
         default=0,
         help="the kernel's default GPUs per cell (N > 0 installs it as nbos-gpu-N)",
     )
+    inst.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="its kernels run on the gateway of this cluster file (nbos cluster up FILE)",
+    )
     inst.set_defaults(func=install_command)
 
 
 def install_command(args: argparse.Namespace) -> int:
-    path = install(user=args.user, prefix=args.prefix, gpus=args.gpus)
+    cluster = None
+    if args.cluster is not None:
+        from nbos.deploy import load_cluster_file
+
+        load_cluster_file(args.cluster)  # a bad file is refused now, not at each kernel start
+        cluster = str(Path(args.cluster).resolve())
+    path = install(user=args.user, prefix=args.prefix, gpus=args.gpus, cluster=cluster)
     print(f"installed the nbos kernelspec in {path}")
     return 0

@@ -212,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nbos.jupyter.host")
     parser.add_argument("-f", "--connection-file", required=True)
     parser.add_argument("--config", help="nbos TOML settings")
+    parser.add_argument(
+        "--cluster", help="run on the gateway of this cluster file (nbos cluster up FILE)"
+    )
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
         "--gpus", type=_count, default=0, help="the kernel's GPUs per cell (kernelspec nbos.gpus)"
@@ -228,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         settings = Settings.load(args.config)
-        address = gateway_address(settings, args.config)
+        address = gateway_address(settings, args.config, args.cluster)
         return anyio.run(
             lambda: serve(
                 Path(args.connection_file),

@@ -19,13 +19,19 @@ def kernel_name(gpus: int = 0) -> str:
     return f"{KERNEL_NAME}-gpu-{gpus}" if gpus else KERNEL_NAME
 
 
-def kernel_json(python: str = sys.executable, gpus: int = 0) -> dict[str, Any]:
-    """The kernelspec's ``kernel.json``. ``gpus`` is the kernel's default GPUs per cell."""
+def kernel_json(
+    python: str = sys.executable, gpus: int = 0, cluster: str | None = None
+) -> dict[str, Any]:
+    """The kernelspec's ``kernel.json``. ``gpus`` is the kernel's default GPUs per cell;
+    ``cluster``: a cluster file, whose gateway its kernels run on."""
     display = (
         f"nbos (replicated Python, {gpus} GPU per cell)" if gpus else "nbos (replicated Python)"
     )
+    argv = [python, "-m", "nbos.jupyter.host", "-f", "{connection_file}", "--gpus", str(gpus)]
+    if cluster is not None:
+        argv += ["--cluster", cluster]
     return {
-        "argv": [python, "-m", "nbos.jupyter.host", "-f", "{connection_file}", "--gpus", str(gpus)],
+        "argv": argv,
         "display_name": display,
         "language": "python",
         "interrupt_mode": "message",
@@ -38,11 +44,18 @@ def kernel_json(python: str = sys.executable, gpus: int = 0) -> dict[str, Any]:
 
 
 def install(
-    *, user: bool = False, prefix: str | None = None, python: str = sys.executable, gpus: int = 0
+    *,
+    user: bool = False,
+    prefix: str | None = None,
+    python: str = sys.executable,
+    gpus: int = 0,
+    cluster: str | None = None,
 ) -> str:
-    """Install the kernelspec :func:`kernel_name` (``gpus``); returns the directory it went to."""
+    """Install the kernelspec :func:`kernel_name` (``gpus``, on the gateway of the cluster
+    file ``cluster`` if given); returns the directory it went to."""
+    spec = kernel_json(python, gpus, cluster)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "kernel.json").write_text(json.dumps(kernel_json(python, gpus), indent=1))
+        (Path(tmp) / "kernel.json").write_text(json.dumps(spec, indent=1))
         return str(
             KernelSpecManager().install_kernel_spec(
                 tmp, kernel_name=kernel_name(gpus), user=user, prefix=prefix

@@ -55,9 +55,14 @@ def named_address(config: str | None, env: Mapping[str, str] = os.environ) -> bo
         return "address" in tomllib.load(f).get("gateway", {})
 
 
-def gateway_address(settings: Settings, config: str | None) -> str:
-    """The control address of the gateway for this kernel; starts the user's own if
-    the settings name none and it does not run."""
+def gateway_address(settings: Settings, config: str | None, cluster: str | None = None) -> str:
+    """The control address of the gateway for this kernel: that of the cluster file
+    ``cluster``, else the one the settings name, else the user's own (started if it
+    does not run)."""
+    if cluster is not None:
+        from nbos.deploy import load_cluster_file
+
+        return load_cluster_file(cluster).gateway.address
     if named_address(config):
         return settings.gateway.address
     return local_gateway(settings, runtime_file())
