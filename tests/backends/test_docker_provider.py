@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.ids import HostId
 from nbos.gateway.service import GatewayService
-from nbos.transport.ports import free_loopback_ports
 from tests._servers.dockerd import DockerDaemon, docker_mounts
+from tests.backends._provider import one_provided_host
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -24,32 +23,18 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 async def test_the_docker_provider_adds_an_agent_container_that_runs_a_kernel(
     docker_daemon: DockerDaemon, docker_image: str, tmp_path: Path
 ) -> None:
-    control, agents = free_loopback_ports(2)
     mounts = docker_mounts(tmp_path)
-    settings = Settings(
-        cluster=ClusterSettings(
-            gpus_per_host=2, replicas_per_kernel=1, data_dir=str(tmp_path / "run")
-        ),
-        gateway=GatewaySettings(
-            address=f"127.0.0.1:{control}",
-            agent_address=f"127.0.0.1:{agents}",
-            heartbeat_s=0.2,
-            missed_heartbeats=50,
-            local_agents=False,
-            autoscale=True,
-            min_hosts=1,
-            max_hosts=1,
-            autoscale_period_s=0.3,
-            host_provider="docker",
-            host_provider_options={
-                "engines": {"e1": docker_daemon.url},
-                "image": docker_image,
-                "python": sys.executable,
-                "state_dir": str(tmp_path / "agents"),
-                "mounts": mounts,
-                "virtual_gpus": True,
-            },
-        ),
+    settings = one_provided_host(
+        tmp_path,
+        "docker",
+        {
+            "engines": {"e1": docker_daemon.url},
+            "image": docker_image,
+            "python": sys.executable,
+            "state_dir": str(tmp_path / "agents"),
+            "mounts": mounts,
+            "virtual_gpus": True,
+        },
     )
     async with GatewayService.serve(settings) as service:
         await service.directory.scheduler.wait_for_host(HostId("docker-1"), 240)

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.ids import HostId
 from nbos.gateway.service import GatewayService
-from nbos.transport.ports import free_loopback_ports
 from tests._servers.sshd import SshServer
+from tests.backends._provider import one_provided_host
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -21,7 +20,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 async def test_the_ssh_provider_starts_a_standby_hosts_agent_that_runs_a_kernel(
     sshd_server: SshServer, tmp_path: Path
 ) -> None:
-    control, agents = free_loopback_ports(2)
     target = {
         "address": "127.0.0.1",
         "port": sshd_server.port,
@@ -29,28 +27,15 @@ async def test_the_ssh_provider_starts_a_standby_hosts_agent_that_runs_a_kernel(
         "key_file": str(sshd_server.client_key),
         "known_hosts": str(sshd_server.known_hosts),
     }
-    settings = Settings(
-        cluster=ClusterSettings(
-            gpus_per_host=2, replicas_per_kernel=1, data_dir=str(tmp_path / "run")
-        ),
-        gateway=GatewaySettings(
-            address=f"127.0.0.1:{control}",
-            agent_address=f"127.0.0.1:{agents}",
-            heartbeat_s=0.2,
-            missed_heartbeats=50,
-            local_agents=False,
-            autoscale=True,
-            min_hosts=1,
-            max_hosts=1,
-            autoscale_period_s=0.3,
-            host_provider="ssh",
-            host_provider_options={
-                "hosts": {"standby-1": target},
-                "python": sys.executable,
-                "state_dir": str(tmp_path / "agents"),
-                "virtual_gpus": True,
-            },
-        ),
+    settings = one_provided_host(
+        tmp_path,
+        "ssh",
+        {
+            "hosts": {"standby-1": target},
+            "python": sys.executable,
+            "state_dir": str(tmp_path / "agents"),
+            "virtual_gpus": True,
+        },
     )
     async with GatewayService.serve(settings) as service:
         await service.directory.scheduler.wait_for_host(HostId("standby-1"), 240)

@@ -104,4 +104,3 @@ def _read_all(primary: int) -> str:
             break
         chunks.append(chunk)
     return b"".join(chunks).decode(errors="replace")
-

@@ -94,3 +94,18 @@ def local_settings(tmp_path: Path, **gateway: Any) -> Settings:
             **gateway,
         ),
     )
+
+
+def autoscaled_settings(tmp_path: Path) -> Settings:
+    """:func:`local_settings` with the autoscaler on: 3 to 4 hosts, no cooldowns, a host
+    idle for 1 s is drained."""
+    return local_settings(
+        tmp_path,
+        autoscale=True,
+        min_hosts=3,
+        max_hosts=4,
+        autoscale_period_s=0.3,
+        scale_out_cooldown_s=0.0,
+        scale_in_cooldown_s=0.0,
+        idle_grace_s=1.0,
+    )

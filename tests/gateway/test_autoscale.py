@@ -21,7 +21,7 @@ from nbos.gateway.providers import available_providers, load_host_provider
 from nbos.gateway.service import GatewayService
 from tests.agent._daemons import DEADLINE
 from tests.example_policy import install_example_policy
-from tests.gateway._service import local_settings
+from tests.gateway._service import autoscaled_settings, local_settings
 from tests.gateway.test_scheduler import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -30,16 +30,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_intact(
     tmp_path: Path,
 ) -> None:
-    settings = local_settings(
-        tmp_path,
-        autoscale=True,
-        min_hosts=3,
-        max_hosts=4,
-        autoscale_period_s=0.3,
-        scale_out_cooldown_s=0.0,
-        scale_in_cooldown_s=0.0,
-        idle_grace_s=1.0,
-    )
+    settings = autoscaled_settings(tmp_path)
     async with GatewayService.serve(settings) as service:
         scheduler = service.directory.scheduler
         ledger = scheduler.ledger

@@ -13,7 +13,7 @@ from nbos.gateway.control import Usage, UsageRequest, call
 from nbos.gateway.service import GatewayService
 from nbos.scaling.trace import Cell, Session, Trace, dump_json
 from tests.agent._daemons import DEADLINE, ROOT
-from tests.gateway._service import local_settings
+from tests.gateway._service import autoscaled_settings, local_settings
 from tests.gateway.test_scheduler import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -71,16 +71,7 @@ BURST = Trace(tuple(Session(f"s{i}", 0, 300, 2, (Cell(20 + 5 * i, 200),)) for i 
 async def test_a_replayed_burst_scales_the_cluster_out_then_back_in(tmp_path: Path) -> None:
     path = tmp_path / "burst.json"
     path.write_bytes(dump_json(BURST))
-    settings = local_settings(
-        tmp_path,
-        autoscale=True,
-        min_hosts=3,
-        max_hosts=4,
-        autoscale_period_s=0.3,
-        scale_out_cooldown_s=0.0,
-        scale_in_cooldown_s=0.0,
-        idle_grace_s=1.0,
-    )
+    settings = autoscaled_settings(tmp_path)
     async with GatewayService.serve(settings) as service:
         shown = await anyio.run_process(
             [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", str(BURST_SPEEDUP),
