@@ -169,16 +169,18 @@ def start_agent(
     where: Where = here,
     config: Path | None = None,
     env: Mapping[str, str] | None = None,
+    gpus: int = 2,
 ) -> AgentProcess:
-    """``nbos agent`` for ``host`` (``config``: its settings file, with ``[agent]``;
-    ``env``: more environment, ``NBOS_*`` settings over those of ``config``)."""
+    """``nbos agent`` for ``host`` with ``gpus`` virtual GPUs (``config``: its settings
+    file, with ``[agent]``; ``env``: more environment, ``NBOS_*`` settings over those of
+    ``config``)."""
     state_dir = tmp / f"state-{host}"
     log = tmp / f"agent-{host}.log"
     settings = ["--config", str(config)] if config is not None else []
     argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", *settings, "agent"]
     argv += ["--host", host]
     argv += ["--address", address, "--gateway", gateway, "--state-dir", str(state_dir)]
-    argv += ["--gpus", "2", "--heartbeat", "0.2", *extra]
+    argv += ["--gpus", str(gpus), "--heartbeat", "0.2", *extra]
     if keys is not None:
         argv += ["--keys", str(keys)]
     with log.open("ab") as out:

@@ -61,21 +61,29 @@ async def status_when(
             await anyio.sleep(0.2)
 
 
-async def run_cell(info: KernelInfo, code: str) -> dict[str, Any]:
-    """Run ``code`` through a fresh Jupyter client on the kernel's front; stdout and reply."""
+async def run_cell(info: KernelInfo, code: str, *, shown: bool = False) -> dict[str, Any]:
+    """Run ``code`` through a fresh Jupyter client on the kernel's front; stdout and reply
+    (``shown``: and the text of each display and display update, such as nbos's line of a
+    cell waiting for GPUs)."""
     client = AsyncKernelClient()
     client.load_connection_info(dict(info.connection))
     client.start_channels()
+    out: list[str] = []
+    displays: list[str] = []
+
+    def output(message: dict[str, Any]) -> None:
+        content = message["content"]
+        if message["msg_type"] in ("display_data", "update_display_data"):
+            displays.append(content["data"].get("text/plain", ""))
+        else:
+            out.append(content.get("text", ""))
+
     try:
-        out: list[str] = []
-        reply = await client.execute_interactive(
-            code,
-            timeout=DEADLINE,
-            output_hook=lambda m: out.append(m["content"].get("text", "")),
-        )
-        return {"status": reply["content"]["status"], "stdout": "".join(out)}
+        reply = await client.execute_interactive(code, timeout=DEADLINE, output_hook=output)
     finally:
         client.stop_channels()
+    result = {"status": reply["content"]["status"], "stdout": "".join(out)}
+    return {**result, "shown": displays} if shown else result
 
 
 def local_settings(tmp_path: Path, **gateway: Any) -> Settings:

@@ -6,7 +6,8 @@ address, and a client there drives it. Replicas bind their hosts' addresses, so
 Raft and front traffic crosses the bridge. A host whose agent and replicas are
 ``kill -9``ed, or cut off with iptables, vanishes and its replica is replaced on the
 spare host, state intact; a cut-off host that comes back has its stale replica stopped.
-The gateway ``kill -9``ed and started again takes back every kernel, state intact.
+The gateway ``kill -9``ed and started again takes back every kernel, state intact; with
+one GPU in the cluster, two clients' cells take turns on it, the second shown waiting.
 """
 
 from __future__ import annotations
@@ -86,9 +87,16 @@ def _alive(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for k in status["kernels"] for r in k["replicas"] if r["alive"]]
 
 
+@pytest.fixture
+def host_gpus() -> dict[str, int]:
+    """The virtual GPUs of each host's agent (a test may parametrize it)."""
+    return dict.fromkeys(HOSTS, 2)
+
+
 @attrs.define
 class Cluster:
-    """The gateway and 4 agents in their namespaces, a client, and a kernel with ``x = 40``."""
+    """The gateway and 4 agents in their namespaces, a client, and a kernel with ``x = 40``
+    whose cells take a GPU by default (none where some host has none)."""
 
     net: Netns
     agents: dict[str, AgentProcess]
@@ -120,7 +128,7 @@ class Cluster:
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path, net: Netns) -> AsyncIterator[Cluster]:
+async def cluster(tmp_path: Path, net: Netns, host_gpus: dict[str, int]) -> AsyncIterator[Cluster]:
     keys = tmp_path / "keys"
     generate_keys(keys, HOSTS)
     gw = net.address("gw")
@@ -150,11 +158,12 @@ async def cluster(tmp_path: Path, net: Netns) -> AsyncIterator[Cluster]:
                 address=f"{net.address(host)}:7001",
                 keys=keys,
                 where=lambda argv, host=host: net.argv(host, argv),
+                gpus=host_gpus[host],
             )
             net.processes.append(agents[host].process)
         async with client(net, f"{gw}:7070", tmp_path / "client.log") as ask:
             await ask.status_when(lambda s: sum(h["state"] == "up" for h in s["hosts"]) == 4)
-            kernel = await ask(op="start", gpus=1)
+            kernel = await ask(op="start", gpus=min(1, *host_gpus.values()))
             assert "kernel_id" in kernel, kernel
             ips = {r["ip"] for r in kernel["replicas"]}
             assert len(ips) == 3 and ips <= {net.address(h) for h in HOSTS}
@@ -224,3 +233,55 @@ async def test_the_gateway_killed_and_started_again_takes_every_kernel_back(
         "stdout": "42\n",
     }
     assert await cluster.ask(op="cell", code="print(y + 40)") == {"status": "ok", "stdout": "42\n"}
+
+
+async def _usage_when(watch: Client, ready: Callable[[list[dict[str, Any]]], bool]) -> None:
+    """Poll the gateway's usage until ``ready`` accepts its cells of one GPU."""
+    with anyio.fail_after(4 * DEADLINE):
+        while True:
+            usage = await watch(op="usage")
+            if ready([c for c in usage["cells"] if c["gpus"] == 1]):
+                return
+            await anyio.sleep(0.2)
+
+
+@pytest.mark.parametrize("host_gpus", [{"a": 1, "b": 0, "c": 0, "d": 0}])
+async def test_two_clients_contend_for_the_one_gpu_and_the_second_waits_with_a_status_line(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """One GPU in the cluster, on host a: another client's 1-GPU cell waits for it, with
+    nbos's status line, while the first client's cell holds it, and runs once it ends."""
+    address = f"{cluster.net.address('gw')}:7070"
+    release = tmp_path / "release"
+    holds = f"while not os.path.exists({str(release)!r}): time.sleep(0.05)"
+    cells = {
+        "first": f"%%gpus 1\nimport os, time\n{holds}\nprint(time.time())",
+        "second": "%%gpus 1\nimport time\nprint(time.time())",
+    }
+    first = cluster.kernel["kernel_id"]
+    results: dict[str, Any] = {}
+    async with (
+        client(cluster.net, address, tmp_path / "client-2.log") as other,
+        client(cluster.net, address, tmp_path / "client-3.log") as watch,
+    ):
+        second = (await other(op="start", gpus=0))["kernel_id"]
+
+        async def run(name: str, ask: Client) -> None:
+            results[name] = await ask(op="cell", code=cells[name], shown=True)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "first", cluster.ask)
+            await _usage_when(watch, lambda cs: any(c["kernel_id"] == first for c in cs))
+            tg.start_soon(run, "second", other)
+            await _usage_when(watch, lambda cs: any(c["kernel_id"] == second for c in cs))
+            release.touch()
+        usage = {c["kernel_id"]: c for c in (await watch(op="usage"))["cells"] if c["gpus"] == 1}
+
+    assert results["first"]["status"] == results["second"]["status"] == "ok", results
+    assert not results["first"]["shown"]  # the GPU was idle: no waiting
+    shown = results["second"]["shown"]
+    assert shown[0].startswith("nbos: the cell waits: waiting for 1 GPUs"), shown
+    assert shown[-1].startswith("nbos: the cell started after waiting"), shown
+    # It ran after the first cell had ended and given the GPU back, not before.
+    assert float(results["second"]["stdout"]) >= float(results["first"]["stdout"])
+    assert usage[second]["started"] >= usage[first]["ended"]
