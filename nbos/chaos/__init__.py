@@ -10,8 +10,11 @@
 :func:`run_chaos` runs a workload of cells with countable effects (``n += 1`` and
 ``L.append(i)``) while a seeded schedule of :class:`Nemesis` faults strikes; after
 each fault it checks exactly-once, that no lost cell ran or left a trace, that
-replicas hold equal namespaces and that ``execution_count`` only grows. The
-``nbos chaos`` command does the same on an embedded cluster; see ``docs/chaos.md``.
+replicas hold equal namespaces and that ``execution_count`` only grows. It drives a
+kernel of the embedded cluster, or one of a ``nbos gateway`` by address
+(:class:`GatewayKernel`), where the gateway's own nemeses (kill it, kill an agent,
+cut a host off) can run too. The ``nbos chaos`` command does the same; see
+``docs/chaos.md``.
 """
 
 from nbos.chaos._checks import (
@@ -23,9 +26,16 @@ from nbos.chaos._checks import (
     check_runs,
 )
 from nbos.chaos._freeze import FreezeReplica
-from nbos.chaos._gateway import KillAgent, KillGateway, PartitionHost
+from nbos.chaos._gateway import (
+    CommandNetwork,
+    GatewayProcesses,
+    KillAgent,
+    KillGateway,
+    Network,
+    PartitionHost,
+)
 from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
-from nbos.chaos._nemesis import EMBEDDED, Capability, Nemesis, Strike
+from nbos.chaos._nemesis import Nemesis, Strike
 from nbos.chaos._report import ChaosReport, FaultReport
 from nbos.chaos._runner import (
     Observer,
@@ -35,6 +45,14 @@ from nbos.chaos._runner import (
     run_chaos,
 )
 from nbos.chaos._schedule import PlannedFault, plan_faults
+from nbos.chaos._target import (
+    EMBEDDED,
+    Capability,
+    ChaosKernel,
+    EmbeddedKernel,
+    GatewayKernel,
+    KernelView,
+)
 from nbos.chaos._workload import LOST_ERRORS, CellRecord, Observed, Outcome, Workload
 
 __all__ = [
@@ -42,15 +60,22 @@ __all__ = [
     "LOST_ERRORS",
     "Capability",
     "CellRecord",
+    "ChaosKernel",
     "ChaosReport",
+    "CommandNetwork",
+    "EmbeddedKernel",
     "FaultReport",
     "FreezeReplica",
+    "GatewayKernel",
+    "GatewayProcesses",
+    "KernelView",
     "KillAgent",
     "KillExecutor",
     "KillFollower",
     "KillGateway",
     "KillTwo",
     "Nemesis",
+    "Network",
     "Observed",
     "Observer",
     "Outcome",

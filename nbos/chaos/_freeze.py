@@ -9,8 +9,8 @@ from typing import Literal
 
 import attrs
 
-from nbos.chaos._nemesis import EMBEDDED, Capability, Strike, described, executor_of, followers_of
-from nbos.cluster import Kernel
+from nbos.chaos._nemesis import Strike, described, executor_of, followers_of
+from nbos.chaos._target import EMBEDDED, Capability, ChaosKernel
 from nbos.core.errors import ConfigError, KernelError
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,12 @@ class FreezeReplica:
     def name(self) -> str:
         return f"freeze-{self.role}"
 
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
-        executor = executor_of(kernel)
+    async def strike(self, kernel: ChaosKernel, rng: random.Random) -> Strike:
+        executor, view = await executor_of(kernel)
         if self.role == "executor":
             node = executor
         else:
-            followers = followers_of(kernel, executor)
+            followers = followers_of(view, executor)
             if not followers:
                 raise KernelError(f"kernel {kernel.kernel_id} has no live follower to freeze")
             node = rng.choice(followers)
@@ -57,7 +57,7 @@ class FreezeReplica:
         await kernel.signal_replica(node, signal.SIGSTOP)
         return Strike(f"{described([node], executor)} for {hold} s", (node,), lasts_s=hold)
 
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
+    async def heal(self, kernel: ChaosKernel, strike: Strike) -> None:
         try:
             await kernel.signal_replica(strike.victims[0], signal.SIGCONT)
         except KernelError as exc:  # replaced meanwhile: the cluster ended the process

@@ -8,8 +8,6 @@ import signal
 import attrs
 
 from nbos.chaos._nemesis import (
-    EMBEDDED,
-    Capability,
     Strike,
     described,
     executor_of,
@@ -18,7 +16,7 @@ from nbos.chaos._nemesis import (
     restart_in_place,
     until,
 )
-from nbos.cluster import Kernel
+from nbos.chaos._target import EMBEDDED, Capability, ChaosKernel
 from nbos.core.errors import KernelError
 
 
@@ -46,13 +44,13 @@ class KillExecutor:
         base = "kill-executor" if self.mid_cell else "kill-last-executor"
         return f"{base}+restart" if self.restart else base
 
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
+    async def strike(self, kernel: ChaosKernel, rng: random.Random) -> Strike:
         if not self.mid_cell:
-            await until(lambda: kernel.front.running_on is None)
-        node = executor_of(kernel)
+            await until(lambda: _idle(kernel))
+        node, _ = await executor_of(kernel)
         return await _kill(kernel, node, node, restart=self.restart)
 
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
+    async def heal(self, kernel: ChaosKernel, strike: Strike) -> None:
         """Nothing to do: restarted at once, or left to the cluster."""
 
 
@@ -73,14 +71,14 @@ class KillFollower:
     def needs(self) -> frozenset[Capability]:
         return EMBEDDED
 
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
-        executor = executor_of(kernel)
-        followers = followers_of(kernel, executor)
+    async def strike(self, kernel: ChaosKernel, rng: random.Random) -> Strike:
+        executor, view = await executor_of(kernel)
+        followers = followers_of(view, executor)
         if not followers:
             raise KernelError(f"kernel {kernel.kernel_id} has no live follower to kill")
         return await _kill(kernel, rng.choice(followers), executor, restart=self.restart)
 
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
+    async def heal(self, kernel: ChaosKernel, strike: Strike) -> None:
         """Nothing to do: restarted at once, or left to the cluster."""
 
 
@@ -101,24 +99,27 @@ class KillTwo:
     def needs(self) -> frozenset[Capability]:
         return EMBEDDED
 
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
-        executor = executor_of(kernel)
-        victims = sorted(rng.sample(list(kernel.front.alive), 2))
+    async def strike(self, kernel: ChaosKernel, rng: random.Random) -> Strike:
+        executor, view = await executor_of(kernel)
+        victims = sorted(rng.sample(list(view.alive), 2))
         for node in victims:
             await kernel.signal_replica(node, signal.SIGKILL)
         for node in victims:
             await kernel.wait_replica(node)
         return Strike(described(victims, executor), tuple(victims))
 
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
+    async def heal(self, kernel: ChaosKernel, strike: Strike) -> None:
         for node in strike.victims:
             await restart_in_place(kernel, node)
 
 
-async def _kill(kernel: Kernel, node: int, executor: int, *, restart: bool) -> Strike:
+async def _kill(kernel: ChaosKernel, node: int, executor: int, *, restart: bool) -> Strike:
     await kill(kernel, node)
     if not restart:
         return Strike(described([node], executor), (node,))
-    await until(lambda: node not in kernel.front.alive)
     await restart_in_place(kernel, node)
     return Strike(f"{described([node], executor)}, restarted", (node,), noticed=True)
+
+
+async def _idle(kernel: ChaosKernel) -> bool:
+    return (await kernel.view()).running_on is None

@@ -11,26 +11,18 @@ from __future__ import annotations
 import logging
 import random
 import signal
-from collections.abc import Callable
-from typing import Literal, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import anyio
 import attrs
 
-from nbos.cluster import Kernel
+from nbos.chaos._target import Capability, ChaosKernel, KernelView
 from nbos.core.errors import KernelError
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-
-#: What a nemesis may need of the cluster under test.
-#: ``replica-processes``: signals to a kernel's replica processes (the embedded cluster);
-#: ``gateway``: a gateway process, its host agents and hosts on a network it can cut.
-Capability = Literal["replica-processes", "gateway"]
-
-#: What the embedded :class:`~nbos.cluster.LocalCluster` offers.
-EMBEDDED: frozenset[Capability] = frozenset({"replica-processes"})
 
 
 @attrs.frozen
@@ -40,12 +32,18 @@ class Strike:
 
     ``noticed``: the kernel noticed the fault before the strike returned (a victim
     restarted at once was seen dead first); else the runner watches for that.
+    ``host``: the host struck, for a fault of a whole host (its agent, its network).
+    ``replies_lost``: the fault ended the process the client talks to (the gateway, and
+    the kernel's front in it), so a cell in flight then gets no answer; such a cell is
+    held to at most once, as one of no known outcome.
     """
 
     target: str
     victims: tuple[int, ...]
     lasts_s: float = 0.0
     noticed: bool = False
+    host: str | None = None
+    replies_lost: bool = False
 
 
 class Nemesis(Protocol):
@@ -62,35 +60,36 @@ class Nemesis(Protocol):
         """What the cluster must offer; the runner refuses a nemesis it cannot run."""
         ...
 
-    async def strike(self, kernel: Kernel, rng: random.Random) -> Strike:
+    async def strike(self, kernel: ChaosKernel, rng: random.Random) -> Strike:
         """Inject the fault (a workload cell is running); return once it is in force."""
         ...
 
-    async def heal(self, kernel: Kernel, strike: Strike) -> None:
+    async def heal(self, kernel: ChaosKernel, strike: Strike) -> None:
         """End the fault (thaw, restart ...); the runner then waits for full strength."""
         ...
 
 
-async def until(predicate: Callable[[], bool]) -> None:
+async def until(predicate: Callable[[], Awaitable[bool]]) -> None:
     """Return once ``predicate()`` holds (polled: the front's state has no event to await)."""
-    while not predicate():  # noqa: ASYNC110
+    while not await predicate():  # noqa: ASYNC110
         await anyio.sleep(_POLL_S)
 
 
-def executor_of(kernel: Kernel) -> int:
-    """The replica running the current cell, else the last executor, else the first alive."""
-    front = kernel.front
-    node = front.running_on if front.running_on is not None else front.last_executor
-    if node is None or node not in front.alive:
-        if not front.alive:
+async def executor_of(kernel: ChaosKernel) -> tuple[int, KernelView]:
+    """The replica running the current cell, else the last executor, else the first alive;
+    and the view it was chosen from."""
+    view = await kernel.view()
+    node = view.running_on if view.running_on is not None else view.last_executor
+    if node is None or node not in view.alive:
+        if not view.alive:
             raise KernelError(f"kernel {kernel.kernel_id} has no live replica to strike")
-        return front.alive[0]
-    return node
+        return view.alive[0], view
+    return node, view
 
 
-def followers_of(kernel: Kernel, executor: int) -> list[int]:
+def followers_of(view: KernelView, executor: int) -> list[int]:
     """The live replicas other than ``executor``, ascending."""
-    return [n for n in kernel.front.alive if n != executor]
+    return [n for n in view.alive if n != executor]
 
 
 def described(nodes: list[int], executor: int) -> str:
@@ -99,13 +98,13 @@ def described(nodes: list[int], executor: int) -> str:
     return f"replica{'s' if len(nodes) > 1 else ''} {names}"
 
 
-async def kill(kernel: Kernel, node: int) -> None:
-    """``kill -9`` replica ``node`` and reap it; the cluster notices the exit on its own."""
+async def kill(kernel: ChaosKernel, node: int) -> None:
+    """``kill -9`` replica ``node`` and wait for its end; the cluster notices on its own."""
     await kernel.signal_replica(node, signal.SIGKILL)
     await kernel.wait_replica(node)
 
 
-async def restart_in_place(kernel: Kernel, node: int) -> None:
+async def restart_in_place(kernel: ChaosKernel, node: int) -> None:
     """Start killed replica ``node`` again on its host, from its durable Raft log.
 
     A cluster that cannot (not durable), or that is replacing it already, is left to

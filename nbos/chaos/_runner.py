@@ -24,9 +24,10 @@ from nbos.chaos._checks import (
 from nbos.chaos._freeze import FreezeReplica
 from nbos.chaos._gateway import KillAgent, KillGateway, PartitionHost
 from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
-from nbos.chaos._nemesis import EMBEDDED, Capability, Nemesis, Strike, until
+from nbos.chaos._nemesis import Nemesis, Strike, until
 from nbos.chaos._report import ChaosReport, FaultReport
 from nbos.chaos._schedule import PlannedFault, plan_faults
+from nbos.chaos._target import EMBEDDED, Capability, ChaosKernel, EmbeddedKernel
 from nbos.chaos._workload import CellRecord, Workload
 from nbos.cluster import Kernel
 from nbos.core.errors import ConfigError, KernelError, NemesisUnsupportedError
@@ -48,7 +49,7 @@ class Observer(Protocol):
 
 
 def default_nemeses() -> tuple[Nemesis, ...]:
-    """Every nemesis the embedded cluster can run, with its default settings."""
+    """Every nemesis of replica processes, with its default settings."""
     return (
         KillExecutor(),
         KillExecutor(mid_cell=False),
@@ -60,23 +61,28 @@ def default_nemeses() -> tuple[Nemesis, ...]:
 
 
 def known_nemeses() -> tuple[Nemesis, ...]:
-    """:func:`default_nemeses` and the extension points that need a gateway."""
+    """:func:`default_nemeses` and those of a gateway deployment, with nothing to carry
+    them out yet (see :mod:`nbos.chaos._gateway`)."""
     return (*default_nemeses(), PartitionHost(), KillGateway(), KillAgent())
 
 
-def check_supported(nemeses: Sequence[Nemesis], offered: frozenset[Capability] = EMBEDDED) -> None:
-    """Raise :class:`NemesisUnsupportedError` for the first nemesis the cluster cannot run."""
+def check_supported(
+    nemeses: Sequence[Nemesis],
+    offered: frozenset[Capability] = EMBEDDED,
+    cluster: str = "embedded cluster",
+) -> None:
+    """Raise :class:`NemesisUnsupportedError` for the first nemesis ``cluster`` cannot run."""
     names = [n.name for n in nemeses]
     if not nemeses or len(set(names)) != len(names):
         raise ConfigError("nemeses", names, "at least one nemesis, each name once")
     for nemesis in nemeses:
         missing = sorted(nemesis.needs - offered)
         if missing:
-            raise NemesisUnsupportedError(nemesis.name, missing, "embedded cluster")
+            raise NemesisUnsupportedError(nemesis.name, missing, cluster)
 
 
 async def run_chaos(
-    kernel: Kernel,
+    kernel: Kernel | ChaosKernel,
     *,
     seed: int = 0,
     duration_s: float = 60.0,
@@ -85,8 +91,10 @@ async def run_chaos(
     recovery_s: float = 60.0,
     cell_timeout_s: float = 45.0,
     observer: Observer | None = None,
+    run_dir: Path | None = None,
 ) -> ChaosReport:
-    """Run the workload on ``kernel`` (a kernel of the embedded cluster) under faults.
+    """Run the workload on ``kernel`` under faults: a kernel of the embedded cluster, or
+    any :class:`ChaosKernel` (:class:`GatewayKernel`: one of a gateway by address).
 
     Faults follow the schedule of ``seed`` over ``nemeses`` (default: all of
     :func:`default_nemeses`); no fault starts after ``duration_s`` seconds or past
@@ -94,9 +102,12 @@ async def run_chaos(
     and to get back to as many live replicas as it started with (the run ends at the
     first fault it did not recover from); a cell, and each replica's digest, gets
     ``cell_timeout_s`` seconds to answer. The report lists every violation found.
+    ``run_dir``: where the replicas record which cells ran, a directory they can write at
+    that path (default: a new one on this machine, right for hosts on this machine).
     """
+    target = EmbeddedKernel(kernel) if isinstance(kernel, Kernel) else kernel
     chosen = tuple(nemeses) if nemeses is not None else default_nemeses()
-    check_supported(chosen)
+    check_supported(chosen, target.offers, target.where)
     for key, value in (
         ("duration_s", duration_s),
         ("recovery_s", recovery_s),
@@ -105,12 +116,13 @@ async def run_chaos(
     ):
         if not value > 0:
             raise ConfigError(key, value, "a positive number")
-    with tempfile.TemporaryDirectory(prefix="nbos-chaos-") as tmp:
-        workload = Workload(kernel, Path(tmp) / "ran", cell_timeout_s=cell_timeout_s)
+    with tempfile.TemporaryDirectory(prefix="nbos-chaos-", dir=run_dir) as tmp:
+        workload = Workload(target, Path(tmp) / "ran", cell_timeout_s=cell_timeout_s)
         await workload.setup()
         nemesis_by_name = {n.name: n for n in chosen}
         run = _Run(
-            kernel,
+            target,
+            len((await target.view()).alive),
             workload,
             nemesis_by_name,
             recovery_s=recovery_s,
@@ -139,7 +151,8 @@ class _Run:
 
     def __init__(
         self,
-        kernel: Kernel,
+        kernel: ChaosKernel,
+        strength: int,
         workload: Workload,
         nemeses: dict[str, Nemesis],
         *,
@@ -151,7 +164,7 @@ class _Run:
         self._nemeses = nemeses
         self._recovery_s = recovery_s
         self._cell_timeout_s = cell_timeout_s
-        self._strength = len(kernel.front.alive)
+        self._strength = strength
         self._seen: set[Violation] = set()
 
     async def fault(self, planned: PlannedFault, observer: Observer | None) -> FaultReport:
@@ -160,6 +173,8 @@ class _Run:
             await self._workload.cell(planned.number)
         first = len(self._workload.history)
         strike, struck_at, noticed = await self._inject(planned, observer)
+        if strike is not None and strike.replies_lost:
+            self._workload.unanswered_as_indeterminate(first)
         recovered = await self._recovered(planned.number, first, struck_at)
         new = [v for v in await self._check(recovered) if v not in self._seen]
         self._seen.update(new)
@@ -235,8 +250,11 @@ class _Run:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(slow)
-            front = self._kernel.front
-            await until(lambda: front.running_on is not None or slow_done.is_set())
+
+            async def running() -> bool:
+                return slow_done.is_set() or (await self._kernel.view()).running_on is not None
+
+            await until(running)
             await anyio.sleep(planned.strike_after_s)
             struck_at = time.time()
             try:
@@ -248,9 +266,15 @@ class _Run:
         return strike, struck_at
 
     async def _watch(self, victims: tuple[int, ...], noticed: anyio.Event) -> None:
-        """Set ``noticed`` once the front stopped counting every victim as alive."""
-        front = self._kernel.front
-        await until(lambda: not set(victims) & set(front.alive))
+        """Set ``noticed`` once the front stopped counting every victim as alive (a fault
+        of no replica, such as the gateway's, is noticed by the cells it fails)."""
+        if not victims:
+            return
+
+        async def gone() -> bool:
+            return not set(victims) & set((await self._kernel.view()).alive)
+
+        await until(gone)
         noticed.set()
 
     async def _recovered(self, fault: int, first: int, struck_at: float) -> float | None:
@@ -267,10 +291,13 @@ class _Run:
             await self._workload.cell(fault)
 
     async def _full_strength(self) -> list[Violation]:
+        async def whole() -> bool:
+            return len((await self._kernel.view()).alive) >= self._strength
+
         with anyio.move_on_after(self._recovery_s):
-            await until(lambda: len(self._kernel.front.alive) >= self._strength)
+            await until(whole)
             return []
-        alive = self._kernel.front.alive
+        alive = (await self._kernel.view()).alive
         return [
             Violation(
                 "degraded",
@@ -289,9 +316,10 @@ class _Run:
         else:
             found += check_effects(workload.history, observed)
             found += check_runs(workload.history, observed.ran)
-        after = self._kernel.front.last_exec_index
+        view = await self._kernel.view()
+        after = view.last_exec_index
         digests = await self._kernel.digests(after=after, timeout=self._cell_timeout_s)
-        found += check_digests(digests, self._kernel.front.alive, after)
+        found += check_digests(digests, view.alive, after)
         return found
 
 

@@ -18,7 +18,8 @@ from typing import Literal
 
 import attrs
 
-from nbos.cluster import ExecuteResult, Kernel
+from nbos.chaos._target import ChaosKernel
+from nbos.cluster import ExecuteResult
 from nbos.core.errors import KernelError
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,12 @@ class Observed:
 class Workload:
     """Sends workload cells to ``kernel`` and records what came back.
 
-    ``run_file`` must be writable by the kernel's replica processes (the embedded
-    cluster runs them on this machine).
+    ``run_file`` must be writable by the kernel's replica processes, at that path (the
+    embedded cluster runs them on this machine; other hosts need it on a shared file
+    system).
     """
 
-    def __init__(self, kernel: Kernel, run_file: Path, *, cell_timeout_s: float) -> None:
+    def __init__(self, kernel: ChaosKernel, run_file: Path, *, cell_timeout_s: float) -> None:
         self._kernel = kernel
         self._run_file = run_file
         self._timeout = cell_timeout_s
@@ -108,6 +110,14 @@ class Workload:
         log.debug("chaos cell %d: %s %s", seq, record.outcome, record.ename or "")
         self.history.append(record)
         return record
+
+    def unanswered_as_indeterminate(self, first: int) -> None:
+        """Count the cells from ``first`` on that got no answer as of no known outcome
+        (their replies died with the process that held them)."""
+        self.history[first:] = [
+            attrs.evolve(r, outcome="indeterminate") if r.ename == "TimeoutError" else r
+            for r in self.history[first:]
+        ]
 
     async def observe(self) -> Observed | str:
         """Read ``n`` and ``L`` from the kernel and the run file; a reason if the read failed."""

@@ -6,25 +6,39 @@ import argparse
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
+import attrs
 
 from nbos.chaos import (
+    EMBEDDED,
+    Capability,
+    ChaosKernel,
     ChaosReport,
+    CommandNetwork,
+    EmbeddedKernel,
     FaultReport,
+    GatewayKernel,
+    KillAgent,
+    KillGateway,
     Nemesis,
     Observer,
+    PartitionHost,
     PlannedFault,
     Strike,
     check_supported,
+    default_nemeses,
     known_nemeses,
     run_chaos,
 )
 from nbos.cli._progress import progress_bar
 from nbos.cluster import LocalCluster
 from nbos.core.config import Settings
+from nbos.core.errors import ConfigError
+from nbos.deploy import DeployedCluster
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -37,10 +51,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "chaos",
         help="inject faults into a replicated kernel and check exactly-once and consistency",
         description=(
-            "Start a kernel on the embedded local cluster, run a checked workload on it "
-            "while a seeded schedule of faults (kill -9, SIGSTOP/SIGCONT, two kills at "
-            "once) strikes, and print one line per fault. Exits 1 if any check failed. "
-            "See docs/chaos.md."
+            "Start a kernel on the embedded local cluster (or on a gateway: --gateway, "
+            "--cluster), run a checked workload on it while a seeded schedule of faults "
+            "(kill -9, SIGSTOP/SIGCONT, two kills at once; with a gateway, killing it or "
+            "an agent, cutting a host off) strikes, and print one line per fault. Exits 1 "
+            "if any check failed. See docs/chaos.md."
         ),
     )
     p.add_argument(
@@ -49,7 +64,34 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--seed", type=int, default=0, help="schedule seed (0); a seed replays the same faults"
     )
-    p.add_argument("--hosts", type=int, help="virtual hosts (default: config, 3)")
+    p.add_argument("--max-faults", type=int, metavar="N", help="stop after N faults")
+    p.add_argument("--hosts", type=int, help="embedded: virtual hosts (default: config, 3)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument(
+        "--gateway", metavar="ADDRESS", help="a kernel of the nbos gateway at HOST:PORT instead"
+    )
+    target.add_argument(
+        "--cluster",
+        type=Path,
+        metavar="FILE",
+        help="a kernel of the gateway of this cluster file, up (nbos cluster up FILE); "
+        "adds kill-gateway and kill-agent",
+    )
+    p.add_argument(
+        "--partition-command",
+        metavar="CMD",
+        help="with a gateway: a shell command that cuts host {host} off (adds partition-host)",
+    )
+    p.add_argument(
+        "--heal-command", metavar="CMD", help="the shell command that undoes --partition-command"
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="where replicas record the cells they ran, at the same path on every host "
+        "(default: a new directory on this machine)",
+    )
     p.add_argument(
         "--nemesis",
         action="append",
@@ -61,30 +103,86 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+@attrs.frozen
+class _Target:
+    """What the arguments name: a gateway (or none: embedded), and the nemeses."""
+
+    address: str | None
+    offers: frozenset[Capability]
+    nemeses: tuple[Nemesis, ...]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chaos session ``args`` describe; 0 if no check failed."""
     settings = Settings.load(args.config)
-    by_name = {n.name: n for n in known_nemeses()}
-    nemeses = [by_name[name] for name in args.nemesis] if args.nemesis else None
-    if nemeses is not None:
-        check_supported(nemeses)  # before a cluster starts for nothing
+    target = _target(args)  # refused before a cluster starts for nothing
     hosts = args.hosts or settings.cluster.hosts
-    report = anyio.run(_chaos, hosts, settings, args.duration, args.seed, nemeses)
+    report = anyio.run(_chaos, target, hosts, settings, args)
     print(report.table())
     return 0 if report.ok else 1
 
 
+def _target(args: argparse.Namespace) -> _Target:
+    address: str | None = args.gateway
+    offers = EMBEDDED
+    processes = network = None
+    if args.cluster is not None:
+        processes = DeployedCluster(args.cluster)
+        address = processes.address
+        offers |= {"gateway-processes"}
+    if (args.partition_command is None) != (args.heal_command is None):
+        raise ConfigError("--heal-command", args.heal_command, "given with --partition-command")
+    if args.partition_command is not None:
+        if address is None:
+            raise ConfigError("--partition-command", args.partition_command, "a gateway")
+        network = CommandNetwork(args.partition_command, args.heal_command)
+        offers |= {"partition"}
+    if address is not None and args.hosts is not None:
+        raise ConfigError("--hosts", args.hosts, "the embedded cluster (no --gateway, --cluster)")
+    every = (
+        *default_nemeses(),
+        PartitionHost(network),
+        KillGateway(processes),
+        KillAgent(processes),
+    )
+    where = "embedded cluster" if address is None else f"gateway at {address}"
+    if args.nemesis:
+        by_name = {n.name: n for n in every}
+        chosen = tuple(by_name[name] for name in args.nemesis)
+        check_supported(chosen, offers, where)
+    else:
+        chosen = tuple(n for n in every if n.needs <= offers)
+    return _Target(address, offers, chosen)
+
+
 async def _chaos(
-    hosts: int, settings: Settings, duration: float, seed: int, nemeses: Sequence[Nemesis] | None
+    target: _Target, hosts: int, settings: Settings, args: argparse.Namespace
 ) -> ChaosReport:
-    async with LocalCluster(hosts=hosts, settings=settings) as cluster:
-        kernel = await cluster.start_kernel()
-        placed = ", ".join(f"replica {r.node} on {r.host}" for r in kernel.replicas)
-        print(f"kernel {kernel.kernel_id}: {placed}; seed {seed}", file=sys.stderr)
-        with _progress(duration) as observer:
+    async with _kernel(target, hosts, settings) as kernel:
+        view = await kernel.view()
+        placed = ", ".join(f"replica {n} on {h}" for n, h in sorted(view.hosts.items()))
+        print(f"kernel {kernel.kernel_id}: {placed}; seed {args.seed}", file=sys.stderr)
+        with _progress(args.duration) as observer:
             return await run_chaos(
-                kernel, seed=seed, duration_s=duration, nemeses=nemeses, observer=observer
+                kernel,
+                seed=args.seed,
+                duration_s=args.duration,
+                max_faults=args.max_faults,
+                nemeses=target.nemeses,
+                observer=observer,
+                run_dir=args.run_dir,
             )
+
+
+@contextlib.asynccontextmanager
+async def _kernel(target: _Target, hosts: int, settings: Settings) -> AsyncIterator[ChaosKernel]:
+    """A new kernel on the gateway named, else on an embedded cluster of ``hosts``."""
+    if target.address is not None:
+        async with GatewayKernel.start(target.address, target.offers) as kernel:
+            yield kernel
+        return
+    async with LocalCluster(hosts=hosts, settings=settings) as cluster:
+        yield EmbeddedKernel(await cluster.start_kernel())
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ from typing import Any
 import anyio.from_thread
 from jupyter_client.connect import KernelConnectionInfo
 
-from nbos.cluster._kernel import ExecuteResult, Kernel, ReplicaInfo
+from nbos.cluster._cells import ExecuteResult
+from nbos.cluster._kernel import Kernel, ReplicaInfo
 from nbos.cluster._local import LocalCluster
 
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
 import anyio.abc
 import attrs
-from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
+from nbos.cluster._cells import CellClient, ExecuteResult
 from nbos.cluster._replacement import Replacer
 from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError, ReplacementError
@@ -34,44 +33,6 @@ class ReplicaInfo:
     host: HostId
     pid: int | None
     alive: bool
-
-
-@attrs.frozen
-class ExecuteResult:
-    """What one cell did, as a client saw it.
-
-    ``outputs`` are the IOPub messages of the cell (``{"msg_type", "content"}``), in
-    order, without ``status``; ``executor`` is the node id of the replica that ran
-    it (``None`` when it never ran); ``wait_s`` is how long it waited for the cell
-    before it (its claim included), ``run_s`` how long it ran, ``commit_s`` how long
-    capturing and committing its state took, ``round_trip_s`` the client's whole wait.
-    """
-
-    status: str
-    execution_count: int | None
-    outputs: tuple[Mapping[str, Any], ...]
-    executor: int | None
-    wait_s: float | None
-    run_s: float | None
-    commit_s: float | None
-    round_trip_s: float
-    reply: Mapping[str, Any]
-
-    @property
-    def stdout(self) -> str:
-        """Everything the cell printed to stdout."""
-        return "".join(
-            o["content"]["text"]
-            for o in self.outputs
-            if o["msg_type"] == "stream" and o["content"].get("name") == "stdout"
-        )
-
-    @property
-    def error(self) -> tuple[str, str] | None:
-        """``(ename, evalue)`` of a failed cell, else ``None``."""
-        if self.status != "error":
-            return None
-        return str(self.reply.get("ename", "")), str(self.reply.get("evalue", ""))
 
 
 class Kernel:
@@ -98,8 +59,7 @@ class Kernel:
         self._scope = scope
         self._restart = restart
         self._replacer = replacer
-        self._client: AsyncKernelClient | None = None
-        self._lock = anyio.Lock()
+        self._cells: CellClient | None = None
         self.closed = anyio.Event()
 
     @property
@@ -141,29 +101,9 @@ class Kernel:
         """
         if self.closed.is_set():
             raise KernelError(f"kernel {self.kernel_id} is shut down")
-        async with self._lock:
-            client = await self._connected()
-            begun = time.monotonic()
-            if metadata is None:
-                msg_id = client.execute(code, allow_stdin=False, stop_on_error=False)
-            else:
-                msg_id = _send_execute(client, code, metadata)
-            with anyio.fail_after(timeout):
-                outputs = await _collect_outputs(client, msg_id)
-                reply = await _reply_to(client, msg_id)
-            meta = reply.get("metadata", {}).get("nbos", {})
-            content = reply["content"]
-            return ExecuteResult(
-                status=content.get("status", "error"),
-                execution_count=content.get("execution_count"),
-                outputs=tuple(outputs),
-                executor=meta.get("replica"),
-                wait_s=meta.get("wait_s"),
-                run_s=meta.get("run_s"),
-                commit_s=meta.get("commit_s"),
-                round_trip_s=time.monotonic() - begun,
-                reply=content,
-            )
+        if self._cells is None:
+            self._cells = CellClient(self.connection_info)
+        return await self._cells.execute(code, timeout=timeout, metadata=metadata)
 
     async def digests(self, *, after: int | None = None, timeout: float = 30.0) -> dict[int, str]:
         """Each live replica's namespace digest once it applied cell ``after`` (default: the last).
@@ -239,25 +179,15 @@ class Kernel:
         """Stop every replica and the front; idempotent."""
         if self.closed.is_set():
             return
-        if self._client is not None:
-            self._client.stop_channels()
-            self._client = None
+        if self._cells is not None:
+            self._cells.close()
+            self._cells = None
         if self._replacer is not None:
             self._replacer.close()
         with anyio.CancelScope(shield=True):
             await stop_processes(self.front, self._processes)
         self._scope.cancel()
         self.closed.set()
-
-    async def _connected(self) -> AsyncKernelClient:
-        if self._client is None:
-            client = AsyncKernelClient()
-            client.load_connection_info(self.connection_info)
-            # No heartbeat channel: execute() needs none, and its pings every 3 s would
-            # keep an idle kernel's front busy for nothing.
-            client.start_channels(hb=False)
-            self._client = client
-        return self._client
 
 
 async def stop_processes(front: KernelFront, by_node: Mapping[int, ProcessHandle]) -> None:
@@ -280,37 +210,3 @@ async def _ask_shutdown(front: KernelFront, node: int, handle: ProcessHandle) ->
     await front.control_request(node, "shutdown_request", {"restart": False}, timeout=2.0)
     with anyio.move_on_after(_EXIT_GRACE_S):
         await handle.wait()
-
-
-def _send_execute(client: AsyncKernelClient, code: str, metadata: Mapping[str, Any]) -> str:
-    content = {
-        "code": code,
-        "silent": False,
-        "store_history": True,
-        "user_expressions": {},
-        "allow_stdin": False,
-        "stop_on_error": False,
-    }
-    msg = client.session.msg("execute_request", content, metadata=dict(metadata))
-    client.shell_channel.send(msg)
-    return str(msg["header"]["msg_id"])
-
-
-async def _collect_outputs(client: AsyncKernelClient, msg_id: str) -> list[dict[str, Any]]:
-    outputs: list[dict[str, Any]] = []
-    while True:
-        msg = await client.get_iopub_msg()
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "status":
-            if msg["content"]["execution_state"] == "idle":
-                return outputs
-            continue
-        outputs.append({"msg_type": msg["msg_type"], "content": msg["content"]})
-
-
-async def _reply_to(client: AsyncKernelClient, msg_id: str) -> dict[str, Any]:
-    while True:
-        reply: dict[str, Any] = await client.get_shell_msg()
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply

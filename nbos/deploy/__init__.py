@@ -2,14 +2,16 @@
 
 :func:`load_cluster_file` reads a cluster file strictly (:mod:`nbos.deploy._file`);
 :func:`cluster_up` starts its gateway and agents and :func:`cluster_down` stops
-them (:mod:`nbos.deploy._up`). See ``docs/deploy.md``.
+them (:mod:`nbos.deploy._up`); :class:`DeployedCluster` kills and restarts them for
+``nbos chaos --cluster FILE``. See ``docs/deploy.md``.
 """
 
 from nbos.deploy._file import ClusterFile, HostTable, load_cluster_file
-from nbos.deploy._up import Deployment, cluster_down, cluster_up
+from nbos.deploy._up import DeployedCluster, Deployment, cluster_down, cluster_up
 
 __all__ = [
     "ClusterFile",
+    "DeployedCluster",
     "Deployment",
     "HostTable",
     "cluster_down",

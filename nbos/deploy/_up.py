@@ -49,6 +49,8 @@ RECORD = "cluster.json"
 SSH_DIR = ".nbos/agent"
 DOCKER_DIR = "/var/lib/nbos/agent"
 _STOP_GRACE_S = 30.0
+#: How long a gateway started again (chaos) may take to answer: it takes its kernels back.
+_ANSWER_TIMEOUT_S = 120.0
 _POLL_S = 0.3
 
 
@@ -137,6 +139,89 @@ async def cluster_down(path: str | os.PathLike[str]) -> list[str]:
     names = ["gateway"] * (deployment.gateway is not None) + [a.host for a in deployment.agents]
     await _stop(cluster, deployment)
     return names
+
+
+class DeployedCluster:
+    """The processes ``nbos cluster up FILE`` started, as ``nbos chaos --cluster FILE``
+    strikes them (:class:`nbos.chaos.GatewayProcesses`): ``kill -9`` the gateway or a
+    host's agent, and start it again as ``up`` did, the record kept current."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.cluster = Cluster(path)
+        self.address = self.cluster.file.gateway.address
+        if not _running(self.cluster.record().gateway):
+            raise ConfigError(str(self.cluster.path), "down", "a cluster that is up")
+
+    async def kill_gateway(self) -> None:
+        deployment = self.cluster.record()
+        assert deployment.gateway is not None  # up, as checked at the start
+        await _kill_local(deployment.gateway)
+
+    async def start_gateway(self) -> None:
+        deployment = self.cluster.record()
+        deployment.gateway = _start_gateway(self.cluster)
+        self.cluster.save(deployment)
+        await _wait_answers(self.address, deployment.gateway, self.cluster.run_dir)
+
+    async def kill_agent(self, host: str) -> None:
+        agent = self._agent(self.cluster.record(), host)
+        if agent.start == "local":
+            await _kill_local(agent, group=False)
+        elif agent.start == "ssh":
+            await _kill_ssh(self._host(host), agent.pid)
+        else:  # the container's main process: its replicas would go with it
+            raise BackendError(f"the agent of {host} runs in a container: not killed alone")
+        log.warning("agent of %s killed (chaos)", host)
+
+    async def start_agent(self, host: str) -> None:
+        deployment = self.cluster.record()
+        started = await _start_agent(self.cluster, self._host(host))
+        deployment.agents = [a for a in deployment.agents if a.host != host] + [started]
+        self.cluster.save(deployment)
+
+    def _agent(self, deployment: Deployment, host: str) -> Started:
+        agent = next((a for a in deployment.agents if a.host == host), None)
+        if agent is None:
+            raise BackendError(f"no agent of {host} was started by cluster up")
+        return agent
+
+    def _host(self, host: str) -> HostTable:
+        table = next((h for h in self.cluster.file.hosts if h.name == host), None)
+        if table is None:
+            raise BackendError(f"host {host} is not in {self.cluster.path}")
+        return table
+
+
+async def _kill_local(process: Started, *, group: bool = True) -> None:
+    """``kill -9`` a recorded local process (its process group, or itself alone)."""
+    with contextlib.suppress(ProcessLookupError):
+        if group:
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            os.kill(process.pid, signal.SIGKILL)
+    while _running(process):  # noqa: ASYNC110 (not our child: polled)
+        await anyio.sleep(_POLL_S)
+
+
+async def _kill_ssh(host: HostTable, pid: int) -> None:
+    backend = _ssh_backend(host)
+    try:
+        await backend.run(HostId(host.name), f"kill -KILL {pid} 2>/dev/null; true")
+    finally:
+        await backend.detach()
+
+
+async def _wait_answers(address: str, gateway: Started, run_dir: Path) -> None:
+    """Return once the gateway at ``address`` answers a status request."""
+    with anyio.move_on_after(_ANSWER_TIMEOUT_S):
+        while True:
+            if not _running(gateway):
+                raise BackendError(f"the gateway ended; see {run_dir / 'gateway.log'}")
+            with contextlib.suppress(NbosError):
+                if isinstance(await call(address, StatusRequest(), timeout=5.0), ClusterStatus):
+                    return
+            await anyio.sleep(_POLL_S)
+    raise BackendError(f"the gateway did not answer; see {run_dir / 'gateway.log'}")
 
 
 # --- starting --------------------------------------------------------------------

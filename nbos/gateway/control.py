@@ -14,10 +14,16 @@ request                    reply
 ``StatusRequest()``        ``ClusterStatus``
 ``WatchKernel(id, wait)``  ``KernelInfo``
 ``UsageRequest()``         ``Usage``
+``SignalReplica(id, ...)``  ``KernelInfo``
+``RestartReplica(id, ...)`` ``KernelInfo``
+``DigestRequest(id, ...)``  ``KernelDigests``
 =========================  ==========================
 
 A request naming a kernel that does not run (or that ended during a ``WatchKernel``)
-is answered with ``ControlError(kind="unknown")``.
+is answered with ``ControlError(kind="unknown")``. The last three are the fault
+injection and checks of ``nbos chaos --gateway``: whoever reaches the control address
+may already shut any kernel down, and these add no more than that (signals go only to
+the kernels' own replica processes).
 """
 
 from __future__ import annotations
@@ -82,6 +88,40 @@ class WatchKernel(_Msg):
     wait_s: float = 1.0
 
 
+class SignalReplica(_Msg):
+    """Send signal number ``signal`` (``SIGKILL``, ``SIGSTOP``, ``SIGCONT`` ...) to the
+    process of replica ``node``, through its host's agent."""
+
+    kernel_id: str
+    node: int
+    signal: int
+
+
+class RestartReplica(_Msg):
+    """Start dead replica ``node`` again on its host, from its durable Raft log; answered
+    once it serves (within ``timeout_s``)."""
+
+    kernel_id: str
+    node: int
+    timeout_s: float = 60.0
+
+
+class DigestRequest(_Msg):
+    """Each live replica's namespace digest once it applied cell ``after`` (``None``:
+    the last cell the front settled), each replica given ``timeout_s``."""
+
+    kernel_id: str
+    after: int | None = None
+    timeout_s: float = 30.0
+
+
+class KernelDigests(_Msg):
+    """Digests by replica node; replicas that applied the same cells have equal ones."""
+
+    after: int
+    digests: dict[int, str]
+
+
 class ReplicaStatus(_Msg):
     """One replica: its Raft node id, host, the address it listens at, pid, liveness."""
 
@@ -93,11 +133,18 @@ class ReplicaStatus(_Msg):
 
 
 class KernelInfo(_Msg):
-    """A kernel: its front's connection info (what a Jupyter client loads) and replicas."""
+    """A kernel: its front's connection info (what a Jupyter client loads) and replicas.
+
+    ``running_on``: the replica running a cell now; ``last_executor``: the one that ran
+    the last cell; ``last_exec_index``: the index of the last cell the front settled.
+    """
 
     kernel_id: str
     connection: dict[str, str | int]
     replicas: list[ReplicaStatus]
+    running_on: int | None = None
+    last_executor: int | None = None
+    last_exec_index: int = 0
 
 
 class KernelList(_Msg):
@@ -173,9 +220,17 @@ class ControlError(_Msg):
 
 
 ControlRequest = (
-    StartKernel | ListKernels | ShutdownKernel | StatusRequest | WatchKernel | UsageRequest
+    StartKernel
+    | ListKernels
+    | ShutdownKernel
+    | StatusRequest
+    | WatchKernel
+    | UsageRequest
+    | SignalReplica
+    | RestartReplica
+    | DigestRequest
 )
-ControlReply = KernelInfo | KernelList | ClusterStatus | Usage | ControlError
+ControlReply = KernelInfo | KernelList | ClusterStatus | Usage | KernelDigests | ControlError
 
 _requests = msgspec.msgpack.Decoder(ControlRequest)
 _replies = msgspec.msgpack.Decoder(ControlReply)

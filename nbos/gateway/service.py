@@ -71,13 +71,17 @@ from nbos.gateway.control import (
     ClusterStatus,
     ControlReply,
     ControlRequest,
+    DigestRequest,
     HostState,
     HostStatus,
+    KernelDigests,
     KernelInfo,
     KernelList,
     ListKernels,
     ReplicaStatus,
+    RestartReplica,
     ShutdownKernel,
+    SignalReplica,
     StartKernel,
     StatusRequest,
     UsageRequest,
@@ -277,6 +281,18 @@ class GatewayService:
                 return ClusterStatus(self.host_status(), kernels)
             case UsageRequest():
                 return self.directory.scheduler.ledger.usage()
+            case SignalReplica(kernel_id=kernel_id, node=node, signal=signum):
+                kernel = self.gateway.kernel(kernel_id)
+                await kernel.signal_replica(node, _signal_number(signum))
+                return self.kernel_info(kernel)
+            case RestartReplica(kernel_id=kernel_id, node=node, timeout_s=timeout_s):
+                kernel = self.gateway.kernel(kernel_id)
+                await kernel.restart_replica(node, timeout=timeout_s)
+                return self.kernel_info(kernel)
+            case DigestRequest(kernel_id=kernel_id, after=after, timeout_s=timeout_s):
+                kernel = self.gateway.kernel(kernel_id)
+                after = kernel.front.last_exec_index if after is None else after
+                return KernelDigests(after, await kernel.digests(after=after, timeout=timeout_s))
 
     async def expire_leases(self) -> None:
         """Shut down, forever, the kernels whose lease ran out (their owner died)."""
@@ -306,7 +322,15 @@ class GatewayService:
             ReplicaStatus(r.node, r.host, self._replica_ip(kernel, r.node), r.pid, r.alive)
             for r in kernel.replicas
         ]
-        return KernelInfo(kernel.kernel_id, connection, replicas)
+        front = kernel.front
+        return KernelInfo(
+            kernel.kernel_id,
+            connection,
+            replicas,
+            running_on=front.running_on,
+            last_executor=front.last_executor,
+            last_exec_index=front.last_exec_index,
+        )
 
     def _replica_ip(self, kernel: Kernel, node: int) -> str:
         return str(self.gateway.replica_connection(kernel.kernel_id, node).get("ip", ""))
@@ -352,6 +376,13 @@ class GatewayService:
                 )
             )
         return out
+
+
+def _signal_number(value: int) -> signal.Signals:
+    try:
+        return signal.Signals(value)
+    except ValueError:
+        raise ConfigError("signal", value, "a signal number of this platform") from None
 
 
 async def _serve_metrics(

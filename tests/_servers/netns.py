@@ -99,13 +99,21 @@ class Netns:
 
     def partition(self, host: str) -> None:
         """Drop every packet into and out of ``host`` except on its loopback."""
-        for chain, flag in _CUT:
-            self.run(host, ["iptables", "-I", chain, "!", flag, "lo", "-j", "DROP"])
+        for argv in self.cut_commands(host):
+            _ip_run(argv)
 
     def heal(self, host: str) -> None:
         """Undo :meth:`partition`."""
-        for chain, flag in _CUT:
-            self.run(host, ["iptables", "-D", chain, "!", flag, "lo", "-j", "DROP"])
+        for argv in self.cut_commands(host, heal=True):
+            _ip_run(argv)
+
+    def cut_commands(self, host: str, *, heal: bool = False) -> list[list[str]]:
+        """The commands of :meth:`partition` (``heal``: of :meth:`heal`), to run elsewhere."""
+        action = "-D" if heal else "-I"
+        return [
+            self.argv(host, ["iptables", action, chain, "!", flag, "lo", "-j", "DROP"])
+            for chain, flag in _CUT
+        ]
 
     def stop(self) -> None:
         """End the processes started here, then delete the namespaces made here."""

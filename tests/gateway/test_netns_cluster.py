@@ -7,13 +7,15 @@ Raft and front traffic crosses the bridge. A host whose agent and replicas are
 ``kill -9``ed, or cut off with iptables, vanishes and its replica is replaced on the
 spare host, state intact; a cut-off host that comes back has its stale replica stopped.
 The gateway ``kill -9``ed and started again takes back every kernel, state intact; with
-one GPU in the cluster, two clients' cells take turns on it, the second shown waiting.
+one GPU in the cluster, two clients' cells take turns on it, the second shown waiting;
+``nbos chaos --gateway`` cuts hosts off with the test's iptables commands.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -285,3 +287,32 @@ async def test_two_clients_contend_for_the_one_gpu_and_the_second_waits_with_a_s
     # It ran after the first cell had ended and given the GPU back, not before.
     assert float(results["second"]["stdout"]) >= float(results["first"]["stdout"])
     assert usage[second]["started"] >= usage[first]["ended"]
+
+
+async def test_chaos_cuts_a_host_off_with_the_users_commands_and_every_check_holds(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """``nbos chaos --gateway`` in the gateway's namespace, ``partition-host`` carried out
+    by scripts of the test's that put iptables rules into a host's namespace."""
+    commands = {}
+    for action in ("cut", "heal"):
+        rules = {h: cluster.net.cut_commands(h, heal=action == "heal") for h in HOSTS}
+        cases = [f"  {h}) {' && '.join(map(shlex.join, rules[h]))} ;;" for h in HOSTS]
+        script = tmp_path / f"{action}.sh"
+        script.write_text("\n".join(['case "$1" in', *cases, "  *) exit 2 ;;", "esac", ""]))
+        commands[action] = f"sh {script} {{host}}"
+    argv = [sys.executable, "-m", "nbos", "chaos", "--gateway", f"{cluster.net.address('gw')}:7070"]
+    argv += ["--nemesis", "partition-host", "--partition-command", commands["cut"]]
+    argv += ["--heal-command", commands["heal"], "--max-faults", "2", "--seed", "4"]
+    argv += ["--duration", "600", "--run-dir", str(tmp_path)]
+    with anyio.fail_after(10 * DEADLINE):
+        done = await anyio.run_process(
+            cluster.net.argv("gw", argv),
+            check=False,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    out = done.stdout.decode()
+    assert done.returncode == 0, f"{out}\n{done.stderr.decode()[-5000:]}"
+    struck = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert [row[1:3] for row in struck] == [["partition-host", "host"]] * 2, out

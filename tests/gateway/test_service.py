@@ -14,9 +14,13 @@ import pytest
 
 from nbos.gateway.control import (
     ControlError,
+    DigestRequest,
+    KernelDigests,
     KernelInfo,
     KernelList,
+    RestartReplica,
     ShutdownKernel,
+    SignalReplica,
     StartKernel,
 )
 from nbos.transport.ports import free_loopback_ports
@@ -73,6 +77,20 @@ async def test_kernels_through_the_control_api_then_a_clean_stop_on_sigterm(
 
     refused = await ask(address, ShutdownKernel("no-such-kernel"))
     assert isinstance(refused, ControlError) and "no-such-kernel" in refused.message
+
+    # The fault injection of nbos chaos: bad requests refused with their reason.
+    digests = await ask(address, DigestRequest(started.kernel_id))
+    assert isinstance(digests, KernelDigests) and len(set(digests.digests.values())) == 1
+    assert sorted(digests.digests) == [r.node for r in started.replicas]
+    for bad, why in [
+        (SignalReplica(started.kernel_id, 1, 99999), "signal"),
+        (SignalReplica(started.kernel_id, 7, signal.SIGCONT), "no replica 7"),
+        (SignalReplica("no-such-kernel", 1, signal.SIGCONT), "no-such-kernel"),
+        (RestartReplica(started.kernel_id, 1), "still running"),
+    ]:
+        answer = await ask(address, bad)
+        assert isinstance(answer, ControlError) and why in answer.message, (bad, answer)
+    assert await run_cell(started, "print(x)") == {"status": "ok", "stdout": "40\n"}
     second = await ask(address, StartKernel())
     assert isinstance(second, KernelInfo)
     left = await ask(address, ShutdownKernel(started.kernel_id))
