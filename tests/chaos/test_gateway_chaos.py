@@ -42,8 +42,11 @@ def nbos(*argv: str) -> subprocess.CompletedProcess[str]:
 def cluster_file(tmp_path: Path) -> Iterator[Path]:
     """A cluster of 4 local hosts, up; down at the end."""
     control, agents = free_loopback_ports(2)
+    # The agents run as this interpreter's nbos: the console script need not be on PATH.
+    command = json.dumps([sys.executable, "-m", "nbos"])
     hosts = "".join(
-        f'[[hosts]]\nname = "h{i}"\naddress = "127.0.0.1"\nstart = "local"\ngpus = 1\n\n'
+        f'[[hosts]]\nname = "h{i}"\naddress = "127.0.0.1"\nstart = "local"\ngpus = 1\n'
+        f"command = {command}\n\n"
         for i in range(1, 5)
     )
     path = tmp_path / "cluster.toml"
