@@ -1,8 +1,9 @@
 """nbos: replicated, GPU-on-demand Jupyter kernels over a cluster of GPU hosts."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nbos._version import __version__
+from nbos.core._lazy import lazy_exports
 from nbos.core.errors import (
     CellLostError,
     ConfigError,
@@ -18,15 +19,9 @@ if TYPE_CHECKING:
 
 # The cluster pulls in ipykernel, ZeroMQ and the Raft driver: import it on first use,
 # so that `import nbos` stays cheap for the CLI and for the replica processes.
-_LAZY = {"BlockingLocalCluster", "LocalCluster", "connect_blocking"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import nbos.cluster
-
-        return getattr(nbos.cluster, name)
-    raise AttributeError(f"module 'nbos' has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__, {"nbos.cluster": ("BlockingLocalCluster", "LocalCluster", "connect_blocking")}
+)
 
 
 __all__ = [

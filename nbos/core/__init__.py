@@ -1,16 +1,35 @@
 """The bottom layer: ids, errors, config, the wire format and the interfaces that plug in.
 
-Nothing here imports any other part of nbos.
+Nothing here imports any other part of nbos. The interfaces are imported on first use.
 """
 
-from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
-from nbos.core.config import Settings
-from nbos.core.gpu_binder import GpuBinder
-from nbos.core.host_provider import AgentCommand, HostProvider
-from nbos.core.object_store import ObjectStore
-from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
-from nbos.core.replicated_log import ReplicatedLog, StateMachine
-from nbos.core.transport import Transport
+from typing import TYPE_CHECKING
+
+from nbos.core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
+    from nbos.core.config import Settings
+    from nbos.core.gpu_binder import GpuBinder
+    from nbos.core.host_provider import AgentCommand, HostProvider
+    from nbos.core.object_store import ObjectStore
+    from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
+    from nbos.core.replicated_log import ReplicatedLog, StateMachine
+    from nbos.core.transport import Transport
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "nbos.core.compute_backend": ("ComputeBackend", "ProcessHandle", "ProcessSpec"),
+        "nbos.core.config": ("Settings",),
+        "nbos.core.gpu_binder": ("GpuBinder",),
+        "nbos.core.host_provider": ("AgentCommand", "HostProvider"),
+        "nbos.core.object_store": ("ObjectStore",),
+        "nbos.core.placement": ("ClusterView", "HostView", "PlacementPolicy", "PlacementRequest"),
+        "nbos.core.replicated_log": ("ReplicatedLog", "StateMachine"),
+        "nbos.core.transport": ("Transport",),
+    },
+)
 
 __all__ = [
     "AgentCommand",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -197,6 +196,9 @@ class Settings(_Section, frozen=True):
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    # Imported here: replica processes never read a settings file.
+    import tomllib
+
     try:
         with path.open("rb") as f:
             return tomllib.load(f)

@@ -4,9 +4,23 @@ In-kernel device binding and tensor residency (``binding``) is the only part tha
 imports torch, and only when a namespace holds torch objects.
 """
 
+from typing import TYPE_CHECKING
+
+from nbos.core._lazy import lazy_exports
 from nbos.gpu.binding import TorchGpuBinder, device, devices
-from nbos.gpu.inventory import GpuDevice, Inventory, discover_gpus, virtual_inventory
-from nbos.gpu.pool import Allocation, GpuPool, PoolCounts, ReservationState
+
+if TYPE_CHECKING:
+    from nbos.gpu.inventory import GpuDevice, Inventory, discover_gpus, virtual_inventory
+    from nbos.gpu.pool import Allocation, GpuPool, PoolCounts, ReservationState
+
+# A replica needs only ``binding``; the agents' inventory and pool load on first use.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "nbos.gpu.inventory": ("GpuDevice", "Inventory", "discover_gpus", "virtual_inventory"),
+        "nbos.gpu.pool": ("Allocation", "GpuPool", "PoolCounts", "ReservationState"),
+    },
+)
 
 __all__ = [
     "Allocation",

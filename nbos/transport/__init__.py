@@ -4,9 +4,20 @@ Both implement :class:`nbos.core.transport.Transport`; :func:`received_messages`
 is the decoding receive loop over either.
 """
 
+from typing import TYPE_CHECKING
+
+from nbos.core._lazy import lazy_exports
 from nbos.transport._messages import received_messages
-from nbos.transport.memory import Envelope, MemoryNetwork, MemoryTransport, TraceEvent
 from nbos.transport.zmq import CurveKeys, ZmqTransport
+
+if TYPE_CHECKING:
+    from nbos.transport.memory import Envelope, MemoryNetwork, MemoryTransport, TraceEvent
+
+# The in-memory network serves tests and the simulator: loaded on first use.
+__getattr__ = lazy_exports(
+    __name__,
+    {"nbos.transport.memory": ("Envelope", "MemoryNetwork", "MemoryTransport", "TraceEvent")},
+)
 
 __all__ = [
     "CurveKeys",

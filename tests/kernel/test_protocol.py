@@ -37,6 +37,10 @@ def test_the_replica_uses_the_protocol_without_loading_the_front() -> None:
     # Every replica of every kernel pays for what it imports (about 2 MiB for pynvml); a
     # replica binds the GPUs the agent found, it never asks NVML itself.
     assert _under(loaded, "pynvml") == []
+    # Nor the agents' GPU pool, the in-memory network, placement or the settings-file
+    # parser: the packages that export them load them on first use.
+    for unused in ("nbos.gpu.pool", "nbos.transport.memory", "nbos.core.placement", "tomllib"):
+        assert _under(loaded, unused) == [], unused
 
 
 def test_a_cell_request_reads_back_what_the_front_put_in_it() -> None:
