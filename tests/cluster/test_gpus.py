@@ -219,14 +219,17 @@ async def test_the_devices_a_cell_sees_are_the_ones_committed_for_it(
 
         tg.start_soon(run)
         grant = await running(cluster, a)
-        committed = [
-            r
-            for r in cluster.gpus.agents[grant.host].pool.committed()
-            if r.kernel_id == a.kernel_id
-        ]
+        pool = cluster.gpus.agents[grant.host].pool
+
+        def committed() -> list[Any]:
+            return [r for r in pool.committed() if r.kernel_id == a.kernel_id]
+
+        # The scheduler's grant can come before its host's agent has applied the commit.
+        await wait_until(lambda: bool(committed()))
+        held = committed()
         await anyio.Path(flag).touch()
     (result,) = results
-    assert [r.devices for r in committed] == [grant.devices] and len(grant.devices) == 1
+    assert [r.devices for r in held] == [grant.devices] and len(grant.devices) == 1
     assert result.stdout == f"{grant.devices}\n"
     assert host_of(a, result) == grant.host
     assert not grants_of(cluster, a)  # released after the cell
