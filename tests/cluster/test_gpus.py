@@ -224,9 +224,10 @@ async def test_the_devices_a_cell_sees_are_the_ones_committed_for_it(
         def committed() -> list[Any]:
             return [r for r in pool.committed() if r.kernel_id == a.kernel_id]
 
-        # The scheduler's grant can come before its host's agent has applied the commit.
+        # The scheduler's grant exists from the pre-commit on, before the agent committed.
         await wait_until(lambda: bool(committed()))
         held = committed()
+        (grant,) = grants_of(cluster, a)  # as committed: with the devices the agent chose
         await anyio.Path(flag).touch()
     (result,) = results
     assert [r.devices for r in held] == [grant.devices] and len(grant.devices) == 1
