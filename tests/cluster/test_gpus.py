@@ -224,10 +224,15 @@ async def test_the_devices_a_cell_sees_are_the_ones_committed_for_it(
         def committed() -> list[Any]:
             return [r for r in pool.committed() if r.kernel_id == a.kernel_id]
 
-        # The scheduler's grant exists from the pre-commit on, before the agent committed.
-        await wait_until(lambda: bool(committed()))
+        def started() -> bool:
+            usage = cluster.gpus.scheduler.ledger.usage()
+            return any(c.kernel_id == a.kernel_id and c.started for c in usage.cells)
+
+        # The scheduler lists a grant from its pre-commit on: wait until the agent has
+        # committed it and the scheduler has its answer (the cell started).
+        await wait_until(lambda: bool(committed()) and started())
         held = committed()
-        (grant,) = grants_of(cluster, a)  # as committed: with the devices the agent chose
+        (grant,) = grants_of(cluster, a)  # as committed, with the devices the agent chose
         await anyio.Path(flag).touch()
     (result,) = results
     assert [r.devices for r in held] == [grant.devices] and len(grant.devices) == 1
