@@ -240,7 +240,7 @@ def report(results: dict[str, Any]) -> None:
     commit = statistics.median(write["nbos"].replica.get("commit_s", [math.nan]))
     print(
         f"one element written into {WRITE_MB} MiB: nbos commit p50 {1000 * commit:.1f} ms, "
-        f"object store +{results['stored_per_cell'] / 2**20:.2f} MiB per cell; "
+        f"object store +{results['stored_per_cell'] / 1024:.1f} KiB per cell; "
         "goal: commit <= 50 ms, store + the written pages only (4 KiB here)"
     )
     made = results["made_big"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import mmap
 import pickle
 import weakref
 from collections.abc import Callable
@@ -19,8 +20,11 @@ import pytest
 
 from nbos.kernel.state._buffers import BufferKeys, place_of
 from nbos.kernel.state._pages import Watcher
+from nbos.kernel.state._uffd import merged
 
 pytestmark = pytest.mark.anyio
+
+PAGE = mmap.PAGESIZE
 
 
 class RecordedWrites:
@@ -51,6 +55,11 @@ class RecordedWrites:
     def written(self, address: int, nbytes: int) -> bool:
         self.calls.append("read")
         return any(a < address + nbytes and address < a + n for a, n in self.writes)
+
+    def written_spans(self, address: int, nbytes: int) -> list[tuple[int, int]]:
+        """The pages the writes touched, clipped to the range, as the kernel reports them."""
+        pages = [(a // PAGE * PAGE, -(-(a + n) // PAGE) * PAGE) for a, n in self.writes]
+        return merged(pages, address, address + nbytes)
 
 
 def buffer_of(array: np.ndarray) -> pickle.PickleBuffer:

@@ -18,7 +18,10 @@ key means hashing it, which for a 1 GB array costs about half a second;
 
 A buffer that must be hashed and will be sent is streamed into the object store in
 the same pass (:func:`store_buffer`): the store's own hash is its key, so its bytes
-are read and hashed once, straight from memory, with no intermediate copy.
+are read and hashed once, straight from memory, with no intermediate copy. With page
+tracking, a buffer written on a few pages since it was stored is stored as a patch
+of those pages over its previous version (:mod:`._patch`), so a buffer's reference is
+a blob key or a patch's reference.
 
 No version counter is used for torch tensors: ``tensor.data.add_()`` and writes
 through ``tensor.numpy()`` do not bump ``tensor._version``.
@@ -41,7 +44,9 @@ import anyio.to_thread
 from nbos.core.errors import StoreError
 from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
 from nbos.core.object_store import ObjectStore
+from nbos.kernel.state import _patch
 from nbos.kernel.state._pages import PageWrites
+from nbos.kernel.state._uffd import Span, merged
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +86,27 @@ class _Known:
     With page tracking, ``edges`` holds the buffer's bytes on the pages it shares with
     other data as they were hashed: those pages are judged by these bytes, not by their
     page bits, so writes to neighbouring data (frequent on the heap) force no rehash.
+    ``written`` is ``None`` while the bytes are those of ``key``; else the whole pages
+    written since (the shared pages are always patched), and ``depth`` how many patches
+    ``key`` builds on.
     """
 
-    __slots__ = ("chunks", "edges", "key", "owner")
+    __slots__ = ("chunks", "depth", "edges", "key", "owner", "written")
 
     def __init__(
-        self, owner: Callable[[], object], key: BlobKey, chunks: bytes, edges: Edges = ()
+        self,
+        owner: Callable[[], object],
+        key: BlobKey,
+        chunks: bytes,
+        edges: Edges = (),
+        depth: int = 0,
     ) -> None:
         self.owner = owner
         self.key = key
         self.chunks = chunks
         self.edges = edges
+        self.depth = depth
+        self.written: list[Span] | None = None
 
 
 class BufferKeys:
@@ -110,12 +125,18 @@ class BufferKeys:
             pages.watch(self)
 
     def before_clear(self, pages: PageWrites) -> None:
-        """Keep only entries whose owner lives and whose bytes were not written."""
-        self._known = {
-            place: entry
-            for place, entry in self._known.items()
-            if entry.owner() is not None and _unwritten(pages, place, entry.edges)
-        }
+        """Keep the entries whose owner lives: as they are where no byte was written,
+        with the pages written added where the tracker tells which."""
+        known: dict[tuple[int, int], _Known] = {}
+        for place, entry in self._known.items():
+            if entry.owner() is None:
+                continue
+            if entry.written is None and _unwritten(pages, place, entry.edges):
+                known[place] = entry
+            elif (spans := _written_pages(pages, place)) is not None:
+                entry.written = merged([*(entry.written or ()), *spans], place[0], sum(place))
+                known[place] = entry
+        self._known = known
 
     async def keys(
         self,
@@ -157,7 +178,10 @@ class BufferKeys:
         if known is not None and known.owner() is None:
             known = None
         if known is not None and self._pages is not None:
-            return known  # survived the clear: no page written
+            if known.written is None:
+                return known  # survived the clear: no page written
+            if store is not None and (patched := await self._patch(known, view, store)):
+                return patched
         self.hashed_bytes += view.nbytes
         owner = _weak_owner(view, owners)
         edges: Edges = ()
@@ -178,6 +202,39 @@ class BufferKeys:
         parts = _spliced(view, place[0], edges)
         key = await (hash_key(parts) if store is None else store_buffer(store, parts))
         return _Known(owner, key, chunks, edges)
+
+    async def _patch(self, known: _Known, view: memoryview, store: ObjectStore) -> _Known | None:
+        """``known``'s buffer stored as a patch of its written pages over ``known.key``;
+        ``None`` where it is better stored whole (a long chain, many pages written)."""
+        written = known.written or []
+        if known.depth >= _patch.MAX_DEPTH:
+            return None
+        if sum(end - start for start, end in written) > view.nbytes * _patch.MAX_SHARE:
+            return None
+        address = _place(view)[0]
+        edges = _edges(view, address)
+        pieces = sorted(
+            [(low, len(copy), copy) for low, copy in edges]
+            + [
+                (start, end - start, view[start - address : end - address])
+                for start, end in written
+            ],
+            key=lambda piece: piece[0],
+        )
+        ranges = [(low - address, length) for low, length, _ in pieces]
+        blob = await store_buffer(
+            store, _patch.parts(known.key, view.nbytes, ranges, [data for *_, data in pieces])
+        )
+        self.hashed_bytes += sum(length for _, length in ranges)
+        return _Known(known.owner, _patch.reference(blob), b"", edges, known.depth + 1)
+
+
+def _written_pages(pages: PageWrites, place: tuple[int, int]) -> list[Span] | None:
+    """The written spans among the pages that lie wholly inside the buffer at ``place``."""
+    page = mmap.PAGESIZE
+    address, nbytes = place
+    start, end = -(-address // page) * page, (address + nbytes) // page * page
+    return pages.written_spans(start, end - start) if end > start else []
 
 
 def _edges(view: memoryview, address: int) -> Edges:
@@ -299,7 +356,14 @@ def _sha256_key(parts: Parts) -> BlobKey:
 
 
 async def upload(store: ObjectStore, view: memoryview, key: BlobKey) -> None:
-    """Write ``view`` under ``key`` unless the store has it; checks the store agrees on the key."""
+    """Write ``view`` under ``key`` unless the store has it; checks the store agrees on the key.
+
+    A patch was stored when it was made: the store must have it already.
+    """
+    if _patch.is_patch(key):
+        if not await store.contains(_patch.blob_of(key)):
+            raise StoreError(f"the patch {key} of a buffer is missing from the object store")
+        return
     if await store.contains(key):
         return
     stored = await store_buffer(store, [view])
@@ -336,8 +400,13 @@ async def _chunks(parts: Parts) -> AsyncIterator[bytes]:
             yield view[start : start + _CHUNK].tobytes()
 
 
-async def fetch(store: ObjectStore, key: BlobKey) -> bytearray:
-    """The blob under ``key`` as a writable buffer (arrays rebuilt on it stay writable)."""
+async def fetch(store: ObjectStore, ref: BlobKey) -> bytearray:
+    """The buffer ``ref`` refers to (a blob key or a patch's reference) as a writable
+    buffer (arrays rebuilt on it stay writable)."""
+    return await _patch.rebuild(store, ref, _fetch_whole)
+
+
+async def _fetch_whole(store: ObjectStore, key: BlobKey) -> bytearray:
     out = bytearray()
     async for chunk in store.get_stream(key, _CHUNK):
         out += chunk

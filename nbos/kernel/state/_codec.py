@@ -15,7 +15,7 @@ import msgspec
 from nbos.core.errors import KernelError
 from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
 from nbos.core.object_store import ObjectStore
-from nbos.kernel.state import _buffers
+from nbos.kernel.state import _buffers, _patch
 from nbos.kernel.state._pickler import NamespacePickler, NamespaceUnpickler, by_value
 
 # Values whose identity no program can rely on: sharing them does not tie two names.
@@ -137,7 +137,7 @@ async def decode(
     """The values :func:`encode` stored; cell-defined functions get ``namespace`` as globals."""
     data = encoded.inline if encoded.blob is None else await store.get(_checked_key(encoded.blob))
     buffers: list[bytearray | memoryview] = [
-        await _buffers.fetch(store, _checked_key(key)) for key in encoded.buffers
+        await _buffers.fetch(store, _checked_reference(key)) for key in encoded.buffers
     ]
     try:
         values = _load(data, namespace, buffers)
@@ -158,6 +158,12 @@ def _checked_key(key: str) -> BlobKey:
     if not key.startswith(BLOB_KEY_PREFIX):
         raise KernelError(f"bad blob key {key!r} in a state entry")
     return BlobKey(key)
+
+
+def _checked_reference(ref: str) -> BlobKey:
+    if not _patch.is_reference(ref):
+        raise KernelError(f"bad buffer reference {ref!r} in a state entry")
+    return BlobKey(ref)
 
 
 def content_hash(pickled: Pickled, keys: list[BlobKey]) -> bytes:

@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Protocol
 
-from nbos.kernel.state._uffd import open_uffd
+from nbos.kernel.state._uffd import Span, open_uffd
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,11 @@ class PageWrites(Protocol):
         """Whether any byte of ``[address, address + nbytes)`` may have been written."""
         ...
 
+    def written_spans(self, address: int, nbytes: int) -> list[Span] | None:
+        """The written parts of ``[address, address + nbytes)``, whole pages clipped to
+        the range, sorted and disjoint; ``None`` if this tracker cannot tell."""
+        ...
+
 
 class SoftDirtyPages:
     """Reads and clears the soft-dirty bits of this process's pages (one per process)."""
@@ -113,6 +118,28 @@ class SoftDirtyPages:
         # Bit 55 is the top bit of byte 6 of each little-endian entry: slice those bytes
         # out and look for a set top bit, all in C (a 1 GB buffer has 262144 entries).
         return b"\x01" in entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
+
+    def written_spans(self, address: int, nbytes: int) -> list[Span] | None:
+        """The written pages of ``[address, address + nbytes)``, as spans clipped to it."""
+        if nbytes <= 0:
+            return []
+        first = address // self._page
+        count = (address + nbytes - 1) // self._page - first + 1
+        with open(_PAGEMAP, "rb", buffering=0) as f:
+            f.seek(first * _ENTRY.size)
+            entries = f.read(count * _ENTRY.size)
+        if len(entries) != count * _ENTRY.size:
+            return None
+        dirty = entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
+        spans: list[Span] = []
+        run = dirty.find(b"\x01")
+        while run >= 0:  # runs of set bits, found by C scans rather than a loop per page
+            stop = dirty.find(b"\x00", run)
+            stop = count if stop < 0 else stop
+            low = max(address, (first + run) * self._page)
+            spans.append((low, min(address + nbytes, (first + stop) * self._page)))
+            run = dirty.find(b"\x01", stop)
+        return spans
 
 
 _probed: list[PageWrites | None] = []

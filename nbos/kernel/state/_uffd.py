@@ -106,7 +106,7 @@ _UFFDIO_UNREGISTER = _iowr(_UFFD_API, 0x01, ctypes.sizeof(_Range), direction=2)
 _UFFDIO_WRITEPROTECT = _iowr(_UFFD_API, 0x06, ctypes.sizeof(_WriteProtect))
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 
-Span = tuple[int, int]  # page-aligned [start, end)
+Span = tuple[int, int]  # [start, end) of addresses (page-aligned for tracked spans)
 
 
 class _Tracked:
@@ -209,6 +209,25 @@ class UffdPages:
             except OSError:
                 return True
 
+    def written_spans(self, address: int, nbytes: int) -> list[Span] | None:
+        """The written pages of ``[address, address + nbytes)`` since the last clear, as
+        spans clipped to it; ``None`` outside the tracked spans."""
+        if nbytes <= 0:
+            return []
+        start, end = self._span_of(address, nbytes)
+        with self._lock:
+            if not self._ours() or not any(
+                s <= start and end <= e and tracked.alive()
+                for (s, e), tracked in self._spans.items()
+            ):
+                return None
+            found = [(s, e) for s, e in self._reported if s < end and start < e]
+            try:  # written since the scan that re-armed them: unprotected now
+                found += self._scan(start, end, wp=False)
+            except OSError:
+                return None
+        return merged(found, address, address + nbytes)
+
     def _span_of(self, address: int, nbytes: int) -> Span:
         page = self._page
         return address // page * page, -(-(address + nbytes) // page) * page
@@ -260,6 +279,19 @@ class UffdPages:
                 break
             start = arg.walk_end
         return found
+
+
+def merged(spans: Iterable[Span], low: int, high: int) -> list[Span]:
+    """``spans`` clipped to ``[low, high)``, sorted, with overlapping or touching ones joined."""
+    out: list[Span] = []
+    for start, end in sorted((max(s, low), min(e, high)) for s, e in spans):
+        if start >= end:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def _ioctl(fd: int, request: int, arg: ctypes.Structure) -> int:

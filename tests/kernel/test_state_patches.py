@@ -1,0 +1,153 @@
+"""A large buffer written on a few pages is stored as a patch of those pages.
+
+These need a page-write tracker (soft-dirty bits or write-protect userfaultfd); without
+one every written buffer is hashed and stored whole, which ``test_state_blobs`` covers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import weakref
+
+import numpy as np
+import pytest
+
+from nbos.core.errors import StoreError
+from nbos.core.ids import BlobKey
+from nbos.kernel.state import _codec, _pages, _patch
+from nbos.kernel.state._buffers import fetch
+from nbos.kernel.state._pages import PageWrites
+from nbos.kernel.state._uffd import Span
+from nbos.store.local import LocalObjectStore
+from tests.kernel.conftest import Pair
+
+pytestmark = pytest.mark.anyio
+
+PAGE = mmap.PAGESIZE
+MIB = 1 << 20
+N = 32 * MIB // 8  # float64 elements in a 32 MiB array
+
+
+@pytest.fixture(autouse=True)
+def tracker() -> PageWrites:
+    pages = _pages.probe()
+    if pages is None:
+        pytest.skip("this kernel keeps no soft-dirty bits and refuses userfaultfd tracking")
+    return pages
+
+
+def store_bytes(store: LocalObjectStore) -> int:
+    return sum(f.stat().st_size for f in store.root.rglob("*") if f.is_file())
+
+
+def key_of(array: np.ndarray) -> str:
+    return "sha256:" + hashlib.sha256(array.tobytes()).hexdigest()
+
+
+async def replica_rebuilds_from_the_store_alone(pair: Pair, name: str) -> None:
+    """A fresh namespace given only the last delta holds the executor's array."""
+    last = pair.deltas[-1]
+    encoded = _codec.Encoded(last.set, last.set_blob, last.blobs)
+    values = await _codec.decode(encoded, {}, pair.store)
+    assert np.array_equal(values[name], pair.executor[name])
+
+
+async def test_one_element_written_adds_about_a_page_to_the_store(pair: Pair) -> None:
+    first = await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    assert first.blobs == [key_of(pair.executor["big"])]
+    before = store_bytes(pair.store)
+    delta = await pair.cell(f"big[{N // 2}] = 7.0")
+    # the written page, the array's two partial end pages, and a small header
+    assert store_bytes(pair.store) - before <= 3 * PAGE + 512
+    assert _patch.is_patch(delta.blobs[0])
+    assert pair.capture.hashed_bytes <= 3 * PAGE
+    assert pair.replica["big"][N // 2] == 7.0 and pair.replica["big"].flags.writeable
+    await replica_rebuilds_from_the_store_alone(pair, "big")
+
+
+async def test_a_chain_of_patches_ends_in_a_whole_blob_after_max_depth(pair: Pair) -> None:
+    await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    refs, keys = [], []
+    for i in range(_patch.MAX_DEPTH + 2):
+        delta = await pair.cell(f"big[{i * 4096}] = {i + 1}.0")
+        refs.append(delta.blobs[0])
+        keys.append(key_of(pair.executor["big"]))
+    assert all(_patch.is_patch(ref) for ref in refs[: _patch.MAX_DEPTH])
+    assert refs[_patch.MAX_DEPTH] == keys[_patch.MAX_DEPTH]  # stored whole again
+    assert _patch.is_patch(refs[_patch.MAX_DEPTH + 1])  # and patched from there
+    await replica_rebuilds_from_the_store_alone(pair, "big")
+
+
+async def test_a_buffer_written_on_many_pages_is_stored_whole(pair: Pair) -> None:
+    await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    delta = await pair.cell(f"big[: {N // 4}] = 1.0")
+    assert delta.blobs == [key_of(pair.executor["big"])]
+
+
+async def test_writes_through_a_view_are_patched_into_the_base_array(pair: Pair) -> None:
+    await pair.cell(f"import numpy as np\nbig = np.zeros({N})\nview = big[1000:]")
+    delta = await pair.cell("view[5] = 3.0\nbig[-1] = 4.0")
+    assert delta.blobs and all(_patch.is_patch(ref) for ref in delta.blobs)
+    replica = pair.replica
+    assert replica["big"][1005] == 3.0 and replica["big"][-1] == 4.0
+    assert np.shares_memory(replica["view"], replica["big"])
+
+
+async def test_the_tracker_tells_which_pages_were_written(tracker: PageWrites) -> None:
+    array = np.zeros(64 * PAGE, dtype=np.uint8)
+    address = array.ctypes.data
+    start = -(-address // PAGE) * PAGE  # the first whole page
+    seen: list[list[Span] | None] = []
+
+    class Reader:
+        def before_clear(self, pages: PageWrites) -> None:
+            seen.append(pages.written_spans(start, 40 * PAGE))
+
+    reader = Reader()
+    tracker.watch(reader)
+    assert tracker.track(address, array.nbytes, weakref.ref(array))
+    tracker.clear()
+    offset = start - address
+    array[offset + 3 * PAGE + 10] = 1
+    array[offset + 4 * PAGE] = 1  # touches the page after: one span of two pages
+    array[offset + 20 * PAGE + 1] = 1
+    array[offset + 50 * PAGE] = 1  # outside the range asked about
+    tracker.clear()
+    expected = [
+        (start + 3 * PAGE, start + 5 * PAGE),
+        (start + 20 * PAGE, start + 21 * PAGE),
+    ]
+    assert seen[-1] == expected
+
+
+async def stored_patch(
+    store: LocalObjectStore, base: str, nbytes: int, ranges: list[tuple[int, int]], body: bytes
+) -> BlobKey:
+    parts = _patch.parts(base, nbytes, ranges, [body])
+    return _patch.reference(await store.put(b"".join(bytes(p) for p in parts)))
+
+
+async def test_malformed_patches_are_refused_with_a_store_error(store: LocalObjectStore) -> None:
+    base = await store.put(bytes(100))
+    good = await stored_patch(store, base, 100, [(10, 2)], b"ab")
+    assert (await fetch(store, good))[8:14] == bytearray(b"\0\0ab\0\0")
+    bad = [
+        _patch.reference(await store.put(b"\xff\xff\xff\xffnot a header")),
+        await stored_patch(store, base, 100, [(10, 2)], b"abc"),  # body longer than its ranges
+        await stored_patch(store, base, 100, [(99, 2)], b"ab"),  # past the end
+        await stored_patch(store, base, 100, [(10, 2), (11, 2)], b"abcd"),  # overlapping
+        await stored_patch(store, base, 50, [(10, 2)], b"ab"),  # not the base's size
+        await stored_patch(store, "md5:00", 100, [(10, 2)], b"ab"),  # no buffer reference
+    ]
+    for ref in bad:
+        with pytest.raises(StoreError):
+            await fetch(store, ref)
+
+
+async def test_a_chain_longer_than_max_depth_is_refused(store: LocalObjectStore) -> None:
+    ref: str = await store.put(bytes(100))
+    for i in range(_patch.MAX_DEPTH + 1):
+        ref = await stored_patch(store, ref, 100, [(i, 1)], b"x")
+    with pytest.raises(StoreError, match="more than"):
+        await fetch(store, BlobKey(ref))
