@@ -6,6 +6,7 @@ one every written buffer is hashed and stored whole, which ``test_state_blobs`` 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import mmap
 import weakref
@@ -13,9 +14,9 @@ import weakref
 import numpy as np
 import pytest
 
-from nbos.core.errors import StoreError
+from nbos.core.errors import BlobNotFoundError, StoreError
 from nbos.core.ids import BlobKey
-from nbos.kernel.state import _codec, _pages, _patch
+from nbos.kernel.state import StateCapture, _codec, _pages, _patch, apply, load_namespace
 from nbos.kernel.state._buffers import fetch
 from nbos.kernel.state._pages import PageWrites
 from nbos.kernel.state._uffd import Span
@@ -46,7 +47,10 @@ def key_of(array: np.ndarray) -> str:
 
 
 async def replica_rebuilds_from_the_store_alone(pair: Pair, name: str) -> None:
-    """A fresh namespace given only the last delta holds the executor's array."""
+    """A fresh namespace given only the last delta holds the executor's array (the
+    replica's copies are dropped first: none of them is held to build on)."""
+    pair.replica.clear()
+    gc.collect()
     last = pair.deltas[-1]
     encoded = _codec.Encoded(last.set, last.set_blob, last.blobs)
     values = await _codec.decode(encoded, {}, pair.store)
@@ -58,7 +62,7 @@ async def test_one_element_written_adds_about_a_page_to_the_store(pair: Pair) ->
     assert first.blobs == [key_of(pair.executor["big"])]
     before = store_bytes(pair.store)
     delta = await pair.cell(f"big[{N // 2}] = 7.0")
-    # the written page, the array's two partial end pages, and a small header
+    # the written page (and any partial end page written), and a small header
     assert store_bytes(pair.store) - before <= 3 * PAGE + 512
     assert _patch.is_patch(delta.blobs[0])
     assert pair.capture.hashed_bytes <= 3 * PAGE
@@ -66,16 +70,36 @@ async def test_one_element_written_adds_about_a_page_to_the_store(pair: Pair) ->
     await replica_rebuilds_from_the_store_alone(pair, "big")
 
 
-async def test_a_chain_of_patches_ends_in_a_whole_blob_after_max_depth(pair: Pair) -> None:
-    await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
-    refs, keys = [], []
+async def test_a_chain_of_patches_ends_in_a_whole_blob_after_max_depth(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_patch, "MAX_DEPTH", 8)  # the rule, not the constant: cells stay few
+    n = 4 * MIB // 8
+    await pair.cell(f"import numpy as np\nbig = np.zeros({n})")
+    refs = []
     for i in range(_patch.MAX_DEPTH + 2):
-        delta = await pair.cell(f"big[{i * 4096}] = {i + 1}.0")
+        delta = await pair.cell(f"big[{i * PAGE // 8}] = {i + 1}.0")
         refs.append(delta.blobs[0])
-        keys.append(key_of(pair.executor["big"]))
+        if i == _patch.MAX_DEPTH:
+            assert refs[-1] == key_of(pair.executor["big"])  # stored whole again
     assert all(_patch.is_patch(ref) for ref in refs[: _patch.MAX_DEPTH])
-    assert refs[_patch.MAX_DEPTH] == keys[_patch.MAX_DEPTH]  # stored whole again
     assert _patch.is_patch(refs[_patch.MAX_DEPTH + 1])  # and patched from there
+    await replica_rebuilds_from_the_store_alone(pair, "big")
+
+
+async def test_patches_since_the_whole_version_hold_at_most_max_share(pair: Pair) -> None:
+    n = 4 * MIB // 8
+    # A fortieth of the buffer a cell: 26 or 27 pages, so 4 patches hold less than an
+    # eighth of it and 5 more, wherever the array lies against page boundaries.
+    share = n // 40
+    await pair.cell(f"import numpy as np\nbig = np.zeros({n})")
+    refs = []
+    for i in range(6):
+        delta = await pair.cell(f"big[{i * share} : {(i + 1) * share}] = 1.0")
+        refs.append(delta.blobs[0])
+        if i == 4:
+            assert refs[-1] == key_of(pair.executor["big"])
+    assert [_patch.is_patch(ref) for ref in refs] == [True] * 4 + [False, True]
     await replica_rebuilds_from_the_store_alone(pair, "big")
 
 
@@ -92,6 +116,36 @@ async def test_writes_through_a_view_are_patched_into_the_base_array(pair: Pair)
     replica = pair.replica
     assert replica["big"][1005] == 3.0 and replica["big"][-1] == 4.0
     assert np.shares_memory(replica["view"], replica["big"])
+
+
+async def test_a_replica_builds_a_patch_on_the_copy_it_holds(pair: Pair) -> None:
+    first = await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    await pair.store.delete(first.blobs[0])  # only the replica's own copy has it now
+    delta = await pair.cell("big[7] = 1.0")
+    assert _patch.is_patch(delta.blobs[0]) and pair.replica["big"][7] == 1.0
+
+
+@pytest.mark.parametrize("written", ["before the capture's clear", "after it"])
+async def test_a_held_copy_written_to_is_not_built_on(pair: Pair, written: str) -> None:
+    first = await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    await pair.store.delete(first.blobs[0])
+    if written.startswith("before"):
+        pair.replica["big"][100] = 5.0  # as a cell run on this replica after a failover would
+    pair.executor["big"][7] = 1.0
+    delta = await pair.capture.capture(pair.executor, exec_index=2)
+    if not written.startswith("before"):
+        pair.replica["big"][100] = 5.0
+    with pytest.raises(BlobNotFoundError):
+        await apply(pair.replica, delta, pair.store)
+
+
+async def test_a_held_copy_no_value_uses_is_freed(pair: Pair) -> None:
+    first = await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    await pair.store.delete(first.blobs[0])
+    del pair.replica["big"]
+    gc.collect()
+    with pytest.raises(BlobNotFoundError):
+        await pair.cell("big[7] = 1.0")
 
 
 async def test_the_tracker_tells_which_pages_were_written(tracker: PageWrites) -> None:
@@ -146,8 +200,36 @@ async def test_malformed_patches_are_refused_with_a_store_error(store: LocalObje
 
 
 async def test_a_chain_longer_than_max_depth_is_refused(store: LocalObjectStore) -> None:
-    ref: str = await store.put(bytes(100))
+    ref: str = await store.put(bytes(1000))
     for i in range(_patch.MAX_DEPTH + 1):
-        ref = await stored_patch(store, ref, 100, [(i, 1)], b"x")
+        ref = await stored_patch(store, ref, 1000, [(i, 1)], b"x")
     with pytest.raises(StoreError, match="more than"):
         await fetch(store, BlobKey(ref))
+
+
+async def test_a_snapshot_image_refers_to_buffers_as_the_capture_stored_them(pair: Pair) -> None:
+    await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    delta = await pair.cell("big[7] = 1.0")
+    before = store_bytes(pair.store)
+    image = await pair.capture.image(pair.executor)
+    assert pair.capture.hashed_bytes == 0 and store_bytes(pair.store) == before
+    assert delta.blobs[0].encode() in image  # the patch's reference, not a new whole blob
+    restored = await load_namespace(image, pair.store)
+    assert np.array_equal(restored["big"], pair.executor["big"])
+
+
+async def test_a_replica_images_what_it_applied_without_hashing_it(pair: Pair) -> None:
+    await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    delta = await pair.cell("big[7] = 1.0")
+    own = StateCapture(pair.store)  # the replica's own, which never captured a cell
+    before = store_bytes(pair.store)
+    image = await own.image(pair.replica)
+    assert own.hashed_bytes == 0 and store_bytes(pair.store) == before
+    assert delta.blobs[0].encode() in image
+    pair.replica["big"][9] = 2.0  # written: no longer the bytes it was read with
+    image = await own.image(pair.replica)  # a patch over what it knows now
+    assert 0 < own.hashed_bytes <= 3 * PAGE
+    assert (await load_namespace(image, pair.store))["big"][9] == 2.0
+    other = StateCapture(pair.store)  # knows nothing: the held copy is written, so it hashes
+    await other.image(pair.replica)
+    assert other.hashed_bytes == N * 8

@@ -72,7 +72,7 @@ class NamespaceSync:
 
     async def image(self, user_ns: MutableMapping[str, Any]) -> bytes:
         """The user state of ``user_ns`` (and of the process) as a snapshot image."""
-        return await state.dump_namespace(user_ns, self._store, process=self._process.image())
+        return await self._capture.image(user_ns, process=self._process.image())
 
     def digest(self, user_ns: MutableMapping[str, Any]) -> str:
         """Canonical digest of the user state and the global generators, equal on

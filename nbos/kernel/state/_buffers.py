@@ -45,6 +45,7 @@ from nbos.core.errors import StoreError
 from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
 from nbos.core.object_store import ObjectStore
 from nbos.kernel.state import _patch
+from nbos.kernel.state._held import StoreBuffer, held_buffers
 from nbos.kernel.state._pages import PageWrites
 from nbos.kernel.state._uffd import Span, merged
 
@@ -87,11 +88,11 @@ class _Known:
     other data as they were hashed: those pages are judged by these bytes, not by their
     page bits, so writes to neighbouring data (frequent on the heap) force no rehash.
     ``written`` is ``None`` while the bytes are those of ``key``; else the whole pages
-    written since (the shared pages are always patched), and ``depth`` how many patches
-    ``key`` builds on.
+    written since (the shared pages are always patched). ``depth`` is how many patches
+    ``key`` builds on, ``patched`` how many bytes they hold together.
     """
 
-    __slots__ = ("chunks", "depth", "edges", "key", "owner", "written")
+    __slots__ = ("chunks", "depth", "edges", "key", "owner", "patched", "written")
 
     def __init__(
         self,
@@ -99,13 +100,16 @@ class _Known:
         key: BlobKey,
         chunks: bytes,
         edges: Edges = (),
+        *,
         depth: int = 0,
+        patched: int = 0,
     ) -> None:
         self.owner = owner
         self.key = key
         self.chunks = chunks
         self.edges = edges
         self.depth = depth
+        self.patched = patched
         self.written: list[Span] | None = None
 
 
@@ -182,6 +186,8 @@ class BufferKeys:
                 return known  # survived the clear: no page written
             if store is not None and (patched := await self._patch(known, view, store)):
                 return patched
+        if known is None and (held := self._held(place, view, owners)) is not None:
+            return held
         self.hashed_bytes += view.nbytes
         owner = _weak_owner(view, owners)
         edges: Edges = ()
@@ -203,18 +209,33 @@ class BufferKeys:
         key = await (hash_key(parts) if store is None else store_buffer(store, parts))
         return _Known(owner, key, chunks, edges)
 
+    def _held(
+        self, place: tuple[int, int], view: memoryview, owners: dict[int, object]
+    ) -> _Known | None:
+        """An entry for a buffer read from the store and held unwritten since (a replica's
+        array as it applied it): its reference is known without hashing."""
+        held = held_buffers() if self._pages is not None and place[0] > 0 else None
+        ref = None if held is None else held.ref_at(*place)
+        if self._pages is None or ref is None:
+            return None
+        owner = _weak_owner(view, owners)
+        self._pages.track(*place, owner)
+        return _Known(owner, BlobKey(ref), b"", _edges(view, place[0]))
+
     async def _patch(self, known: _Known, view: memoryview, store: ObjectStore) -> _Known | None:
         """``known``'s buffer stored as a patch of its written pages over ``known.key``;
         ``None`` where it is better stored whole (a long chain, many pages written)."""
         written = known.written or []
-        if known.depth >= _patch.MAX_DEPTH:
-            return None
-        if sum(end - start for start, end in written) > view.nbytes * _patch.MAX_SHARE:
-            return None
         address = _place(view)[0]
         edges = _edges(view, address)
+        changed = [edge for edge in edges if edge not in known.edges]
+        size = sum(end - start for start, end in written) + sum(len(copy) for _, copy in changed)
+        if known.depth >= _patch.MAX_DEPTH:
+            return None
+        if known.patched + size > view.nbytes * _patch.MAX_SHARE:
+            return None
         pieces = sorted(
-            [(low, len(copy), copy) for low, copy in edges]
+            [(low, len(copy), copy) for low, copy in changed]
             + [
                 (start, end - start, view[start - address : end - address])
                 for start, end in written
@@ -225,8 +246,11 @@ class BufferKeys:
         blob = await store_buffer(
             store, _patch.parts(known.key, view.nbytes, ranges, [data for *_, data in pieces])
         )
-        self.hashed_bytes += sum(length for _, length in ranges)
-        return _Known(known.owner, _patch.reference(blob), b"", edges, known.depth + 1)
+        self.hashed_bytes += size
+        ref = _patch.reference(blob)
+        return _Known(
+            known.owner, ref, b"", edges, depth=known.depth + 1, patched=known.patched + size
+        )
 
 
 def _written_pages(pages: PageWrites, place: tuple[int, int]) -> list[Span] | None:
@@ -403,11 +427,20 @@ async def _chunks(parts: Parts) -> AsyncIterator[bytes]:
 async def fetch(store: ObjectStore, ref: BlobKey) -> bytearray:
     """The buffer ``ref`` refers to (a blob key or a patch's reference) as a writable
     buffer (arrays rebuilt on it stay writable)."""
-    return await _patch.rebuild(store, ref, _fetch_whole)
+    held = held_buffers()
+    if held is None:
+        return await _patch.rebuild(store, ref, _fetch_whole, _nothing_held)
+    out = await _patch.rebuild(store, ref, _fetch_whole, held.copy)
+    held.hold(ref, out)
+    return out
 
 
-async def _fetch_whole(store: ObjectStore, key: BlobKey) -> bytearray:
-    out = bytearray()
+async def _nothing_held(ref: str) -> None:
+    return None
+
+
+async def _fetch_whole(store: ObjectStore, key: BlobKey) -> StoreBuffer:
+    out = StoreBuffer()
     async for chunk in store.get_stream(key, _CHUNK):
         out += chunk
     return out

@@ -16,6 +16,7 @@ from nbos.core.wire.state import StateDelta
 from nbos.kernel.state import _codec, _pages
 from nbos.kernel.state._buffers import LARGE, BufferKeys, place_of
 from nbos.kernel.state._names import user_items
+from nbos.kernel.state._snapshot import dump_namespace
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,15 @@ class StateCapture:
         """
         scan = await self._scan(namespace, None)
         self._values, self._fingerprints = scan.current, scan.fingerprints
+
+    async def image(
+        self, namespace: Mapping[str, object], *, process: Mapping[str, bytes | None] | None = None
+    ) -> bytes:
+        """``namespace`` as a snapshot image (:func:`dump_namespace`), its large buffers
+        referred to as they are stored already where this capture knows them unchanged."""
+        return await dump_namespace(
+            namespace, self._store, threshold=self._threshold, process=process, keys=self._keys
+        )
 
     async def _scan(self, namespace: Mapping[str, object], store: ObjectStore | None) -> _Scan:
         """Fingerprint ``namespace``; large buffers that must be hashed go to ``store`` on

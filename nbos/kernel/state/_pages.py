@@ -155,7 +155,12 @@ def probe() -> PageWrites | None:
     before anyone relies on them.
     """
     if not _probed:
-        _probed.append(_probe() or open_uffd())
+        pages = _probe() or open_uffd()
+        _probed.append(pages)
+        if pages is None:
+            log.info("no page-write tracker: large buffers are hashed after every cell")
+        else:
+            log.info("page writes tracked by %s", type(pages).__name__)
     return _probed[0]
 
 
@@ -171,9 +176,9 @@ def _probe() -> SoftDirtyPages | None:
         region[offset] = b"x"
         works = clean and pages.written(address, 1)
     except OSError as exc:
-        log.info("soft-dirty page bits unavailable (%s); large buffers are hashed", exc)
+        log.info("soft-dirty page bits unavailable (%s)", exc)
         return None
     if not works:
-        log.info("this kernel does not keep soft-dirty page bits; large buffers are hashed")
+        log.info("this kernel does not keep soft-dirty page bits")
         return None
     return pages

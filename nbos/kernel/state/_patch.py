@@ -9,18 +9,23 @@ store, not 500 MB, and the capture reads those pages only.
 A patch is referred to as :data:`PATCH_PREFIX` followed by the key of the blob that
 holds it, where a whole buffer is referred to by its blob key: a reader knows from the
 reference alone which it has, never from the bytes. Reading rebuilds the base (a
-whole blob at the end of a chain of at most :data:`MAX_DEPTH` patches) and writes each
-patch's ranges over it, oldest first.
+whole blob at the end of a chain of at most :data:`MAX_DEPTH` patches, or a copy of a
+version this process holds already: :mod:`._held`) and writes each patch's ranges over
+it, oldest first.
 
-A capture stores the whole buffer again once a chain is :data:`MAX_DEPTH` patches long
-or a patch would hold more than :data:`MAX_SHARE` of the buffer, so reads stay short
-and a heavily written buffer costs what it did without patches.
+A capture stores the whole buffer again once the patches since the last whole version
+would hold more than :data:`MAX_SHARE` of the buffer's bytes, or number more than
+:data:`MAX_DEPTH`: reading a buffer then costs at most an eighth more bytes than reading
+it whole, in a bounded number of small reads, and a heavily written buffer costs what it
+did without patches. A buffer written one element per cell is stored whole once every
+:data:`MAX_DEPTH` cells.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 
@@ -31,11 +36,13 @@ from nbos.core.object_store import ObjectStore
 #: What a patch's reference starts with; the blob key of the patch follows.
 PATCH_PREFIX = "patch+"
 #: Patches at most between a reference and the whole blob it builds on.
-MAX_DEPTH = 16
-#: A patch holds at most this share of its buffer's bytes; more is stored whole.
+MAX_DEPTH = 256
+#: The patches since a whole version hold at most this share of the buffer's bytes.
 MAX_SHARE = 0.125
 
 _LENGTH = struct.Struct(">I")
+
+B = TypeVar("B", bound=bytearray)
 
 
 class Patch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -81,20 +88,23 @@ def parts(
 async def rebuild(
     store: ObjectStore,
     ref: str,
-    whole: Callable[[ObjectStore, BlobKey], Awaitable[bytearray]],
-) -> bytearray:
-    """The bytes of the buffer ``ref`` refers to; ``whole`` reads a whole buffer's blob."""
+    whole: Callable[[ObjectStore, BlobKey], Awaitable[B]],
+    held: Callable[[str], Awaitable[B | None]],
+) -> B:
+    """The bytes of the buffer ``ref`` refers to: from the first buffer of its chain that
+    ``held`` has a copy of, else from the whole blob that ``whole`` reads."""
     chain: list[tuple[Patch, memoryview]] = []
-    while is_patch(ref):
+    while (out := await held(ref)) is None and is_patch(ref):
         if len(chain) == MAX_DEPTH:
             raise StoreError(f"buffer {ref} builds on more than {MAX_DEPTH} patches")
         blob = blob_of(ref)
         patch, body = _parse(blob, await store.get(blob))
         chain.append((patch, body))
         ref = patch.base
-    if not ref.startswith(BLOB_KEY_PREFIX):
-        raise StoreError(f"a patch builds on {ref!r}, which is no buffer reference")
-    out = await whole(store, BlobKey(ref))
+    if out is None:
+        if not ref.startswith(BLOB_KEY_PREFIX):
+            raise StoreError(f"a patch builds on {ref!r}, which is no buffer reference")
+        out = await whole(store, BlobKey(ref))
     for patch, body in reversed(chain):
         if len(out) != patch.nbytes:
             raise StoreError(f"a patch of {patch.nbytes} bytes builds on {len(out)} bytes")

@@ -13,7 +13,7 @@ from nbos.core.errors import KernelError
 from nbos.core.object_store import ObjectStore
 from nbos.kernel.state import _codec
 from nbos.kernel.state._apply import import_module
-from nbos.kernel.state._buffers import LARGE
+from nbos.kernel.state._buffers import LARGE, BufferKeys
 from nbos.kernel.state._names import user_items
 
 log = logging.getLogger(__name__)
@@ -36,11 +36,14 @@ async def dump_namespace(
     *,
     threshold: int = LARGE,
     process: Mapping[str, bytes | None] | None = None,
+    keys: BufferKeys | None = None,
 ) -> bytes:
     """The user state of ``namespace`` as bytes; large buffers go to ``store``.
 
     Values that cannot be pickled are left out (and logged), as they are from deltas.
-    ``process`` is process-wide state to keep with it (:func:`image_process`).
+    ``process`` is process-wide state to keep with it (:func:`image_process`). With
+    ``keys`` (a capture's), large buffers it knows unchanged are referred to as they
+    are stored already rather than hashed and stored again.
     """
     imports: list[tuple[str, str]] = []
     values: dict[str, object] = {}
@@ -52,7 +55,8 @@ async def dump_namespace(
     pickled, failed = _codec.pickle_loadable(values, threshold)
     for name, reason in failed.items():
         log.info("snapshot leaves out %s: %s", name, reason)
-    encoded = await _codec.encode(pickled, store, {}, threshold)
+    found = {} if keys is None else await keys.keys(list(pickled.buffers), pickled.owners, store)
+    encoded = await _codec.encode(pickled, store, found, threshold)
     return _encoder.encode(_Image(encoded, imports, dict(process or {})))
 
 
