@@ -88,8 +88,8 @@ class _Known:
     other data as they were hashed: those pages are judged by these bytes, not by their
     page bits, so writes to neighbouring data (frequent on the heap) force no rehash.
     ``written`` is ``None`` while the bytes are those of ``key``; else the whole pages
-    written since (the shared pages are always patched). ``depth`` is how many patches
-    ``key`` builds on, ``patched`` how many bytes they hold together.
+    written since (a patch judges the shared pages by their bytes, as above). ``depth``
+    is how many patches ``key`` builds on, ``patched`` how many bytes they hold together.
     """
 
     __slots__ = ("chunks", "depth", "edges", "key", "owner", "patched", "written")

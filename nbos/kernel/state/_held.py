@@ -51,10 +51,11 @@ class HeldBuffers:
             return None
         # In slices, yielding between them: one copy of a large buffer would hold the
         # interpreter lock long enough for the Raft thread to miss its heartbeats.
-        out, view = StoreBuffer(), memoryview(buffer)
-        for start in range(0, len(view), _SLICE):
-            out += view[start : start + _SLICE]
-            await anyio.lowlevel.checkpoint()
+        out = StoreBuffer()
+        with memoryview(buffer) as view:
+            for start in range(0, len(view), _SLICE):
+                out += view[start : start + _SLICE]
+                await anyio.lowlevel.checkpoint()
         if self._valid(ref) is not buffer:
             return None  # written while it was copied: the copy may be torn
         return out
