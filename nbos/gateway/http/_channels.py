@@ -23,6 +23,7 @@ from typing import Any, Protocol, cast
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import zmq
 import zmq.asyncio
 from jupyter_client.session import DELIM, Session
@@ -85,8 +86,11 @@ class ChannelBridge:
         self._session: Session | None = None
         self._nudges: set[str] = set()
         self._subscribed = anyio.Event()
-        #: Set while connected to a front; what a client sends meanwhile waits for it.
+        #: Set while connected to a front whose IOPub this bridge hears; what a client
+        #: sends meanwhile waits for it.
         self._connected = anyio.Event()
+        #: The kernel generation whose front the sockets are connected to.
+        self._serving = -1
         self._closed = False
         self._scope = anyio.CancelScope()
 
@@ -117,9 +121,16 @@ class ChannelBridge:
     async def send(self, msg: WireMsg) -> None:
         """Sign ``msg`` and send it to the kernel on its channel.
 
-        Between two kernels of a restart, it waits for the new one.
+        Between two kernels of a restart, it waits for the new one: from the restart on
+        (not only once this bridge noticed it), and until the new front's IOPub is heard,
+        so that no reply or output to the message is missed.
         """
-        await self._connected.wait()
+        while not self._closed:
+            await self._connected.wait()
+            if self._serving == self.link.generation:
+                break
+            # The old front's sockets, not yet torn down by run(): wait for the new ones.
+            await anyio.lowlevel.checkpoint()
         sock, session = self._sockets.get(msg.channel), self._session
         if sock is None or session is None:
             log.warning(
@@ -137,7 +148,7 @@ class ChannelBridge:
                 while True:
                     generation = self.link.generation
                     async with anyio.create_task_group() as tg:
-                        await tg.start(self._serve, self.link.connection_info)
+                        await tg.start(self._serve, self.link.connection_info, generation)
                         task_status.started()
                         task_status = anyio.TASK_STATUS_IGNORED
                         await self.link.wait_changed(generation)
@@ -153,7 +164,7 @@ class ChannelBridge:
                 self._sink = None
 
     async def _serve(
-        self, info: Mapping[str, Any], *, task_status: anyio.abc.TaskStatus[None]
+        self, info: Mapping[str, Any], generation: int, *, task_status: anyio.abc.TaskStatus[None]
     ) -> None:
         sockets = {channel: self._ctx.socket(kind) for channel, kind in _SOCKETS.items()}
         try:
@@ -166,11 +177,12 @@ class ChannelBridge:
                 sock.connect(channel_url(info, channel))
             self._session, self._sockets = session_for(info), sockets
             self._subscribed, self._nudges = anyio.Event(), set()
-            self._connected.set()
             async with anyio.create_task_group() as tg:
                 for channel, sock in sockets.items():
                     tg.start_soon(self._read, channel, sock)
                 await self._nudge()
+                self._serving = generation
+                self._connected.set()
                 task_status.started()
         finally:
             # Readers are cancelled by now: closing a socket under a pending receive

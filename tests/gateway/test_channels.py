@@ -1,0 +1,149 @@
+"""A client's channels across a kernel restart, against fronts made of real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+from jupyter_client.session import Session
+
+from nbos.gateway.http._channels import ChannelBridge
+from nbos.gateway.http._wsproto import WireMsg
+
+pytestmark = pytest.mark.anyio
+
+KEY = "fake-front-key"
+DEADLINE = 30.0
+
+
+class Front:
+    """A kernel front as a client sees it: every request on shell or control gets a busy
+    status, its reply and an idle status, published at once (as a fresh kernel does)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.session = Session(key=KEY.encode(), username="front")
+        self.routers = {c: ctx.socket(zmq.ROUTER) for c in ("shell", "control", "stdin")}
+        self.iopub = ctx.socket(zmq.PUB)
+        self.info: dict[str, Any] = {"transport": "tcp", "ip": "127.0.0.1", "key": KEY}
+        for channel, sock in [*self.routers.items(), ("iopub", self.iopub)]:
+            sock.setsockopt(zmq.LINGER, 0)
+            self.info[f"{channel}_port"] = sock.bind_to_random_port("tcp://127.0.0.1")
+        self.requests: list[str] = []
+
+    async def serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for sock in self.routers.values():
+                tg.start_soon(self._answer, sock)
+
+    async def _answer(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            idents, frames = self.session.feed_identities(await sock.recv_multipart())
+            request = self.session.deserialize(frames)
+            self.requests.append(request["header"]["msg_type"])
+            reply_type = request["header"]["msg_type"].replace("_request", "_reply")
+            self.session.send(self.iopub, "status", {"execution_state": "busy"}, parent=request)
+            self.session.send(sock, reply_type, {"status": "ok"}, parent=request, ident=idents)
+            self.session.send(self.iopub, "status", {"execution_state": "idle"}, parent=request)
+
+    def close(self) -> None:
+        for sock in [*self.routers.values(), self.iopub]:
+            sock.close(0)
+
+
+class Link:
+    """The kernel a bridge follows: its front, replaced by a restart."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.generation = 0
+        self._changed = anyio.Event()
+
+    @property
+    def kernel_id(self) -> str:
+        return "k"
+
+    @property
+    def connection_info(self) -> Mapping[str, Any]:
+        return self.front.info
+
+    async def wait_changed(self, generation: int) -> None:
+        while self.generation == generation:
+            await self._changed.wait()
+
+    def restart(self, front: Front) -> None:
+        self.front, self.generation = front, self.generation + 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+class Client:
+    """A WebSocket as the bridge sees it: what was delivered, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[Mapping[str, Any]] = []
+        self.arrived = anyio.Event()
+
+    def deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> bool:
+        parent = json.loads(msg.parts[1])
+        content = json.loads(msg.parts[3])
+        self.seen.append({"type": header["msg_type"], "parent": parent.get("msg_id"), **content})
+        self.arrived.set()
+        self.arrived = anyio.Event()
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def execute_request(msg_id: str) -> WireMsg:
+    header = {
+        "msg_id": msg_id,
+        "msg_type": "execute_request",
+        "session": "s",
+        "username": "u",
+        "date": "2026-01-01T00:00:00Z",
+        "version": "5.3",
+    }
+    parts = [json.dumps(p).encode() for p in (header, {}, {}, {"code": "1"})]
+    return WireMsg("shell", (parts[0], parts[1], parts[2], parts[3]))
+
+
+async def test_a_request_sent_as_the_kernel_restarts_reaches_the_new_front_with_its_output(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    old, new = Front(ctx), Front(ctx)
+    link, client = Link(old), Client()
+    bridge = ChannelBridge(link, "session", ctx)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(old.serve)
+        tg.start_soon(new.serve)
+        await tg.start(bridge.run)
+        bridge.attach(client)
+        old.close()  # the old kernel is shut down before the restart answers
+        link.restart(new)
+        # At once, as a client that got the restart's answer sends its next cell.
+        await bridge.send(execute_request("after-restart"))
+        with anyio.fail_after(DEADLINE):
+            while not any(
+                m["parent"] == "after-restart" and m.get("execution_state") == "idle"
+                for m in client.seen
+            ):
+                await client.arrived.wait()
+        mine = [m["type"] for m in client.seen if m["parent"] == "after-restart"]
+        assert sorted(mine) == ["execute_reply", "status", "status"]
+        assert "execute_request" in new.requests
+        bridge.close()
+        tg.cancel_scope.cancel()
+    new.close()
