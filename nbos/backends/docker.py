@@ -128,8 +128,13 @@ def _already_in_state(exc: Exception, signum: int) -> bool:
     if exc.status == _CONFLICT:
         return True
     # The engine unpauses a container it kills: between our look and our unpause,
-    # a concurrent kill or stop can get there first.
-    return signum == signal.SIGCONT and "is not paused" in str(exc.message)
+    # a concurrent kill or stop can get there first. Under a CPU hog, runc was also seen
+    # to refuse an unpause of a container the engine listed as paused, saying that the
+    # process runs: what SIGCONT asks for.
+    message = str(exc.message)
+    return signum == signal.SIGCONT and any(
+        reason in message for reason in ("is not paused", "cannot resume a running process")
+    )
 
 
 class DockerBackend:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import urllib.parse
 from pathlib import Path
 
+import aiodocker
 import pytest
 
-from nbos.backends.docker import BACKEND_LABEL, DockerBackend
+from nbos.backends.docker import BACKEND_LABEL, DockerBackend, _already_in_state
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError, HostUnreachableError
 from nbos.core.ids import HostId
@@ -67,3 +69,21 @@ def test_bad_config_is_refused() -> None:
         DockerBackend({"h": "docker-host-1"}, image="x")
     with pytest.raises(ConfigError):
         DockerBackend({"h": "unix:///var/run/docker.sock"}, image="")
+
+
+@pytest.mark.parametrize(
+    ("message", "already"),
+    [
+        ("Container abc is not paused", True),
+        ("Cannot unpause container abc: cannot resume a running process: unknown", True),
+        ("Cannot unpause container abc: permission denied", False),
+    ],
+)
+def test_an_unpause_refused_because_the_process_runs_is_nothing_to_do(
+    message: str, already: bool
+) -> None:
+    """SIGCONT asks for a running process; the engine's or runc's word that it runs is
+    success (runc's refusal was seen under a CPU hog, with the engine listing it paused)."""
+    error = aiodocker.DockerError(500, {"message": message})
+    assert _already_in_state(error, signal.SIGCONT) is already
+    assert not _already_in_state(error, signal.SIGTERM)
