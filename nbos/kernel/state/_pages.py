@@ -108,21 +108,29 @@ class SoftDirtyPages:
         """Whether any page of ``[address, address + nbytes)`` was written since :meth:`clear`."""
         if nbytes <= 0:
             return False
-        first = address // self._page
-        count = (address + nbytes - 1) // self._page - first + 1
-        with open(_PAGEMAP, "rb", buffering=0) as f:
-            f.seek(first * _ENTRY.size)
-            entries = f.read(count * _ENTRY.size)
-        if len(entries) != count * _ENTRY.size:
-            return True
-        # Bit 55 is the top bit of byte 6 of each little-endian entry: slice those bytes
-        # out and look for a set top bit, all in C (a 1 GB buffer has 262144 entries).
-        return b"\x01" in entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
+        dirty = self._dirty(address, nbytes)
+        return dirty is None or b"\x01" in dirty
 
     def written_spans(self, address: int, nbytes: int) -> list[Span] | None:
         """The written pages of ``[address, address + nbytes)``, as spans clipped to it."""
         if nbytes <= 0:
             return []
+        dirty = self._dirty(address, nbytes)
+        if dirty is None:
+            return None
+        first, spans = address // self._page, []
+        run = dirty.find(b"\x01")
+        while run >= 0:  # runs of set bits, found by C scans rather than a loop per page
+            stop = dirty.find(b"\x00", run)
+            stop = len(dirty) if stop < 0 else stop
+            low = max(address, (first + run) * self._page)
+            spans.append((low, min(address + nbytes, (first + stop) * self._page)))
+            run = dirty.find(b"\x01", stop)
+        return spans
+
+    def _dirty(self, address: int, nbytes: int) -> bytes | None:
+        """One byte per page of the range, 1 where the page was written; ``None`` if the
+        pagemap does not cover it."""
         first = address // self._page
         count = (address + nbytes - 1) // self._page - first + 1
         with open(_PAGEMAP, "rb", buffering=0) as f:
@@ -130,16 +138,9 @@ class SoftDirtyPages:
             entries = f.read(count * _ENTRY.size)
         if len(entries) != count * _ENTRY.size:
             return None
-        dirty = entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
-        spans: list[Span] = []
-        run = dirty.find(b"\x01")
-        while run >= 0:  # runs of set bits, found by C scans rather than a loop per page
-            stop = dirty.find(b"\x00", run)
-            stop = count if stop < 0 else stop
-            low = max(address, (first + run) * self._page)
-            spans.append((low, min(address + nbytes, (first + stop) * self._page)))
-            run = dirty.find(b"\x01", stop)
-        return spans
+        # Bit 55 is the top bit of byte 6 of each little-endian entry: slice those bytes
+        # out and map each to its top bit, all in C (a 1 GB buffer has 262144 entries).
+        return entries[_DIRTY_BYTE :: _ENTRY.size].translate(_TOP_BIT)
 
 
 _probed: list[PageWrites | None] = []

@@ -197,10 +197,7 @@ class UffdPages:
             return False
         start, end = self._span_of(address, nbytes)
         with self._lock:
-            if not self._ours() or not any(
-                s <= start and end <= e and tracked.alive()
-                for (s, e), tracked in self._spans.items()
-            ):
+            if not self._tracking(start, end):
                 return True
             if any(s < end and start < e for s, e in self._reported):
                 return True
@@ -216,10 +213,7 @@ class UffdPages:
             return []
         start, end = self._span_of(address, nbytes)
         with self._lock:
-            if not self._ours() or not any(
-                s <= start and end <= e and tracked.alive()
-                for (s, e), tracked in self._spans.items()
-            ):
+            if not self._tracking(start, end):
                 return None
             found = [(s, e) for s, e in self._reported if s < end and start < e]
             try:  # written since the scan that re-armed them: unprotected now
@@ -227,6 +221,12 @@ class UffdPages:
             except OSError:
                 return None
         return merged(found, address, address + nbytes)
+
+    def _tracking(self, start: int, end: int) -> bool:
+        """Whether a live tracked span of this process covers ``[start, end)``."""
+        return self._ours() and any(
+            s <= start and end <= e and tracked.alive() for (s, e), tracked in self._spans.items()
+        )
 
     def _span_of(self, address: int, nbytes: int) -> Span:
         page = self._page
