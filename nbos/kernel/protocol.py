@@ -6,6 +6,8 @@ replica must not load the front. It holds:
 
 * the ``execute_request`` metadata keys the front sets (:func:`cell_metadata`) and the
   replica reads (:func:`cell_request`);
+* the ``interrupt_request`` metadata naming the cell it interrupts
+  (:func:`interrupt_metadata`, :func:`interrupted_cell`);
 * the replica's reply metadata under :data:`REPLY_INFO_KEY`, in which a replica whose
   claim lost names the winner (:func:`claim_lost_info`, :func:`claim_lost`);
 * the front's own control requests (the ``nbos_*_request`` message types), their
@@ -24,6 +26,9 @@ from nbos.core.errors import KernelError
 EXEC_INDEX_KEY = "nbos_exec_index"
 #: ``execute_request`` metadata: the host-local GPU device ids the cell runs with.
 DEVICES_KEY = "nbos_devices"
+#: ``interrupt_request`` metadata: the msg_id of the ``execute_request`` it interrupts
+#: (a replica keeps it for that cell if the cell has not reached it yet).
+INTERRUPTED_CELL_KEY = "nbos_cell"
 #: ``execute_reply`` metadata: what the replica says about the cell (its index, timings,
 #: or the winner of the claim that beat it).
 REPLY_INFO_KEY = "nbos"
@@ -77,6 +82,17 @@ def cell_request(metadata: Any) -> tuple[int, tuple[int, ...]]:
     if not isinstance(devices, list) or not all(isinstance(d, int) for d in devices):
         raise KernelError(f"{DEVICES_KEY} must be a list of ints, got {devices!r}")
     return index, tuple(devices)
+
+
+def interrupt_metadata(metadata: Mapping[str, Any], cell: str) -> dict[str, Any]:
+    """A client's ``interrupt_request`` metadata naming the ``cell`` it interrupts."""
+    return {**metadata, INTERRUPTED_CELL_KEY: cell}
+
+
+def interrupted_cell(metadata: Any) -> str | None:
+    """The cell an ``interrupt_request`` names, or ``None`` (a client's own, not the front's)."""
+    cell = metadata.get(INTERRUPTED_CELL_KEY) if isinstance(metadata, dict) else None
+    return cell if isinstance(cell, str) else None
 
 
 def claim_lost_info(winner: int) -> dict[str, Any]:

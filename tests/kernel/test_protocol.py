@@ -73,3 +73,11 @@ def test_error_content_names_the_exception_class() -> None:
         "traceback": ["ValueError: bad"],
         "execution_count": 4,
     }
+
+
+def test_an_interrupt_names_its_cell_and_anything_else_names_none() -> None:
+    metadata = protocol.interrupt_metadata({"user": 1}, "cell-1")
+    assert metadata["user"] == 1
+    assert protocol.interrupted_cell(metadata) == "cell-1"
+    for other in ({}, None, [], {protocol.INTERRUPTED_CELL_KEY: 7}):
+        assert protocol.interrupted_cell(other) is None

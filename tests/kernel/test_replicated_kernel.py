@@ -176,6 +176,19 @@ async def test_interrupt_reaches_the_executor(client: AsyncKernelClient) -> None
     assert after["content"]["status"] == "ok"
 
 
+async def test_an_interrupt_sent_right_after_its_cell_ends_it(client: AsyncKernelClient) -> None:
+    # The interrupt reached the front before the cell reached its executor, or the
+    # executor before the cell did: it was dropped, and the cell ran its whole minute.
+    for _ in range(5):
+        msg_id = client.execute("import time\ntime.sleep(60)", stop_on_error=False)
+        client.control_channel.send(client.session.msg("interrupt_request", {}))
+        reply, _ = await collect(client, msg_id, timeout=30)
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+    after, _ = await run(client, "print('still here')")
+    assert after["content"]["status"] == "ok"
+
+
 # Stands in for a SIGINT that lands in IPython's own steps around the user's code: IPython
 # lets a KeyboardInterrupt through there (its input transformers are one such step).
 ARM_INTERRUPT = """

@@ -82,8 +82,18 @@ _READY_TIMEOUT_S = 60.0
 _FINISHED_KEPT = 256
 _SHUTDOWN_TIMEOUT_S = 5.0
 _WAKE_TIMEOUT_S = 5.0
+#: How long an interrupt that follows its cell waits for the replica's reply.
+_INTERRUPT_TIMEOUT_S = 10.0
 
 _Incoming = tuple[list[bytes], _wire.Msg]
+
+
+@attrs.define
+class _RunningCell:
+    """A client's ``execute_request`` being run, and whether the client interrupted it."""
+
+    msg_id: str
+    interrupted: bool = False
 
 
 @attrs.define(eq=False)
@@ -105,6 +115,8 @@ class _Pending:
     lost: bool = False
     #: The reply went to the client as the request's final answer.
     answered: bool = False
+    #: The request is on its way to the replica (its socket took it).
+    sent: bool = False
     replied: anyio.Event = attrs.Factory(anyio.Event)
     idled: anyio.Event = attrs.Factory(anyio.Event)
 
@@ -204,6 +216,8 @@ class KernelFront:
         self._active: _Pending | None = None
         #: Set while the chooser picks a cell's executor (it may wait for GPUs).
         self._choosing: anyio.CancelScope | None = None
+        #: The cell being run, from its turn on the shell to its reply.
+        self._cell: _RunningCell | None = None
         self._refused = 0
         self._tg: anyio.abc.TaskGroup | None = None
         #: The shell request whose ``busy`` is still due (see :meth:`_flush_busy`).
@@ -629,6 +643,13 @@ class KernelFront:
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
         """Run one cell; returns the status of the reply the client got."""
+        self._cell = _RunningCell(msg["header"]["msg_id"])
+        try:
+            return await self._execute_cell(idents, msg)
+        finally:
+            self._cell = None
+
+    async def _execute_cell(self, idents: list[bytes], msg: _wire.Msg) -> str:
         wait = self._wait_status(msg)
 
         async def choose(index: int) -> CellPlan:
@@ -666,6 +687,8 @@ class KernelFront:
         """The chooser's plan for cell ``index``; an interrupt ends a wait (for GPUs)."""
         with anyio.CancelScope() as scope:
             self._choosing = scope
+            if self._cell is not None and self._cell.interrupted:
+                scope.cancel()
             try:
                 return await self._chooser.choose(self._choice_request(msg, index, wait))
             finally:
@@ -716,6 +739,7 @@ class KernelFront:
             idents,
             grace=IDLE_GRACE_S,
             on_reply=relay,
+            on_sent=self._cell_sent,
             needs_quorum=True,
         )
         if pending.reply is None:
@@ -788,13 +812,15 @@ class KernelFront:
         *,
         grace: float,
         on_reply: Callable[[_wire.Msg], Awaitable[bool]] | None = None,
+        on_sent: Callable[[_Pending], None] | None = None,
         needs_quorum: bool = False,
         client: bool = True,
     ) -> _Pending:
-        """Send ``msg`` to ``target``; wait for its reply (``on_reply`` gets it at once and
-        says whether it answered the client), then for its idle (at most ``grace`` seconds
-        longer). A request that ``needs_quorum`` ends as lost once no majority is alive; a
-        shell ``msg`` of a ``client`` is the request in flight meanwhile."""
+        """Send ``msg`` to ``target`` (then ``on_sent``); wait for its reply (``on_reply``
+        gets it at once and says whether it answered the client), then for its idle (at
+        most ``grace`` seconds longer). A request that ``needs_quorum`` ends as lost once
+        no majority is alive; a shell ``msg`` of a ``client`` is the request in flight
+        meanwhile."""
         header = msg["header"]
         expects_reply = header["msg_type"].endswith("_request")
         pending = _Pending(header["msg_id"], target, idents, expects_reply, needs_quorum)
@@ -813,6 +839,9 @@ class KernelFront:
                 log.info("kernel %s: %s", self._kernel_id, exc)
                 pending.got_lost()
                 return pending
+            pending.sent = True
+            if on_sent is not None:
+                on_sent(pending)
             if shell:
                 await self._flush_busy()
             await _wait_reply(pending)
@@ -867,14 +896,32 @@ class KernelFront:
             await self._relay(idents, msg, "control", self._control)
 
     async def _interrupt(self, idents: list[bytes], msg: _wire.Msg) -> None:
+        """Interrupt the cell in progress where it is: its wait to run, its replica."""
+        cell = self._cell
+        if cell is not None:
+            cell.interrupted = True
+        active = self._active
         if self._choosing is not None:
             # The cell waits for its executor (GPUs): it has not started anywhere yet.
             self._choosing.cancel()
-            reply = self._signer.new_message("interrupt_reply", {"status": "ok"}, msg)
-            await self._to_client(self._control, reply, idents)
+        elif cell is not None and active is not None and active.sent:
+            # The replica may get it before the cell itself (shell and control are not
+            # ordered): naming the cell lets it keep the interrupt until the cell comes.
+            metadata = protocol.interrupt_metadata(msg["metadata"], cell.msg_id)
+            await self._forward_interrupt(idents, {**msg, "metadata": metadata}, active.target)
             return
-        active = self._active
-        target = active.target if active is not None else self._cells.last_executor
+        elif cell is None:
+            target = active.target if active is not None else self._cells.last_executor
+            await self._forward_interrupt(idents, msg, target)
+            return
+        # Otherwise the cell is not on its way to a replica yet: it takes the interrupt
+        # along when it is sent (``_cell_sent``).
+        reply = self._signer.new_message("interrupt_reply", {"status": "ok"}, msg)
+        await self._to_client(self._control, reply, idents)
+
+    async def _forward_interrupt(
+        self, idents: list[bytes], msg: _wire.Msg, target: int | None
+    ) -> None:
         if target is None or target not in self.alive:
             target = self.alive[0] if self.alive else None
         if target is None:
@@ -883,6 +930,20 @@ class KernelFront:
         content = {"status": "ok"} if pending.reply is None else pending.reply["content"]
         reply = self._signer.new_message("interrupt_reply", content, msg)
         await self._to_client(self._control, reply, idents)
+
+    def _cell_sent(self, pending: _Pending) -> None:
+        """The cell is on its way to its replica: an interrupt that came first follows it."""
+        cell = self._cell
+        if cell is None or not cell.interrupted or self._tg is None:
+            return
+        up = self._upstreams[pending.target]
+        msg = up.signer.new_message("interrupt_request", {})
+        msg["metadata"] = protocol.interrupt_metadata(msg["metadata"], cell.msg_id)
+        self._tg.start_soon(self._send_interrupt, pending.target, msg)
+
+    async def _send_interrupt(self, target: int, msg: _wire.Msg) -> None:
+        with anyio.move_on_after(_INTERRUPT_TIMEOUT_S):
+            await self._roundtrip(target, "control", msg, [], grace=0.0)
 
     async def _shutdown(self, idents: list[bytes], msg: _wire.Msg) -> None:
         self.closing()

@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -53,8 +52,10 @@ from nbos.kernel.protocol import (
     cell_request,
     claim_lost_info,
     error_content,
+    interrupted_cell,
     reply_of,
 )
+from nbos.kernel.replica._interrupts import CellInterrupts
 from nbos.kernel.replica._machine import (
     CellCommitted,
     CommDelivered,
@@ -129,11 +130,7 @@ class ReplicaKernel(IPythonKernel):
         self._rollback: Restored | None = None
         #: The running cell lost its index to such a ``Done``.
         self._diverged = False
-        #: Whether user code runs now, and whether an interrupt came before it did.
-        self._in_user_code = False
-        self._interrupt_pending = False
-        self._interrupt_lock = threading.Lock()
-        self._requests = 0
+        self._interrupts = CellInterrupts()
         self._warned: set[str] = set()
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
         self._preclaims: dict[int, asyncio.Future[Outcome]] = {}
@@ -197,13 +194,12 @@ class ReplicaKernel(IPythonKernel):
     # --- the executor's path -------------------------------------------------------
 
     async def execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
-        self._requests += 1
+        msg_id = str(parent["header"]["msg_id"])
+        self._interrupts.request_began(msg_id)
         try:
             await self._execute_request(stream, ident, parent)
         finally:
-            self._requests -= 1
-            if not self._requests:
-                self._interrupt_pending = False
+            self._interrupts.request_ended(msg_id)
 
     async def _execute_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         try:
@@ -354,13 +350,7 @@ class ReplicaKernel(IPythonKernel):
             log.exception("binding GPUs %s for cell %d failed", cell.devices, cell.index)
             return error_content(GpuError(f"cannot bind GPUs {list(cell.devices)}: {exc}"), 0)
         try:
-            # The interrupt comes on the control thread: it either finds the cell not
-            # started (and marks it) or started (and signals it), never in between, where
-            # it was lost (the cell then ran to its end).
-            with self._interrupt_lock:
-                interrupted, self._interrupt_pending = self._interrupt_pending, False
-                self._in_user_code = not interrupted
-            if interrupted:
+            if not self._interrupts.enter_user_code():
                 # Interrupted while it was claimed or waited for the cell before it: it does
                 # not run, and its Done (status error) still commits so later cells go on.
                 run.close()
@@ -374,7 +364,7 @@ class ReplicaKernel(IPythonKernel):
             run.close()
             return error_content(KeyboardInterrupt("interrupted"), self.execution_count)
         finally:
-            self._in_user_code = False
+            self._interrupts.leave_user_code()
 
     async def _commit(self, cell: _Cell) -> None:
         assert self._raft is not None and self._sync is not None
@@ -683,16 +673,12 @@ class ReplicaKernel(IPythonKernel):
 
     # --- process ---------------------------------------------------------------------
 
-    def _send_interrupt_children(self) -> None:
-        # SIGINT raises KeyboardInterrupt wherever the main thread is: only user code may
-        # take it. Before the cell runs (its claim, the wait for the cell before it) the
-        # interrupt is kept and the cell ends without running. This process only: the
-        # base class signals the whole process group, which could hold other replicas.
-        with self._interrupt_lock:
-            if self._in_user_code:
-                os.kill(os.getpid(), signal.SIGINT)
-            elif self._requests:
-                self._interrupt_pending = True
+    async def interrupt_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        # Only this process is signalled: the base class signals the whole process group,
+        # which could hold other replicas.
+        cell = interrupted_cell(parent.get("metadata"))
+        self._interrupts.interrupt(cell, lambda: os.kill(os.getpid(), signal.SIGINT))
+        self._session.send(stream, "interrupt_reply", {"status": "ok"}, parent, ident=ident)
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
         if self._raft is not None:
