@@ -326,6 +326,42 @@ async def test_a_failed_cell_aborts_the_cells_queued_behind_it(
     assert stdout(out) == "False\n"
 
 
+class SlowReleaseChooser:
+    """The last executor, and a release that takes a while (as a GPU grant's does)."""
+
+    async def choose(self, request: ChoiceRequest) -> CellPlan:
+        last = request.last_executor
+        return CellPlan(last if last in request.alive else request.alive[0])
+
+    async def release(self, plan: CellPlan) -> None:
+        await anyio.sleep(0.3)
+
+
+async def test_a_cell_sent_after_a_failed_cells_idle_is_not_aborted(
+    cluster: LocalCluster,
+) -> None:
+    # As with ipykernel, only what was queued when the failed cell ended is aborted. The
+    # front published the failed cell's idle, then released its plan and only then looked
+    # at its queue: a cell that the client sent on that idle was in it by then, and was
+    # aborted (seen through Jupyter Server, with a GPU kernel).
+    k = await cluster.start_kernel(chooser=SlowReleaseChooser())
+    try:
+        async with connected_client(k) as c:
+            await c.wait_for_ready(timeout=30)
+            for _ in range(5):
+                failed, _ = await collect(c, c.execute("1 / 0", stop_on_error=True))
+                assert failed["content"]["status"] == "error"
+                after, _ = await collect(c, c.execute("after_error = 1", stop_on_error=True))
+                assert after["content"]["status"] == "ok"
+            # What was queued behind a failed cell is still aborted.
+            first = c.execute("1 / 0", stop_on_error=True)
+            second = c.execute("queued = 1", stop_on_error=True)
+            assert (await collect(c, first))[0]["content"]["status"] == "error"
+            assert (await collect(c, second))[0]["content"]["status"] == "aborted"
+    finally:
+        await k.shutdown()
+
+
 async def test_shutdown_request_stops_every_replica(cluster: LocalCluster) -> None:
     k = await cluster.start_kernel()
     async with connected_client(k) as c:

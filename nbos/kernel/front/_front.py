@@ -32,6 +32,7 @@ content gets an error reply (:mod:`._requests`), and the channel goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections import OrderedDict
@@ -224,6 +225,10 @@ class KernelFront:
         self._busy_for: _wire.Msg | None = None
         #: The shell request whose ``idle`` is still due (see :meth:`_finish_shell`).
         self._idle_for: _wire.Msg | None = None
+        #: The shell queue, and how many requests it held when the last shell request's
+        #: idle went out: those are the ones queued behind that request.
+        self._shell_queue: MemoryObjectReceiveStream[_Incoming] | None = None
+        self._queued_at_idle = 0
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
 
@@ -365,6 +370,7 @@ class KernelFront:
         *,
         timeout: float,
         needs_quorum: bool = False,
+        metadata: Mapping[str, Any] | None = None,
     ) -> _wire.Msg | None:
         """Send a control request of the front's own to ``replica``; its reply or ``None``.
 
@@ -375,6 +381,7 @@ class KernelFront:
         if up is None:
             return None
         msg = up.signer.new_message(msg_type, dict(content))
+        msg["metadata"] = {**msg["metadata"], **(metadata or {})}
         with anyio.move_on_after(timeout):
             pending = await self._roundtrip(
                 replica, "control", msg, [], grace=0.0, needs_quorum=needs_quorum
@@ -585,6 +592,8 @@ class KernelFront:
         """
         parent, self._idle_for = self._idle_for, None
         if parent is not None:
+            queue = self._shell_queue
+            self._queued_at_idle = 0 if queue is None else queue.statistics().current_buffer_used
             await self._publish_status("idle", parent)
 
     async def _publish_status(self, state: str, parent: _wire.Msg) -> None:
@@ -606,16 +615,13 @@ class KernelFront:
     # --- shell ----------------------------------------------------------------------
 
     async def _shell_worker(self, rx: MemoryObjectReceiveStream[_Incoming]) -> None:
+        self._shell_queue = rx
         async for idents, msg in rx:
             stop = await self._handle_shell(idents, msg, abort=False)
-            # As ipykernel does: a cell that fails with stop_on_error aborts the
-            # execute_requests already queued behind it.
-            while stop:
-                try:
-                    queued = rx.receive_nowait()
-                except anyio.WouldBlock:
-                    break
-                await self._handle_shell(*queued, abort=True)
+            # As ipykernel does: a cell that fails with stop_on_error aborts the requests
+            # queued behind it, not one that the client sent once it saw the cell's idle.
+            for _ in range(self._queued_at_idle if stop else 0):
+                await self._handle_shell(*rx.receive_nowait(), abort=True)
 
     async def _handle_shell(self, idents: list[bytes], msg: _wire.Msg, *, abort: bool) -> bool:
         """Handle one shell request; ``True`` if it was a cell whose failure stops the queue."""
@@ -897,25 +903,23 @@ class KernelFront:
 
     async def _interrupt(self, idents: list[bytes], msg: _wire.Msg) -> None:
         """Interrupt the cell in progress where it is: its wait to run, its replica."""
-        cell = self._cell
-        if cell is not None:
-            cell.interrupted = True
-        active = self._active
-        if self._choosing is not None:
-            # The cell waits for its executor (GPUs): it has not started anywhere yet.
-            self._choosing.cancel()
-        elif cell is not None and active is not None and active.sent:
+        cell, active = self._cell, self._active
+        if cell is None:
+            target = active.target if active is not None else self._cells.last_executor
+            await self._forward_interrupt(idents, msg, target)
+            return
+        cell.interrupted = True
+        if active is not None and active.sent:
             # The replica may get it before the cell itself (shell and control are not
             # ordered): naming the cell lets it keep the interrupt until the cell comes.
             metadata = protocol.interrupt_metadata(msg["metadata"], cell.msg_id)
             await self._forward_interrupt(idents, {**msg, "metadata": metadata}, active.target)
             return
-        elif cell is None:
-            target = active.target if active is not None else self._cells.last_executor
-            await self._forward_interrupt(idents, msg, target)
-            return
-        # Otherwise the cell is not on its way to a replica yet: it takes the interrupt
-        # along when it is sent (``_cell_sent``).
+        if self._choosing is not None:
+            # The cell waits for its executor (GPUs): it has not started anywhere yet.
+            self._choosing.cancel()
+        # Otherwise the cell is not on its way to a replica yet: the interrupt follows it
+        # when it is sent (``_cell_sent``).
         reply = self._signer.new_message("interrupt_reply", {"status": "ok"}, msg)
         await self._to_client(self._control, reply, idents)
 
@@ -936,14 +940,16 @@ class KernelFront:
         cell = self._cell
         if cell is None or not cell.interrupted or self._tg is None:
             return
-        up = self._upstreams[pending.target]
-        msg = up.signer.new_message("interrupt_request", {})
-        msg["metadata"] = protocol.interrupt_metadata(msg["metadata"], cell.msg_id)
-        self._tg.start_soon(self._send_interrupt, pending.target, msg)
-
-    async def _send_interrupt(self, target: int, msg: _wire.Msg) -> None:
-        with anyio.move_on_after(_INTERRUPT_TIMEOUT_S):
-            await self._roundtrip(target, "control", msg, [], grace=0.0)
+        self._tg.start_soon(
+            functools.partial(
+                self.control_request,
+                pending.target,
+                "interrupt_request",
+                {},
+                timeout=_INTERRUPT_TIMEOUT_S,
+                metadata=protocol.interrupt_metadata({}, cell.msg_id),
+            )
+        )
 
     async def _shutdown(self, idents: list[bytes], msg: _wire.Msg) -> None:
         self.closing()

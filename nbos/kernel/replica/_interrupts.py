@@ -33,7 +33,8 @@ class CellInterrupts:
         """An ``execute_request`` came; an interrupt kept for it now applies."""
         with self._lock:
             self._requests[msg_id] += 1
-            if self._early.pop(msg_id, 0) is None:
+            if msg_id in self._early:
+                del self._early[msg_id]
                 self._pending = True
 
     def request_ended(self, msg_id: str) -> None:
