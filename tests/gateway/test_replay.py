@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -44,8 +45,9 @@ async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_account
         assert shown.returncode == 0, shown.stderr.decode()
         usage = await call(service.control_address, UsageRequest())
     assert isinstance(usage, Usage)
-    rows = {line[:36].strip(): line[36:].split() for line in shown.stdout.decode().splitlines()}
-    assert rows["metric"] == ["nbos", "replay"]
+    out = shown.stdout.decode()
+    rows = _table(out)
+    assert re.search(r"metric +nbos +replay$", out, re.MULTILINE), (out, shown.stderr.decode())
     assert rows["sessions / cells"] == ["2", "/", "3", "2", "/", "3"]
     assert rows["cells never run"] == ["0", "0"]
     assert rows["hosts mean / max"][-3:] == ["3.0", "/", "3"]
@@ -59,6 +61,14 @@ async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_account
     assert held >= busy
     assert rows["GPU-hours reserved"][-1] == f"{held / 3600:,.0f}"
     assert rows["GPU-hours busy"] == [f"{busy / 3600:,.0f}"] * 2
+
+
+def _table(shown: str) -> dict[str, list[str]]:
+    """Each row of ``metrics_table`` by its label: labels have single spaces, columns two."""
+    return {
+        label: values.split()
+        for label, _, values in (line.partition("  ") for line in shown.splitlines())
+    }
 
 
 # Four sessions whose 2-GPU cells overlap, on 3 hosts of 2 GPUs: one cell must wait for a
@@ -91,5 +101,5 @@ async def test_a_replayed_burst_scales_the_cluster_out_then_back_in(tmp_path: Pa
     assert len(usage.cells) == 4 and all(c.ended is not None for c in usage.cells)
     fourth = min(h.time for h in usage.hosts if h.hosts == 4)
     assert any(c.ready < fourth <= (c.started or 0) for c in usage.cells)
-    rows = {line[:36].strip(): line[36:].split() for line in shown.stdout.decode().splitlines()}
+    rows = _table(shown.stdout.decode())
     assert rows["cells never run"] == ["0"]
