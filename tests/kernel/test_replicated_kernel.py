@@ -147,6 +147,19 @@ async def test_kernel_info_complete_inspect_is_complete_history(
     assert history["content"]["status"] == "ok"
 
 
+async def test_the_replicas_leave_debugpy_out_as_their_kernelspec_offers_no_debugger(
+    client: AsyncKernelClient,
+) -> None:
+    info = await client.kernel_info(reply=True, timeout=10)
+    assert "debugger" not in info["content"].get("supported_features", [])
+    loaded = "import sys\nprint(sorted(m for m in sys.modules if 'pydev' in m or 'debugpy' in m))"
+    _, messages = await run(client, loaded)
+    assert stdout(messages) == "[]\n"
+    # A user's own import of debugpy still works.
+    _, messages = await run(client, "import debugpy\nprint(debugpy.__name__)")
+    assert stdout(messages) == "debugpy\n"
+
+
 async def test_input_reaches_the_client_and_back(client: AsyncKernelClient) -> None:
     msg_id = client.execute("who = input('who? ')\nprint('hi', who)", allow_stdin=True)
     with anyio.fail_after(20):
@@ -596,7 +609,10 @@ async def test_an_unknown_control_request_never_blocks_the_control_channel(
             assert bad is not None and bad["content"]["status"] == "error"
             # A replica's handler that fails sends no reply (ipykernel logs it); the
             # front answers for it once the replica went idle.
-            failed = await requested(c, "debug_request", {}, control=True)
+            range_of_no_session = {
+                "hist_access_type": "range", "output": False, "raw": False, "session": None
+            }  # fmt: skip
+            failed = await requested(c, "history_request", range_of_no_session, control=True)
             assert failed is not None and failed["content"]["status"] == "error"
             assert failed["content"]["ename"] == "KernelError"
             _, messages = await run(c, "print('x' in dir())")

@@ -146,7 +146,6 @@ _STARTUP_IMPORTS = (
     "argcomplete",
     "IPython.core.debugger",
     "IPython.core.oinspect",
-    "ipykernel.debugger",
     "psutil",
     "sqlite3",
     "tornado.platform.asyncio",
@@ -180,6 +179,23 @@ def wait_for_assignment() -> list[str]:
     return assignment.argv
 
 
+def import_ipykernel_debugger_without_debugpy() -> None:
+    """Have ipykernel find debugpy missing, which keeps its debugger off.
+
+    A replica does not offer the Jupyter debugger (nbos's kernelspec says
+    ``debugger: false``: its breakpoints would stop one replica of three), yet ipykernel
+    imports debugpy whenever it is installed: 8 MiB of every replica's memory. A user's
+    ``import debugpy`` in a cell still works: only ipykernel's own import is turned away.
+    """
+    if "debugpy" in sys.modules:
+        return
+    sys.modules["debugpy"] = None  # type: ignore[assignment]  # import raises ImportError
+    try:
+        importlib.import_module("ipykernel.debugger")
+    finally:
+        del sys.modules["debugpy"]
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Entry point of ``python -m nbos.kernel.replica``.
 
@@ -193,6 +209,7 @@ def main(argv: list[str] | None = None) -> Any:
     nbos_log.addHandler(handler)
     nbos_log.setLevel(logging.INFO)
     nbos_log.propagate = False
+    import_ipykernel_debugger_without_debugpy()
     if argv is None and sys.argv[1:] == [WARM_FLAG]:
         argv = wait_for_assignment()
     try:
