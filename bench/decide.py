@@ -35,11 +35,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from nbos.core.placement import ClusterView
-from nbos.scaling import SimConfig, synthetic_trace
+from nbos.scaling import SimConfig, simulate, synthetic_trace
 from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.registry import load_policy
-from nbos.scaling.simulator import _Simulation
 from nbos.scaling.trace import validated
 
 T = TypeVar("T")
@@ -125,11 +124,10 @@ def run(sessions: int, hosts: int) -> tuple[Timings, float]:
     timings = Timings()
     decisions = TimedDecisions(load_policy(config.policy), config.replicas_per_kernel)
     decisions.timings = timings
-    sim = _Simulation(trace, config, decisions)
-    sim.model.__class__ = TimedModel
-    sim.model.timings = timings  # type: ignore[attr-defined]
+    model = TimedModel(config.replicas_per_kernel)
+    model.timings = timings
     start = time.perf_counter()
-    result = sim.run()
+    result = simulate(trace, config, decisions=decisions, model=model)
     seconds = time.perf_counter() - start
     print(
         f"  {sessions} sessions on {hosts} hosts: {seconds:.2f} s, {len(timings.all())} "

@@ -187,13 +187,21 @@ def simulate(
     config: SimConfig | None = None,
     *,
     progress: Callable[[float], None] | None = None,
+    decisions: ClusterDecisions | None = None,
+    model: ClusterModel | None = None,
 ) -> SimResult:
     """Replay ``trace`` on the cluster ``config`` describes.
 
     ``progress``, if given, is called with the simulated time (seconds) at every
-    tick. Raises :class:`ScalingError` for a malformed trace or one with a session
-    asking for more GPUs than a host has, :class:`~nbos.core.errors.UnknownPolicyError`
-    / :class:`PlacementError` for a policy that cannot be loaded, and
+    tick. ``decisions`` replaces those ``config`` names (its policy, policy
+    arguments and autoscaler), and ``model`` the empty :class:`ClusterModel` the run
+    starts from: for code that watches every decision and every view of the cluster,
+    as ``bench/decide.py`` times them.
+
+    Raises :class:`ScalingError` for a malformed trace, one with a session asking for
+    more GPUs than a host has, or a ``model`` that is not empty;
+    :class:`~nbos.core.errors.UnknownPolicyError` / :class:`PlacementError` for a
+    policy that cannot be loaded, and
     :class:`~nbos.core.errors.PolicyContractError` if the policy answers with hosts
     it may not choose.
     """
@@ -204,11 +212,12 @@ def simulate(
         message = f"sessions {too_big} ask for more than the {config.gpus_per_host} GPUs of a host"
         log.warning("%s", message)
         raise ScalingError(message)
-    autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
-    decisions = ClusterDecisions.load(
-        config.policy, config.replicas_per_kernel, autoscaler, **config.policy_kwargs
-    )
-    return _Simulation(trace, config, decisions, progress).run()
+    if decisions is None:
+        autoscaler = Autoscaler(config.autoscaler) if config.autoscaler else None
+        decisions = ClusterDecisions.load(
+            config.policy, config.replicas_per_kernel, autoscaler, **config.policy_kwargs
+        )
+    return _Simulation(trace, config, decisions, progress, model).run()
 
 
 # --- state -----------------------------------------------------------------------------
@@ -265,12 +274,17 @@ class _Simulation:
         config: SimConfig,
         decisions: ClusterDecisions,
         progress: Callable[[float], None] | None = None,
+        model: ClusterModel | None = None,
     ) -> None:
         self._trace = trace
         self._cfg = config
         self.decisions = decisions
         self._progress = progress
-        self.model = ClusterModel(config.replicas_per_kernel)
+        self.model = model if model is not None else ClusterModel(config.replicas_per_kernel)
+        if self.model.hosts:
+            message = "the simulation's cluster model must start empty"
+            log.warning("%s", message)
+            raise ScalingError(message)
         self.pools: dict[HostId, GpuPool] = {}
         self._now = 0.0
         self._events: list[tuple[float, int, int, Callable[[], None]]] = []

@@ -7,12 +7,15 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nbos.cli import simulate as simulate_cli
 from nbos.cli.main import main
 from nbos.core.errors import ConfigError, ScalingError
+from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import ClusterView
 from nbos.scaling import (
     AutoscalerConfig,
     Cell,
@@ -23,6 +26,9 @@ from nbos.scaling import (
     simulate,
     synthetic_trace,
 )
+from nbos.scaling.decisions import ClusterDecisions
+from nbos.scaling.model import ClusterModel
+from nbos.scaling.registry import load_policy
 from nbos.scaling.trace import dump_csv, dump_json, parse_csv, parse_json
 
 
@@ -134,6 +140,26 @@ def test_runs_are_deterministic() -> None:
     assert simulate(trace, config) == simulate(trace, config)
     assert synthetic_trace(8, 6.0, seed=3) == trace
     assert synthetic_trace(8, 6.0, seed=4) != trace
+
+
+def test_a_run_takes_the_decisions_and_the_model_it_is_given() -> None:
+    placed: list[tuple[KernelId, int]] = []
+
+    class Watched(ClusterDecisions):
+        def place(
+            self, cluster: ClusterView, kernel_id: KernelId, gpus: int, exclude: Any = ()
+        ) -> tuple[HostId, ...]:
+            placed.append((kernel_id, gpus))
+            return super().place(cluster, kernel_id, gpus, exclude)
+
+    model = ClusterModel(3)
+    result = simulate(
+        TAKING_TURNS, fixed(), decisions=Watched(load_policy("least-loaded")), model=model
+    )
+    assert len(placed) == 2 and {gpus for _, gpus in placed} == {1}
+    assert len(model.hosts) == 3 and result == simulate(TAKING_TURNS, fixed())
+    with pytest.raises(ScalingError, match="must start empty"):
+        simulate(TAKING_TURNS, fixed(), model=model)
 
 
 def test_the_default_synthetic_trace_matches_the_papers_summary() -> None:
