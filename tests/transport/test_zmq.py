@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import zmq
 from nbos.core.errors import ConfigError, TransportError
 from nbos.core.ids import PeerId
 from nbos.transport import CurveKeys, ZmqTransport
+from tests.gateway.test_scheduler import eventually
 from tests.transport.conftest import free_tcp_address, peer
 
 pytestmark = pytest.mark.anyio
@@ -121,6 +123,32 @@ async def test_malformed_messages_are_dropped_and_reading_goes_on(
             assert sum("malformed" in r.message for r in caplog.records) == a.rejected
         finally:
             ctx.destroy(linger=0)
+
+
+def _io_threads() -> dict[int, int]:
+    """This process's ZeroMQ I/O threads: their scheduling policy by thread id."""
+    threads = {}
+    for task in Path("/proc/self/task").iterdir():
+        name = (task / "comm").read_text().strip()
+        if name.startswith("ZMQbg/IO"):
+            threads[int(task.name)] = os.sched_getscheduler(int(task.name))
+    return threads
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+async def test_the_io_thread_runs_as_a_batch_thread_so_a_send_does_not_preempt_the_sender() -> None:
+    before = _io_threads()
+    async with await ZmqTransport.open("a") as a:
+        # The thread names itself once it has set its policy: wait for the name.
+        await eventually(lambda: any(tid not in before for tid in _io_threads()), timeout=20)
+        new = [policy for tid, policy in _io_threads().items() if tid not in before]
+        assert new == [os.SCHED_BATCH]
+        # Messages flow as ever.
+        async with await ZmqTransport.open("b") as b:
+            a.add_peer(peer("b"), b.address)
+            await a.send(peer("b"), b"hello")
+            with anyio.fail_after(20):
+                assert await b.receive() == (peer("a"), b"hello")
 
 
 async def test_oversized_payload_is_refused_with_a_typed_error() -> None:
