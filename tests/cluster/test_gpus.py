@@ -30,6 +30,7 @@ from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import PlacementRequest
 from nbos.gateway import Grant
 from nbos.scaling import load_policy
+from tests._wait import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -100,12 +101,6 @@ def held_on_agents(cluster: LocalCluster, kernel_id: str) -> dict[HostId, list[o
 
 def subscribed(cluster: LocalCluster) -> list[int]:
     return [h.gpus_subscribed for h in cluster.gpus.scheduler.view().hosts]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 - state of other processes; no event to await
-            await anyio.sleep(0.02)
 
 
 async def interrupted(
@@ -179,7 +174,7 @@ def run_in_jupyter_client(
 
 async def running(cluster: LocalCluster, kernel: Kernel) -> Grant:
     """The committed grant of the kernel's running cell, once there is one."""
-    await wait_until(lambda: bool(grants_of(cluster, kernel)))
+    await eventually(lambda: bool(grants_of(cluster, kernel)))
     (grant,) = grants_of(cluster, kernel)
     return grant
 
@@ -230,7 +225,7 @@ async def test_the_devices_a_cell_sees_are_the_ones_committed_for_it(
 
         # The scheduler lists a grant from its pre-commit on: wait until the agent has
         # committed it and the scheduler has its answer (the cell started).
-        await wait_until(lambda: bool(committed()) and started())
+        await eventually(lambda: bool(committed()) and started())
         held = committed()
         (grant,) = grants_of(cluster, a)  # as committed, with the devices the agent chose
         await anyio.Path(flag).touch()
@@ -296,7 +291,7 @@ async def test_a_waiting_cell_is_told_why_and_runs_once_gpus_free_up(
             )
 
         tg.start_soon(run_b)
-        await wait_until(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))
+        await eventually(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))
         freed = time.monotonic()
         await anyio.Path(flag).touch()  # a's cell ends and releases its host
     for grant in hogs:
@@ -346,7 +341,7 @@ async def test_an_interrupt_ends_a_wait_for_gpus(cluster: LocalCluster, b: Kerne
         await scheduler.acquire(hog, i, {1: host}, last_executor=None, gpus=GPUS_PER_HOST)
         for i, host in enumerate(sorted(cluster.gpus.agents))
     ]
-    waits = lambda: wait_until(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))  # noqa: E731
+    waits = lambda: eventually(lambda: any(k == b.kernel_id for k, _ in scheduler.waiting()))  # noqa: E731
     try:
         result = await interrupted(b, "print('never')", waits)
     finally:
@@ -382,15 +377,15 @@ async def test_a_crashed_executor_and_a_shut_down_kernel_give_everything_back(
     # Shown as the cell's error output too, as a notebook renders it.
     errors = [o["content"] for o in lost.outputs if o["msg_type"] == "error"]
     assert [e["ename"] for e in errors] == ["CellLostError"] and errors[0]["traceback"]
-    await wait_until(lambda: grant.host not in held_on_agents(cluster, c.kernel_id))
+    await eventually(lambda: grant.host not in held_on_agents(cluster, c.kernel_id))
     assert not grants_of(cluster, c)
     again = await c.execute("print(t.sum().item())")
     assert again.stdout == "2.0\n" and host_of(c, again) != grant.host  # a survivor ran it
 
     await c.shutdown()
     # The other kernels' subscriptions are left, and nothing of c on any host.
-    await wait_until(lambda: subscribed(cluster) == before)
-    await wait_until(lambda: not held_on_agents(cluster, c.kernel_id))
+    await eventually(lambda: subscribed(cluster) == before)
+    await eventually(lambda: not held_on_agents(cluster, c.kernel_id))
 
 
 async def test_everything_is_idle_once_the_kernels_are_shut_down(
@@ -398,8 +393,8 @@ async def test_everything_is_idle_once_the_kernels_are_shut_down(
 ) -> None:
     await a.shutdown()
     await b.shutdown()
-    await wait_until(lambda: subscribed(cluster) == [0, 0, 0])
-    await wait_until(cluster.gpus.idle)
+    await eventually(lambda: subscribed(cluster) == [0, 0, 0])
+    await eventually(cluster.gpus.idle)
 
 
 async def test_a_replacement_replica_runs_cells_with_its_new_hosts_gpus() -> None:
@@ -415,7 +410,7 @@ async def test_a_replacement_replica_runs_cells_with_its_new_hosts_gpus() -> Non
             joined = any(r.alive and r.host == "host-4" for r in k.replicas)
             return joined and subscribed(c) == [0, 1, 1, 1]
 
-        await wait_until(replaced, timeout=60)
+        await eventually(replaced, timeout=60)
         (new,) = [r for r in k.replicas if r.alive and r.host == "host-4"]
         # The other replicas' hosts are busy: the cell can run only on the new one.
         scheduler = c.gpus.scheduler
@@ -430,7 +425,7 @@ async def test_a_replacement_replica_runs_cells_with_its_new_hosts_gpus() -> Non
             await scheduler.release(grant)
         assert (result.executor, result.stdout) == (new.node, "(0,) 3.0\n")
         await k.shutdown()
-        await wait_until(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
+        await eventually(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
 
 
 async def test_a_user_policy_registered_by_entry_point_places_the_kernels(

@@ -12,7 +12,7 @@ import pytest
 import nbos
 from nbos.cluster import Kernel
 from tests._servers._process import process_running
-from tests.cluster.test_gpus import wait_until
+from tests._wait import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -21,7 +21,7 @@ TEARDOWN_WITHIN_S = 30.0
 
 
 async def cell_running(kernel: Kernel) -> None:
-    await wait_until(lambda: kernel.front.running_on is not None, timeout=60)
+    await eventually(lambda: kernel.front.running_on is not None, timeout=60)
 
 
 @pytest.mark.parametrize("replace", [True, False])

@@ -13,7 +13,8 @@ import pytest
 from nbos.cluster import ExecuteResult
 from nbos.core.ids import KernelId
 from tests._digests import assert_replicas_agree
-from tests.cluster.test_gpus import subscribed, virtual_cluster, wait_statuses, wait_until
+from tests._wait import eventually
+from tests.cluster.test_gpus import subscribed, virtual_cluster, wait_statuses
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +43,7 @@ async def test_a_cell_no_replica_host_can_serve_migrates_a_replica_and_runs_ther
         assert before[moved] not in live.values()
         await assert_replicas_agree(k)
         await k.shutdown()
-        await wait_until(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
+        await eventually(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
 
 
 async def test_no_migration_while_a_replica_is_dead_the_cell_waits_instead() -> None:
@@ -66,7 +67,7 @@ async def test_no_migration_while_a_replica_is_dead_the_cell_waits_instead() -> 
                 results.append(await k.execute("x += 1\nprint(x)", timeout=60))
 
             tg.start_soon(run)
-            await wait_until(lambda: any(key[0] == k.kernel_id for key in scheduler.waiting()))
+            await eventually(lambda: any(key[0] == k.kernel_id for key in scheduler.waiting()))
             await anyio.sleep(0.5)  # time enough for a migration to start, were it allowed
             assert {r.node: r.host for r in k.replicas if r.alive} == before
             for grant in hogs:
@@ -76,4 +77,4 @@ async def test_no_migration_while_a_replica_is_dead_the_cell_waits_instead() -> 
         assert result.executor in before
         assert not any("migration" in text for _, text in wait_statuses(result.outputs))
         await k.shutdown()
-        await wait_until(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])
+        await eventually(lambda: c.gpus.idle() and subscribed(c) == [0, 0, 0, 0])

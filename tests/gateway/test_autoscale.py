@@ -19,10 +19,10 @@ from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant
 from nbos.gateway.providers import available_providers, load_host_provider
 from nbos.gateway.service import GatewayService
+from tests._wait import eventually
 from tests.agent._daemons import DEADLINE
 from tests.example_policy import install_example_policy
 from tests.gateway._service import autoscaled_settings, local_settings
-from tests.gateway.test_scheduler import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

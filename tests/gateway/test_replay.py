@@ -13,9 +13,9 @@ import pytest
 from nbos.gateway.control import Usage, UsageRequest, call
 from nbos.gateway.service import GatewayService
 from nbos.scaling.trace import Cell, Session, Trace, dump_json
+from tests._wait import eventually
 from tests.agent._daemons import DEADLINE, ROOT
 from tests.gateway._service import autoscaled_settings, local_settings
-from tests.gateway.test_scheduler import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import anyio
 import pytest
@@ -15,6 +14,7 @@ from nbos.core.wire import encode
 from nbos.core.wire.agent import GpuFreed, GpuPrecommit
 from nbos.gateway import Grant
 from nbos.gpu import GpuPool
+from tests._wait import eventually
 from tests.gateway._cluster import Cluster, cluster, kernel, replicas
 
 pytestmark = pytest.mark.anyio
@@ -26,13 +26,6 @@ ALL = replicas("h0", "h1", "h2")
 def held(c: Cluster) -> dict[str, int]:
     """Devices pre-committed or committed on each agent's pool."""
     return {h: a.pool.counts().total - a.pool.counts().idle for h, a in c.agents.items()}
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
-    """Poll ``check`` until it holds: the agents' reports arrive on their own schedule."""
-    with anyio.fail_after(timeout):
-        while not check():  # noqa: ASYNC110
-            await anyio.sleep(0.02)
 
 
 async def test_placement_uses_three_distinct_hosts_and_subscribes() -> None:

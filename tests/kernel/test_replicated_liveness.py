@@ -18,7 +18,8 @@ import nbos
 from nbos.cluster import Kernel, LocalCluster
 from nbos.kernel.front import HeartbeatPolicy
 from tests._servers._process import process_running
-from tests.cluster.test_gpus import hold_until, wait_until
+from tests._wait import eventually
+from tests.cluster.test_gpus import hold_until
 from tests.kernel.conftest import connected_client, run_cells
 from tests.kernel.test_replicated_failures import reply_to, start_cell
 from tests.kernel.test_replicated_replacement import STATE, check_converged, replaced
@@ -89,7 +90,7 @@ async def test_a_replacement_that_lacked_a_majority_is_retried_once_one_is_back(
         await kernel.kill_replica(first)
         await kernel.kill_replica(second)
         # One of three left: no membership change can commit, the policy's attempt fails.
-        await wait_until(lambda: f"replica {first} not replaced" in caplog.text, timeout=60)
+        await eventually(lambda: f"replica {first} not replaced" in caplog.text, timeout=60)
         await kernel.restart_replica(second)
         new = await replaced(kernel, first)
         await check_converged(kernel, new)

@@ -23,6 +23,7 @@ from nbos.core.wire.raft import RaftForward
 from nbos.raft import RaftReplicatedLog, open_raft_log
 from nbos.raft.kv import KeyValueStateMachine, encode_command
 from nbos.transport import MemoryNetwork
+from tests._wait import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -107,12 +108,6 @@ class Group:
                 if all(i == images[0] for i in images) and len(indexes) == 1:
                     return
                 await anyio.sleep(0.01)
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 - polling a plain attribute
-            await anyio.sleep(0.01)
 
 
 @asynccontextmanager

@@ -18,7 +18,7 @@ import zmq
 from nbos.core.errors import ConfigError, TransportError
 from nbos.core.ids import PeerId
 from nbos.transport import CurveKeys, ZmqTransport
-from tests.gateway.test_scheduler import eventually
+from tests._wait import eventually
 from tests.transport.conftest import free_tcp_address, peer
 
 pytestmark = pytest.mark.anyio
