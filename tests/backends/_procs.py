@@ -73,7 +73,7 @@ def marked_pids(marker: str) -> list[int]:
     return found
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+async def holds_within(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
     """Poll ``predicate`` (a look at processes or files, which offer no event) until it holds."""
     with anyio.move_on_after(timeout):
         while True:
@@ -85,13 +85,13 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 15.0) -> bo
 
 async def wait_until_no_marked(marker: str, timeout: float = 5.0) -> Sequence[int]:
     """Poll until no process carries ``marker``; returns the survivors (empty on success)."""
-    await eventually(lambda: not marked_pids(marker), timeout)
+    await holds_within(lambda: not marked_pids(marker), timeout)
     return marked_pids(marker)
 
 
 async def wait_for_file(path: Path, timeout: float = 15.0) -> str:
     """The content of ``path`` once it exists."""
-    assert await eventually(path.exists, timeout), f"{path} never appeared"
+    assert await holds_within(path.exists, timeout), f"{path} never appeared"
     return await anyio.Path(path).read_text()
 
 

@@ -23,7 +23,7 @@ from tests.backends._procs import (
     TERM_IGNORED,
     TICKER,
     WRITE_ENV,
-    eventually,
+    holds_within,
     marked_pids,
     python,
     read_counter,
@@ -88,7 +88,7 @@ async def test_sigstop_freezes_and_sigcont_resumes(case: Case) -> None:
     assert read_counter(counter) == frozen
     assert handle.returncode is None
     await handle.signal(signal.SIGCONT)
-    assert await eventually(lambda: read_counter(counter) > frozen, timeout=5)
+    assert await holds_within(lambda: read_counter(counter) > frozen, timeout=5)
     assert await handle.terminate(grace=5) == -signal.SIGTERM
 
 
@@ -130,7 +130,7 @@ async def test_aclose_kills_every_running_process(case: Case) -> None:
     handles = [await case.start(python(SLEEP), host=h) for h in HOSTS]
     finished = await case.start(python(EXIT_3))
     assert await finished.wait() == 3
-    assert await eventually(lambda: len(marked_pids(case.marker)) >= 2, timeout=5)
+    assert await holds_within(lambda: len(marked_pids(case.marker)) >= 2, timeout=5)
     await case.backend.aclose()
     assert await wait_until_no_marked(case.marker) == []
     assert [h.returncode for h in handles] == [-signal.SIGKILL] * len(handles)
