@@ -323,9 +323,17 @@ async def test_a_waiting_cell_is_told_why_and_runs_once_gpus_free_up(
 
 
 async def test_an_interrupted_or_failed_cell_gives_its_gpus_back(
-    cluster: LocalCluster, b: Kernel
+    cluster: LocalCluster, b: Kernel, flag: Path
 ) -> None:
-    result = await interrupted(b, "import time\ntime.sleep(60)", lambda: running(cluster, b))
+    # A grant exists before its cell runs: an interrupt then ends the wait instead (the
+    # test below), so this one waits for the cell's own code to run.
+    code = f"import pathlib, time\npathlib.Path({str(flag)!r}).touch()\ntime.sleep(60)"
+
+    async def started() -> None:
+        await eventually(flag.exists)
+        assert grants_of(cluster, b)
+
+    result = await interrupted(b, code, started)
     assert result.error is not None and result.error[0] == "KeyboardInterrupt"
     assert not grants_of(cluster, b)
     failed = await b.execute("1 / 0")
