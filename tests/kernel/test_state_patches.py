@@ -11,10 +11,11 @@ import hashlib
 import mmap
 import weakref
 
+import msgspec
 import numpy as np
 import pytest
 
-from nbos.core.errors import BlobNotFoundError, StoreError
+from nbos.core.errors import BlobNotFoundError, KernelError, StoreError
 from nbos.core.ids import BlobKey
 from nbos.kernel.state import StateCapture, _codec, _pages, _patch, apply, load_namespace
 from nbos.kernel.state._buffers import fetch
@@ -123,6 +124,66 @@ async def test_a_replica_builds_a_patch_on_the_copy_it_holds(pair: Pair) -> None
     await pair.store.delete(first.blobs[0])  # only the replica's own copy has it now
     delta = await pair.cell("big[7] = 1.0")
     assert _patch.is_patch(delta.blobs[0]) and pair.replica["big"][7] == 1.0
+
+
+def address_of(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+async def test_a_patch_is_written_over_a_buffer_only_the_replaced_value_reaches(
+    pair: Pair,
+) -> None:
+    first = await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    await pair.store.delete(first.blobs[0])  # the replica may only build on what it holds
+    where = address_of(pair.replica["big"])
+    for i in range(3):  # and it still holds the patched version, unwritten, for the next
+        delta = await pair.cell(f"big[{7 + i}] = {i + 1}.0")
+        assert delta.set_names == ["big"] and _patch.is_patch(delta.blobs[0])
+        assert address_of(pair.replica["big"]) == where
+    assert list(pair.replica["big"][7:10]) == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("holder", ["the old array", "a view", "a list"])
+async def test_a_buffer_that_anything_else_reaches_is_copied_before_it_is_patched(
+    pair: Pair, holder: str
+) -> None:
+    await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    old = pair.replica["big"]
+    held = {"the old array": old, "a view": old[:10], "a list": [old]}[holder]
+    del old
+    await pair.cell("big[7] = 1.0")
+    kept = held[0] if isinstance(held, list) else held
+    assert kept[7] == 0.0  # still the bytes it had
+    assert not np.shares_memory(pair.replica["big"], kept)
+
+
+async def test_a_failed_apply_puts_back_what_it_patched_in_place(pair: Pair) -> None:
+    first = await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    await pair.store.delete(first.blobs[0])
+    where = address_of(pair.replica["big"])
+    exec(f"big[7] = 1.0\nlater = np.full({N}, 3.0)", pair.executor)
+    delta = await pair.capture.capture(pair.executor, exec_index=2)
+    assert _patch.is_patch(delta.blobs[0]) and len(delta.blobs) == 2
+    await pair.store.delete(BlobKey(delta.blobs[1]))  # fails after big's patch is written
+    with pytest.raises(BlobNotFoundError):
+        await apply(pair.replica, delta, pair.store)
+    assert address_of(pair.replica["big"]) == where and not pair.replica["big"].any()
+    assert "later" not in pair.replica
+
+
+async def test_an_entry_whose_names_disagree_with_its_pickle_is_refused_intact(
+    pair: Pair,
+) -> None:
+    await pair.cell(f"import numpy as np\nbig = np.zeros({N})")
+    exec("moved = big\ndel big\nmoved[7] = 1.0", pair.executor)
+    delta = await pair.capture.capture(pair.executor, exec_index=2)
+    assert delta.set_names == ["moved"] and delta.deleted == ["big"]
+    forged = msgspec.structs.replace(delta, set_names=["big", "moved"])
+    with pytest.raises(KernelError, match="lacks"):
+        await apply(pair.replica, forged, pair.store)
+    assert not pair.replica["big"].any() and "moved" not in pair.replica
+    await apply(pair.replica, delta, pair.store)
+    assert pair.replica["moved"][7] == 1.0 and "big" not in pair.replica
 
 
 @pytest.mark.parametrize("written", ["before the capture's clear", "after it"])

@@ -19,6 +19,8 @@ class StateDelta(Message):
       empty when the pickle itself is 1 MiB or more and lives in the object
       store under ``set_blob``.
     * ``blobs``: keys of the pickle's out-of-band buffers, in buffer order.
+    * ``set_names``: the names ``set`` holds, so that a replica knows before unpickling
+      which of its values the delta replaces (their buffers may then be patched in place).
     * ``deleted``: names the cell removed.
     * ``imports``: ``(alias, module)`` pairs; the module is imported by name on
       apply, never pickled.
@@ -33,6 +35,7 @@ class StateDelta(Message):
     set: bytes = b""
     set_blob: BlobKey | None = None
     blobs: list[BlobKey] = []
+    set_names: list[str] = []
     deleted: list[str] = []
     imports: list[tuple[str, str]] = []
     unpicklable: list[tuple[str, str]] = []

@@ -29,7 +29,7 @@ async def apply(namespace: MutableMapping[str, Any], delta: StateDelta, store: O
     if delta.set or delta.set_blob is not None:
         encoded = _codec.Encoded(delta.set, delta.set_blob, delta.blobs)
         try:
-            values = await _codec.decode(encoded, namespace, store)
+            values = await _codec.decode(encoded, namespace, store, replacing=delta.set_names)
         except KernelError:
             log.exception("cannot apply the state of cell %d", delta.exec_index)
             raise

@@ -29,6 +29,7 @@ through ``tensor.numpy()`` do not bump ``tensor._version``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import mmap
@@ -46,6 +47,7 @@ from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
 from nbos.core.object_store import ObjectStore
 from nbos.kernel.state import _patch
 from nbos.kernel.state._held import StoreBuffer, held_buffers
+from nbos.kernel.state._inplace import InPlace
 from nbos.kernel.state._pages import PageWrites
 from nbos.kernel.state._uffd import Span, merged
 
@@ -424,13 +426,20 @@ async def _chunks(parts: Parts) -> AsyncIterator[bytes]:
             yield view[start : start + _CHUNK].tobytes()
 
 
-async def fetch(store: ObjectStore, ref: BlobKey) -> bytearray:
+async def fetch(store: ObjectStore, ref: BlobKey, in_place: InPlace | None = None) -> bytearray:
     """The buffer ``ref`` refers to (a blob key or a patch's reference) as a writable
-    buffer (arrays rebuilt on it stay writable)."""
+    buffer (arrays rebuilt on it stay writable); with ``in_place``, a patch may be
+    written over the held version it builds on (:mod:`._inplace`)."""
     held = held_buffers()
     if held is None:
         return await _patch.rebuild(store, ref, _fetch_whole, _nothing_held)
-    out = await _patch.rebuild(store, ref, _fetch_whole, held.copy)
+    if in_place is None:
+        out = await _patch.rebuild(store, ref, _fetch_whole, held.copy)
+    else:
+        copy = functools.partial(held.copy, in_place=in_place)
+        out = await _patch.rebuild(store, ref, _fetch_whole, copy, in_place.write)
+        if in_place.took(out):
+            held.rearm()
     held.hold(ref, out)
     return out
 

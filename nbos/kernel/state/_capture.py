@@ -88,6 +88,7 @@ class StateCapture:
             set=encoded.inline,
             set_blob=encoded.blob,
             blobs=encoded.buffers,
+            set_names=sorted(n for n in send if n not in scan.failed),
             deleted=[n for n in self._fingerprints if n not in scan.current],
             imports=[(n, scan.modules[n]) for n in changed if n in scan.modules],
             unpicklable=[

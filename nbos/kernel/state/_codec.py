@@ -7,7 +7,7 @@ import io
 import pickle
 import sys
 import types
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Collection, MutableMapping, Sequence
 from typing import Any
 
 import msgspec
@@ -15,7 +15,7 @@ import msgspec
 from nbos.core.errors import KernelError
 from nbos.core.ids import BLOB_KEY_PREFIX, BlobKey
 from nbos.core.object_store import ObjectStore
-from nbos.kernel.state import _buffers, _patch
+from nbos.kernel.state import _buffers, _inplace, _patch
 from nbos.kernel.state._pickler import NamespacePickler, NamespaceUnpickler, by_value
 
 # Values whose identity no program can rely on: sharing them does not tie two names.
@@ -132,12 +132,36 @@ async def encode(
 
 
 async def decode(
-    encoded: Encoded, namespace: MutableMapping[str, Any], store: ObjectStore
+    encoded: Encoded,
+    namespace: MutableMapping[str, Any],
+    store: ObjectStore,
+    *,
+    replacing: Collection[str] = (),
 ) -> dict[str, object]:
-    """The values :func:`encode` stored; cell-defined functions get ``namespace`` as globals."""
+    """The values :func:`encode` stored; cell-defined functions get ``namespace`` as globals.
+
+    ``replacing`` names the values of ``namespace`` the caller replaces with these: a
+    buffer only they reach may be patched in place (:mod:`._inplace`). On failure its
+    bytes are as they were.
+    """
+    in_place = _inplace.InPlace(namespace, replacing) if replacing else None
+    try:
+        return await _decode(encoded, namespace, store, in_place)
+    except BaseException:
+        if in_place is not None:
+            in_place.undo()
+        raise
+
+
+async def _decode(
+    encoded: Encoded,
+    namespace: MutableMapping[str, Any],
+    store: ObjectStore,
+    in_place: _inplace.InPlace | None,
+) -> dict[str, object]:
     data = encoded.inline if encoded.blob is None else await store.get(_checked_key(encoded.blob))
     buffers: list[bytearray | memoryview] = [
-        await _buffers.fetch(store, _checked_reference(key)) for key in encoded.buffers
+        await _buffers.fetch(store, _checked_reference(key), in_place) for key in encoded.buffers
     ]
     try:
         values = _load(data, namespace, buffers)
@@ -145,6 +169,9 @@ async def decode(
         raise KernelError(f"cannot unpickle namespace values: {exc!r}") from exc
     if not isinstance(values, dict):
         raise KernelError(f"namespace pickle holds a {type(values).__name__}, not a dict")
+    if in_place is not None and not in_place.relied_on <= values.keys():
+        missing = sorted(in_place.relied_on - values.keys())
+        raise KernelError(f"namespace pickle lacks {missing}, which its entry names as set")
     return values
 
 

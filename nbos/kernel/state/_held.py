@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import weakref
 
 import anyio.lowlevel
 
+from nbos.kernel.state._inplace import InPlace
 from nbos.kernel.state._pages import PageWrites, probe
 
 _SLICE = 16 << 20
@@ -44,11 +46,20 @@ class HeldBuffers:
             if entry[0]() is not None and not pages.written(entry[1], entry[2])
         }
 
-    async def copy(self, ref: str) -> StoreBuffer | None:
-        """A copy of the buffer held for ``ref``, if one is held and unwritten."""
+    async def copy(self, ref: str, in_place: InPlace | None = None) -> StoreBuffer | None:
+        """A copy of the buffer held for ``ref``, if one is held and unwritten; the buffer
+        itself, taken by ``in_place``, when only values that apply replaces reach it."""
         buffer = self._valid(ref)
         if buffer is None:
             return None
+        # 3: its one referrer, `buffer` here and the argument.
+        if (
+            in_place is not None
+            and sys.getrefcount(buffer) == 3
+            and in_place.reached_only_by_replaced(buffer)
+        ):
+            in_place.take(buffer)
+            return buffer
         # In slices, yielding between them: one copy of a large buffer would hold the
         # interpreter lock long enough for the Raft thread to miss its heartbeats.
         out = StoreBuffer()
@@ -77,6 +88,11 @@ class HeldBuffers:
             return buffer
         del self._held[ref]
         return None
+
+    def rearm(self) -> None:
+        """Count the pages written so far as this process's own bytes, not as changes:
+        a buffer patched in place holds its new version, to be held unwritten from now."""
+        self._pages.clear()
 
     def hold(self, ref: str, buffer: StoreBuffer) -> None:
         """Remember ``buffer`` as the bytes of ``ref`` until it is written or freed."""

@@ -90,9 +90,11 @@ async def rebuild(
     ref: str,
     whole: Callable[[ObjectStore, BlobKey], Awaitable[B]],
     held: Callable[[str], Awaitable[B | None]],
+    write: Callable[[B, int, memoryview], None] | None = None,
 ) -> B:
     """The bytes of the buffer ``ref`` refers to: from the first buffer of its chain that
-    ``held`` has a copy of, else from the whole blob that ``whole`` reads."""
+    ``held`` has a copy of, else from the whole blob that ``whole`` reads; ``write``
+    (offset, bytes) writes each patched range, where the caller keeps what it overwrites."""
     chain: list[tuple[Patch, memoryview]] = []
     while (out := await held(ref)) is None and is_patch(ref):
         if len(chain) == MAX_DEPTH:
@@ -110,7 +112,11 @@ async def rebuild(
             raise StoreError(f"a patch of {patch.nbytes} bytes builds on {len(out)} bytes")
         position = 0
         for offset, length in patch.ranges:
-            out[offset : offset + length] = body[position : position + length]
+            piece = body[position : position + length]
+            if write is None:
+                out[offset : offset + length] = piece
+            else:
+                write(out, offset, piece)
             position += length
     return out
 
