@@ -52,7 +52,7 @@ class Gateway:
         return await self.reply_to(request.request_id)
 
     async def reply_to(self, request_id: int) -> AgentReply:
-        with anyio.fail_after(3):
+        with anyio.fail_after(20):
             while True:
                 _, data = await self.endpoint.receive()
                 message = decode(data)
@@ -63,7 +63,7 @@ class Gateway:
                     self.statuses.append(message)
 
     async def next_status(self) -> AgentStatus:
-        with anyio.fail_after(3):
+        with anyio.fail_after(20):
             while True:
                 _, data = await self.endpoint.receive()
                 message = decode(data)
@@ -159,7 +159,7 @@ async def test_garbage_and_strangers_are_dropped_and_the_agent_goes_on() -> None
 async def test_unclaimed_precommit_expires_and_is_reported() -> None:
     async with agent(ttl=0.2) as gw:
         granted(await gw.ask(GpuPrecommit(1, "r1", "k", 1)))
-        with anyio.fail_after(3):
+        with anyio.fail_after(20):
             while (await gw.next_status()).reservations:
                 pass
         assert gw.agent.pool.counts().idle == 4
@@ -185,7 +185,7 @@ async def test_eviction_hook_runs_once_before_the_grant() -> None:
         # Two copies of the same request while the eviction is under way.
         await gw.endpoint.send(AGENT, encode(GpuPrecommit(3, "b1", "b", 1)))
         await gw.endpoint.send(AGENT, encode(GpuPrecommit(4, "b1", "b", 1)))
-        with anyio.fail_after(3):
+        with anyio.fail_after(20):
             await called.wait()
         gate.set()
         first = granted(await gw.reply_to(3))

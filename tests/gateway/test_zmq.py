@@ -62,7 +62,7 @@ async def test_contention_and_agent_restart_over_zmq() -> None:
         # The agent of h0 restarts on a new port with an empty pool.
         await h0.aclose()
         restarted = await h0.enter_async_context(zmq_agent("h0", gateway))
-        with anyio.fail_after(5):
+        with anyio.fail_after(20):
             while not restarted.pool.committed():  # noqa: ASYNC110
                 await anyio.sleep(0.05)
         assert restarted.pool.committed()[0].reservation_id == a.reservation_id

@@ -540,7 +540,7 @@ async def requested(
     get = client.get_control_msg if control else client.get_shell_msg
     while True:
         try:
-            reply: dict[str, Any] = await get(timeout=0.5)
+            reply: dict[str, Any] = await get(timeout=2)
         except Empty:
             return None
         if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:

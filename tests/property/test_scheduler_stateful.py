@@ -210,7 +210,7 @@ class SchedulerAccounting(RuleBasedStateMachine):
 
     async def _settle(self) -> None:
         """Wait until every agent's live reservations are grants the scheduler knows."""
-        with anyio.fail_after(3):
+        with anyio.fail_after(20):
             while True:
                 known = {g.reservation_id for g in self.c.scheduler.grants()}
                 held = {
@@ -228,7 +228,7 @@ class SchedulerAccounting(RuleBasedStateMachine):
         mine = {
             g.reservation_id for g in self.grants.values() if g.host == host and g.devices
         } & self.committed
-        with anyio.fail_after(3):
+        with anyio.fail_after(20):
             while not mine <= {a.reservation_id for a in agent.pool.committed()}:  # noqa: ASYNC110
                 await anyio.sleep(0.02)
 

@@ -352,7 +352,7 @@ async def test_leaving_the_block_normally_closes_cleanly() -> None:
         state_machine=KeyValueStateMachine(),
         settings=SETTINGS,
     ) as raft:
-        with anyio.fail_after(5):
+        with anyio.fail_after(20):
             while raft.leader_id != raft.node_id:  # noqa: ASYNC110 - a single node elects itself
                 await anyio.sleep(0.005)
         await raft.propose(encode_command("put", "k", "v"))

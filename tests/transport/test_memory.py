@@ -193,7 +193,7 @@ async def test_auto_mode_delays_reorder_and_wait_in_real_time() -> None:
     for i in range(20):
         await a.send(b.local, bytes([i]))
     assert b.receive_nowait() is None
-    with anyio.fail_after(2):
+    with anyio.fail_after(20):
         got = [(await b.receive())[1] for _ in range(20)]
     assert anyio.current_time() - start >= 0.02
     assert sorted(got) == [bytes([i]) for i in range(20)]
@@ -212,5 +212,5 @@ async def test_auto_mode_partition_applies_to_delayed_messages() -> None:
     assert scope.cancelled_caught
     network.heal()
     await a.send(b.local, b"after heal")
-    with anyio.fail_after(1):
+    with anyio.fail_after(20):
         assert await b.receive() == ("a", b"after heal")
