@@ -97,8 +97,8 @@ async def test_terminate_lets_a_handler_exit_cleanly(case: Case) -> None:
     handle = await case.start(python(TERM_EXITS_0, ready))
     await wait_for_file(ready)
     begun = time.monotonic()
-    assert await handle.terminate(grace=10) == 0
-    assert time.monotonic() - begun < 5
+    assert await handle.terminate(grace=60) == 0
+    assert time.monotonic() - begun < 30  # it did not sit out the grace
 
 
 async def test_terminate_escalates_to_sigkill_after_grace(case: Case) -> None:

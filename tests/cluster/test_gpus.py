@@ -259,9 +259,9 @@ async def test_more_gpus_than_any_host_has_is_a_clear_error_at_once(
     assert result.error is not None
     ename, evalue = result.error
     assert ename == "InsufficientGpusError" and "3 GPUs" in evalue
-    # Shown to the client as an error output too, and nothing ran.
+    # Shown to the client as an error output too; nothing ran and nothing waited (a wait
+    # shows a status output first).
     assert [o["msg_type"] for o in result.outputs] == ["error"]
-    assert result.round_trip_s < 2.0
     assert not grants_of(cluster, b)
     after = await b.execute("print('still usable')")
     assert (after.status, after.stdout) == ("ok", "still usable\n")
