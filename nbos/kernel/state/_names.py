@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 from collections.abc import Iterator, Mapping
@@ -15,6 +16,9 @@ _BOOKKEEPING = frozenset(
 _HISTORY = re.compile(r"_i{1,3}|_i\d+|_\d+")
 
 
+# Every cell scans every name, and IPython adds an ``_i<N>`` per cell that is never
+# removed: the regex on each would cost more per cell the longer a kernel lives.
+@functools.lru_cache(maxsize=1 << 16)
 def is_user_name(name: str) -> bool:
     """Whether ``name`` in a user namespace holds user state that replicas must share."""
     if name in _BOOKKEEPING or _HISTORY.fullmatch(name):
