@@ -434,10 +434,10 @@ async def fetch(store: ObjectStore, ref: BlobKey, in_place: InPlace | None = Non
     if held is None:
         return await _patch.rebuild(store, ref, _fetch_whole, _nothing_held)
     if in_place is None:
-        out = await _patch.rebuild(store, ref, _fetch_whole, held.copy)
+        out = await _patch.rebuild(store, ref, _fetch_whole, held.base)
     else:
-        copy = functools.partial(held.copy, in_place=in_place)
-        out = await _patch.rebuild(store, ref, _fetch_whole, copy, in_place.write)
+        base = functools.partial(held.base, in_place=in_place)
+        out = await _patch.rebuild(store, ref, _fetch_whole, base, in_place.write)
         if in_place.took(out):
             held.rearm()
     held.hold(ref, out)

@@ -46,9 +46,9 @@ class HeldBuffers:
             if entry[0]() is not None and not pages.written(entry[1], entry[2])
         }
 
-    async def copy(self, ref: str, in_place: InPlace | None = None) -> StoreBuffer | None:
-        """A copy of the buffer held for ``ref``, if one is held and unwritten; the buffer
-        itself, taken by ``in_place``, when only values that apply replaces reach it."""
+    async def base(self, ref: str, in_place: InPlace | None = None) -> StoreBuffer | None:
+        """A buffer to build on with the bytes of ``ref``, if one is held unwritten: a copy
+        of it, or (taken by ``in_place``) itself when only replaced values reach it."""
         buffer = self._valid(ref)
         if buffer is None:
             return None
