@@ -12,7 +12,8 @@ replica must not load the front. It holds:
   claim lost names the winner (:func:`claim_lost_info`, :func:`claim_lost`);
 * the front's own control requests (the ``nbos_*_request`` message types), their
   replies' types (:func:`reply_of`) and the content fields the front reads back;
-* :func:`error_content`, the content of every error reply either side makes.
+* :func:`error_content`, the content of every error reply either side makes;
+* :data:`CLAIM_FRESH_S`, a timing both sides rely on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ INTERRUPTED_CELL_KEY = "nbos_cell"
 REPLY_INFO_KEY = "nbos"
 #: In :data:`REPLY_INFO_KEY` of an ``aborted`` reply: the replica whose claim won.
 CLAIM_LOST_TO = "claim_lost_to"
+
+#: How long after its ``Done`` committed an executor's claim of the next cell stands
+#: without a read barrier (the claim rides in the ``Done``). For that cell to have been
+#: declared lost meanwhile, the front must have had the ``Done``'s reply, sent the cell,
+#: and then given the executor up (a ping timed out: the front refuses ping timeouts
+#: shorter than :data:`MIN_PING_TIMEOUT_S`) or restarted; neither fits in this window.
+CLAIM_FRESH_S = 0.05
+#: The shortest ping timeout a front accepts: ten times :data:`CLAIM_FRESH_S`.
+MIN_PING_TIMEOUT_S = 10 * CLAIM_FRESH_S
 
 #: Commit ``Done(exec_index, lost)`` for a cell whose executor died (or that was never
 #: run under that index); the reply says how the cell ended (:data:`CELL_STATUS`).

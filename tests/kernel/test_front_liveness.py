@@ -14,9 +14,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from nbos.core.errors import ConfigError
 from nbos.kernel.front import HeartbeatPolicy, ReplicaEndpoint
 from nbos.kernel.front._liveness import Liveness
 from nbos.kernel.front._upstream import Upstream
+from nbos.kernel.protocol import CLAIM_FRESH_S, MIN_PING_TIMEOUT_S
 
 pytestmark = pytest.mark.anyio
 
@@ -122,3 +124,20 @@ async def test_missed_heartbeats_mark_a_replica_dead_and_echoes_keep_one_alive(
     assert heard == [2] and liveness.alive == (1,)
     for up in upstreams.values():
         up.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("interval_s", 0.0), ("timeout_s", -1.0), ("misses", 0), ("idle_interval_s", 0.0)],
+)
+def test_a_heartbeat_policy_refuses_values_that_are_not_positive(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        HeartbeatPolicy(**{field: value})
+
+
+def test_a_heartbeat_policy_refuses_a_ping_timeout_a_fresh_claim_could_outlive() -> None:
+    # A replica runs a cell sent right after its last one without a read barrier,
+    # trusting that no front gives it up within CLAIM_FRESH_S.
+    with pytest.raises(ConfigError, match="timeout_s"):
+        HeartbeatPolicy(timeout_s=CLAIM_FRESH_S)
+    assert HeartbeatPolicy(timeout_s=MIN_PING_TIMEOUT_S).timeout_s == MIN_PING_TIMEOUT_S

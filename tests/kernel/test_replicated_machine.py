@@ -153,3 +153,58 @@ def test_a_snapshot_that_does_not_decode_is_ignored() -> None:
     r.feed(Claim(1, 1), done(1, 1, 2))
     r.machine.restore(b"garbage")
     assert r.machine.last_done == 1 and r.machine.execution_count == 2
+
+
+def next_claimed(cell: int, replica: int, count: int, status: str = "ok") -> Done:
+    return Done(cell, replica, count, status, claim_next=True)  # type: ignore[arg-type]
+
+
+def test_a_done_that_counts_claims_the_next_cell_for_its_replica() -> None:
+    r = Replica()
+    _, carried = r.feed(Claim(1, 2), next_claimed(1, 2, 2))
+    assert carried.accepted and carried.winner == 2
+    assert r.machine.claim_stands(2, 2)
+    assert r.machine.progress() == (1, 2)
+    # Another replica sent cell 2 after all: its claim loses to the carried one.
+    (late,) = r.feed(Claim(2, 3))
+    assert not late.accepted and late.winner == 2
+    # The carried claim counts as any claim: the winner's Done has its state.
+    r.feed(Done(2, 2, 3, "ok", "", state(2, b"two")))
+    last = r.committed()[-1]
+    assert last.counts and last.state is not None and last.state.set == b"two"
+
+
+def test_a_done_that_does_not_count_claims_nothing() -> None:
+    r = Replica()
+    # Replica 3 did not win cell 1, and a lost Done is no executor's.
+    _, intruder, lost = r.feed(Claim(1, 2), next_claimed(1, 3, 2), next_claimed(2, 1, 2, "lost"))
+    assert intruder.accepted and intruder.winner == -1
+    assert lost.accepted and lost.winner == -1
+    assert not r.machine.claim_stands(2, 3) and not r.machine.claim_stands(3, 1)
+    (claim,) = r.feed(Claim(3, 1))
+    assert claim.accepted and claim.winner == 1
+
+
+def test_a_done_refused_as_late_claims_nothing() -> None:
+    r = Replica()
+    r.feed(Claim(1, 1), done(1, 2, 1, "lost"))
+    (late,) = r.feed(next_claimed(1, 1, 2))
+    assert not late.accepted
+    (claim,) = r.feed(Claim(2, 3))
+    assert claim.accepted and claim.winner == 3
+
+
+def test_a_claim_committed_before_the_done_keeps_the_next_cell() -> None:
+    r = Replica()
+    r.feed(Claim(1, 1), Claim(2, 3))
+    (carried,) = r.feed(next_claimed(1, 1, 2))
+    assert carried.accepted and carried.winner == 3
+    assert r.machine.claim_stands(2, 3) and not r.machine.claim_stands(2, 1)
+
+
+def test_a_carried_claim_survives_a_snapshot() -> None:
+    a = Replica()
+    a.feed(Claim(1, 1), next_claimed(1, 1, 2))
+    b = Replica()
+    b.machine.restore(a.machine.snapshot())
+    assert b.machine.claim_stands(2, 1)

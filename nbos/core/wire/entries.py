@@ -35,8 +35,10 @@ class Done(Message):
     leaves the counter where it was. ``code`` is the cell's source when it goes into
     the input history (empty otherwise), so every replica can answer history requests.
     ``state`` is what the cell changed (``None``: nothing). It rides in the ``Done``
-    rather than in an entry of its own so a cell costs two consensus rounds (claim,
-    done), not three; large values are object-store pointers, so the entry stays small.
+    rather than in an entry of its own; large values are object-store pointers, so the
+    entry stays small. With ``claim_next``, a ``Done`` that counts also claims cell
+    ``exec_index + 1`` for its replica (unless it is claimed already): the executor of
+    a kernel's next cell is usually the same, and a cell then costs one consensus round.
     """
 
     exec_index: int
@@ -45,6 +47,7 @@ class Done(Message):
     status: CellStatus
     code: str = ""
     state: StateDelta | None = None
+    claim_next: bool = False
 
 
 class CommEntry(Message):

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import anyio
 import attrs
 import zmq
 import zmq.asyncio
 
+from nbos.core.errors import ConfigError
 from nbos.kernel.front._upstream import Upstream
+from nbos.kernel.protocol import MIN_PING_TIMEOUT_S
 
 log = logging.getLogger(__name__)
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"heartbeat.{attribute.name}", value, "> 0")
 
 
 @attrs.frozen
@@ -34,12 +42,23 @@ class HeartbeatPolicy:
     request or a missed ping: a replica's process exit is reported at once by whoever
     runs it, so the pings only look for replicas that hang (``idle_interval_s`` at or
     below ``interval_s``: no back-off).
+
+    Every value must be positive, and ``timeout_s`` at least
+    :data:`~nbos.kernel.protocol.MIN_PING_TIMEOUT_S` (0.5 s): a replica runs a cell
+    that follows its last one closely without checking the log again, on the promise
+    that no front gives it up faster (:data:`~nbos.kernel.protocol.CLAIM_FRESH_S`).
     """
 
-    interval_s: float = 1.0
-    timeout_s: float = 2.0
-    misses: int = 3
-    idle_interval_s: float = 10.0
+    interval_s: float = attrs.field(default=1.0, validator=_positive)
+    timeout_s: float = attrs.field(default=2.0, validator=_positive)
+    misses: int = attrs.field(default=3, validator=_positive)
+    idle_interval_s: float = attrs.field(default=10.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        # A replica's early claim stands unchecked for CLAIM_FRESH_S on the promise that
+        # no front gives a live replica up faster than this.
+        if self.timeout_s < MIN_PING_TIMEOUT_S:
+            raise ConfigError("heartbeat.timeout_s", self.timeout_s, f">= {MIN_PING_TIMEOUT_S}")
 
 
 #: ``listener(replica, reason)``: a replica was declared dead.

@@ -3,7 +3,8 @@
 The path of one cell on this replica (design: "One cell, end to end"):
 
 1. ``execute_request`` arrives from the front with ``nbos_exec_index`` (and the
-   GPU device ids) in its metadata; the replica proposes ``Claim(index, me)``.
+   GPU device ids) in its metadata; the replica proposes ``Claim(index, me)``,
+   unless its ``Done`` of the cell before claimed the index already.
 2. If another replica's claim committed first, it replies ``aborted`` with
    ``nbos.claim_lost_to`` in the metadata and runs nothing.
 3. The winner waits until it has applied ``Done(index - 1)``, runs the cell,
@@ -37,6 +38,7 @@ from nbos.core.wire.state import StateDelta
 from nbos.gpu import TorchGpuBinder
 from nbos.kernel.protocol import (
     CELL_STATUS,
+    CLAIM_FRESH_S,
     DIGEST_AFTER,
     DIGEST_REQUEST,
     EVICT_DEVICES,
@@ -61,7 +63,6 @@ from nbos.kernel.replica._machine import (
     CommDelivered,
     Event,
     KernelStateMachine,
-    Outcome,
     Restored,
 )
 from nbos.kernel.replica._member_thread import RaftMemberThread
@@ -72,6 +73,23 @@ from nbos.kernel.replica._sync import NamespaceSync
 log = logging.getLogger(__name__)
 
 _COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
+
+
+def _clock() -> float:
+    # Counts the time a process was frozen and a machine suspended: a thawed or resumed
+    # replica finds its early claim stale.
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+@attrs.frozen
+class _EarlyClaim:
+    """Our claim of cell ``index``, committed with the previous cell's ``Done`` at ``at``."""
+
+    index: int
+    at: float
+
+    def fresh(self) -> bool:
+        return _clock() - self.at < CLAIM_FRESH_S
 
 
 @attrs.define
@@ -133,7 +151,7 @@ class ReplicaKernel(IPythonKernel):
         self._interrupts = CellInterrupts()
         self._warned: set[str] = set()
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
-        self._preclaims: dict[int, asyncio.Future[Outcome]] = {}
+        self._early: _EarlyClaim | None = None
 
     # --- wiring ------------------------------------------------------------------
 
@@ -240,50 +258,28 @@ class ReplicaKernel(IPythonKernel):
 
     async def _claim(self, index: int) -> int:
         """The replica whose claim of cell ``index`` committed first (maybe ours, made early)."""
-        early = self._preclaims.pop(index, None)
-        if early is not None:
-            try:
-                winner = (await early).winner
-            except NbosError as exc:
-                log.info("early claim of cell %d failed (%s); claiming again", index, exc)
-            else:
-                return await self._still_ours(index) if winner == self.node else winner
+        early, self._early = self._early, None
+        if early is not None and early.index == index:
+            return await self._still_ours(early)
         # A claim committed now is its own barrier: had a Done for the index committed
         # before it, the claim would have lost.
         return await self._propose_claim(index)
 
-    async def _still_ours(self, index: int) -> int:
-        """Our early claim of ``index``, checked against the log as of now: ``-1`` if lost.
+    async def _still_ours(self, early: _EarlyClaim) -> int:
+        """Our early claim, checked against the log as of now: ``-1`` if it was lost.
 
-        It committed a while ago; since then the front may have had the index settled
-        as lost (this replica was frozen or cut off meanwhile), and a lost cell must
-        never run. The read barrier makes this replica apply what committed until now.
+        Since it committed, the front may have had the index settled as lost (this
+        replica was frozen or cut off meanwhile), and a lost cell must never run. Unless
+        the claim is fresh (:data:`CLAIM_FRESH_S`), a read barrier makes this replica
+        apply what committed until now before it looks.
         """
         assert self._raft is not None and self._machine is not None
-        await self._raft.caught_up()
-        if self._machine.claim_stands(index, self.node):
+        if not early.fresh():
+            await self._raft.caught_up()
+        if self._machine.claim_stands(early.index, self.node):
             return self.node
-        log.warning("cell %d was settled without this replica; it does not run", index)
+        log.warning("cell %d was settled without this replica; it does not run", early.index)
         return -1
-
-    def _preclaim(self, index: int) -> None:
-        """Claim cell ``index`` before its request arrives.
-
-        The front sends a kernel's cells to its last executor while that one lives,
-        so this claim's consensus round is off the next cell's critical path. If the
-        cell goes to another replica after all, that one's claim loses, and the front
-        settles the index as lost and sends the cell again under a new index.
-        It is made as soon as the previous cell's ``Done`` committed: handed to the
-        Raft member at once, it does not wait for this cell's reply and idle.
-        """
-        assert self._raft is not None
-        try:
-            early = asyncio.wrap_future(self._raft.propose_soon(Claim(index, self.node)))
-        except NbosError as exc:
-            log.debug("early claim of cell %d not made: %s", index, exc)
-            return
-        early.add_done_callback(_consume_failure)
-        self._preclaims = {index: early}
 
     async def _propose_claim(self, index: int) -> int:
         assert self._raft is not None
@@ -324,8 +320,6 @@ class ReplicaKernel(IPythonKernel):
             try:
                 await self._commit(cell)
                 cell.commit_s = time.monotonic() - cell.started - cell.run_s
-                if not self._diverged:
-                    self._preclaim(cell.index + 1)
             except NbosError as exc:
                 log.warning("cell %d could not be committed: %s", cell.index, exc)
                 return error_content(exc, self.execution_count)
@@ -373,8 +367,12 @@ class ReplicaKernel(IPythonKernel):
         state = delta if await self._sync.changes_anything(delta) else None
         status: CellStatus = "ok" if cell.status == "ok" else "error"
         count = int(self._shell.execution_count)
-        done = Done(cell.index, self.node, count, status, cell.code, state)
+        # The front sends a kernel's cells to its last executor while it lives: this
+        # Done claims the next cell too, so that cell's claim needs no round of its own.
+        done = Done(cell.index, self.node, count, status, cell.code, state, claim_next=True)
         outcome = await self._raft.propose(done)
+        if outcome.accepted and outcome.winner == self.node:
+            self._early = _EarlyClaim(cell.index + 1, _clock())
         if not outcome.accepted:
             # Another Done for the index committed first (the cell was declared lost):
             # the applier rolls our changes back once this cell ends.
@@ -691,9 +689,3 @@ def _host_memory(index: int) -> Any:
     import torch
 
     return torch.device("cpu")
-
-
-def _consume_failure(early: asyncio.Future[Outcome]) -> None:
-    # An early claim nobody waits for must not end as "exception never retrieved".
-    if not early.cancelled() and early.exception() is not None:
-        log.debug("early claim failed: %s", early.exception())

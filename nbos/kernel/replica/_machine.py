@@ -31,7 +31,8 @@ _RECENT = 64
 class Outcome(msgspec.Struct, array_like=True, frozen=True):
     """What ``apply`` hands back to an entry's proposer.
 
-    ``winner`` is the claim winner of the cell (``-1`` when none); ``status`` and
+    ``winner`` is the claim winner of the cell (``-1`` when none), for a ``Done`` that
+    of the next cell (the ``Done`` may carry its claim); ``status`` and
     ``execution_count`` describe the cell's committed ``Done`` (``""`` while none).
     """
 
@@ -189,13 +190,15 @@ class KernelStateMachine:
             del self._recent[old]
         for old in [c for c in self._claims if c <= cell]:
             del self._claims[old]
+        if counts and done.claim_next and cell + 1 not in self._claims:
+            self._claims[cell + 1] = done.replica
         code = done.code if counts else ""
         committed = None if counts else self._committed()
         count = self.execution_count
         self._on_event(
             CellCommitted(cell, done.replica, done.status, count, state, code, counts, committed)
         )
-        return self._outcome(index, accepted=True, cell=cell)
+        return self._outcome(index, accepted=True, cell=cell, claimed=cell + 1)
 
     def claim_stands(self, cell: int, replica: int) -> bool:
         """Whether ``replica``'s claim of ``cell`` won and no ``Done`` for it committed yet."""
@@ -212,8 +215,11 @@ class KernelStateMachine:
         # The image and the deltas after it are the namespace as of the last counted Done.
         return Restored(self._namespace, tuple(self._replay), self.last_done, self.execution_count)
 
-    def _outcome(self, index: int, *, accepted: bool, cell: int | None = None) -> bytes:
-        winner = self._claims.get(cell, -1) if cell is not None else -1
+    def _outcome(
+        self, index: int, *, accepted: bool, cell: int | None = None, claimed: int | None = None
+    ) -> bytes:
+        claimed = cell if claimed is None else claimed
+        winner = self._claims.get(claimed, -1) if claimed is not None else -1
         status, count = self._recent.get(cell, ("", self.execution_count)) if cell else ("", 0)
         return _outcome_codec.encode(Outcome(index, accepted, winner, status, count))
 

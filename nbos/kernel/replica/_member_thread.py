@@ -127,15 +127,9 @@ class RaftMemberThread:
 
     async def propose(self, entry: KernelEntry, *, timeout: float = 30.0) -> Outcome:
         """Commit ``entry``; returns its outcome once it has applied on this node."""
-        return await asyncio.wrap_future(self.propose_soon(entry, timeout=timeout))
-
-    def propose_soon(self, entry: KernelEntry, *, timeout: float = 30.0) -> Future[Outcome]:
-        """Hand ``entry`` to the member now, from any thread; the future gets :meth:`propose`'s
-        outcome. Unlike a task that calls :meth:`propose`, the proposal does not wait for
-        the caller's event loop to get a turn."""
         data = encode(entry)
         # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
-        return self._submit(self._propose(data, timeout))
+        return await asyncio.wrap_future(self._submit(self._propose(data, timeout)))
 
     async def caught_up(self, *, timeout: float = 30.0) -> None:
         """Return once this member has applied every entry committed before the call.
