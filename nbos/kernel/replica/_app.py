@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
-from traitlets import Bool, Dict, Int, Type, Unicode
+from traitlets import Bool, Dict, DottedObjectName, Int, Type, Unicode
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import ConfigError, NbosError
@@ -82,6 +82,7 @@ class ReplicaApp(IPKernelApp):
 
     name = "nbos-replica"
     kernel_class = Type(ReplicaKernel, klass=ReplicaKernel)
+    outstream_class = DottedObjectName("nbos.kernel.replica._output.ReplicaOutStream")
     kernel_id = Unicode("", help="The replicated kernel's id.").tag(config=True)
     node_id = Int(0, help="This replica's Raft node id.").tag(config=True)
     raft_peers = Unicode("", help="JSON {node id: Raft address}.").tag(config=True)

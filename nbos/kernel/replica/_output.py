@@ -21,6 +21,8 @@ import sys
 import threading
 from typing import Any
 
+from ipykernel.iostream import OutStream
+
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 1 << 16
@@ -149,3 +151,21 @@ class CellOutput:
         for pump in self._pumps:
             pump.restore()
         self._pumps.clear()
+
+
+class ReplicaOutStream(OutStream):  # type: ignore[misc]
+    """ipykernel's ``sys.stdout`` and ``sys.stderr``, whose flush returns at once when
+    nothing was written since the last one.
+
+    ipykernel flushes both before every reply, each a round trip to its IO thread: on
+    a loaded host, a wait for the GIL behind the Raft thread, on every cell. With nothing
+    buffered there is nothing to send: what the cell published otherwise (display data,
+    its result) is queued on that thread already, ahead of the cell's idle, and the
+    front holds the client's idle until the replica's.
+    """
+
+    def flush(self) -> None:
+        with self._buffer_lock:
+            written = bool(self._buffers)
+        if written:
+            super().flush()
