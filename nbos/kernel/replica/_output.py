@@ -153,7 +153,7 @@ class CellOutput:
         self._pumps.clear()
 
 
-class ReplicaOutStream(OutStream):  # type: ignore[misc]
+class ReplicaOutStream(OutStream):
     """ipykernel's ``sys.stdout`` and ``sys.stderr``, whose flush returns at once when
     nothing was written since the last one.
 
@@ -168,4 +168,4 @@ class ReplicaOutStream(OutStream):  # type: ignore[misc]
         with self._buffer_lock:
             written = bool(self._buffers)
         if written:
-            super().flush()
+            super().flush()  # type: ignore[no-untyped-call]
