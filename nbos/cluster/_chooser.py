@@ -9,7 +9,7 @@ host can), commits them, and gives them back when the front releases the plan.
 
 The commit is made before the plan goes back to the front, which forwards the
 request at once; its executor runs it as soon as its claim commits (made early,
-after the previous cell). Committing here rather than when the cell's first
+with the previous cell's ``Done``). Committing here rather than when the cell's first
 output arrives means a refused commit stops the cell before it runs, and a
 silent cell (which publishes nothing) is covered alike; the pre-commit still
 guards the time a cell waits for its executor's host, and its TTL frees GPUs

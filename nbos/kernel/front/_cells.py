@@ -140,8 +140,9 @@ class Cells:
             if status is not None:
                 self._settled_index = index
                 return status
-            # Another replica holds the index's claim (it claimed early and was not
-            # chosen after all): retire the index and send the cell again under a new one.
+            # Another replica holds the index's claim (its Done of the cell before claimed
+            # it, and it was not chosen after all, or died): retire the index and send the
+            # cell again under a new one.
             if await self.settle(index) is None:
                 raise self._quorum_lost()
         failure = KernelError(f"no replica could claim the cell in {CLAIM_ATTEMPTS} attempts")
