@@ -81,7 +81,7 @@ class NbosPuts:
 
 
 @contextlib.asynccontextmanager
-async def running(cluster: Cluster) -> AsyncIterator[NbosPuts]:
+async def nbos_running(cluster: Cluster) -> AsyncIterator[NbosPuts]:
     async with anyio.create_task_group() as tg:
         try:
             for node in cluster.nodes:
@@ -165,6 +165,9 @@ class EtcdPuts:
     async def puts(self, count: int) -> list[float]:
         return await anyio.to_thread.run_sync(self._puts, count)
 
+    def close(self) -> None:
+        self._conn.close()
+
     def _puts(self, count: int) -> list[float]:
         samples = []
         for _ in range(count):
@@ -184,7 +187,10 @@ async def etcd_running(root: Path) -> AsyncIterator[EtcdPuts]:
     etcd = Etcd(root)
     try:
         puts = EtcdPuts(await anyio.to_thread.run_sync(etcd.leader))
-        yield puts
+        try:
+            yield puts
+        finally:
+            puts.close()
     finally:
         etcd.stop()
 
@@ -196,8 +202,10 @@ async def main() -> None:
         async with contextlib.AsyncExitStack() as stack:
             systems: list[EtcdPuts | NbosPuts] = [
                 await stack.enter_async_context(etcd_running(root)),
-                await stack.enter_async_context(running(nbos_cluster(root, "nbos", "always"))),
-                await stack.enter_async_context(running(nbos_cluster(root, "nbos-batch", "batch"))),
+                await stack.enter_async_context(nbos_running(nbos_cluster(root, "nbos", "always"))),
+                await stack.enter_async_context(
+                    nbos_running(nbos_cluster(root, "nbos-batch", "batch"))
+                ),
             ]
             for system in systems:
                 await system.puts(WARMUP)
