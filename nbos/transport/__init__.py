@@ -1,13 +1,17 @@
-"""Transports: the in-memory network (tests, simulator) and ZeroMQ (real deployments).
+"""Transports: the in-memory network (tests, simulator), ZeroMQ (with CURVE) and plain
+TCP (real deployments).
 
-Both implement :class:`nbos.core.transport.Transport`; :func:`received_messages`
-is the decoding receive loop over either.
+All implement :class:`nbos.core.transport.Transport`; :func:`open_transport` picks
+between the real ones and :func:`received_messages` is the decoding receive loop
+over any.
 """
 
 from typing import TYPE_CHECKING
 
 from nbos.core._lazy import lazy_exports
 from nbos.transport._messages import received_messages
+from nbos.transport._open import open_transport
+from nbos.transport.tcp import TcpTransport
 from nbos.transport.zmq import CurveKeys, ZmqTransport
 
 if TYPE_CHECKING:
@@ -24,7 +28,9 @@ __all__ = [
     "Envelope",
     "MemoryNetwork",
     "MemoryTransport",
+    "TcpTransport",
     "TraceEvent",
     "ZmqTransport",
+    "open_transport",
     "received_messages",
 ]

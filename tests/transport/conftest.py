@@ -9,7 +9,7 @@ import pytest
 
 from nbos.core.ids import PeerId
 from nbos.core.transport import Transport
-from nbos.transport import MemoryNetwork, ZmqTransport
+from nbos.transport import MemoryNetwork, TcpTransport, ZmqTransport
 
 
 @pytest.fixture
@@ -42,7 +42,8 @@ class Harness:
             transport = self.network.endpoint(peer, queue_size=queue_size)
         else:
             bind = address or "tcp://127.0.0.1:0"
-            transport = await ZmqTransport.open(peer, bind, queue_size=queue_size)
+            kind = TcpTransport if self.kind == "tcp" else ZmqTransport
+            transport = await kind.open(peer, bind, queue_size=queue_size)
         self.opened.append(transport)
         return transport
 
@@ -74,7 +75,7 @@ def connect(endpoints: Sequence[Transport]) -> None:
                 a.add_peer(b.local, Harness.address(b))
 
 
-@pytest.fixture(params=["memory", "zmq"])
+@pytest.fixture(params=["memory", "zmq", "tcp"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     h = Harness(request.param)
     yield h

@@ -1,6 +1,6 @@
-"""A ZmqTransport peer in its own process: echoes every message back to its sender.
+"""A real transport's peer in its own process: echoes every message back to its sender.
 
-Usage: python echo_peer.py LOCAL BIND PEER PEER_ADDRESS
+Usage: python echo_peer.py KIND LOCAL BIND PEER PEER_ADDRESS, KIND ``zmq`` or ``tcp``.
 Prints its bound address on one line once it is ready.
 """
 
@@ -11,11 +11,12 @@ import sys
 import anyio
 
 from nbos.core.ids import PeerId
-from nbos.transport import ZmqTransport
+from nbos.transport import TcpTransport, ZmqTransport
 
 
-async def main(local: str, bind: str, peer: str, peer_address: str) -> None:
-    async with await ZmqTransport.open(local, bind) as transport:
+async def main(kind: str, local: str, bind: str, peer: str, peer_address: str) -> None:
+    opener = TcpTransport.open if kind == "tcp" else ZmqTransport.open
+    async with await opener(local, bind) as transport:
         transport.add_peer(PeerId(peer), peer_address)
         print(transport.address, flush=True)
         while True:
@@ -24,5 +25,4 @@ async def main(local: str, bind: str, peer: str, peer_address: str) -> None:
 
 
 if __name__ == "__main__":
-    local, bind, peer, peer_address = sys.argv[1:5]
-    anyio.run(main, local, bind, peer, peer_address)
+    anyio.run(main, *sys.argv[1:6])
