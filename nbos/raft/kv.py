@@ -129,12 +129,12 @@ def _peer(node: int) -> PeerId:
 
 async def _serve(args: argparse.Namespace) -> None:
     from nbos.raft.driver import open_raft_log
-    from nbos.transport import ZmqTransport
+    from nbos.transport import open_transport
 
     members = dict(_parse_member(m) for m in args.member)
     settings = RaftSettings(tick_ms=args.tick_ms, fsync=args.fsync, snapshot_every=args.snapshot)
     machine = KeyValueStateMachine()
-    async with await ZmqTransport.open(_peer(args.node), members[args.node]) as transport:
+    async with await open_transport(_peer(args.node), members[args.node]) as transport:
         for node, address in members.items():
             if node != args.node:
                 transport.add_peer(_peer(node), address)

@@ -20,9 +20,10 @@ from nbos.cluster import Kernel, LocalCluster
 from nbos.core.config import RaftSettings, Settings
 from nbos.core.errors import KernelError
 from nbos.core.ids import PeerId
+from nbos.core.transport import Transport
 from nbos.core.wire import encode
 from nbos.core.wire.raft import RaftTransferRequest
-from nbos.transport import ZmqTransport
+from nbos.transport import open_transport
 from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import run_cells
 
@@ -159,7 +160,7 @@ def raft_address(pid: int, node: int) -> str:
     return str(peers[str(node)])
 
 
-async def ask_leadership(transport: ZmqTransport, kernel: Kernel, node: int) -> None:
+async def ask_leadership(transport: Transport, kernel: Kernel, node: int) -> None:
     """Send every live replica (the leader heeds it) the request that ``node`` makes for
     itself as an executor: hand leadership to ``node``."""
     for replica in kernel.replicas:
@@ -198,7 +199,8 @@ async def test_a_replacement_that_became_the_leader_still_gets_the_dead_member_r
                 while not any(promoted in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
                     await anyio.sleep(0.1)  # log records come with no event to wait on
                 log = next((tmp_path / "run" / "logs").glob(f"*/*-replica-{new}.log"))
-                async with await ZmqTransport.open("test-asker") as transport:
+                # The replicas listen with the transport a kernel without keys opens.
+                async with await open_transport("test-asker", "tcp://127.0.0.1:0") as transport:
                     while f"node {new}: leader for term" not in log.read_text():
                         await ask_leadership(transport, kernel, new)
                         await anyio.sleep(0.2)

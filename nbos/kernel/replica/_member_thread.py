@@ -44,7 +44,7 @@ from nbos.core.wire import encode
 from nbos.core.wire.entries import KernelEntry
 from nbos.kernel.replica._machine import Outcome, decode_outcome
 from nbos.raft import RaftReplicatedLog, open_raft_log
-from nbos.transport import CurveKeys, ZmqTransport
+from nbos.transport import CurveKeys, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class RaftMemberThread:
         members = {n: peer_id(self._kernel_id, n) for n in self._peers}
         bind = self._peers[self._node_id]
         local = members[self._node_id]
-        async with await ZmqTransport.open(local, bind, curve=self._curve) as transport:
+        async with await open_transport(local, bind, curve=self._curve) as transport:
             for node, address in self._peers.items():
                 if node != self._node_id:
                     transport.add_peer(members[node], address)
