@@ -4,7 +4,7 @@ Every system runs as 3 processes speaking JSON lines with request ids on
 stdin/stdout, and the same client drives them, always sending to the leader:
 
 * ``nbos``: ``python -m nbos.raft.kv`` (the reference key-value store over
-  :func:`nbos.raft.open_raft_log`), ZeroMQ transport, WAL with ``fsync=always``:
+  :func:`nbos.raft.open_raft_log`), TCP transport (no keys), WAL with ``fsync=always``:
   entries, term and vote are fsynced before a node acknowledges or answers
   anything that depends on them (batched: one fsync per Ready), and so is
   every commit-index update. Also measured: ``fsync=batch``, which skips the

@@ -3,7 +3,7 @@
 Usage: ``python bench/raft_latency.py`` (``NBOS_BENCH_LATENCY_OPS`` puts per system,
 default 1000).
 
-* ``nbos``: ``python -m nbos.raft.kv`` in 3 processes (ZeroMQ transport, WAL), as in
+* ``nbos``: ``python -m nbos.raft.kv`` in 3 processes (TCP transport, WAL), as in
   ``bench/raft.py``, with ``fsync=always`` and with ``fsync=batch`` (no sync for writes
   that only move the commit index, etcd's rule). The client writes JSON lines to the
   leader's stdin and reads its answers from its stdout.

@@ -1,9 +1,11 @@
-"""ZmqTransport vs raw pyzmq on loopback: round-trip latency and echo throughput.
+"""nbos's transports vs raw pyzmq on loopback: round-trip latency and echo throughput.
 
 Each mode runs an echo server in its own process (its own event loop) and a
 client here, so both sides of every mode pay the same costs:
 
 * ``nbos``: two ZmqTransport endpoints (ROUTER in, DEALER per peer out).
+* ``nbos-tcp``: two TcpTransport endpoints (what a kernel's Raft group uses without
+  keys): no ZeroMQ, so no I/O thread to wake on either end.
 * ``raw-asyncio`` (the anchor): a zmq.asyncio DEALER against a zmq.asyncio
   ROUTER that echoes, the plain pyzmq way to do this under asyncio.
 * ``raw-reader``: nbos's socket topology and wake-up scheme written inline on
@@ -35,7 +37,7 @@ import zmq
 import zmq.asyncio
 
 from nbos.core.ids import PeerId
-from nbos.transport import ZmqTransport
+from nbos.transport import TcpTransport, ZmqTransport
 
 BLOCK = int(os.environ.get("NBOS_BENCH_BLOCK", "250"))
 STREAM = int(os.environ.get("NBOS_BENCH_STREAM", "20000"))
@@ -43,13 +45,17 @@ WINDOW = int(os.environ.get("NBOS_BENCH_WINDOW", "64"))
 ROUNDS = int(os.environ.get("NBOS_BENCH_ROUNDS", "40"))
 WARMUP = 500
 PAYLOAD = b"x" * 64
-MODES = ("nbos", "raw-asyncio", "raw-reader", "raw-sync")
+TRANSPORTS: dict[str, type[ZmqTransport | TcpTransport]] = {
+    "nbos": ZmqTransport,
+    "nbos-tcp": TcpTransport,
+}
+MODES = ("nbos", "nbos-tcp", "raw-asyncio", "raw-reader", "raw-sync")
 
 # --- servers (run in a child process) ---------------------------------------------
 
 
-async def serve_nbos(client_address: str) -> None:
-    async with await ZmqTransport.open("server") as transport:
+async def serve_nbos(kind: type[ZmqTransport | TcpTransport], client_address: str) -> None:
+    async with await kind.open("server") as transport:
         transport.add_peer(PeerId("client"), client_address)
         print(transport.address, flush=True)
         while True:
@@ -120,8 +126,8 @@ def serve_raw_sync() -> None:
 
 
 def serve(mode: str, client_address: str) -> None:
-    if mode == "nbos":
-        asyncio.run(serve_nbos(client_address))
+    if mode in ("nbos", "nbos-tcp"):
+        asyncio.run(serve_nbos(TRANSPORTS[mode], client_address))
     elif mode == "raw-asyncio":
         asyncio.run(serve_raw_asyncio())
     elif mode == "raw-reader":
@@ -174,9 +180,9 @@ class Client:
         return STREAM / (time.perf_counter() - start)
 
 
-async def open_nbos(stack: AsyncExitStack) -> Client:
-    transport = await stack.enter_async_context(await ZmqTransport.open("client"))
-    address = start_server(stack, "nbos", transport.address)
+async def open_nbos(stack: AsyncExitStack, mode: str = "nbos") -> Client:
+    transport = await stack.enter_async_context(await TRANSPORTS[mode].open("client"))
+    address = start_server(stack, mode, transport.address)
     server = PeerId("server")
     transport.add_peer(server, address)
 
@@ -228,8 +234,13 @@ async def open_raw_sync(stack: AsyncExitStack) -> Client:
     return Client(send, recv)
 
 
+async def open_nbos_tcp(stack: AsyncExitStack) -> Client:
+    return await open_nbos(stack, "nbos-tcp")
+
+
 OPENERS = {
     "nbos": open_nbos,
+    "nbos-tcp": open_nbos_tcp,
     "raw-asyncio": open_raw_asyncio,
     "raw-reader": open_raw_reader,
     "raw-sync": open_raw_sync,
