@@ -10,8 +10,9 @@ the Raft transport (``forward=True``), and ``propose`` returns once the entry ap
 on this node.
 
 With the kernel's CURVE keys (``curve``, see :mod:`nbos.transport.keys`) the Raft
-transport speaks CURVE: encrypted, and open only to peers that hold the kernel's key
-pair; a peer without it never gets a message through.
+transport is ZeroMQ speaking CURVE: encrypted, and open only to peers that hold the
+kernel's key pair; a peer without it never gets a message through. Without keys it is
+plain TCP on the member's loop (:func:`nbos.transport.open_transport`).
 """
 
 from __future__ import annotations
