@@ -25,6 +25,7 @@ from nbos.raft.storage import (
     LogUnavailableError,
     MemoryStorage,
 )
+from tests.raft._wal import written
 
 EXAMPLES = int(os.environ.get("NBOS_STORAGE_EXAMPLES", "40"))
 STEPS = int(os.environ.get("NBOS_STORAGE_STEPS", "30"))
@@ -102,7 +103,7 @@ class StorageMachine(RuleBasedStateMachine):
         if not self.disk:
             return None
         last = max(Path(self.dir).glob("wal-*.log"))
-        return last, last.stat().st_size
+        return last, written(last)
 
     def _open(self) -> DiskStorage:
         return DiskStorage.open(self.dir, fsync="never", segment_bytes=256)

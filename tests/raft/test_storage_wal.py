@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ import pytest
 from nbos.core.errors import ConfigError, StorageCorruptError
 from nbos.core.wire.raft import Entry, HardState
 from nbos.raft.storage import DEFAULT_SEGMENT_BYTES, DiskStorage, StorageIOError
+from nbos.raft.storage._framing import MAGIC
+from nbos.raft.storage._segments import PREALLOCATE_BYTES
+from tests.raft._wal import written
 
 SEGMENT_NAME = re.compile(r"^wal-(\d{20})-(\d{20})\.log$")
 
@@ -37,7 +41,7 @@ def one_by_one(d: Path, n: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> l
     sizes = []
     for i in range(1, n + 1):
         s.save(None, [entry(i)])
-        sizes.append(segments(d)[-1].stat().st_size)
+        sizes.append(written(segments(d)[-1]))
     s.close()
     return sizes
 
@@ -124,7 +128,7 @@ def test_a_torn_record_holding_frame_bytes_is_still_torn(
     d = tmp_path / "d"
     s = DiskStorage.open(d)
     s.save(None, [entry(1)])
-    before = segments(d)[-1].stat().st_size
+    before = written(segments(d)[-1])
     s.save(None, [Entry(term=1, index=2, data=framed * 3)])
     s.close()
     os.truncate(segments(d)[-1], before + 100 + 2 * len(framed))  # cut after 2 embedded frames
@@ -215,15 +219,16 @@ def test_closed_store_refuses_writes(tmp_path: Path) -> None:
 
 @pytest.fixture
 def fsyncs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Counts real fsync calls (they still happen)."""
+    """Counts real fsync and fdatasync calls (they still happen)."""
     calls: list[int] = []
-    real = os.fsync
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
 
-    def counting(fd: int) -> None:
-        calls.append(fd)
-        real(fd)
+        def counting(fd: int, real: Callable[[int], None] = real) -> None:
+            calls.append(fd)
+            real(fd)
 
-    monkeypatch.setattr(os, "fsync", counting)
+        monkeypatch.setattr(os, name, counting)
     yield calls
 
 
@@ -263,8 +268,9 @@ _DISK_FULL = textwrap.dedent(
 
     s = DiskStorage.open(sys.argv[1])
     s.save(None, [Entry(term=1, index=1, data=b"kept")])
+    from nbos.raft.storage._framing import scan
     segment = max(Path(sys.argv[1]).glob("wal-*.log"))
-    print("size before", segment.stat().st_size)
+    print("size before", scan(segment.read_bytes()).valid_end)  # the records, not the zeros after
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of a signal
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     for attempt in range(2):
@@ -303,3 +309,73 @@ def test_bad_settings_are_config_errors(
     with pytest.raises(ConfigError) as info:
         DiskStorage.open(tmp_path, **kwargs)  # type: ignore[arg-type]
     assert info.value.key == key
+
+
+# --- segments allocated ahead of their writes --------------------------------------
+
+_CRASH_AFTER_SAVES = textwrap.dedent(
+    """
+    import os, sys
+    from nbos.core.wire.raft import Entry, HardState
+    from nbos.raft.storage import DiskStorage
+
+    s = DiskStorage.open(sys.argv[1])
+    s.save(HardState(term=1, vote=1), [])
+    for i in range(1, 6):
+        s.save(None, [Entry(term=1, index=i, data=b"payload-%d" % i)])
+    os._exit(0)  # no close: the open segment keeps its allocated tail
+    """
+)
+
+
+def crash_after_five_saves(d: Path) -> Path:
+    """A store in ``d`` left by a process that died after saving entries 1..5."""
+    subprocess.run([sys.executable, "-c", _CRASH_AFTER_SAVES, str(d)], check=True, timeout=60)
+    (segment,) = segments(d)
+    return segment
+
+
+def test_the_open_segment_is_allocated_ahead_and_cut_back_when_closed(tmp_path: Path) -> None:
+    s = DiskStorage.open(tmp_path, segment_bytes=256)
+    for i in range(1, 30):
+        s.save(None, [entry(i)])
+    *older, current = segments(tmp_path)
+    assert older, "the test needs rotated segments"
+    assert current.stat().st_size >= PREALLOCATE_BYTES > written(current)
+    # Cut back when they were rotated out: zeros in an older segment would be corruption.
+    assert all(p.stat().st_size == written(p) for p in older)
+    s.close()
+    assert current.stat().st_size == written(current)
+    s = DiskStorage.open(tmp_path, segment_bytes=256)
+    assert s.entries(1, 30) == [entry(i) for i in range(1, 30)]
+    s.close()
+
+
+def test_the_allocated_tail_a_crash_left_is_cut_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    segment = crash_after_five_saves(tmp_path)
+    assert segment.stat().st_size >= PREALLOCATE_BYTES
+    with caplog.at_level(logging.DEBUG, logger="nbos.raft.storage"):
+        s = DiskStorage.open(tmp_path)
+    assert s.entries(1, 6) == [entry(i) for i in range(1, 6)]
+    s.close()
+    assert segment.stat().st_size == written(segment)
+    cuts = [r for r in caplog.records if "cutting" in r.getMessage()]
+    assert [(r.levelno, "unwritten" in r.getMessage()) for r in cuts] == [(logging.DEBUG, True)]
+
+
+def test_a_torn_record_in_the_allocated_tail_is_still_a_torn_tail(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    segment = crash_after_five_saves(tmp_path)
+    end = written(segment)
+    with segment.open("r+b") as f:  # the first bytes of a sixth frame, then the zeros
+        f.seek(end)
+        f.write(MAGIC + b"\x07\x00")
+    with caplog.at_level(logging.WARNING, logger="nbos.raft.storage"):
+        s = DiskStorage.open(tmp_path)
+    assert s.entries(1, 6) == [entry(i) for i in range(1, 6)]
+    s.close()
+    assert segment.stat().st_size == end
+    assert any("torn tail" in r.getMessage() for r in caplog.records)

@@ -217,11 +217,12 @@ class DiskStorage(LogIndexReads):
 
     def close(self) -> None:
         if self._current is not None:
+            sync = self._durable and self._failure is None
             try:
-                if self._durable and self._failure is None:
+                if sync:
                     self._current.sync()
             finally:
-                self._current.close()
+                self._current.close(sync=sync)
                 self._current = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -268,7 +269,8 @@ class DiskStorage(LogIndexReads):
         writer = self._writer()
         if self._durable:
             writer.sync()
-        writer.close()
+        # Cut back before a newer segment exists: in an older one, zeros are corruption.
+        writer.close(sync=self._durable)
         self._current = None
         self._start_segment()
 
@@ -281,7 +283,7 @@ class DiskStorage(LogIndexReads):
         """
         seq = self._segments[-1].seq + 1 if self._segments else 1
         segment = Segment(segment_path(self.directory, seq, self._log.last_index() + 1), seq)
-        self._current = SegmentFile(segment, create=True, sync=self._durable)
+        self._current = SegmentFile(segment, sync=self._durable)
         self._segments.append(segment)
         header: list[WalRecord] = [self._log.hard_state]
         if self._log.snapshot is not None:

@@ -29,3 +29,11 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """``os.pwrite`` at ``offset`` until every byte is written."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
