@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -379,3 +380,42 @@ def test_a_torn_record_in_the_allocated_tail_is_still_a_torn_tail(
     s.close()
     assert segment.stat().st_size == end
     assert any("torn tail" in r.getMessage() for r in caplog.records)
+
+
+def refuse_allocation(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    def refuse(fd: int, offset: int, length: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+
+
+def test_a_file_system_that_cannot_allocate_ahead_gets_plain_appends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_allocation(monkeypatch, errno.EOPNOTSUPP)
+    s = DiskStorage.open(tmp_path)
+    for i in range(1, 6):
+        s.save(None, [entry(i)])
+        (segment,) = segments(tmp_path)
+        assert segment.stat().st_size == written(segment)
+    s.close()
+    s = DiskStorage.open(tmp_path)
+    assert s.entries(1, 6) == [entry(i) for i in range(1, 6)]
+    s.close()
+
+
+def test_a_full_disk_at_allocation_fails_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = DiskStorage.open(tmp_path)
+    s.save(None, [entry(1)])
+    refuse_allocation(monkeypatch, errno.ENOSPC)
+    with pytest.raises(StorageIOError):
+        s.save(None, [entry(2, term=1), Entry(term=1, index=3, data=bytes(2 << 20))])
+    with pytest.raises(StorageIOError, match="failed earlier"):
+        s.save(None, [entry(2)])
+    s.close()
+    monkeypatch.undo()
+    s = DiskStorage.open(tmp_path)
+    assert s.entries(1, s.last_index() + 1) == [entry(1)]
+    s.close()
