@@ -43,8 +43,9 @@ from typing import Final
 
 import anyio.lowlevel
 
-from nbos.core.errors import ConfigError, TransportClosedError, TransportError, UnknownPeerError
+from nbos.core.errors import TransportError, UnknownPeerError
 from nbos.core.ids import PeerId
+from nbos.transport._endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +59,18 @@ _JOIN_BELOW = 1 << 14
 _CONNECT_TIMEOUT_S = 3.0
 _RETRY_FIRST_S = 0.1
 _RETRY_MAX_S = 1.0
-_YIELD_EVERY = 32
-_SOCKET_OPTIONS: tuple[tuple[int, int, int], ...] = (
-    (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
-    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-    (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", 4), 2),
-    (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", 5), 1),
-    (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", 6), 3),
-    (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", 18), 3000),
+# Options a platform lacks (the keepalive timing, TCP_USER_TIMEOUT) are left out.
+_SOCKET_OPTIONS: tuple[tuple[int, int, int], ...] = tuple(
+    (level, getattr(socket, name), value)
+    for level, name, value in (
+        (socket.IPPROTO_TCP, "TCP_NODELAY", 1),
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 2),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
+        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", 3000),
+    )
+    if hasattr(socket, name)
 )
 
 
@@ -96,13 +101,21 @@ def _tune(transport: asyncio.BaseTransport) -> None:
     if sock is None:
         return
     for level, option, value in _SOCKET_OPTIONS:
-        # An option this platform lacks is skipped: the others still apply.
+        # An option the running kernel refuses is skipped: the others still apply.
         with contextlib.suppress(OSError):
             sock.setsockopt(level, option, value)
 
 
 def _frame(payload: bytes) -> bytes:
     return _HEADER.pack(len(payload)) + payload
+
+
+def _write(stream: asyncio.Transport, payload: bytes) -> None:
+    if len(payload) < _JOIN_BELOW:
+        stream.write(_frame(payload))  # one system call
+    else:
+        stream.write(_HEADER.pack(len(payload)))
+        stream.write(payload)
 
 
 class _Inbound(asyncio.BufferedProtocol):
@@ -244,11 +257,7 @@ class _Link:
         """Write or queue ``payload``; ``False`` when it was dropped."""
         stream = self._stream
         if stream is not None and self.writable and not self._queue:
-            if len(payload) < _JOIN_BELOW:
-                stream.write(_frame(payload))
-            else:
-                stream.write(_HEADER.pack(len(payload)))
-                stream.write(payload)
+            _write(stream, payload)
             return True
         if len(self._queue) >= self._owner.queue_size:
             return False
@@ -258,9 +267,7 @@ class _Link:
     def flush(self) -> None:
         stream = self._stream
         while stream is not None and self.writable and self._queue:
-            payload = self._queue.popleft()
-            stream.write(_HEADER.pack(len(payload)))
-            stream.write(payload)
+            _write(stream, self._queue.popleft())
 
     def close(self) -> None:
         self._task.cancel()
@@ -297,34 +304,21 @@ class _Link:
             await asyncio.sleep(_RETRY_FIRST_S)
 
 
-class TcpTransport:
+class TcpTransport(Endpoint):
     """A TCP endpoint on the event loop; create it with :meth:`open` (see the module doc)."""
 
     def __init__(self, local: PeerId, *, queue_size: int, max_message_size: int) -> None:
-        if queue_size < 1:
-            raise ConfigError("queue_size", queue_size, "a positive number of messages")
-        if not 0 < len(local.encode()) < 256 or local.startswith("\0"):
-            raise ConfigError("local", local, "a peer id of 1 to 255 UTF-8 bytes, not starting NUL")
-        if max_message_size < 1:
-            raise ConfigError("max_message_size", max_message_size, "a positive number of bytes")
+        super().__init__(local, queue_size=queue_size, max_message_size=max_message_size)
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             raise TransportError("TcpTransport runs on an asyncio event loop only") from None
-        self._local = local
-        self.queue_size = queue_size
-        self.max_message_size = max_message_size
         self._links: dict[PeerId, _Link] = {}
         self._connections: set[_Inbound] = set()
         self._paused: set[_Inbound] = set()
         self._inbox: collections.deque[tuple[PeerId, bytes]] = collections.deque()
         self._waiters: set[asyncio.Future[None]] = set()
         self._server: asyncio.Server | None = None
-        self._address = ""
-        self._dropped = 0
-        self._rejected = 0
-        self._unyielded = 0
-        self._closed = False
 
     @classmethod
     async def open(
@@ -343,30 +337,6 @@ class TcpTransport:
         transport = cls(PeerId(local), queue_size=queue_size, max_message_size=max_message_size)
         await transport._listen(bind)
         return transport
-
-    async def __aenter__(self) -> TcpTransport:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    @property
-    def local(self) -> PeerId:
-        return self._local
-
-    @property
-    def address(self) -> str:
-        """The bound address, with the real port; what peers pass to ``add_peer``."""
-        return self._address
-
-    @property
-    def dropped(self) -> int:
-        return self._dropped
-
-    @property
-    def rejected(self) -> int:
-        """How many inbound connections were closed for a bad hello or frame."""
-        return self._rejected
 
     def add_peer(self, peer: PeerId, address: str) -> None:
         """Learn where ``peer`` is. The same address again keeps its connection and
@@ -389,23 +359,17 @@ class TcpTransport:
         link = self._links.get(peer)
         if link is None:
             raise UnknownPeerError(peer)
-        if len(payload) > self.max_message_size:
-            log.warning("%s: refusing a %d-byte message to %s", self._local, len(payload), peer)
-            raise TransportError(f"payload of {len(payload)} bytes exceeds {self.max_message_size}")
+        self._check_size(peer, payload)
         # A bytearray the caller changes later must not change what is queued.
         if not link.send(bytes(payload) if type(payload) is not bytes else payload):
-            self._dropped += 1
-            log.debug("%s: queue to %s full, message dropped", self._local, peer)
+            self._count_drop(peer)
 
     async def receive(self) -> tuple[PeerId, bytes]:
         self._check_open()
         if self._inbox:
-            self._unyielded += 1
-            if self._unyielded >= _YIELD_EVERY:
-                self._unyielded = 0
-                await anyio.lowlevel.cancel_shielded_checkpoint()
+            await self._took_a_waiting_message()
             return self._take()
-        self._unyielded = 0
+        self._waited()
         while not self._inbox:
             waiter = self._loop.create_future()
             self._waiters.add(waiter)
@@ -480,7 +444,3 @@ class TcpTransport:
     def _reject(self, peer: PeerId | None, what: str) -> None:
         self._rejected += 1
         log.warning("%s: closed a connection (peer %r) that sent %s", self._local, peer, what)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosedError(f"transport {self._local!r} is closed")

@@ -70,8 +70,9 @@ import attrs
 import zmq
 import zmq.auth.asyncio
 
-from nbos.core.errors import ConfigError, TransportClosedError, TransportError, UnknownPeerError
+from nbos.core.errors import TransportError, UnknownPeerError
 from nbos.core.ids import PeerId
+from nbos.transport._endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,6 @@ _TCP_LIVENESS: dict[int, int] = {
     zmq.TCP_KEEPALIVE_CNT: 3,
     zmq.TCP_MAXRT: 3000,
 }
-# A receive that finds a message ready returns it at once, but every this many in
-# a row it yields to the event loop, so a flood cannot starve the other tasks.
-_YIELD_EVERY = 32
 
 
 @attrs.frozen
@@ -228,7 +226,7 @@ class _Readiness:
                 waiter.set_result(None)
 
 
-class ZmqTransport:
+class ZmqTransport(Endpoint):
     """A ZeroMQ endpoint; create it with :meth:`open` (see the module docstring)."""
 
     def __init__(
@@ -240,24 +238,13 @@ class ZmqTransport:
         curve: CurveKeys | None,
         max_message_size: int,
     ) -> None:
-        if queue_size < 1:
-            raise ConfigError("queue_size", queue_size, "a positive number of messages")
+        super().__init__(local, queue_size=queue_size, max_message_size=max_message_size)
         self._identity = local.encode()
-        # ZeroMQ routing ids: 1 to 255 bytes; a leading zero byte is reserved for its own.
-        if not 0 < len(self._identity) < 256 or local.startswith("\0"):
-            raise ConfigError("local", local, "a peer id of 1 to 255 UTF-8 bytes, not starting NUL")
-        self._local = local
-        self._queue_size = queue_size
         self._curve = curve
-        self._max_message_size = max_message_size
         self._context: zmq.Context[Any] = zmq.Context()
         _batch_io_threads(self._context)
         self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         self._dealers: dict[PeerId, tuple[zmq.Socket[bytes], str, bytes | None]] = {}
-        self._dropped = 0
-        self._rejected = 0
-        self._unyielded = 0
-        self._closed = False
         try:
             if curve is not None:
                 self._start_auth(curve)
@@ -291,32 +278,6 @@ class ZmqTransport:
             max_message_size=max_message_size,
         )
 
-    async def __aenter__(self) -> ZmqTransport:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    # --- properties --------------------------------------------------------------
-
-    @property
-    def local(self) -> PeerId:
-        return self._local
-
-    @property
-    def address(self) -> str:
-        """The bound address, with the real port; what peers pass to ``add_peer``."""
-        return self._address
-
-    @property
-    def dropped(self) -> int:
-        return self._dropped
-
-    @property
-    def rejected(self) -> int:
-        """How many malformed inbound messages were dropped since start."""
-        return self._rejected
-
     # --- peers -------------------------------------------------------------------
 
     def add_peer(self, peer: PeerId, address: str, *, server_key: bytes | None = None) -> None:
@@ -343,33 +304,24 @@ class ZmqTransport:
     # --- data --------------------------------------------------------------------
 
     async def send(self, peer: PeerId, payload: bytes) -> None:
-        if self._closed:
-            raise TransportClosedError(f"transport {self._local!r} is closed")
+        self._check_open()
         entry = self._dealers.get(peer)
         if entry is None:
             raise UnknownPeerError(peer)
-        size = len(payload)
-        if size > self._max_message_size:
-            log.warning("%s: refusing a %d-byte message to %s", self._local, size, peer)
-            raise TransportError(f"payload of {size} bytes exceeds {self._max_message_size}")
+        self._check_size(peer, payload)
         try:
             # Zero-copy only for immutable bytes: a caller could change a bytearray later.
-            zero_copy = size >= ZERO_COPY_THRESHOLD and type(payload) is bytes
+            zero_copy = len(payload) >= ZERO_COPY_THRESHOLD and type(payload) is bytes
             entry[0].send(payload, zmq.NOBLOCK, copy=not zero_copy)
         except zmq.Again:
-            self._dropped += 1
-            log.debug("%s: queue to %s full, message dropped", self._local, peer)
+            self._count_drop(peer)
 
     async def receive(self) -> tuple[PeerId, bytes]:
         message = self._receive_nowait()
         if message is not None:
-            self._unyielded += 1
-            if self._unyielded >= _YIELD_EVERY:
-                # Give others a turn without a cancellation point: the message is taken.
-                self._unyielded = 0
-                await anyio.lowlevel.cancel_shielded_checkpoint()
+            await self._took_a_waiting_message()
             return message
-        self._unyielded = 0
+        self._waited()
         while True:
             await self._readiness.wait()
             message = self._receive_nowait()
@@ -408,10 +360,6 @@ class ZmqTransport:
                 frames[0][:64],
             )
         return None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosedError(f"transport {self._local!r} is closed")
 
     def _start_auth(self, curve: CurveKeys) -> None:
         # The handler must be bound before the ROUTER accepts its first connection.
