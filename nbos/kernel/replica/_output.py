@@ -13,7 +13,6 @@ the child, as it does for a thread the cell started.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import logging
 import os
 import select
@@ -38,10 +37,11 @@ class _Pump:
     the pipe open for as long as it lives.
     """
 
-    def __init__(self, fd: int, stream: Any, header: dict[str, Any]) -> None:
+    def __init__(self, fd: int, stream: Any, header: dict[str, Any], reader: _Reader) -> None:
         self._fd = fd
         self._stream = stream
         self._header = header
+        self._reader = reader
         self._saved = os.dup(fd)
         self.read, write = os.pipe()
         os.set_blocking(self.read, False)
@@ -49,9 +49,9 @@ class _Pump:
         os.close(write)
         self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
         self.lock = threading.Lock()
-        #: Every writer closed the pipe and all it held was published. Only the reader
-        #: thread closes it then, so its number is not reused while the thread polls it.
+        #: Every writer closed the pipe and all it held was published.
         self.ended = False
+        reader.watch(self)
 
     def pump(self) -> None:
         """Publish what the pipe holds now; the caller holds ``lock``."""
@@ -70,63 +70,78 @@ class _Pump:
             self._stream.reset_thread_parent(token)
 
     def restore(self) -> None:
-        """Give the fd back to the kernel and publish what the cell wrote there."""
-        os.dup2(self._saved, self._fd)
-        os.close(self._saved)
+        """Give the fd back to the kernel and publish what the cell wrote there.
+
+        The reader thread stops watching the pipe first: unless a child holds it, giving
+        the fd back ends it, and the thread need not wake (and take the GIL) for that.
+        """
         with self.lock:
+            self._reader.unwatch(self)
+            os.dup2(self._saved, self._fd)
+            os.close(self._saved)
             self.pump()
+            if self.ended:
+                os.close(self.read)
+            else:
+                self._reader.watch(self)
 
 
 class _Reader:
-    """The thread that publishes what arrives on cells' pipes, one for the process."""
+    """The thread that publishes what arrives on cells' pipes, one for the process.
+
+    It waits in ``epoll``, whose interest list other threads change without waking it:
+    a cell that prints nothing on its fds costs the thread nothing.
+    """
 
     def __init__(self) -> None:
         self._pumps: dict[int, _Pump] = {}
         self._guard = threading.Lock()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
+        self._epoll = select.epoll()
         threading.Thread(target=self._run, name="nbos-cell-output", daemon=True).start()
 
     def watch(self, pump: _Pump) -> None:
         with self._guard:
             self._pumps[pump.read] = pump
-        os.write(self._wake_write, b"\0")
+            self._epoll.register(pump.read, select.EPOLLIN)
+
+    def unwatch(self, pump: _Pump) -> None:
+        # Before its fd closes: a forked child holding the pipe would keep it in the
+        # interest list after the close, under a number that a later pipe may reuse.
+        with self._guard:
+            if self._pumps.get(pump.read) is pump:
+                del self._pumps[pump.read]
+                self._epoll.unregister(pump.read)
 
     def _run(self) -> None:
         while True:
-            poller = select.poll()
-            poller.register(self._wake_read, select.POLLIN)
-            with self._guard:
-                for fd in self._pumps:
-                    poller.register(fd, select.POLLIN)
-            for fd, _ in poller.poll():
-                if fd == self._wake_read:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_read, _READ_SIZE)
-                    continue
-                self._serve(self._pumps[fd])
+            for fd, _ in self._epoll.poll():
+                with self._guard:
+                    pump = self._pumps.get(fd)
+                if pump is not None:
+                    self._serve(pump)
 
     def _serve(self, pump: _Pump) -> None:
         with pump.lock:
+            if self._pumps.get(pump.read) is not pump:
+                return  # restored (and maybe closed) since the thread saw it ready
             try:
                 pump.pump()
             except (OSError, ValueError) as exc:  # the stream was closed at shutdown
                 log.debug("cell output pipe %d: %s", pump.read, exc)
                 pump.ended = True
             if pump.ended:
-                with self._guard:
-                    del self._pumps[pump.read]
+                self.unwatch(pump)
                 os.close(pump.read)
 
 
 _reader: _Reader | None = None
 
 
-def _watch(pump: _Pump) -> None:
+def _the_reader() -> _Reader:
     global _reader  # noqa: PLW0603 - one reader thread per process, started on first use
     if _reader is None:
         _reader = _Reader()
-    _reader.watch(pump)
+    return _reader
 
 
 class CellOutput:
@@ -142,9 +157,8 @@ class CellOutput:
         streams: tuple[tuple[int, Any], ...] = ((1, sys.stdout), (2, sys.stderr))
         for fd, stream in streams:
             if hasattr(stream, "set_thread_parent"):
-                pump = _Pump(fd, stream, dict(stream.parent_header))
+                pump = _Pump(fd, stream, dict(stream.parent_header), _the_reader())
                 self._pumps.append(pump)
-                _watch(pump)
         return self
 
     def __exit__(self, *exc: object) -> None:
