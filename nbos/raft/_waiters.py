@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import anyio
@@ -10,12 +11,16 @@ T = TypeVar("T")
 
 
 class Outcome(Generic[T]):
-    """A value or an error, set once, awaited by one caller."""
+    """A value or an error, set once, awaited by one caller.
 
-    def __init__(self) -> None:
+    ``on_set`` gets the value the moment it is set, on the setter's thread.
+    """
+
+    def __init__(self, on_set: Callable[[T], None] | None = None) -> None:
         self._event = anyio.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
+        self._on_set = on_set
 
     @property
     def done(self) -> bool:
@@ -25,6 +30,8 @@ class Outcome(Generic[T]):
         if not self.done:
             self._value = value
             self._event.set()
+            if self._on_set is not None:
+                self._on_set(value)
 
     def fail(self, error: BaseException) -> None:
         if not self.done:

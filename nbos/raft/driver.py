@@ -87,11 +87,17 @@ _INLINE_PERSIST_BYTES = 64 * 1024
 class _Pending:
     """A proposal waiting for its entry to be applied."""
 
-    def __init__(self, client_id: str, seq: int, timeout: float = math.inf) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        seq: int,
+        timeout: float = math.inf,
+        on_applied: Callable[[bytes], None] | None = None,
+    ) -> None:
         self.client_id = client_id
         self.seq = seq
         self.timeout = timeout
-        self.outcome: Outcome[bytes] = Outcome()
+        self.outcome: Outcome[bytes] = Outcome(on_applied)
 
     def expire(self) -> None:
         self.outcome.fail(
@@ -209,11 +215,17 @@ class RaftReplicatedLog:
         seq: int | None = None,
         timeout: float = 10.0,
         forward: bool = False,
+        on_applied: Callable[[bytes], None] | None = None,
     ) -> bytes:
         """See :class:`~nbos.core.replicated_log.ReplicatedLog`; ``forward=True`` on a
         follower hands the proposal to the leader instead of raising ``NotLeaderError``,
         and keeps doing so across leader changes until it applied here or ``timeout``
-        passed (``ProposalTimeoutError``)."""
+        passed (``ProposalTimeoutError``).
+
+        ``on_applied`` gets the result on the node loop the moment the entry applied,
+        turns of the loop before this coroutine resumes: a caller on another thread
+        learns it sooner.
+        """
         if client_id is None or seq is None:
             self._seq += 1
             client_id, seq = self._client_id, self._seq
@@ -221,7 +233,7 @@ class RaftReplicatedLog:
         if session is not None and session.seq == seq:
             return session.result
         proposal = Proposal(client_id, seq, data)
-        pending = _Pending(client_id, seq)
+        pending = _Pending(client_id, seq, on_applied=on_applied)
         if forward:
             return await self._enqueue(lambda: self._track(proposal, pending), pending, timeout)
         return await self._enqueue(self._appender(proposal, pending), pending, timeout)

@@ -11,7 +11,7 @@ import anyio.lowlevel
 import pytest
 
 from nbos.core.errors import LogClosedError, ProposalTimeoutError
-from nbos.kernel.replica._member_thread import BLOCKING_WAIT_S, _result
+from nbos.kernel.replica._member_thread import BLOCKING_WAIT_S, _result, _settle, _settle_from
 
 pytestmark = pytest.mark.anyio
 
@@ -69,3 +69,31 @@ async def test_a_member_that_stops_is_a_closed_log() -> None:
     future = settle_later(0.0, lambda f: f.cancel())
     with pytest.raises(LogClosedError):
         await _result(future)
+
+
+def test_the_proposing_task_s_end_settles_the_wait_unless_the_entry_applied_first() -> None:
+    # The entry applied (the driver's on_applied): the task's later end changes nothing.
+    applied: Future[bytes] = Future()
+    _settle(applied, b"outcome")
+    running: Future[bytes] = Future()
+    running.set_exception(ProposalTimeoutError("late"))
+    _settle_from(applied, running)
+    assert applied.result() == b"outcome"
+    # It failed before applying (no quorum): the caller gets the task's error.
+    failed: Future[bytes] = Future()
+    _settle_from(failed, running)
+    with pytest.raises(ProposalTimeoutError, match="late"):
+        failed.result()
+    # The member stopped: its tasks are cancelled, and so is the caller's wait.
+    stopped: Future[bytes] = Future()
+    cancelled: Future[bytes] = Future()
+    cancelled.cancel()
+    _settle_from(stopped, cancelled)
+    assert stopped.cancelled()
+
+
+def test_a_result_for_a_wait_given_up_meanwhile_is_dropped() -> None:
+    given_up: Future[bytes] = Future()
+    given_up.cancel()
+    _settle(given_up, b"outcome")  # on the member's thread: must not raise
+    assert given_up.cancelled()

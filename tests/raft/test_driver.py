@@ -197,6 +197,41 @@ async def test_a_follower_forwards_its_proposal_and_returns_once_applied_there()
         await g.converged([1, 2, 3])
 
 
+async def test_on_applied_gets_the_result_as_the_entry_applies_before_propose_returns() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        node, follower = next((n, r) for n, r in g.nodes.items() if r is not leader)
+        runs = (
+            (leader, g.machines[int(leader.node_id)], False),
+            (follower, g.machines[node], True),
+        )
+        for raft, machine, forward in runs:
+            seen: list[str] = []
+
+            def applied(
+                result: bytes, machine: KeyValueStateMachine = machine, seen: list[str] = seen
+            ) -> None:
+                # Called on the node loop the moment the entry applied on that node.
+                seen.append(f"applied {result.decode()} {machine.data['k']}")
+
+            value = f"v{forward}"
+            put = encode_command("put", "k", value)
+            assert await raft.propose(put, forward=forward, on_applied=applied) == value.encode()
+            seen.append("returned")
+            assert seen == [f"applied {value} {value}", "returned"]
+
+
+async def test_on_applied_is_not_called_for_a_refused_proposal() -> None:
+    async with group([1, 2, 3]) as g:
+        leader = await g.leader()
+        follower = next(r for r in g.nodes.values() if r is not leader)
+        await eventually(lambda: follower.leader_id == leader.node_id)
+        seen: list[bytes] = []
+        with pytest.raises(NotLeaderError):
+            await follower.propose(encode_command("put", "k", "w"), on_applied=seen.append)
+        assert seen == []
+
+
 async def test_a_proposal_the_new_leader_holds_already_applies_once() -> None:
     async with group([1, 2, 3]) as g:
         old = await g.leader()

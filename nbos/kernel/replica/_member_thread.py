@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -81,6 +82,23 @@ async def _result(future: Future[T]) -> T:
         return await asyncio.wrap_future(future)
     except concurrent.futures.CancelledError:  # the member stopped (stop)
         raise LogClosedError("the replica's Raft member stopped") from None
+
+
+def _settle(applied: Future[bytes], result: bytes) -> None:
+    # The waiter may have given up (cancelled) meanwhile, on its own thread.
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        applied.set_result(result)
+
+
+def _settle_from(applied: Future[bytes], running: Future[bytes]) -> None:
+    """Give ``applied`` the outcome of ``running``, unless it has one already."""
+    if running.cancelled():
+        applied.cancel()
+    elif (error := running.exception()) is not None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            applied.set_exception(error)
+    else:
+        _settle(applied, running.result())
 
 
 def _hand_over_the_gil(_: Future[Any]) -> None:
@@ -162,8 +180,12 @@ class RaftMemberThread:
     async def propose(self, entry: KernelEntry, *, timeout: float = 30.0) -> Outcome:
         """Commit ``entry``; returns its outcome once it has applied on this node."""
         data = encode(entry)
+        applied: Future[bytes] = Future()
         # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
-        return await _result(self._submit(self._propose(data, timeout)))
+        running = self._submit(self._propose(data, timeout, applied))
+        # The proposing task fails or is cancelled (at stop): so is the caller's wait.
+        running.add_done_callback(functools.partial(_settle_from, applied))
+        return decode_outcome(await _result(applied))
 
     async def caught_up(self, *, timeout: float = 30.0) -> None:
         """Return once this member has applied every entry committed before the call.
@@ -280,14 +302,16 @@ class RaftMemberThread:
                 task_status.started()
                 await anyio.sleep_forever()
 
-    async def _propose(self, data: bytes, timeout: float) -> Outcome:
-        assert self._order is not None
-        async with self._order:
-            return await self._propose_in_order(data, next(self._seq), timeout)
+    async def _propose(self, data: bytes, timeout: float, applied: Future[bytes]) -> bytes:
+        """Propose ``data``; ``applied`` gets the result as the entry applies here."""
+        assert self._order is not None and self._log is not None
 
-    async def _propose_in_order(self, data: bytes, seq: int, timeout: float) -> Outcome:
-        assert self._log is not None
-        result = await self._log.propose(
-            data, client_id=self._client_id, seq=seq, timeout=timeout, forward=True
-        )
-        return decode_outcome(result)
+        async with self._order:
+            return await self._log.propose(
+                data,
+                client_id=self._client_id,
+                seq=next(self._seq),
+                timeout=timeout,
+                forward=True,
+                on_applied=functools.partial(_settle, applied),
+            )
