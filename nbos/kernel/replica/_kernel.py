@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -135,7 +136,11 @@ class ReplicaKernel(IPythonKernel):
         # Held while a cell runs and while the namespace is imaged for a snapshot.
         self._namespace_lock = asyncio.Lock()
         self._main_loop: asyncio.AbstractEventLoop | None = None
-        self._events: asyncio.Queue[Event] | None = None
+        #: Applied entries' events, appended by the Raft thread, applied on the loop.
+        self._inbox: deque[Event] = deque()
+        self._arrived = asyncio.Event()
+        #: Held while events are applied (by the applier, or by a cell, see _own_done).
+        self._applying = asyncio.Lock()
         self._applied_done = 0
         self._applied_comm = 0
         self._applied_changed = asyncio.Event()
@@ -187,7 +192,6 @@ class ReplicaKernel(IPythonKernel):
     def start(self) -> None:
         super().start()  # type: ignore[no-untyped-call]
         self._main_loop = asyncio.get_event_loop()
-        self._events = asyncio.Queue()
         self._main_loop.create_task(self._apply_events())
         assert self._raft is not None
         self._raft.start()
@@ -206,8 +210,9 @@ class ReplicaKernel(IPythonKernel):
 
     def _post_event(self, event: Event) -> None:
         # Called on the Raft thread: hand the event to the kernel's own loop.
-        assert self._main_loop is not None and self._events is not None
-        self._main_loop.call_soon_threadsafe(self._events.put_nowait, event)
+        assert self._main_loop is not None
+        self._inbox.append(event)
+        self._main_loop.call_soon_threadsafe(self._arrived.set)
 
     # --- the executor's path -------------------------------------------------------
 
@@ -378,7 +383,7 @@ class ReplicaKernel(IPythonKernel):
             # the applier rolls our changes back once this cell ends.
             self._diverged = True
             return
-        await self._wait_done(cell.index)
+        await self._own_done_applied(cell.index)
 
     def _tell_unpicklable(self, delta: StateDelta) -> None:
         fresh = [(name, why) for name, why in delta.unpicklable if name not in self._warned]
@@ -427,30 +432,51 @@ class ReplicaKernel(IPythonKernel):
         while self._applied_done < index:
             await self._applied_changed.wait()
 
+    async def _own_done_applied(self, index: int) -> None:
+        """Wait until our committed ``Done`` of cell ``index`` applied here.
+
+        If it is next in line, the cell's own task applies it: the cell's changes are in
+        the namespace already, so that only moves the watermark, and waiting for the
+        applier task would add turns of the loop to every cell's reply.
+        """
+        event = self._inbox[0] if self._inbox and not self._applying.locked() else None
+        # Only a Done that counts: any other asks for a rollback, which needs the
+        # namespace lock that the cell holds.
+        if isinstance(event, CellCommitted) and (
+            (event.exec_index, event.replica, event.counts) == (index, self.node, True)
+        ):
+            async with self._applying:
+                await self._apply_next(self._inbox.popleft())
+        await self._wait_done(index)
+
     async def _apply_events(self) -> None:
-        assert self._events is not None
         while True:
-            event = await self._events.get()
-            try:
-                await self._apply_event(event)
-            except Exception:
-                # A delta that cannot apply must not stop the applier: later cells still
-                # need their Done to be seen. The namespace digest shows the divergence.
-                log.exception("applying %s failed", type(event).__name__)
-            if self._rollback is not None:
-                # Before the watermark moves: nothing may see or build on the old state.
-                await self._roll_back(self._rollback)
-            if isinstance(event, CommDelivered):
-                self._applied_comm = event.index
-            else:
-                self._applied_done = (
-                    event.exec_index if isinstance(event, CellCommitted) else event.last_done
-                )
-            # Wake every waiter; each re-checks its own watermark.
-            self._applied_changed.set()
-            self._applied_changed = asyncio.Event()
-            if not isinstance(event, CommDelivered):
-                await self._maybe_rebase()
+            await self._arrived.wait()
+            self._arrived.clear()
+            async with self._applying:
+                while self._inbox:
+                    await self._apply_next(self._inbox.popleft())
+            await self._maybe_rebase()
+
+    async def _apply_next(self, event: Event) -> None:
+        try:
+            await self._apply_event(event)
+        except Exception:
+            # A delta that cannot apply must not stop the applier: later cells still
+            # need their Done to be seen. The namespace digest shows the divergence.
+            log.exception("applying %s failed", type(event).__name__)
+        if self._rollback is not None:
+            # Before the watermark moves: nothing may see or build on the old state.
+            await self._roll_back(self._rollback)
+        if isinstance(event, CommDelivered):
+            self._applied_comm = event.index
+        else:
+            self._applied_done = (
+                event.exec_index if isinstance(event, CellCommitted) else event.last_done
+            )
+        # Wake every waiter; each re-checks its own watermark.
+        self._applied_changed.set()
+        self._applied_changed = asyncio.Event()
 
     async def _roll_back(self, committed: Restored) -> None:
         """Make the namespace the kernel's committed state (a snapshot, or the state a
@@ -474,8 +500,8 @@ class ReplicaKernel(IPythonKernel):
 
     async def _maybe_rebase(self) -> None:
         """Image the namespace for Raft snapshots once enough deltas piled up on the last one."""
-        assert self._machine is not None and self._sync is not None and self._events is not None
-        if not self._events.empty() or self._machine.replay_bytes < self.rebase_bytes:
+        assert self._machine is not None and self._sync is not None
+        if self._inbox or self._machine.replay_bytes < self.rebase_bytes:
             return
         async with self._namespace_lock:
             if self._dirty is not None:
