@@ -115,7 +115,8 @@ async def test_an_agent_with_a_foreign_key_is_refused(
 async def test_replicas_start_signal_stop_and_their_exits_are_reported(
     tmp_path: Path, gateway: FakeGateway, agents: list[AgentProcess]
 ) -> None:
-    agents.append(start_agent("h1", gateway.address, tmp_path))
+    agent = start_agent("h1", gateway.address, tmp_path)
+    agents.append(agent)
     await gateway.welcome("h1")
     first = await _start(gateway, "r1")
     assert first.running and alive(first.pid)
@@ -130,10 +131,15 @@ async def test_replicas_start_signal_stop_and_their_exits_are_reported(
     )
     await gateway.send(AGENT, ReplicaExitAck("r1"))
 
-    second = await _start(gateway, "r2", ["python3", "-c", "import sys; sys.exit(3)"])
+    fail = "import sys; sys.stderr.write('ValueError: no such thing\\n'); sys.exit(3)"
+    second = await _start(gateway, "r2", ["python3", "-c", fail])
     ended = await gateway.wait_for(ReplicaExited, lambda m: m.replica.replica_id == "r2")
     assert (ended.replica.exit_code, ended.replica.signal) == (3, None)
     assert ended.replica.pid == second.pid
+    # A failure is a warning that quotes the end of the replica's output.
+    warning = f"replica r2 (pid {second.pid}) failed with exit code 3"
+    await _poll(lambda: warning in agent.log_text())
+    assert "ValueError: no such thing" in agent.log_text().split(warning, 1)[1]
     await gateway.send(AGENT, ReplicaExitAck("r2"))
 
     third = await _start(gateway, "r3")
