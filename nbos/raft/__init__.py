@@ -4,6 +4,7 @@
 :class:`~nbos.core.replicated_log.ReplicatedLog`.
 """
 
+from nbos.raft._waiters import Outcome
 from nbos.raft.driver import RaftReplicatedLog, open_raft_log
 
-__all__ = ["RaftReplicatedLog", "open_raft_log"]
+__all__ = ["Outcome", "RaftReplicatedLog", "open_raft_log"]

@@ -13,14 +13,14 @@ T = TypeVar("T")
 class Outcome(Generic[T]):
     """A value or an error, set once, awaited by one caller.
 
-    ``on_set`` gets the value the moment it is set, on the setter's thread.
+    ``on_done`` is called with the outcome the moment it is set or failed.
     """
 
-    def __init__(self, on_set: Callable[[T], None] | None = None) -> None:
+    def __init__(self, on_done: Callable[[Outcome[T]], None] | None = None) -> None:
         self._event = anyio.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
-        self._on_set = on_set
+        self._on_done = on_done
 
     @property
     def done(self) -> bool:
@@ -30,19 +30,29 @@ class Outcome(Generic[T]):
         if not self.done:
             self._value = value
             self._event.set()
-            if self._on_set is not None:
-                self._on_set(value)
+            self._done()
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
             self._error = error
             self._event.set()
+            self._done()
 
-    async def wait(self) -> T:
-        await self._event.wait()
+    def _done(self) -> None:
+        if self._on_done is not None:
+            self._on_done(self)
+
+    def result(self) -> T:
+        """The value, or the error raised; only once :attr:`done`."""
+        if not self.done:
+            raise RuntimeError("the outcome is not settled yet")
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+    async def wait(self) -> T:
+        await self._event.wait()
+        return self.result()
 
 
 class Watermark:

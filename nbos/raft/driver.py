@@ -92,12 +92,12 @@ class _Pending:
         client_id: str,
         seq: int,
         timeout: float = math.inf,
-        on_applied: Callable[[bytes], None] | None = None,
+        on_done: Callable[[Outcome[bytes]], None] | None = None,
     ) -> None:
         self.client_id = client_id
         self.seq = seq
         self.timeout = timeout
-        self.outcome: Outcome[bytes] = Outcome(on_applied)
+        self.outcome: Outcome[bytes] = Outcome(on_done)
 
     def expire(self) -> None:
         self.outcome.fail(
@@ -170,6 +170,7 @@ class RaftReplicatedLog:
             10_000
         )
         self._client_id = f"node-{node.id}-{uuid.uuid4().hex[:12]}"
+        self._tasks: TaskGroup | None = None
         self._seq = 0
         self._closed = False
         self._last_snapshot = node.snapshot.meta.index
@@ -215,28 +216,48 @@ class RaftReplicatedLog:
         seq: int | None = None,
         timeout: float = 10.0,
         forward: bool = False,
-        on_applied: Callable[[bytes], None] | None = None,
     ) -> bytes:
         """See :class:`~nbos.core.replicated_log.ReplicatedLog`; ``forward=True`` on a
         follower hands the proposal to the leader instead of raising ``NotLeaderError``,
         and keeps doing so across leader changes until it applied here or ``timeout``
-        passed (``ProposalTimeoutError``).
-
-        ``on_applied`` gets the result on the node loop the moment the entry applied,
-        turns of the loop before this coroutine resumes: a caller on another thread
-        learns it sooner.
-        """
+        passed (``ProposalTimeoutError``)."""
         if client_id is None or seq is None:
             self._seq += 1
             client_id, seq = self._client_id, self._seq
-        session = self._sessions.get(client_id)
-        if session is not None and session.seq == seq:
-            return session.result
-        proposal = Proposal(client_id, seq, data)
-        pending = _Pending(client_id, seq, on_applied=on_applied)
-        if forward:
-            return await self._enqueue(lambda: self._track(proposal, pending), pending, timeout)
-        return await self._enqueue(self._appender(proposal, pending), pending, timeout)
+        pending, step = self._proposal(data, client_id, seq, forward, None)
+        if step is None:
+            return await pending.outcome.wait()
+        return await self._enqueue(step, pending, timeout)
+
+    def propose_nowait(
+        self,
+        data: bytes,
+        *,
+        client_id: str,
+        seq: int,
+        on_done: Callable[[Outcome[bytes]], None],
+        timeout: float = 10.0,
+        forward: bool = False,
+    ) -> None:
+        """:meth:`propose` for a caller on the node's own loop that does not wait there.
+
+        ``on_done`` gets the outcome (its :meth:`~Outcome.result` is what ``propose``
+        returns or raises) on that loop the moment it settles: as the entry applies,
+        turns of the loop before an awaiting caller would resume.
+        """
+        pending, step = self._proposal(data, client_id, seq, forward, on_done)
+        if step is None or (unsent := self._submit(step, pending, timeout)) is None:
+            return
+
+        async def send() -> None:
+            # A full inbox (a node far behind): the proposal waits for room in a task.
+            try:
+                await self._inbox_send.send(unsent)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pending.outcome.fail(LogClosedError("the replicated log was closed"))
+
+        assert self._tasks is not None
+        self._tasks.start_soon(send)
 
     async def ask_for_leadership(self) -> None:
         """Ask the leader this node knows of to hand leadership to it (best effort:
@@ -295,8 +316,9 @@ class RaftReplicatedLog:
         await self._call(lambda: self._node.transfer_leadership(int(node)))
 
     async def aclose(self) -> None:
-        self._fail_all(LogClosedError("the replicated log was closed"))
+        # Closed first: a waiter told of the close may propose again (propose_nowait).
         self._closed = True
+        self._fail_all(LogClosedError("the replicated log was closed"))
         await self._inbox_send.aclose()
 
     # --- calls into the node loop --------------------------------------------------
@@ -319,28 +341,59 @@ class RaftReplicatedLog:
             raise LogClosedError("the replicated log was closed") from None
         return await outcome.wait()
 
-    async def _enqueue(
-        self, submit: Callable[[], None], pending: _Pending, timeout: float
-    ) -> bytes:
-        """Run ``submit`` on the node loop and wait for ``pending``, in one trip.
+    def _proposal(
+        self,
+        data: bytes,
+        client_id: str,
+        seq: int,
+        forward: bool,
+        on_done: Callable[[Outcome[bytes]], None] | None,
+    ) -> tuple[_Pending, Callable[[], None] | None]:
+        """A proposal's waiter and the step that proposes it on the node loop (``None``:
+        a retry of what applied already, settled at once with the first result)."""
+        pending = _Pending(client_id, seq, on_done=on_done)
+        session = self._sessions.get(client_id)
+        if session is not None and session.seq == seq:
+            pending.outcome.set(session.result)
+            return pending, None
+        proposal = Proposal(client_id, seq, data)
+        if forward:
+            return pending, functools.partial(self._track, proposal, pending)
+        return pending, self._appender(proposal, pending)
+
+    def _submit(
+        self, step: Callable[[], None], pending: _Pending, timeout: float
+    ) -> Callable[[], None] | None:
+        """Queue ``step`` for the node loop, ``pending`` failing after ``timeout``;
+        returns ``step`` if the inbox is full (the caller sends it once there is room).
 
         This is the hot path under load, so it avoids a cancel scope and timer per
         proposal: the deadline goes on a heap that the tick loop sweeps (so it is
-        kept to within a tick), and ``submit`` fails on refusal the same outcome
-        that the apply sets.
+        kept to within a tick), and ``step`` fails on refusal the same outcome that
+        the apply sets.
         """
         if self._closed:
-            raise LogClosedError("the replicated log was closed")
+            pending.outcome.fail(LogClosedError("the replicated log was closed"))
+            return None
         pending.timeout = timeout
         deadline = time.monotonic() + timeout
         heapq.heappush(self._deadlines, (deadline, next(self._tiebreak), pending))
         try:
-            try:
-                self._inbox_send.send_nowait(submit)
-            except anyio.WouldBlock:
-                await self._inbox_send.send(submit)
+            self._inbox_send.send_nowait(step)
+        except anyio.WouldBlock:
+            return step
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise LogClosedError("the replicated log was closed") from None
+            pending.outcome.fail(LogClosedError("the replicated log was closed"))
+        return None
+
+    async def _enqueue(self, step: Callable[[], None], pending: _Pending, timeout: float) -> bytes:
+        """Run ``step`` on the node loop and wait for ``pending``, in one trip."""
+        unsent = self._submit(step, pending, timeout)
+        if unsent is not None:
+            try:
+                await self._inbox_send.send(unsent)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                raise LogClosedError("the replicated log was closed") from None
         return await pending.outcome.wait()
 
     def _expire(self) -> None:
@@ -464,6 +517,7 @@ class RaftReplicatedLog:
     # --- the loops -----------------------------------------------------------------
 
     async def _run(self, task_group: TaskGroup) -> None:
+        self._tasks = task_group
         task_group.start_soon(self._tick_loop)
         task_group.start_soon(self._receive_loop)
         await self._node_loop()

@@ -20,7 +20,7 @@ from nbos.core.ids import NodeId, PeerId
 from nbos.core.wire import encode
 from nbos.core.wire.log_commands import Proposal
 from nbos.core.wire.raft import RaftForward
-from nbos.raft import RaftReplicatedLog, open_raft_log
+from nbos.raft import Outcome, RaftReplicatedLog, open_raft_log
 from nbos.raft.kv import KeyValueStateMachine, encode_command
 from nbos.transport import MemoryNetwork
 from tests._wait import eventually
@@ -197,39 +197,36 @@ async def test_a_follower_forwards_its_proposal_and_returns_once_applied_there()
         await g.converged([1, 2, 3])
 
 
-async def test_on_applied_gets_the_result_as_the_entry_applies_before_propose_returns() -> None:
+async def test_propose_nowait_settles_as_the_entry_applies_and_says_why_it_failed() -> None:
     async with group([1, 2, 3]) as g:
         leader = await g.leader()
         node, follower = next((n, r) for n, r in g.nodes.items() if r is not leader)
-        runs = (
-            (leader, g.machines[int(leader.node_id)], False),
-            (follower, g.machines[node], True),
-        )
-        for raft, machine, forward in runs:
-            seen: list[str] = []
-
-            def applied(
-                result: bytes, machine: KeyValueStateMachine = machine, seen: list[str] = seen
-            ) -> None:
-                # Called on the node loop the moment the entry applied on that node.
-                seen.append(f"applied {result.decode()} {machine.data['k']}")
-
-            value = f"v{forward}"
-            put = encode_command("put", "k", value)
-            assert await raft.propose(put, forward=forward, on_applied=applied) == value.encode()
-            seen.append("returned")
-            assert seen == [f"applied {value} {value}", "returned"]
-
-
-async def test_on_applied_is_not_called_for_a_refused_proposal() -> None:
-    async with group([1, 2, 3]) as g:
-        leader = await g.leader()
-        follower = next(r for r in g.nodes.values() if r is not leader)
         await eventually(lambda: follower.leader_id == leader.node_id)
-        seen: list[bytes] = []
+        seen: list[str] = []
+        settled = anyio.Event()
+
+        def on_done(outcome: Outcome[bytes]) -> None:
+            # On the node loop, the moment the entry applied on that node.
+            seen.append(f"{outcome.result().decode()} {g.machines[node].data['k']}")
+            settled.set()
+
+        put = encode_command("put", "k", "v1")
+        follower.propose_nowait(put, client_id="c", seq=1, forward=True, on_done=on_done)
+        with anyio.fail_after(10):
+            await settled.wait()
+        assert seen == ["v1 v1"]
+        # A retry of what applied is settled at once, with the first result.
+        retry: list[bytes] = []
+        follower.propose_nowait(
+            put, client_id="c", seq=1, on_done=lambda o: retry.append(o.result())
+        )
+        assert retry == [b"v1"]
+        # A follower that is not asked to forward refuses, through the same callback.
+        refused: list[Outcome[bytes]] = []
+        follower.propose_nowait(put, client_id="c", seq=2, on_done=refused.append)
+        await eventually(lambda: len(refused) == 1)
         with pytest.raises(NotLeaderError):
-            await follower.propose(encode_command("put", "k", "w"), on_applied=seen.append)
-        assert seen == []
+            refused[0].result()
 
 
 async def test_a_proposal_the_new_leader_holds_already_applies_once() -> None:

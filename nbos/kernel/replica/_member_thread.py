@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -33,6 +34,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
+import attrs
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import (
@@ -47,6 +49,7 @@ from nbos.core.replicated_log import StateMachine
 from nbos.core.wire import encode
 from nbos.core.wire.entries import KernelEntry
 from nbos.kernel.replica._machine import Outcome, decode_outcome
+from nbos.raft import Outcome as RaftOutcome
 from nbos.raft import RaftReplicatedLog, open_raft_log
 from nbos.transport import CurveKeys, open_transport
 
@@ -79,9 +82,20 @@ async def _result(future: Future[T]) -> T:
     try:
         return future.result(timeout=BLOCKING_WAIT_S)
     except concurrent.futures.TimeoutError:
-        return await asyncio.wrap_future(future)
+        pass
     except concurrent.futures.CancelledError:  # the member stopped (stop)
         raise LogClosedError("the replica's Raft member stopped") from None
+    # Not asyncio.wrap_future: it turns the member's cancellation into a CancelledError
+    # here, which would pass for the cancellation of the waiting task itself.
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[T] = loop.create_future()
+
+    def copy_over(done: Future[T]) -> None:
+        with contextlib.suppress(RuntimeError):  # the waiting loop closed meanwhile
+            loop.call_soon_threadsafe(_copy_outcome, done, waiter)
+
+    future.add_done_callback(copy_over)
+    return await waiter
 
 
 def _settle(applied: Future[bytes], result: bytes) -> None:
@@ -90,15 +104,24 @@ def _settle(applied: Future[bytes], result: bytes) -> None:
         applied.set_result(result)
 
 
-def _settle_from(applied: Future[bytes], running: Future[bytes]) -> None:
-    """Give ``applied`` the outcome of ``running``, unless it has one already."""
-    if running.cancelled():
-        applied.cancel()
-    elif (error := running.exception()) is not None:
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            applied.set_exception(error)
+@attrs.frozen
+class _Queued:
+    """A proposal of the kernel's thread, and the future it waits on."""
+
+    data: bytes
+    timeout: float
+    applied: Future[bytes]
+
+
+def _copy_outcome(done: Future[T], waiter: asyncio.Future[T]) -> None:
+    if waiter.done():  # the waiting task was cancelled
+        return
+    if done.cancelled():  # the member stopped (stop)
+        waiter.set_exception(LogClosedError("the replica's Raft member stopped"))
+    elif (error := done.exception()) is not None:
+        waiter.set_exception(error)
     else:
-        _settle(applied, running.result())
+        waiter.set_result(done.result())
 
 
 def _hand_over_the_gil(_: Future[Any]) -> None:
@@ -150,8 +173,10 @@ class RaftMemberThread:
         self._client_id = f"{kernel_id}/{node_id}/{os.getpid()}"
         self._seq = itertools.count(1)
         # The log keeps one session per client id and drops an entry whose seq is below
-        # the last applied one, so this client's proposals must commit in seq order.
-        self._order: anyio.Lock | None = None
+        # the last applied one, so this client's proposals must commit in seq order:
+        # one is in flight at a time, the others wait here (on the member's loop).
+        self._queued: deque[_Queued] = deque()
+        self._in_flight = False
 
     @property
     def node_id(self) -> NodeId:
@@ -179,13 +204,16 @@ class RaftMemberThread:
 
     async def propose(self, entry: KernelEntry, *, timeout: float = 30.0) -> Outcome:
         """Commit ``entry``; returns its outcome once it has applied on this node."""
-        data = encode(entry)
-        applied: Future[bytes] = Future()
-        # seq is drawn on the Raft thread, under the order lock, so it follows commit order.
-        running = self._submit(self._propose(data, timeout, applied))
-        # The proposing task fails or is cancelled (at stop): so is the caller's wait.
-        running.add_done_callback(functools.partial(_settle_from, applied))
-        return decode_outcome(await _result(applied))
+        queued = _Queued(encode(entry), timeout, Future())
+        loop = self._loop
+        if loop is None:
+            raise LogClosedError("the replica's Raft member is not running")
+        try:
+            # Not a task on the member's loop: a callback, a turn of that loop sooner.
+            loop.call_soon_threadsafe(self._enqueue, queued)
+        except RuntimeError:  # the loop closed meanwhile (stop)
+            raise LogClosedError("the replica's Raft member is not running") from None
+        return decode_outcome(await _result(queued.applied))
 
     async def caught_up(self, *, timeout: float = 30.0) -> None:
         """Return once this member has applied every entry committed before the call.
@@ -297,21 +325,50 @@ class RaftMemberThread:
                 join=self._join,
             ) as raft_log:
                 self._log = raft_log
-                self._order = anyio.Lock()
                 self._loop = asyncio.get_running_loop()
                 task_status.started()
-                await anyio.sleep_forever()
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    self._cancel_queued()
 
-    async def _propose(self, data: bytes, timeout: float, applied: Future[bytes]) -> bytes:
-        """Propose ``data``; ``applied`` gets the result as the entry applies here."""
-        assert self._order is not None and self._log is not None
+    def _enqueue(self, queued: _Queued) -> None:
+        """On the member's loop: propose ``queued`` once the proposals before it applied."""
+        self._queued.append(queued)
+        if not self._in_flight:
+            self._propose_next()
 
-        async with self._order:
-            return await self._log.propose(
-                data,
+    def _propose_next(self) -> None:
+        raft_log = self._log
+        assert raft_log is not None
+        while self._queued:
+            queued = self._queued.popleft()
+            if queued.applied.done():  # its caller gave up
+                continue
+            self._in_flight = True
+            # seq is drawn here, in the order proposals go out, so it follows commit order.
+            raft_log.propose_nowait(
+                queued.data,
                 client_id=self._client_id,
                 seq=next(self._seq),
-                timeout=timeout,
+                timeout=queued.timeout,
                 forward=True,
-                on_applied=functools.partial(_settle, applied),
+                on_done=functools.partial(self._settled, queued.applied),
             )
+            return
+        self._in_flight = False
+
+    def _settled(self, applied: Future[bytes], outcome: RaftOutcome[bytes]) -> None:
+        # On the member's loop, as the entry applied (or the proposal failed).
+        try:
+            _settle(applied, outcome.result())
+        except Exception as exc:  # the proposal's error is the caller's
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                applied.set_exception(exc)
+        self._propose_next()
+
+    def _cancel_queued(self) -> None:
+        """The member stops: whatever waits for it is told so (``LogClosedError``)."""
+        for queued in self._queued:
+            queued.applied.cancel()
+        self._queued.clear()
