@@ -121,6 +121,8 @@ _READ_CHUNK = 1 << 16
 #: Requests served at once, by tasks started up front (a task started per request
 #: cost 8-12% of the commits/s of bench/raft.py); more wait in line.
 _WORKERS = 256
+_WRITES = ("put", "append")
+_WRITE_TIMEOUT_S = 2.0
 
 
 def _peer(node: int) -> PeerId:
@@ -149,20 +151,30 @@ async def _serve(args: argparse.Namespace) -> None:
             ) as raft,
             anyio.create_task_group() as tg,
         ):
-            lines, taken = anyio.create_memory_object_stream[bytes](math.inf)
+            requests, taken = anyio.create_memory_object_stream[Request](math.inf)
             for _ in range(_WORKERS):
                 tg.start_soon(_work, raft, machine, taken)
             _answer({"ready": args.node})
             async for line in _stdin_lines():
-                lines.send_nowait(line)
+                request = _decode(line)
+                if request is None:
+                    continue
+                if request.op in _WRITES and request.client is not None and request.seq is not None:
+                    # Proposed here and answered from the node loop as it applies: no
+                    # worker wakes for it, nor resumes after it.
+                    _propose(raft, request, request.client, request.seq)
+                else:
+                    requests.send_nowait(request)
             tg.cancel_scope.cancel()  # stdin closed: the client is gone
 
 
 async def _work(
-    raft: RaftReplicatedLog, machine: KeyValueStateMachine, lines: MemoryObjectReceiveStream[bytes]
+    raft: RaftReplicatedLog,
+    machine: KeyValueStateMachine,
+    requests: MemoryObjectReceiveStream[Request],
 ) -> None:
-    async for line in lines:
-        await _answer_line(raft, machine, line)
+    async for request in requests:
+        _reply(request, await _handle(raft, machine, request))
 
 
 async def _stdin_lines() -> AsyncIterator[bytes]:
@@ -184,14 +196,36 @@ async def _stdin_lines() -> AsyncIterator[bytes]:
                 yield line
 
 
-async def _answer_line(raft: RaftReplicatedLog, machine: KeyValueStateMachine, line: bytes) -> None:
+def _decode(line: bytes) -> Request | None:
+    """The request on ``line``; a bad line is answered here (``None``)."""
     try:
-        request = _request_decoder.decode(line)
+        return _request_decoder.decode(line)
     except msgspec.DecodeError as exc:
         log.warning("bad request line %r: %s", line[:200], exc)
         _answer({"ok": False, "error": "DecodeError", "detail": str(exc)})
-        return
-    reply = await _handle(raft, machine, request)
+        return None
+
+
+def _propose(raft: RaftReplicatedLog, request: Request, client: str, seq: int) -> None:
+    def answer(outcome: Outcome[bytes]) -> None:
+        try:
+            reply = _written(request.op, outcome.result())
+        except NbosError as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "leader": raft.leader_id}
+        _reply(request, reply)
+
+    data = encode_command(request.op, request.key, request.value)
+    raft.propose_nowait(data, client_id=client, seq=seq, timeout=_WRITE_TIMEOUT_S, on_done=answer)
+
+
+def _written(op: str, result: bytes) -> dict[str, Any]:
+    # An append answers only the new length: the value grows without bound.
+    if op == "append":
+        return {"ok": True, "size": len(result)}
+    return {"ok": True, "value": result.decode()}
+
+
+def _reply(request: Request, reply: dict[str, Any]) -> None:
     if request.id is not None:
         reply["id"] = request.id
     _answer(reply)
@@ -202,15 +236,12 @@ async def _handle(
 ) -> dict[str, Any]:
     op = request.op
     try:
-        if op in ("put", "append"):
+        if op in _WRITES:
             data = encode_command(op, request.key, request.value)
             result = await raft.propose(
-                data, client_id=request.client, seq=request.seq, timeout=2.0
+                data, client_id=request.client, seq=request.seq, timeout=_WRITE_TIMEOUT_S
             )
-            # An append answers only the new length: the value grows without bound.
-            if op == "append":
-                return {"ok": True, "size": len(result)}
-            return {"ok": True, "value": result.decode()}
+            return _written(op, result)
         if op == "get":
             await raft.read_index(timeout=2.0)
             return {"ok": True, "value": machine.data.get(request.key)}
