@@ -604,6 +604,13 @@ class RaftReplicatedLog:
         # followers' fsyncs overlap the leader's: safe because this loop steps no
         # answer to them, hence commits nothing, until the Ready below is persisted.
         # Every other message (votes, acks) must wait for the write it vouches for.
+        # A Ready that only commits is applied first: what it commits is durable on a
+        # majority already, and its write (the commit index) is no sync; its proposers
+        # hear back before the leader tells the followers.
+        commits_only = not rd.entries and rd.snapshot is None
+        if commits_only:
+            for entry in rd.committed_entries:
+                self._apply(entry)
         for append in rd.messages:
             if isinstance(append, RaftAppend):
                 await self._send(append)
@@ -622,8 +629,9 @@ class RaftReplicatedLog:
             for key, tracked in list(self._forwarding.items()):
                 if self._settle_from_session(tracked.proposal, tracked.waiters):
                     del self._forwarding[key]
-        for entry in rd.committed_entries:
-            self._apply(entry)
+        if not commits_only:
+            for entry in rd.committed_entries:
+                self._apply(entry)
         self._node.advance(rd)
         for state in rd.read_states:
             outcome = self._reads.get(state.ctx)
