@@ -102,7 +102,8 @@ class _Pending:
     """A request relayed to one replica, until its reply and its ``idle`` came back.
 
     ``replied`` is set by the reply (or, for a message without one, by the idle),
-    ``idled`` by the replica's ``idle``; both by the replica's death (``lost``).
+    ``idled`` by the replica's ``idle``; both by the replica's death (``lost``);
+    ``heard`` by whichever of them comes first.
     """
 
     msg_id: str
@@ -120,20 +121,24 @@ class _Pending:
     sent: bool = False
     replied: anyio.Event = attrs.Factory(anyio.Event)
     idled: anyio.Event = attrs.Factory(anyio.Event)
+    heard: anyio.Event = attrs.Factory(anyio.Event)
 
     def got_reply(self, reply: _wire.Msg) -> None:
         self.reply = reply
         self.replied.set()
+        self.heard.set()
 
     def got_idle(self) -> None:
         self.idled.set()
         if not self.expects_reply:
             self.replied.set()
+        self.heard.set()
 
     def got_lost(self) -> None:
         self.lost = True
         self.replied.set()
         self.idled.set()
+        self.heard.set()
 
 
 @attrs.frozen
@@ -1038,17 +1043,13 @@ class KernelFront:
 
 
 async def _wait_reply(pending: _Pending) -> None:
-    """Until ``pending`` has its reply, or its replica went idle without sending one."""
-    async with anyio.create_task_group() as tg:
-
-        async def idle_without_reply() -> None:
-            await pending.idled.wait()
-            await anyio.sleep(NO_REPLY_GRACE_S)
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(idle_without_reply)
-        await pending.replied.wait()
-        tg.cancel_scope.cancel()
+    """Until ``pending`` has its reply, or its replica went idle without sending one
+    (:data:`NO_REPLY_GRACE_S` ago)."""
+    # No task per request for the rare idle-first case: every cell waits here.
+    await pending.heard.wait()
+    if not pending.replied.is_set():
+        with anyio.move_on_after(NO_REPLY_GRACE_S):
+            await pending.replied.wait()
 
 
 def _without_subshells(reply: _wire.Msg) -> _wire.Msg:
