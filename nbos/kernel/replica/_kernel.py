@@ -70,6 +70,7 @@ from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._membership import member_reply
 from nbos.kernel.replica._output import CellOutput
 from nbos.kernel.replica._sync import NamespaceSync
+from nbos.kernel.state import UserState
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class ReplicaKernel(IPythonKernel):
         self._warned: set[str] = set()
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns)
         self._early: _EarlyClaim | None = None
+        self._user_names = UserState()
 
     # --- wiring ------------------------------------------------------------------
 
@@ -654,10 +656,7 @@ class ReplicaKernel(IPythonKernel):
     def _user_state(self) -> dict[str, Any]:
         # IPython seeds user_ns with helpers of its own (``open``, ``exit`` ...) and lists
         # them in user_ns_hidden: each replica has its own, so they are not user state.
-        hidden = self._shell.user_ns_hidden
-        return {
-            k: v for k, v in self._shell.user_ns.items() if k not in hidden or hidden[k] is not v
-        }
+        return self._user_names.of(self._shell.user_ns, self._shell.user_ns_hidden)
 
     async def _evict_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Move tensors left resident on GPUs to host memory (the host needs the devices).

@@ -21,7 +21,7 @@ from nbos.kernel.state._apply import apply
 from nbos.kernel.state._buffers import LARGE
 from nbos.kernel.state._capture import StateCapture
 from nbos.kernel.state._digest import namespace_digest
-from nbos.kernel.state._names import is_user_name
+from nbos.kernel.state._names import UserState, is_user_name
 from nbos.kernel.state._process import ProcessState
 from nbos.kernel.state._snapshot import dump_namespace, image_process, load_namespace
 
@@ -29,6 +29,7 @@ __all__ = [
     "LARGE",
     "ProcessState",
     "StateCapture",
+    "UserState",
     "apply",
     "dump_namespace",
     "image_process",

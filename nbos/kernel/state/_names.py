@@ -37,5 +37,36 @@ def user_items(namespace: Mapping[str, object]) -> Iterator[tuple[str, object]]:
             yield name, value
 
 
+class UserState:
+    """The user state of one namespace, looked up after every cell.
+
+    IPython adds an ``_i<N>`` to a user namespace per cell and never removes it: checked
+    name by name, they made every cell cost more the longer its kernel lived (1.5 ms per
+    cell after 5,000 cells). Names that are not user state are remembered once seen
+    (whether a name is, depends on the name alone) and skipped as a set.
+    """
+
+    def __init__(self) -> None:
+        self._skipped: set[str] = set()
+
+    def of(
+        self, namespace: Mapping[str, object], hidden: Mapping[str, object]
+    ) -> dict[str, object]:
+        """The entries of ``namespace`` that may be user state, in its order: not
+        IPython's bookkeeping, nor what ``hidden`` holds (IPython's ``user_ns_hidden``:
+        helpers it seeds each namespace with) unless the user rebound the name.
+        :func:`user_items` of the result is the user state."""
+        skipped = self._skipped
+        found = {
+            name: value
+            for name, value in namespace.items()
+            if name not in skipped and (name not in hidden or hidden[name] is not value)
+        }
+        for name in [n for n in found if not is_user_name(n)]:
+            skipped.add(name)
+            del found[name]
+        return found
+
+
 def _is_ipython_open(value: object) -> bool:
     return value is not io.open and getattr(value, "__wrapped__", None) is io.open
