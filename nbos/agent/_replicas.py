@@ -111,10 +111,8 @@ class ExitStatus:
 class _Child:
     """A replica this agent started, or a container: its exit status is known."""
 
-    def __init__(self, handle: ProcessHandle, log_path: Path | None = None) -> None:
+    def __init__(self, handle: ProcessHandle) -> None:
         self._handle = handle
-        #: Where its output goes (a local process), for the warning if it fails.
-        self.log_path = log_path
 
     def running(self) -> bool:
         return self._handle.returncode is None
@@ -133,7 +131,6 @@ class _Adopted:
         self.pid = pid
         self._pidfd = pidfd
         self._ended = anyio.Event()
-        self.log_path: Path | None = None
 
     def running(self) -> bool:
         return not self._ended.is_set()
@@ -325,13 +322,12 @@ class ReplicaService:
                 self._host, ProcessSpec(argv, spec.env, label)
             )
             handle: ProcessHandle = local
-            pid, container, where, log_path = local.pid, "", str(local.log_path), local.log_path
+            pid, container, where = local.pid, "", str(local.log_path)
         else:
             started = await self._docker.start(
                 self._host, ProcessSpec(argv, container_env(spec.env), label)
             )
             handle, container, where = started, started.container_id, f"container {started.name}"
-            log_path = None
             try:
                 pid = await started.host_pid()
             except BackendError:  # logged by the backend; the container runs all the same
@@ -346,9 +342,7 @@ class ReplicaService:
             workdir=spec.workdir,
             container=container,
         )
-        replica = self._replicas[replica_id] = _Replica(
-            record, _Child(handle, log_path), adopted=False
-        )
+        replica = self._replicas[replica_id] = _Replica(record, _Child(handle), adopted=False)
         await self._save(record)
         log.info("replica %s started: pid %d (%s)", replica_id, pid, where)
         self._tg.start_soon(self._watch, replica)
@@ -457,8 +451,6 @@ class ReplicaService:
             status.exit_code,
             status.signal,
         )
-        if status.exit_code not in (None, 0) and replica.process is not None:
-            await _warn_failed(replica.record, status.exit_code, replica.process.log_path)
         # On disk before anyone hears of the end: an acknowledgement (which removes the
         # record) must not be overtaken by this write.
         await self._save(replica.record)
@@ -541,30 +533,3 @@ def _write_atomically(path: Path, record: ReplicaRecord) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(scratch, path)
-
-
-#: How much of a failed replica's output its warning quotes: its traceback, usually.
-_FAILURE_TAIL_BYTES = 4096
-
-
-async def _warn_failed(record: ReplicaRecord, exit_code: int, log_path: Path | None) -> None:
-    """Say that a replica failed, with the end of its output where this host has it."""
-    tail = ""
-    if log_path is not None:
-        try:
-            tail = await anyio.to_thread.run_sync(_read_tail, log_path, _FAILURE_TAIL_BYTES)
-        except OSError as exc:
-            tail = f"(its log {log_path} is unreadable: {exc})"
-    log.warning(
-        "replica %s (pid %d) failed with exit code %d%s",
-        record.replica_id,
-        record.pid,
-        exit_code,
-        f"; the end of its output:\n{tail}" if tail else "",
-    )
-
-
-def _read_tail(path: Path, size: int) -> str:
-    with path.open("rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-        return f.read().decode(errors="replace").rstrip()

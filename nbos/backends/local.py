@@ -41,15 +41,21 @@ logger = logging.getLogger(__name__)
 
 # How long aclose waits for SIGKILLed processes to be reaped before giving up on them.
 _REAP_TIMEOUT = 5.0
+#: How much of a failed process's output its warning quotes: its traceback, usually.
+_FAILURE_TAIL_BYTES = 4096
 
 
 class LocalProcessHandle(HandleBase):
     """A local subprocess, the leader of its own process group."""
 
-    def __init__(self, host: HostId, process: anyio.abc.Process, log_path: Path) -> None:
+    def __init__(
+        self, host: HostId, process: anyio.abc.Process, log_path: Path, label: str = ""
+    ) -> None:
         super().__init__(host)
         self._process = process
         self.log_path = log_path
+        self._label = label or str(log_path.name)
+        self._failure_told = False
         #: The process id, which is also its process group id.
         self.pid = process.pid
         #: The write end of its stdin, when it was started with ``stdin_pipe``.
@@ -67,7 +73,26 @@ class LocalProcessHandle(HandleBase):
     async def wait(self) -> int:
         status = await self._process.wait()
         self._end_group()
+        if status > 0 and not self._failure_told:
+            self._failure_told = True
+            await self._tell_failure(status)
         return status
+
+    async def _tell_failure(self, status: int) -> None:
+        """Warn that the process failed, quoting the end of its output (its log may not
+        outlive the run: a cluster's run directory goes with it)."""
+        try:
+            tail = await anyio.to_thread.run_sync(_read_tail, self.log_path, _FAILURE_TAIL_BYTES)
+        except OSError as exc:
+            tail = f"(its log {self.log_path} is unreadable: {exc})"
+        logger.warning(
+            "process %s (pid %d) on %s failed with exit code %d%s",
+            self._label,
+            self.pid,
+            self._host,
+            status,
+            f"; the end of its output:\n{tail}" if tail else "",
+        )
 
     def _end_group(self) -> None:
         """SIGKILL what is left of the process group once its leader ended, once.
@@ -142,7 +167,7 @@ class LocalProcessBackend:
         finally:
             # The child holds its own copy of the descriptor.
             log.close()
-        handle = LocalProcessHandle(host, process, log_path)
+        handle = LocalProcessHandle(host, process, log_path, spec.label)
         self._handles = with_running(self._handles, handle)
         logger.debug("started %r on %s: pid %d, log %s", spec.label, host, handle.pid, log_path)
         return handle
@@ -194,3 +219,9 @@ class LocalProcessBackend:
 
 def _open_append(path: Path) -> BinaryIO:
     return path.open("ab")
+
+
+def _read_tail(path: Path, size: int) -> str:
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+        return f.read().decode(errors="replace").rstrip()

@@ -137,7 +137,7 @@ async def test_replicas_start_signal_stop_and_their_exits_are_reported(
     assert (ended.replica.exit_code, ended.replica.signal) == (3, None)
     assert ended.replica.pid == second.pid
     # A failure is a warning that quotes the end of the replica's output.
-    warning = f"replica r2 (pid {second.pid}) failed with exit code 3"
+    warning = f"process r2 (pid {second.pid}) on h1 failed with exit code 3"
     await _poll(lambda: warning in agent.log_text())
     assert "ValueError: no such thing" in agent.log_text().split(warning, 1)[1]
     await gateway.send(AGENT, ReplicaExitAck("r2"))

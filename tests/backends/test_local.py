@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import uuid
@@ -42,6 +43,27 @@ async def test_output_goes_to_a_log_file_per_process(tmp_path: Path) -> None:
     assert first.log_path.name == "0000-talker_1.log"
     assert (await anyio.Path(first.log_path).read_text()).splitlines() == ["to out", "to err"]
     assert (await anyio.Path(second.log_path).read_text()) == "second\n"
+
+
+async def test_a_process_that_fails_is_a_warning_quoting_the_end_of_its_output(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="nbos.backends.local")
+    backend = LocalProcessBackend([H1], run_dir=tmp_path)
+    noisy = "import sys; print('x' * 9000); sys.exit('ValueError: no such thing')"
+    try:
+        failed = await backend.start(H1, ProcessSpec(python(noisy), label="replica-1"))
+        fine = await backend.start(H1, ProcessSpec(python("print('fine')"), label="replica-2"))
+        assert await failed.wait() == 1
+        assert await failed.wait() == 1  # told once, however often it is waited for
+        assert await fine.wait() == 0
+    finally:
+        await backend.aclose()
+    messages = [r.getMessage() for r in caplog.records]
+    (warning,) = [m for m in messages if "failed with exit code" in m]
+    assert warning.startswith(f"process replica-1 (pid {failed.pid}) on h1 failed with exit code 1")
+    # The end of its output (its traceback, usually), not all of it.
+    assert warning.endswith("ValueError: no such thing") and len(warning) < 4200
 
 
 async def test_without_run_dir_logs_go_to_a_fresh_temporary_directory() -> None:
