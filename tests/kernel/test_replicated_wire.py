@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
+from ipykernel.kernelapp import IPKernelApp
 from jupyter_client.session import Session
 
 from nbos.core.config import RaftSettings
@@ -14,7 +16,7 @@ from nbos.kernel.front._requests import Channel, UnknownRequestError, reply_type
 from nbos.kernel.front._wire import Signer
 from nbos.kernel.protocol import cell_request
 from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, parse_peers
-from nbos.kernel.replica._app import parse_raft_settings
+from nbos.kernel.replica._app import _log_only_what_is_shown, parse_raft_settings
 
 KEY = "k" * 64
 
@@ -147,3 +149,14 @@ def test_client_requests_are_screened_by_channel_type_and_content(
 def test_replies_are_named_after_their_request() -> None:
     assert reply_type("kernel_info_request") == "kernel_info_reply"
     assert reply_type("comm_msg") is None
+
+
+@pytest.mark.parametrize("level", [logging.WARNING, logging.DEBUG])
+def test_a_replica_app_builds_no_debug_records_its_handlers_would_drop(level: int) -> None:
+    # traitlets sets its app's logger to DEBUG and filters at the handler (log_level).
+    app = IPKernelApp(log_level=level)
+    assert app.log.isEnabledFor(logging.DEBUG)
+    _log_only_what_is_shown(app.log)
+    # Unless the app shows DEBUG (--debug), ipykernel's log.debug calls are no-ops.
+    assert app.log.isEnabledFor(logging.DEBUG) == (level == logging.DEBUG)
+    assert app.log.isEnabledFor(logging.WARNING)

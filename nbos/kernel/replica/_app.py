@@ -114,6 +114,7 @@ class ReplicaApp(IPKernelApp):
     )
 
     def init_kernel(self) -> None:
+        _log_only_what_is_shown(self.log)
         super().init_kernel()  # type: ignore[no-untyped-call]
         if not self.kernel_id or not self.store:
             raise ConfigError("kernel-id/store", None, "both given")
@@ -136,6 +137,20 @@ class ReplicaApp(IPKernelApp):
         kernel.attach(raft, open_store(self.store))
         if self.virtual_gpus:
             kernel.use_virtual_gpus()
+
+
+def _log_only_what_is_shown(log: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """Raise the app's logger to the lowest level its handlers show.
+
+    traitlets sets its application's logger to DEBUG and filters at the handlers
+    (``log_level``): each of ipykernel's ``log.debug`` calls, five per cell and one with
+    the whole message, then builds a record that no handler takes, on the executor's
+    path. With ``--debug`` the handlers show DEBUG and nothing changes.
+    """
+    logger = log.logger if isinstance(log, logging.LoggerAdapter) else log
+    levels = [h.level for h in logger.handlers]
+    if levels:
+        logger.setLevel(max(logger.level, min(levels)))
 
 
 # What ipykernel and IPython import only while a kernel starts (to start sooner
