@@ -56,6 +56,25 @@ def test_a_part_travels_once_and_only_when_it_changed(
 
 
 @pytest.mark.usefixtures("restore_process")
+def test_a_value_set_back_to_an_earlier_one_travels_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reads of unchanged parts are remembered (most cells change none): going back to
+    # an earlier value is still a change.
+    process = ProcessState()
+    process.capture()
+    earlier = random.getstate()
+    for value in ("1", "2", "1"):
+        monkeypatch.setenv("NBOS_TEST_BACK", value)
+        assert process.capture() == {"env:NBOS_TEST_BACK": value.encode()}
+    random.random()
+    assert list(process.capture()) == ["random"]
+    random.setstate(earlier)
+    assert process.capture() == {"random": pickle.dumps(earlier)}
+    changed = process.current()
+    changed["env:NBOS_TEST_BACK"] = b"poisoned"  # a caller's copy, not what is remembered
+    assert process.current()["env:NBOS_TEST_BACK"] == b"1"
+
+
+@pytest.mark.usefixtures("restore_process")
 def test_applied_parts_are_not_sent_back_and_generators_count_in_the_digest(
     tmp_path: Path,
 ) -> None:
