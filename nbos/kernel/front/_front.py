@@ -989,7 +989,7 @@ class KernelFront:
 
     async def _read_iopub(self, up: Upstream) -> None:
         while True:
-            frames = await up.iopub.recv_multipart()
+            frames = await up.receive_iopub()
             parsed = self._parse_upstream(up, frames)
             if parsed is None:
                 continue

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import anyio
 import attrs
 import zmq
 import zmq.asyncio
@@ -50,6 +51,8 @@ class Upstream:
         }
         self.iopub = self._connect(zmq.SUB, "iopub_port")
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        # The same socket without pyzmq's asyncio layer (see receive_iopub).
+        self._iopub_direct: zmq.Socket[bytes] = zmq.Socket.shadow(self.iopub.underlying)
 
     def _url(self, port_key: str) -> str:
         c = self._connection
@@ -82,6 +85,21 @@ class Upstream:
         if sock.closed:
             raise KernelError(f"replica {self.replica} was removed from the kernel")
         await sock.send_multipart(self.signer.frames(msg), copy=False)
+
+    async def receive_iopub(self) -> list[bytes]:
+        """The next message the replica published.
+
+        Not pyzmq's asyncio ``recv_multipart``, which sets up a future and its poller
+        state for each message, three or more per cell. A SUB socket only receives, so
+        nothing else here takes its descriptor's edge: reading until the socket is empty
+        before waiting on the descriptor misses nothing.
+        """
+        sock = self._iopub_direct
+        while True:
+            try:
+                return sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await anyio.wait_readable(sock.FD)
 
     def mark_dead(self) -> bool:
         """Record the replica as dead; ``True`` the first time."""
