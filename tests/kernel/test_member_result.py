@@ -23,6 +23,7 @@ from nbos.kernel.replica._member_thread import (
     _result,
     _settle,
 )
+from nbos.raft import Outcome as RaftOutcome
 from nbos.transport.ports import free_loopback_ports
 from tests._wait import eventually
 
@@ -165,8 +166,25 @@ async def test_proposals_waiting_for_a_quorum_fail_as_closed_when_the_member_sto
     assert len(errors) == 3
 
 
-def test_a_result_for_a_wait_given_up_meanwhile_is_dropped() -> None:
-    given_up: Future[bytes] = Future()
-    given_up.cancel()
-    _settle(given_up, b"outcome")  # on the member's thread: must not raise
-    assert given_up.cancelled()
+async def test_an_outcome_for_a_wait_given_up_meanwhile_is_dropped() -> None:
+    for settle in (lambda o: o.set(b"outcome"), lambda o: o.fail(ProposalTimeoutError("late"))):
+        given_up: Future[bytes] = Future()
+        given_up.cancel()
+        outcome: RaftOutcome[bytes] = RaftOutcome()
+        settle(outcome)
+        _settle(given_up, outcome)  # on the member's thread: must not raise
+        assert given_up.cancelled()
+
+
+async def test_an_outcome_reaches_the_waiting_thread_as_a_result_or_as_its_error() -> None:
+    applied: Future[bytes] = Future()
+    outcome: RaftOutcome[bytes] = RaftOutcome()
+    outcome.set(b"outcome")
+    _settle(applied, outcome)
+    assert applied.result() == b"outcome"
+    failed: Future[bytes] = Future()
+    refused: RaftOutcome[bytes] = RaftOutcome()
+    refused.fail(ProposalTimeoutError("no quorum"))
+    _settle(failed, refused)
+    with pytest.raises(ProposalTimeoutError, match="no quorum"):
+        failed.result()

@@ -98,10 +98,16 @@ async def _result(future: Future[T]) -> T:
     return await waiter
 
 
-def _settle(applied: Future[bytes], result: bytes) -> None:
+def _settle(applied: Future[bytes], outcome: RaftOutcome[bytes]) -> None:
+    """Give the kernel's thread a proposal's ``outcome`` (on the member's thread)."""
     # The waiter may have given up (cancelled) meanwhile, on its own thread.
     with contextlib.suppress(concurrent.futures.InvalidStateError):
-        applied.set_result(result)
+        try:
+            result = outcome.result()
+        except Exception as exc:  # the proposal's error is the caller's
+            applied.set_exception(exc)
+        else:
+            applied.set_result(result)
 
 
 @attrs.frozen
@@ -177,6 +183,8 @@ class RaftMemberThread:
         # one is in flight at a time, the others wait here (on the member's loop).
         self._queued: deque[_Queued] = deque()
         self._in_flight = False
+        #: What callers wait on, until settled: a stop cancels what is left (LogClosedError).
+        self._waited: set[Future[bytes]] = set()
 
     @property
     def node_id(self) -> NodeId:
@@ -201,17 +209,23 @@ class RaftMemberThread:
         if self._portal_cm is not None:
             self._portal_cm.__exit__(None, None, None)
         self._portal_cm = self._portal = self._serving = self._loop = None
+        # Queued, or handed over as the loop ended: nothing will settle them now.
+        for applied in list(self._waited):
+            applied.cancel()
 
     async def propose(self, entry: KernelEntry, *, timeout: float = 30.0) -> Outcome:
         """Commit ``entry``; returns its outcome once it has applied on this node."""
-        queued = _Queued(encode(entry), timeout, Future())
         loop = self._loop
         if loop is None:
             raise LogClosedError("the replica's Raft member is not running")
+        queued = _Queued(encode(entry), timeout, Future())
+        self._waited.add(queued.applied)
+        queued.applied.add_done_callback(self._waited.discard)
         try:
             # Not a task on the member's loop: a callback, a turn of that loop sooner.
             loop.call_soon_threadsafe(self._enqueue, queued)
         except RuntimeError:  # the loop closed meanwhile (stop)
+            queued.applied.cancel()
             raise LogClosedError("the replica's Raft member is not running") from None
         return decode_outcome(await _result(queued.applied))
 
@@ -327,10 +341,7 @@ class RaftMemberThread:
                 self._log = raft_log
                 self._loop = asyncio.get_running_loop()
                 task_status.started()
-                try:
-                    await anyio.sleep_forever()
-                finally:
-                    self._cancel_queued()
+                await anyio.sleep_forever()
 
     def _enqueue(self, queued: _Queued) -> None:
         """On the member's loop: propose ``queued`` once the proposals before it applied."""
@@ -360,15 +371,5 @@ class RaftMemberThread:
 
     def _settled(self, applied: Future[bytes], outcome: RaftOutcome[bytes]) -> None:
         # On the member's loop, as the entry applied (or the proposal failed).
-        try:
-            _settle(applied, outcome.result())
-        except Exception as exc:  # the proposal's error is the caller's
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                applied.set_exception(exc)
+        _settle(applied, outcome)
         self._propose_next()
-
-    def _cancel_queued(self) -> None:
-        """The member stops: whatever waits for it is told so (``LogClosedError``)."""
-        for queued in self._queued:
-            queued.applied.cancel()
-        self._queued.clear()

@@ -29,6 +29,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Mapping
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -36,23 +37,37 @@ log = logging.getLogger(__name__)
 Parts = dict[str, bytes | None]
 
 _ENV = "env:"
+T = TypeVar("T")
+
+
+class _LastRead(Generic[T]):
+    """What a part read as last time, and what it looked like raw then.
+
+    Every cell reads every part, and most cells change none: comparing the raw state
+    with the last one costs less than encoding it again. ``None`` raw (nothing cheap to
+    compare) always reads anew.
+    """
+
+    def __init__(self) -> None:
+        self._raw: object = None
+        self._value: T | None = None
+
+    def get(self, raw: object, read: Callable[[], T]) -> T:
+        if raw is None or self._value is None or raw != self._raw:
+            self._raw, self._value = raw, read()
+        return self._value
+
+
+_random_read: _LastRead[bytes] = _LastRead()
+_environment_read: _LastRead[Parts] = _LastRead()
 
 
 def _read_random() -> bytes | None:
     module = sys.modules.get("random")
-    return None if module is None else _pickled(module.getstate())
-
-
-# Every cell reads every part; most cells change none. The last state read and its
-# pickle, to compare a new state with rather than pickle it again.
-_last_random: tuple[object, bytes] | None = None
-
-
-def _pickled(state: object) -> bytes:
-    global _last_random  # noqa: PLW0603 - one generator per process, one memo
-    if _last_random is None or _last_random[0] != state:
-        _last_random = (state, pickle.dumps(state))
-    return _last_random[1]
+    if module is None:
+        return None
+    state = module.getstate()
+    return _random_read.get(state, lambda: pickle.dumps(state))
 
 
 def _write_random(data: bytes) -> None:
@@ -116,18 +131,14 @@ _PARTS = {**_GENERATORS, "torch.cuda": (_read_cuda, _write_cuda), "cwd": (_read_
 
 
 def _environment() -> Parts:
-    global _last_environment  # noqa: PLW0603 - one environment per process, one memo
     # CPython's os.environ keeps the process's bytes in ``_data``: a copy of it costs a
     # fraction of a microsecond, decoding every name and value tens of them.
     raw = getattr(os.environ, "_data", None)
-    snapshot = dict(raw) if isinstance(raw, dict) else None
-    if snapshot is None or _last_environment is None or _last_environment[0] != snapshot:
-        parts: Parts = {_ENV + k: os.fsencode(v) for k, v in os.environ.items()}
-        _last_environment = (snapshot, parts)
-    return dict(_last_environment[1])
-
-
-_last_environment: tuple[dict[object, object] | None, Parts] | None = None
+    parts = _environment_read.get(
+        dict(raw) if isinstance(raw, dict) else None,
+        lambda: {_ENV + k: os.fsencode(v) for k, v in os.environ.items()},
+    )
+    return dict(parts)  # the caller's to change
 
 
 class ProcessState:
