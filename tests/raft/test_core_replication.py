@@ -201,3 +201,29 @@ def test_figure8_the_leaders_own_entry_commits_older_ones() -> None:
     cluster.run(5)
     assert cluster.members[5].applied[6].data == b"from term 2"
     cluster.check_logs()
+
+
+def test_followers_learn_a_commit_from_the_next_message_not_one_of_its_own(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(3, seed=1, heartbeat_ticks=3)
+    leader = cluster.wait_leader()
+    cluster.run(3)
+    cluster.trace = []
+    index = cluster.node(leader).propose(b"x")
+    cluster.process(leader)
+    cluster.deliver_all()
+    assert cluster.node(leader).log.committed == index
+    # Each follower got the entry and answered it: nothing more went out for the commit.
+    appends = [m for m in cluster.trace if isinstance(m, RaftAppend)]
+    assert [len(m.entries) for m in appends] == [1, 1]
+    followers = sorted({1, 2, 3} - {leader})
+    assert all(cluster.node(f).log.committed < index for f in followers)
+    second = cluster.node(leader).propose(b"y")
+    cluster.process(leader)
+    cluster.deliver_where(lambda m: isinstance(m, RaftAppend))
+    assert all(cluster.node(f).log.committed == index for f in followers)
+    cluster.deliver_all()
+    cluster.run(3)  # a heartbeat carries the commit of the last entry
+    assert all(cluster.node(f).log.committed == second for f in followers)
+    assert all(cluster.members[f].applied[second].data == b"y" for f in followers)

@@ -98,7 +98,8 @@ class RaftNode:
         self._randomized_timeout = config.election_ticks
         self.transferee: int | None = None
         self._pending_conf_index = 0
-        self._commit_dirty = False
+        #: a membership change committed: every follower is told at once
+        self._conf_committed = False
         #: followers to send an append to even if it carries no entries
         self._nudge: set[int] = set()
         self._read_only = ReadOnlyQueue()
@@ -339,7 +340,7 @@ class RaftNode:
         self._nudge = set()
         self._read_only.clear()
         self._reads_before_commit = []
-        self._commit_dirty = False
+        self._conf_committed = False
         self._leaving_at = None
         self._informed = set()
         self.quiesced = False
@@ -711,23 +712,32 @@ class RaftNode:
 
     def _maybe_commit(self) -> None:
         match = {member: pr.match for member, pr in self.progress.items()}
+        before = self.log.committed
         if not self.log.maybe_commit(committed_index(self.conf.voters, match), self.term):
             return
-        self._commit_dirty = True
+        if any(e.kind == "conf" for e in self.log.slice(before + 1, self.log.committed + 1)):
+            # A removed member hears nothing once the change applies: tell it now.
+            self._conf_committed = True
         if self._reads_before_commit:
             waiting, self._reads_before_commit = self._reads_before_commit, []
             for ctx, origin in waiting:
                 self._leader_read(ctx, origin)
 
     def _flush_appends(self) -> None:
-        """Send whatever each follower can take now: new entries, or the new commit index."""
+        """Send whatever each follower can take now.
+
+        A new commit index alone is no reason to send, unless it commits a membership
+        change: followers learn it from the next append or heartbeat (at most
+        ``heartbeat_ticks`` later), as in Raft's paper. Each round then costs every
+        follower one message and one answer, not two of each.
+        """
         for member, pr in self.progress.items():
             if member == self.id:
                 continue
-            send_empty = self._commit_dirty or member in self._nudge
+            send_empty = self._conf_committed or member in self._nudge
             while self._send_append(member, pr, send_empty=send_empty):
                 send_empty = False
-        self._commit_dirty = False
+        self._conf_committed = False
         self._nudge.clear()
 
     def _send_append(self, to: int, pr: Progress, *, send_empty: bool) -> bool:
