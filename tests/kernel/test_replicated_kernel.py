@@ -189,6 +189,16 @@ async def test_interrupt_reaches_the_executor(client: AsyncKernelClient) -> None
     assert after["content"]["status"] == "ok"
 
 
+async def test_a_cell_with_top_level_await_runs_and_replicates(kernel: Kernel) -> None:
+    # A replica runs no shell channel thread; ipykernel still asks it for the thread that
+    # cells run on whenever a cell awaits at top level.
+    ran = await kernel.execute("import asyncio\nawait asyncio.sleep(0.01)\nawaited = 42")
+    assert ran.status == "ok", ran.error
+    await assert_replicas_agree(kernel)
+    after = await kernel.execute("print(await asyncio.sleep(0, awaited))")
+    assert after.stdout == "42\n"
+
+
 # Stands in for a SIGINT that lands in IPython's own steps around the user's code: IPython
 # lets a KeyboardInterrupt through there (its input transformers are one such step).
 ARM_INTERRUPT = """

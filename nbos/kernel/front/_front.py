@@ -791,8 +791,6 @@ class KernelFront:
         """Relay a request to a live replica (the last executor first) and its reply back."""
 
         async def relay(reply: _wire.Msg) -> bool:
-            if reply["header"]["msg_type"] == "kernel_info_reply":
-                reply = _without_subshells(reply)
             await self._to_client(sock, reply, idents)
             return True
 
@@ -1050,16 +1048,6 @@ async def _wait_reply(pending: _Pending) -> None:
     if not pending.replied.is_set():
         with anyio.move_on_after(NO_REPLY_GRACE_S):
             await pending.replied.wait()
-
-
-def _without_subshells(reply: _wire.Msg) -> _wire.Msg:
-    """``reply`` (a replica's ``kernel_info_reply``) without the subshell feature: the
-    front serves one shell request at a time and refuses subshell requests."""
-    features = reply["content"].get("supported_features")
-    if not isinstance(features, list) or "kernel subshells" not in features:
-        return reply
-    kept = [f for f in features if f != "kernel subshells"]
-    return {**reply, "content": {**reply["content"], "supported_features": kept}}
 
 
 def _bound_port(sock: zmq.asyncio.Socket) -> int:

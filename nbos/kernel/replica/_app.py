@@ -32,7 +32,7 @@ from nbos.core.errors import ConfigError, NbosError
 from nbos.core.ids import KernelId, NodeId
 from nbos.core.object_store import ObjectStore
 from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
-from nbos.kernel.replica._kernel import ReplicaKernel
+from nbos.kernel.replica._kernel import NoShellChannelThread, ReplicaKernel
 from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
@@ -112,6 +112,15 @@ class ReplicaApp(IPKernelApp):
             "raft-settings": "ReplicaApp.raft_settings",
         }
     )
+
+    def init_sockets(self) -> None:
+        super().init_sockets()  # type: ignore[no-untyped-call]
+        # ipykernel 7 reads the shell on a thread of its own that routes requests to
+        # subshells. The front offers none, so that thread would only add two thread
+        # hops (and GIL hand-overs) to every request and its reply: the kernel's own
+        # thread reads the shell instead.
+        self.shell_channel_thread.io_loop.close()
+        self.shell_channel_thread = NoShellChannelThread()
 
     def init_kernel(self) -> None:
         _log_only_what_is_shown(self.log)

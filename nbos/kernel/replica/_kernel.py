@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Coroutine
@@ -106,6 +107,21 @@ class _Cell:
     code: str = ""
 
 
+class NoShellChannelThread:
+    """What a replica holds where ipykernel 7 keeps its shell channel thread: none runs.
+
+    ipykernel tests the thread for truth where it wires the shell socket (false: the
+    kernel's own thread reads it), and reads ``parent_thread``, the thread cells run on,
+    for every cell with a top-level ``await``.
+    """
+
+    def __init__(self) -> None:
+        self.parent_thread = threading.main_thread()
+
+    def __bool__(self) -> bool:
+        return False
+
+
 class ReplicaKernel(IPythonKernel):
     """An ``IPythonKernel`` whose cells are ordered and replicated by the kernel's log.
 
@@ -175,6 +191,11 @@ class ReplicaKernel(IPythonKernel):
         tensors stay in host memory, and binding, release and eviction go on as for
         real devices."""
         self._binder = TorchGpuBinder(lambda: self._shell.user_ns, target=_host_memory)
+
+    @property
+    def _supports_kernel_subshells(self) -> bool:
+        # ipykernel decides from ``shell_channel_thread is not None``: see NoShellChannelThread.
+        return False
 
     @property
     def _shell(self) -> Any:
