@@ -23,7 +23,7 @@ from nbos.cluster import Kernel, LocalCluster
 from nbos.core.errors import KernelError
 from nbos.kernel.front import CellPlan, ChoiceRequest
 from tests._digests import assert_replicas_agree
-from tests.kernel.conftest import connected_client
+from tests.kernel.conftest import connected_client, replica_client
 
 pytestmark = pytest.mark.anyio
 
@@ -197,6 +197,22 @@ async def test_a_cell_with_top_level_await_runs_and_replicates(kernel: Kernel) -
     await assert_replicas_agree(kernel)
     after = await kernel.execute("print(await asyncio.sleep(0, awaited))")
     assert after.stdout == "42\n"
+
+
+async def test_a_replica_publishes_the_idle_of_a_request_but_no_busy(
+    cluster: LocalCluster, kernel: Kernel
+) -> None:
+    # The front publishes every request's busy itself, and waits for a replica's idle.
+    async with replica_client(cluster, kernel, kernel.replicas[0].node) as direct:
+        await direct.wait_for_ready(timeout=30)
+        msg_id = direct.kernel_info()
+        statuses: list[str] = []
+        with anyio.fail_after(30):
+            while "idle" not in statuses:
+                msg = await direct.get_iopub_msg()
+                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
+                    statuses.append(msg["content"]["execution_state"])
+    assert statuses == ["idle"]
 
 
 # Stands in for a SIGINT that lands in IPython's own steps around the user's code: IPython
@@ -382,6 +398,45 @@ async def test_a_cell_sent_after_a_failed_cells_idle_is_not_aborted(
             assert (await collect(c, first))[0]["content"]["status"] == "error"
             assert (await collect(c, second))[0]["content"]["status"] == "aborted"
     finally:
+        await k.shutdown()
+
+
+class GatedReleaseChooser:
+    """The last executor; a release that returns only once the test opens its gate."""
+
+    def __init__(self) -> None:
+        self.gate = anyio.Event()
+        self.released = 0
+
+    async def choose(self, request: ChoiceRequest) -> CellPlan:
+        last = request.last_executor
+        return CellPlan(last if last in request.alive else request.alive[0])
+
+    async def release(self, plan: CellPlan) -> None:
+        await self.gate.wait()
+        self.gate = anyio.Event()
+        self.released += 1
+
+
+async def test_a_cells_idle_goes_out_before_its_plan_is_released(cluster: LocalCluster) -> None:
+    # The idle is due once the reply went out and the replica's idle came, whichever came
+    # first: the client does not wait for the front to unwind the request.
+    chooser = GatedReleaseChooser()
+    k = await cluster.start_kernel(chooser=chooser)
+    try:
+        async with connected_client(k) as c:
+            await c.wait_for_ready(timeout=30)
+            for n in range(10):
+                reply, messages = await collect(c, c.execute(f"n = {n}"), timeout=30)
+                assert reply["content"]["status"] == "ok"
+                assert messages[-1]["content"]["execution_state"] == "idle"
+                assert chooser.released == n
+                chooser.gate.set()
+                with anyio.fail_after(30):
+                    while chooser.released == n:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+    finally:
+        chooser.gate.set()
         await k.shutdown()
 
 

@@ -593,13 +593,20 @@ class KernelFront:
         """Publish the shell request's ``idle`` if it is still due.
 
         That is as soon as its reply was relayed and the replica's own idle came
-        (:meth:`_read_iopub`), or else when the request is done with.
+        (:meth:`_finish_if_out`), or else when the request is done with.
         """
         parent, self._idle_for = self._idle_for, None
         if parent is not None:
             queue = self._shell_queue
             self._queued_at_idle = 0 if queue is None else queue.statistics().current_buffer_used
             await self._publish_status("idle", parent)
+
+    async def _finish_if_out(self, pending: _Pending) -> None:
+        """Publish the idle of the shell request in flight once everything of it is out:
+        its reply went to the client and the replica's idle came (in either order). The
+        client need not wait for the request's task to unwind (releasing its plan)."""
+        if pending.answered and pending.idled.is_set() and pending is self._active:
+            await self._finish_shell()
 
     async def _publish_status(self, state: str, parent: _wire.Msg) -> None:
         msg = self._signer.new_message("status", {"execution_state": state}, parent)
@@ -858,6 +865,7 @@ class KernelFront:
                 # The client may have it before the replica's last output: as with any
                 # kernel, a client waits for idle to know a request is complete.
                 pending.answered = await on_reply(pending.reply)
+                await self._finish_if_out(pending)
             # The replica's idle follows everything it published for the request; past
             # the grace we go on without it (an IOPub message can be lost).
             with anyio.move_on_after(grace) as waited:
@@ -1000,10 +1008,7 @@ class KernelFront:
                     await self._publish(msg)
                 elif msg["content"].get("execution_state") == "idle":
                     pending.got_idle()
-                    if pending.answered and pending is self._active:
-                        # Everything is out: the client need not wait for the request's
-                        # task to wake up and unwind.
-                        await self._finish_shell()
+                    await self._finish_if_out(pending)
             elif not is_status and self._finished.get(parent_id) == up.replica:
                 # Late output of a finished request (a thread the cell started), from the
                 # replica that ran it: a client shows it with that cell, as with ipykernel.

@@ -231,6 +231,13 @@ class ReplicaKernel(IPythonKernel):
             self._raft.wake()
         await super().dispatch_control(msg)  # type: ignore[no-untyped-call]
 
+    def _publish_status(self, status: str, channel: str, parent: Any = None) -> None:
+        # The front publishes its own busy for every request and reads only a replica's
+        # idle (it follows everything the replica published for the request): a busy
+        # would cost a message on each hop, and the kernel's thread, for nothing.
+        if status != "busy":
+            super()._publish_status(status, channel, parent)  # type: ignore[no-untyped-call]
+
     def _post_event(self, event: Event) -> None:
         # Called on the Raft thread: hand the event to the kernel's own loop.
         assert self._main_loop is not None
