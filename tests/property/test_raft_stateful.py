@@ -256,20 +256,28 @@ class RaftCluster(RuleBasedStateMachine):
     def teardown(self) -> None:
         cluster = self.cluster
         cluster.heal()
-        # members come back; removed ones are shut down, as the layer above does (a
-        # removed node that keeps campaigning is Raft's known disruption, which only
-        # pre-vote or check-quorum contain, and either may be off here)
         removed = set()
         for entry in cluster.committed.values():
             if entry.kind == "conf":
                 change = decode_change(entry.data)
                 if change.kind == "remove":
                     removed.add(change.node)
+        # Every node comes back. A removed node that was not told of its removal is shut
+        # down, as the layer above does: campaigning, it would be Raft's known
+        # disruption, which only pre-vote or check-quorum contain, and either may be off
+        # here. One that knows never campaigns, and its vote may be what a member holding
+        # the removal, but not its commit (a lost notice), needs to elect anyone: it goes
+        # once the others have a leader (a leader that removed itself leads until then).
         for nid in list(cluster.members):
-            if nid in removed and nid in cluster.alive():
-                cluster.crash(nid)
-            elif nid not in removed and nid not in cluster.alive():
+            if nid not in cluster.alive():
                 cluster.restart(nid)
+        for nid in removed:
+            conf = cluster.node(nid).conf
+            if nid in (*conf.voters, *conf.learners):
+                cluster.crash(nid)
+        cluster.wait_leader(max_ticks=400)
+        for nid in removed & set(cluster.alive()):
+            cluster.crash(nid)
         final = self._commit_final()
         leader = cluster.wait_leader(max_ticks=400)
         conf = cluster.node(leader).conf
