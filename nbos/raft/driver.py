@@ -221,9 +221,6 @@ class RaftReplicatedLog:
         follower hands the proposal to the leader instead of raising ``NotLeaderError``,
         and keeps doing so across leader changes until it applied here or ``timeout``
         passed (``ProposalTimeoutError``)."""
-        if client_id is None or seq is None:
-            self._seq += 1
-            client_id, seq = self._client_id, self._seq
         pending, step = self._proposal(data, client_id, seq, forward, None)
         if step is None:
             return await pending.outcome.wait()
@@ -233,9 +230,9 @@ class RaftReplicatedLog:
         self,
         data: bytes,
         *,
-        client_id: str,
-        seq: int,
         on_done: Callable[[Outcome[bytes]], None],
+        client_id: str | None = None,
+        seq: int | None = None,
         timeout: float = 10.0,
         forward: bool = False,
     ) -> None:
@@ -344,13 +341,17 @@ class RaftReplicatedLog:
     def _proposal(
         self,
         data: bytes,
-        client_id: str,
-        seq: int,
+        client_id: str | None,
+        seq: int | None,
         forward: bool,
         on_done: Callable[[Outcome[bytes]], None] | None,
     ) -> tuple[_Pending, Callable[[], None] | None]:
         """A proposal's waiter and the step that proposes it on the node loop (``None``:
-        a retry of what applied already, settled at once with the first result)."""
+        a retry of what applied already, settled at once with the first result).
+        Without ``client_id`` and ``seq`` it is this log's own next one."""
+        if client_id is None or seq is None:
+            self._seq += 1
+            client_id, seq = self._client_id, self._seq
         pending = _Pending(client_id, seq, on_done=on_done)
         session = self._sessions.get(client_id)
         if session is not None and session.seq == seq:

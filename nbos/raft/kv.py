@@ -159,10 +159,10 @@ async def _serve(args: argparse.Namespace) -> None:
                 request = _decode(line)
                 if request is None:
                     continue
-                if request.op in _WRITES and request.client is not None and request.seq is not None:
+                if request.op in _WRITES:
                     # Proposed here and answered from the node loop as it applies: no
                     # worker wakes for it, nor resumes after it.
-                    _propose(raft, request, request.client, request.seq)
+                    _propose(raft, request)
                 else:
                     requests.send_nowait(request)
             tg.cancel_scope.cancel()  # stdin closed: the client is gone
@@ -206,16 +206,22 @@ def _decode(line: bytes) -> Request | None:
         return None
 
 
-def _propose(raft: RaftReplicatedLog, request: Request, client: str, seq: int) -> None:
+def _propose(raft: RaftReplicatedLog, request: Request) -> None:
     def answer(outcome: Outcome[bytes]) -> None:
         try:
             reply = _written(request.op, outcome.result())
         except NbosError as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "leader": raft.leader_id}
+            reply = _refused(raft, exc)
         _reply(request, reply)
 
     data = encode_command(request.op, request.key, request.value)
-    raft.propose_nowait(data, client_id=client, seq=seq, timeout=_WRITE_TIMEOUT_S, on_done=answer)
+    raft.propose_nowait(
+        data, client_id=request.client, seq=request.seq, timeout=_WRITE_TIMEOUT_S, on_done=answer
+    )
+
+
+def _refused(raft: RaftReplicatedLog, exc: NbosError) -> dict[str, Any]:
+    return {"ok": False, "error": type(exc).__name__, "leader": raft.leader_id}
 
 
 def _written(op: str, result: bytes) -> dict[str, Any]:
@@ -236,12 +242,6 @@ async def _handle(
 ) -> dict[str, Any]:
     op = request.op
     try:
-        if op in _WRITES:
-            data = encode_command(op, request.key, request.value)
-            result = await raft.propose(
-                data, client_id=request.client, seq=request.seq, timeout=_WRITE_TIMEOUT_S
-            )
-            return _written(op, result)
         if op == "get":
             await raft.read_index(timeout=2.0)
             return {"ok": True, "value": machine.data.get(request.key)}
@@ -253,7 +253,7 @@ async def _handle(
                 "data": machine.data,
             }
     except NbosError as exc:
-        return {"ok": False, "error": type(exc).__name__, "leader": raft.leader_id}
+        return _refused(raft, exc)
     log.warning("unknown op %r", op)
     return {"ok": False, "error": "UnknownOp", "detail": f"unknown op {op!r}"}
 
