@@ -9,7 +9,8 @@ replica must not load the front. It holds:
 * the ``interrupt_request`` metadata naming the cell it interrupts
   (:func:`interrupt_metadata`, :func:`interrupted_cell`);
 * the replica's reply metadata under :data:`REPLY_INFO_KEY`, in which a replica whose
-  claim lost names the winner (:func:`claim_lost_info`, :func:`claim_lost`);
+  claim lost names the winner (:func:`claim_lost_info`, :func:`claim_lost`), and under
+  :data:`IOPUB_COUNT_KEY` (:func:`take_published_count`);
 * the front's own control requests (the ``nbos_*_request`` message types), their
   replies' types (:func:`reply_of`) and the content fields the front reads back;
 * :func:`error_content`, the content of every error reply either side makes;
@@ -35,6 +36,10 @@ INTERRUPTED_CELL_KEY = "nbos_cell"
 REPLY_INFO_KEY = "nbos"
 #: In :data:`REPLY_INFO_KEY` of an ``aborted`` reply: the replica whose claim won.
 CLAIM_LOST_TO = "claim_lost_to"
+#: Metadata of every reply a replica sends: how many IOPub messages other than
+#: ``status`` it published for the request before the reply (the front's idle goes out
+#: once it relayed them; it removes the key).
+IOPUB_COUNT_KEY = "nbos_iopub"
 
 #: How long after its ``Done`` committed an executor's claim of the next cell stands
 #: without a read barrier (the claim rides in the ``Done``). For that cell to have been
@@ -114,6 +119,14 @@ def claim_lost(reply_metadata: Mapping[str, Any]) -> bool:
     """Whether an ``execute_reply`` says the replica's claim lost (it ran nothing)."""
     info = reply_metadata.get(REPLY_INFO_KEY)
     return isinstance(info, dict) and CLAIM_LOST_TO in info
+
+
+def take_published_count(reply_metadata: dict[str, Any]) -> int | None:
+    """Remove :data:`IOPUB_COUNT_KEY` from a reply's metadata and return it: how many
+    IOPub messages the replica published for the request before the reply (``None``:
+    the reply does not say)."""
+    count = reply_metadata.pop(IOPUB_COUNT_KEY, None)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
 
 def error_content(exc: BaseException, execution_count: int) -> dict[str, Any]:

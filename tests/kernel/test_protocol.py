@@ -59,6 +59,15 @@ def test_only_a_reply_naming_a_winner_says_the_claim_lost() -> None:
     assert not protocol.claim_lost({protocol.REPLY_INFO_KEY: "claim_lost_to"})
 
 
+def test_a_replys_iopub_count_is_taken_out_of_its_metadata() -> None:
+    metadata = {protocol.IOPUB_COUNT_KEY: 3, "nbos": {}}
+    assert protocol.take_published_count(metadata) == 3
+    assert metadata == {"nbos": {}}
+    assert protocol.take_published_count(metadata) is None
+    for bad in ("3", -1, True, 2.0, None):
+        assert protocol.take_published_count({protocol.IOPUB_COUNT_KEY: bad}) is None
+
+
 def test_control_requests_have_replies_of_the_jupyter_form() -> None:
     assert protocol.reply_of(protocol.LOST_REQUEST) == "nbos_lost_reply"
     assert protocol.reply_of(protocol.MEMBER_REQUEST) == "nbos_member_reply"

@@ -202,7 +202,8 @@ async def test_a_cell_with_top_level_await_runs_and_replicates(kernel: Kernel) -
 async def test_a_replica_publishes_the_idle_of_a_request_but_no_busy(
     cluster: LocalCluster, kernel: Kernel
 ) -> None:
-    # The front publishes every request's busy itself, and waits for a replica's idle.
+    # The front publishes every request's busy itself; a replica's idle still ends a
+    # request whose reply did not come or whose counted output did not all arrive.
     async with replica_client(cluster, kernel, kernel.replicas[0].node) as direct:
         await direct.wait_for_ready(timeout=30)
         msg_id = direct.kernel_info()
@@ -586,6 +587,61 @@ async def test_output_sent_late_before_the_replicas_idle_still_comes_before_the_
     reply, messages = await run(client, LATE_FLUSH)
     assert reply["content"]["status"] == "ok"
     assert stdout(messages) == "after the reply\n"
+
+
+# Holds the executor's idle of every cell once the test arms it (a file), until the test
+# opens it (another file); the reply has gone out by then.
+GATE_REPLICA_IDLE = """
+def _install():
+    import os, time
+    session = get_ipython().kernel.session
+    send = session.send
+    def gated(stream, msg_or_type, content=None, *args, **kwargs):
+        parent = kwargs.get("parent") or {{}}
+        if (
+            msg_or_type == "status"
+            and (content or {{}}).get("execution_state") == "idle"
+            and parent.get("header", {{}}).get("msg_type") == "execute_request"
+            and os.path.exists({armed!r})
+        ):
+            os.remove({armed!r})
+            while not os.path.exists({opened!r}):
+                time.sleep(0.005)
+        return send(stream, msg_or_type, content, *args, **kwargs)
+    session.send = gated
+_install()
+del _install
+"""
+
+
+async def test_a_cells_idle_goes_out_once_the_output_its_reply_counts_is_relayed(
+    client: AsyncKernelClient, tmp_path: Path
+) -> None:
+    # The reply says how many IOPub messages the replica published before it: the front
+    # relays those and then its idle, without waiting for the replica's own idle.
+    armed, opened = tmp_path / "armed", tmp_path / "open"
+    installed, _ = await run(client, GATE_REPLICA_IDLE.format(armed=str(armed), opened=str(opened)))
+    assert installed["content"]["status"] == "ok"
+    armed.touch()
+    try:
+        reply, messages = await run(client, "print('counted')\ndisplay('shown')")
+        assert reply["content"]["status"] == "ok"
+        assert "nbos_iopub" not in reply["metadata"]
+        assert stdout(messages) == "counted\n"
+        assert [m["msg_type"] for m in messages] == [
+            "status",
+            "execute_input",
+            "stream",
+            "display_data",
+            "status",
+        ]
+        with anyio.fail_after(30):
+            while armed.exists():  # noqa: ASYNC110 (the replica got to its idle: it holds it)
+                await anyio.sleep(0.01)
+    finally:
+        opened.touch()
+    removed, _ = await run(client, "del get_ipython().kernel.session.send")
+    assert removed["content"]["status"] == "ok"
 
 
 async def requested(

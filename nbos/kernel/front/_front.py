@@ -102,7 +102,8 @@ class _Pending:
     """A request relayed to one replica, until its reply and its ``idle`` came back.
 
     ``replied`` is set by the reply (or, for a message without one, by the idle),
-    ``idled`` by the replica's ``idle``; both by the replica's death (``lost``);
+    ``idled`` by the replica's ``idle``, or by the reply once the IOPub messages it
+    counts (``published``) were relayed; both by the replica's death (``lost``);
     ``heard`` by whichever of them comes first.
     """
 
@@ -119,14 +120,30 @@ class _Pending:
     answered: bool = False
     #: The request is on its way to the replica (its socket took it).
     sent: bool = False
+    #: IOPub messages the reply says the replica published for the request before it.
+    published: int | None = None
+    #: The replica's IOPub messages for the request relayed so far.
+    relayed: int = 0
     replied: anyio.Event = attrs.Factory(anyio.Event)
     idled: anyio.Event = attrs.Factory(anyio.Event)
     heard: anyio.Event = attrs.Factory(anyio.Event)
 
     def got_reply(self, reply: _wire.Msg) -> None:
         self.reply = reply
+        self.published = protocol.take_published_count(reply["metadata"])
         self.replied.set()
         self.heard.set()
+        self._idle_once_relayed()
+
+    def got_output(self) -> None:
+        self.relayed += 1
+        self._idle_once_relayed()
+
+    def _idle_once_relayed(self) -> None:
+        # Counted messages are sent in order on one socket: relaying that many means
+        # relaying those, so nothing of the request is still on its way.
+        if self.published is not None and self.relayed >= self.published:
+            self.idled.set()
 
     def got_idle(self) -> None:
         self.idled.set()
@@ -1006,9 +1023,10 @@ class KernelFront:
             if pending is not None and pending.target == up.replica:
                 if not is_status:
                     await self._publish(msg)
+                    pending.got_output()
                 elif msg["content"].get("execution_state") == "idle":
                     pending.got_idle()
-                    await self._finish_if_out(pending)
+                await self._finish_if_out(pending)
             elif not is_status and self._finished.get(parent_id) == up.replica:
                 # Late output of a finished request (a thread the cell started), from the
                 # replica that ran it: a client shows it with that cell, as with ipykernel.

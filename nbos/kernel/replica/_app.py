@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
-from traitlets import Bool, Dict, DottedObjectName, Int, Type, Unicode
+from traitlets import Bool, Dict, DottedObjectName, Int, Type, Unicode, default
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import ConfigError, NbosError
@@ -34,6 +34,7 @@ from nbos.core.object_store import ObjectStore
 from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
 from nbos.kernel.replica._kernel import NoShellChannelThread, ReplicaKernel
 from nbos.kernel.replica._member_thread import RaftMemberThread
+from nbos.kernel.replica._session import ReplicaSession
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
 
@@ -112,6 +113,10 @@ class ReplicaApp(IPKernelApp):
             "raft-settings": "ReplicaApp.raft_settings",
         }
     )
+
+    @default("session")
+    def _session_default(self) -> ReplicaSession:
+        return ReplicaSession(parent=self)
 
     def init_sockets(self) -> None:
         super().init_sockets()  # type: ignore[no-untyped-call]

@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 from ipykernel.ipkernel import IPythonKernel
+from jupyter_client.session import extract_header
 from traitlets import Float, Int
 
 from nbos.core.errors import CellLostError, GpuError, KernelError, NbosError
@@ -70,6 +71,7 @@ from nbos.kernel.replica._machine import (
 from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._membership import member_reply
 from nbos.kernel.replica._output import CellOutput
+from nbos.kernel.replica._session import ReplicaSession
 from nbos.kernel.replica._sync import NamespaceSync
 from nbos.kernel.state import UserState
 
@@ -203,8 +205,8 @@ class ReplicaKernel(IPythonKernel):
         return self.shell
 
     @property
-    def _session(self) -> Any:
-        assert self.session is not None
+    def _session(self) -> ReplicaSession:
+        assert isinstance(self.session, ReplicaSession)
         return self.session
 
     @property
@@ -235,8 +237,14 @@ class ReplicaKernel(IPythonKernel):
         # The front publishes its own busy for every request and reads only a replica's
         # idle (it follows everything the replica published for the request): a busy
         # would cost a message on each hop, and the kernel's thread, for nothing.
-        if status != "busy":
-            super()._publish_status(status, channel, parent)  # type: ignore[no-untyped-call]
+        if status == "busy":
+            return
+        if status == "idle":
+            # A cell's reply waits for this moment: see ReplicaSession.
+            request = extract_header(parent or self.get_parent(channel))  # type: ignore[no-untyped-call]
+            if isinstance(request.get("msg_id"), str):
+                self._session.release(request["msg_id"])
+        super()._publish_status(status, channel, parent)  # type: ignore[no-untyped-call]
 
     def _post_event(self, event: Event) -> None:
         # Called on the Raft thread: hand the event to the kernel's own loop.
