@@ -609,8 +609,9 @@ class KernelFront:
     async def _finish_shell(self) -> None:
         """Publish the shell request's ``idle`` if it is still due.
 
-        That is as soon as its reply was relayed and the replica's own idle came
-        (:meth:`_finish_if_out`), or else when the request is done with.
+        That is as soon as its reply was relayed and so was the output the reply counts,
+        or the replica's own idle came (:meth:`_finish_if_out`); or else when the
+        request is done with.
         """
         parent, self._idle_for = self._idle_for, None
         if parent is not None:
@@ -620,7 +621,7 @@ class KernelFront:
 
     async def _finish_if_out(self, pending: _Pending) -> None:
         """Publish the idle of the shell request in flight once everything of it is out:
-        its reply went to the client and the replica's idle came (in either order). The
+        its reply went to the client and ``idled`` is set (in either order). The
         client need not wait for the request's task to unwind (releasing its plan)."""
         if pending.answered and pending.idled.is_set() and pending is self._active:
             await self._finish_shell()
@@ -883,8 +884,9 @@ class KernelFront:
                 # kernel, a client waits for idle to know a request is complete.
                 pending.answered = await on_reply(pending.reply)
                 await self._finish_if_out(pending)
-            # The replica's idle follows everything it published for the request; past
-            # the grace we go on without it (an IOPub message can be lost).
+            # Everything the replica published for the request is out once the output
+            # its reply counts was relayed, or its idle came; past the grace we go on
+            # without them (an IOPub message can be lost).
             with anyio.move_on_after(grace) as waited:
                 await pending.idled.wait()
             if waited.cancelled_caught and grace >= IDLE_GRACE_S:

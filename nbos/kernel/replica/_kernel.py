@@ -234,9 +234,9 @@ class ReplicaKernel(IPythonKernel):
         await super().dispatch_control(msg)  # type: ignore[no-untyped-call]
 
     def _publish_status(self, status: str, channel: str, parent: Any = None) -> None:
-        # The front publishes its own busy for every request and reads only a replica's
-        # idle (it follows everything the replica published for the request): a busy
-        # would cost a message on each hop, and the kernel's thread, for nothing.
+        # The front publishes its own busy for every request and reads a replica's idle
+        # only to know that everything of the request is out: a busy would cost a
+        # message on each hop, and the kernel's thread, for nothing.
         if status == "busy":
             return
         if status == "idle":
