@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import attrs
 
@@ -94,16 +94,3 @@ class HostRecord:
             replicas=replicas,
             schedulable=self.schedulable and self.reachable,
         )
-
-
-def subscriptions(
-    placements: Mapping[KernelId, tuple[tuple[HostId, ...], int]],
-) -> tuple[dict[HostId, int], dict[HostId, int]]:
-    """GPUs subscribed and replicas placed, per host."""
-    gpus: dict[HostId, int] = {}
-    count: dict[HostId, int] = {}
-    for hosts, n in placements.values():
-        for h in hosts:
-            gpus[h] = gpus.get(h, 0) + n
-            count[h] = count.get(h, 0) + 1
-    return gpus, count

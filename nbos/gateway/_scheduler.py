@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -57,7 +57,7 @@ from nbos.core.wire.agent import (
     GpuReleaseKernel,
     GpuReservation,
 )
-from nbos.gateway._hosts import Grant, HostRecord, subscriptions
+from nbos.gateway._hosts import Grant, HostRecord
 from nbos.gateway._ledger import Ledger
 from nbos.gateway._rpc import RequestChannel
 from nbos.scaling import (
@@ -140,6 +140,9 @@ class GpuScheduler:
         self._grants: dict[str, Grant] = {}
         self._committed: set[str] = set()
         self._placements: dict[KernelId, tuple[tuple[HostId, ...], int]] = {}
+        # Per host, kept with _placements: GPUs subscribed and replicas placed there.
+        self._subscribed: Counter[HostId] = Counter()
+        self._replica_count: Counter[HostId] = Counter()
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
         # GPUs a migrating cell will take on its target host, by cell.
@@ -219,16 +222,21 @@ class GpuScheduler:
 
     # --- the cluster -----------------------------------------------------------------
 
-    def view(self) -> ClusterView:
-        """Every known host as placement sees it (unreachable hosts are unschedulable)."""
-        gpus, count = subscriptions(self._placements)
+    def view(self, only: Iterable[HostId] | None = None) -> ClusterView:
+        """Every known host as placement sees it (unreachable hosts are unschedulable);
+        ``only`` those of the hosts given that are known, in that order."""
         own = self._grants.values()
-        held: dict[HostId, int] = {}
+        held: Counter[HostId] = Counter()
         for host_id, n in self._held.values():
-            held[host_id] = held.get(host_id, 0) + n
+            held[host_id] += n
+        records = (
+            sorted(self._hosts.values(), key=lambda h: h.host_id)
+            if only is None
+            else [self._hosts[h] for h in only if h in self._hosts]
+        )
+        subscribed, placed = self._subscribed, self._replica_count
         hosts = [
-            h.view(own, gpus.get(h.host_id, 0), count.get(h.host_id, 0), held.get(h.host_id, 0))
-            for h in sorted(self._hosts.values(), key=lambda h: h.host_id)
+            h.view(own, subscribed[h.host_id], placed[h.host_id], held[h.host_id]) for h in records
         ]
         return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
 
@@ -309,7 +317,7 @@ class GpuScheduler:
             self.placement_failures += 1
             self._notify()
             raise
-        self._placements[kernel_id] = (hosts, gpus)
+        self._set_placement(kernel_id, (hosts, gpus))
         self._owed -= {(h, kernel_id) for h in hosts}
         log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
         self._notify()
@@ -318,7 +326,7 @@ class GpuScheduler:
     def adopt_placement(self, kernel_id: KernelId, hosts: Iterable[HostId], gpus: int) -> None:
         """A kernel placed before this scheduler started (a restarted gateway took it
         over): its replicas are on ``hosts``, ``gpus`` subscribed on each."""
-        self._placements[kernel_id] = (tuple(hosts), gpus)
+        self._set_placement(kernel_id, (tuple(hosts), gpus))
         self._notify()
 
     def replica_moved(self, kernel_id: KernelId, old: HostId, new: HostId) -> None:
@@ -328,9 +336,25 @@ class GpuScheduler:
         if placed is None or old not in placed[0]:
             return
         hosts, gpus = placed
-        self._placements[kernel_id] = (tuple(new if h == old else h for h in hosts), gpus)
+        self._set_placement(kernel_id, (tuple(new if h == old else h for h in hosts), gpus))
         log.info("kernel %s: replica moved from %s to %s", kernel_id, old, new)
         self._notify()
+
+    def _set_placement(
+        self, kernel_id: KernelId, placement: tuple[tuple[HostId, ...], int] | None
+    ) -> None:
+        """The kernel's replicas are on these hosts, subscribing that many GPUs on each
+        (``None``: it is gone)."""
+        old = self._placements.pop(kernel_id, None)
+        for entry, sign in ((old, -1), (placement, 1)):
+            if entry is None:
+                continue
+            hosts, gpus = entry
+            for h in hosts:
+                self._subscribed[h] += sign * gpus
+                self._replica_count[h] += sign
+        if placement is not None:
+            self._placements[kernel_id] = placement
 
     @contextmanager
     def holding(
@@ -385,10 +409,12 @@ class GpuScheduler:
         replicas = self._off_draining(replicas)
         self.ledger.cell_ready(kernel_id, exec_index, gpus)
         if gpus == 0:
-            # Nothing to pre-commit, but the executor is still the decision's.
+            # Nothing to pre-commit, but the executor is still the decision's, made on
+            # the replicas' hosts alone: a cell without GPUs never waits nor migrates,
+            # and its cost must not grow with the cluster.
             order = [replicas[r] for r in sorted(replicas)]
             last = replicas.get(last_executor) if last_executor is not None else None
-            choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
+            choice = self._decisions.cell(self.view(order), kernel_id, order, last, 0)
             host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
             replica = self._replica_on(host, replicas, last_executor)
             self.ledger.cell_started(kernel_id, exec_index)
@@ -512,7 +538,7 @@ class GpuScheduler:
 
     async def kernel_gone(self, kernel_id: KernelId) -> None:
         """The kernel was shut down or died: free its GPUs and residency on every host."""
-        self._placements.pop(kernel_id, None)
+        self._set_placement(kernel_id, None)
         async with anyio.create_task_group() as tg:
             for host_id in list(self._hosts):
                 tg.start_soon(self.replica_gone, kernel_id, host_id)

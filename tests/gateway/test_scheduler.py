@@ -37,6 +37,29 @@ async def test_placement_uses_three_distinct_hosts_and_subscribes() -> None:
         assert all(view[h].replicas == 1 for h in hosts)
 
 
+def subscribed(c: Cluster, *only: str) -> dict[str, tuple[int, int]]:
+    """GPUs subscribed and replicas placed per host, as the scheduler's view says."""
+    view = c.scheduler.view([HostId(h) for h in only] if only else None)
+    return {h.host_id: (h.gpus_subscribed, h.replicas) for h in view.hosts}
+
+
+async def test_subscriptions_follow_placements_moves_and_kernels_gone() -> None:
+    async with cluster({"h0": (0, 1), "h1": (0, 1), "h2": (0, 1), "h3": (0, 1)}) as c:
+        hosts = ("h0", "h1", "h2")
+        c.scheduler.adopt_placement(kernel("a"), [HostId(h) for h in hosts], 2)
+        c.scheduler.adopt_placement(kernel("b"), [HostId(h) for h in ("h1", "h2", "h3")], 1)
+        assert subscribed(c) == {"h0": (2, 1), "h1": (3, 2), "h2": (3, 2), "h3": (1, 1)}
+        c.scheduler.replica_moved(kernel("a"), HostId("h0"), HostId("h3"))
+        assert subscribed(c) == {"h0": (0, 0), "h1": (3, 2), "h2": (3, 2), "h3": (3, 2)}
+        # Adopted again (a gateway taking the kernel over): the placement is replaced.
+        c.scheduler.adopt_placement(kernel("b"), [HostId(h) for h in ("h0", "h1", "h2")], 1)
+        assert subscribed(c) == {"h0": (1, 1), "h1": (3, 2), "h2": (3, 2), "h3": (2, 1)}
+        await c.scheduler.kernel_gone(kernel("a"))
+        assert subscribed(c) == {"h0": (1, 1), "h1": (1, 1), "h2": (1, 1), "h3": (0, 0)}
+        # A view of some hosts: those known, in the order asked.
+        assert list(subscribed(c, "h2", "h9", "h0")) == ["h2", "h0"]
+
+
 async def test_two_kernels_contend_second_runs_on_another_replicas_host() -> None:
     async with cluster(THREE) as c:
         a = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=2)
