@@ -3,6 +3,10 @@ waits for the request's idle, the others go out at once."""
 
 from __future__ import annotations
 
+import datetime
+import json
+import math
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,11 +14,11 @@ import anyio
 import pytest
 import zmq
 import zmq.asyncio
-from jupyter_client.session import Session
+from jupyter_client.session import Session, json_packer, json_unpacker
 from zmq.eventloop.zmqstream import ZMQStream
 
 from nbos.kernel.protocol import IOPUB_COUNT_KEY
-from nbos.kernel.replica._session import ReplicaSession
+from nbos.kernel.replica._session import ReplicaSession, pack_json, unpack_json
 
 pytestmark = pytest.mark.anyio
 
@@ -114,3 +118,38 @@ async def test_a_reply_on_a_plain_socket_is_not_held(wire: Wire) -> None:
     session.send(wire.shell.socket, "execute_reply", {"status": "ok"}, parent=cell)
     reply = await wire.next_reply()
     assert reply["metadata"][IOPUB_COUNT_KEY] == 0
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"date": datetime.datetime.now(datetime.UTC), "text": "héllo ✓", "n": [1, 2.5, None]},
+        {"data": b"\x00\x01binary", "items": {3, 4}, "pair": (1, "a")},
+        {1: "int key", 2.5: "float key", "big": 2**80, "flag": True},
+        {(1, 2): "tuple key"},  # msgspec refuses it: jupyter_client's packer takes it
+    ],
+    ids=["header-like", "bytes-set-tuple", "odd-keys", "fallback"],
+)
+def test_pack_makes_the_json_jupyter_clients_packer_makes(obj: dict[Any, Any]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jupyter_client's deprecation of the fallback
+        assert json.loads(pack_json(obj)) == json.loads(json_packer(obj))
+
+
+def test_pack_writes_non_finite_floats_as_null() -> None:
+    assert json.loads(pack_json({"a": math.nan, "b": [math.inf]})) == {"a": None, "b": [None]}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b'{"a": [1, "x", {"b": null}]}', b'{"a": NaN}', b'{"a": "\xff"}', '{"s": "str"}'],
+    ids=["plain", "nan-literal", "invalid-utf8", "str"],
+)
+def test_unpack_reads_what_jupyter_clients_unpacker_reads(data: bytes | str) -> None:
+    assert repr(unpack_json(data)) == repr(json_unpacker(data))
+
+
+def test_a_configured_packer_replaces_the_default() -> None:
+    assert ReplicaSession(key=KEY).pack is pack_json
+    assert ReplicaSession(key=KEY, packer="json").pack is json_packer
+    assert ReplicaSession(key=KEY, packer="json").unpack is json_unpacker

@@ -12,6 +12,11 @@ for the front, which relays the replica's messages to clients:
   its way, and its ``idle`` can go out. The replica's own ``idle``, one hop of
   ipykernel's IOPub thread later, still follows: it ends the front's wait should an
   IOPub message be lost, or a handler fail without a reply.
+* **JSON through msgspec.** The kernel's thread packs every message it sends, and
+  ``json.dumps`` costs it about 13 µs a message where msgspec takes 1; the bytes are
+  the same JSON but for whitespace, and non-finite floats go out as ``null`` (as with
+  jupyter_client's own orjson packer). What msgspec cannot encode (keys that are not
+  strings or numbers, say) goes through jupyter_client's packer, fallbacks included.
 * **A reply leaves without waiting for the kernel's loop.** ipykernel's shell stream
   queues what it sends until the loop turns again, or until the kernel flushes the
   stream after publishing its ``idle``: a cell's reply waited for that publish. Here the
@@ -31,9 +36,12 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 import zmq
-from jupyter_client.session import Session, extract_header
+from jupyter_client.jsonutil import json_default
+from jupyter_client.session import Session, extract_header, json_packer, json_unpacker
 from tornado.ioloop import IOLoop
+from traitlets import Callable
 from zmq.eventloop.zmqstream import ZMQStream
 
 from nbos.kernel.protocol import IOPUB_COUNT_KEY
@@ -49,8 +57,32 @@ _NOT_COUNTED = frozenset({"status", "input_request"})
 _HELD = "execute_reply"
 
 
+_encoder = msgspec.json.Encoder(enc_hook=json_default)
+_decoder = msgspec.json.Decoder()
+
+
+def pack_json(obj: Any) -> bytes:
+    """``obj`` as JSON, as jupyter_client's packer makes it (see the module doc)."""
+    try:
+        return _encoder.encode(obj)
+    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError):
+        return json_packer(obj)
+
+
+def unpack_json(data: bytes | str) -> Any:
+    """What jupyter_client's unpacker makes of ``data``, JSON decoded by msgspec."""
+    try:
+        return _decoder.decode(data)
+    except ValueError:  # NaN literals, invalid UTF-8: jupyter_client takes those
+        return json_unpacker(data)
+
+
 class ReplicaSession(Session):
     """``Session`` of a replica kernel (see the module doc)."""
+
+    # Defaults only: a configured ``packer`` still replaces them.
+    pack = Callable(pack_json)
+    unpack = Callable(unpack_json)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
