@@ -192,6 +192,9 @@ class Cells:
 
     async def settle_unsettled(self) -> bool:
         """Settle the indices whose settle found no majority, in order; whether all are."""
+        if not self._unsettled:
+            # Every cell asks: not even a turn of the loop for the lock, then.
+            return True
         async with self._settling:
             for index in sorted(self._unsettled):
                 settled = await self.settle(index)

@@ -85,6 +85,8 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 _WAKE_TIMEOUT_S = 5.0
 #: How long an interrupt that follows its cell waits for the replica's reply.
 _INTERRUPT_TIMEOUT_S = 10.0
+#: How the topic of a replica's status messages ends (ipykernel's ``kernel.<id>.status``).
+_STATUS_TOPIC = b".status"
 
 _Incoming = tuple[list[bytes], _wire.Msg]
 
@@ -538,7 +540,11 @@ class KernelFront:
             incoming = self._parse_client(frames)
             if incoming is not None:
                 self._liveness.request_seen()
-                await tx.send(incoming)
+                try:
+                    # Not send(), which first lets every other ready task run.
+                    tx.send_nowait(incoming)
+                except anyio.WouldBlock:  # a full queue: stop reading until it has room
+                    await tx.send(incoming)
 
     def _parse_client(self, frames: list[bytes]) -> _Incoming | None:
         try:
@@ -1015,6 +1021,10 @@ class KernelFront:
     async def _read_iopub(self, up: Upstream) -> None:
         while True:
             frames = await up.receive_iopub()
+            if frames[0].endswith(_STATUS_TOPIC) and not self._awaits_idle(up.replica):
+                # A status nobody waits for does nothing here: the replica's idle of a
+                # request whose reply counted its output, mostly. Not even verified.
+                continue
             parsed = self._parse_upstream(up, frames)
             if parsed is None:
                 continue
@@ -1033,6 +1043,10 @@ class KernelFront:
                 # Late output of a finished request (a thread the cell started), from the
                 # replica that ran it: a client shows it with that cell, as with ipykernel.
                 await self._publish(msg)
+
+    def _awaits_idle(self, replica: int) -> bool:
+        """Whether a request to ``replica`` waits for its idle."""
+        return any(p.target == replica and not p.idled.is_set() for p in self._pending.values())
 
     async def _read_input_requests(self, up: Upstream) -> None:
         sock = up.sockets["stdin"]
