@@ -143,6 +143,8 @@ class GpuScheduler:
         # Per host, kept with _placements: GPUs subscribed and replicas placed there.
         self._subscribed: Counter[HostId] = Counter()
         self._replica_count: Counter[HostId] = Counter()
+        #: GPUs subscribed per cell over all kernels, kept with _placements too.
+        self._demand = 0
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
         # GPUs a migrating cell will take on its target host, by cell.
@@ -225,7 +227,7 @@ class GpuScheduler:
     def view(self, only: Iterable[HostId] | None = None) -> ClusterView:
         """Every known host as placement sees it (unreachable hosts are unschedulable);
         ``only`` those of the hosts given that are known, in that order."""
-        own = self._grants.values()
+        own = self._grants_by_host()
         held: Counter[HostId] = Counter()
         for host_id, n in self._held.values():
             held[host_id] += n
@@ -236,9 +238,19 @@ class GpuScheduler:
         )
         subscribed, placed = self._subscribed, self._replica_count
         hosts = [
-            h.view(own, subscribed[h.host_id], placed[h.host_id], held[h.host_id]) for h in records
+            h.view(
+                own.get(h.host_id, ()), subscribed[h.host_id], placed[h.host_id], held[h.host_id]
+            )
+            for h in records
         ]
         return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
+
+    def _grants_by_host(self) -> dict[HostId, list[Grant]]:
+        """This scheduler's grants, by host: each host's view looks at its own only."""
+        by_host: dict[HostId, list[Grant]] = {}
+        for grant in self._grants.values():
+            by_host.setdefault(grant.host, []).append(grant)
+        return by_host
 
     @property
     def decisions(self) -> ClusterDecisions:
@@ -350,6 +362,7 @@ class GpuScheduler:
             if entry is None:
                 continue
             hosts, gpus = entry
+            self._demand += sign * gpus
             for h in hosts:
                 self._subscribed[h] += sign * gpus
                 self._replica_count[h] += sign
@@ -815,8 +828,9 @@ class GpuScheduler:
     def _notify(self) -> None:
         gpus = sum(len(h.devices) for h in self._hosts.values() if h.reachable)
         self.ledger.hosts_changed(sum(h.reachable for h in self._hosts.values()), gpus)
-        demand = sum(n for _, n in self._placements.values())
-        busy = sum(len(h.busy(self._grants.values())) for h in self._hosts.values())
+        demand = self._demand
+        own = self._grants_by_host()
+        busy = sum(len(h.busy(own.get(h.host_id, ()))) for h in self._hosts.values())
         self._ratio = smoothed_demand_ratio(self._ratio, demand, busy)
         self._version += 1
         self._changed.set()
