@@ -137,7 +137,9 @@ class GpuScheduler:
         self._poll = poll_interval
         self._replicas_per_kernel = replicas_per_kernel
         self._hosts: dict[HostId, HostRecord] = {}
+        # Grants by reservation id, and the same by host (see _keep_grant, _drop_grant).
         self._grants: dict[str, Grant] = {}
+        self._grants_on: dict[HostId, dict[str, Grant]] = {}
         self._committed: set[str] = set()
         self._placements: dict[KernelId, tuple[tuple[HostId, ...], int]] = {}
         # Per host, kept with _placements: GPUs subscribed and replicas placed there.
@@ -227,7 +229,6 @@ class GpuScheduler:
     def view(self, only: Iterable[HostId] | None = None) -> ClusterView:
         """Every known host as placement sees it (unreachable hosts are unschedulable);
         ``only`` those of the hosts given that are known, in that order."""
-        own = self._grants_by_host()
         held: Counter[HostId] = Counter()
         for host_id, n in self._held.values():
             held[host_id] += n
@@ -239,18 +240,31 @@ class GpuScheduler:
         subscribed, placed = self._subscribed, self._replica_count
         hosts = [
             h.view(
-                own.get(h.host_id, ()), subscribed[h.host_id], placed[h.host_id], held[h.host_id]
+                self._grants_at(h.host_id),
+                subscribed[h.host_id],
+                placed[h.host_id],
+                held[h.host_id],
             )
             for h in records
         ]
         return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
 
-    def _grants_by_host(self) -> dict[HostId, list[Grant]]:
-        """This scheduler's grants, by host: each host's view looks at its own only."""
-        by_host: dict[HostId, list[Grant]] = {}
-        for grant in self._grants.values():
-            by_host.setdefault(grant.host, []).append(grant)
-        return by_host
+    def _grants_at(self, host_id: HostId) -> Iterable[Grant]:
+        """This scheduler's grants on ``host_id``: a host's view looks at its own only."""
+        return self._grants_on.get(host_id, {}).values()
+
+    def _keep_grant(self, grant: Grant) -> None:
+        self._grants[grant.reservation_id] = grant
+        self._grants_on.setdefault(grant.host, {})[grant.reservation_id] = grant
+
+    def _drop_grant(self, res: str) -> Grant | None:
+        grant = self._grants.pop(res, None)
+        if grant is not None:
+            on_host = self._grants_on[grant.host]
+            del on_host[res]
+            if not on_host:
+                del self._grants_on[grant.host]
+        return grant
 
     @property
     def decisions(self) -> ClusterDecisions:
@@ -498,7 +512,8 @@ class GpuScheduler:
                     "reservation %s re-committed on devices %s, not %s", res, devices, grant.devices
                 )
             if res in self._grants:
-                grant = self._grants[res] = attrs.evolve(grant, devices=devices)
+                grant = attrs.evolve(grant, devices=devices)
+                self._keep_grant(grant)
                 self._committed.add(res)
                 self.ledger.cell_started(grant.kernel_id, grant.exec_index)
             return grant
@@ -511,7 +526,7 @@ class GpuScheduler:
         kernel needs them (lazy eviction).
         """
         res = grant.reservation_id
-        if not res or self._grants.pop(res, None) is None:
+        if not res or self._drop_grant(res) is None:
             return
         if res in self._committed:
             self.ledger.cell_ended(grant.kernel_id, grant.exec_index)
@@ -566,10 +581,10 @@ class GpuScheduler:
         agent is told when it reports again.
         """
         gone = [
-            (r, g) for r, g in self._grants.items() if (g.kernel_id, g.host) == (kernel_id, host_id)
+            (r, g) for r, g in self._grants_on.get(host_id, {}).items() if g.kernel_id == kernel_id
         ]
         for res, grant in gone:
-            del self._grants[res]
+            self._drop_grant(res)
             self._committed.discard(res)
             self.ledger.cell_ended(kernel_id, grant.exec_index)
         self._owed.add((host_id, kernel_id))
@@ -641,7 +656,7 @@ class GpuScheduler:
             grant = Grant(
                 kernel_id, exec_index, replica, host_id, tuple(reply.reservation.devices), res
             )
-            self._grants[res] = grant
+            self._keep_grant(grant)
             host.reported[res] = reply.reservation
             return grant
         if isinstance(reply, GpuRefused):
@@ -781,8 +796,8 @@ class GpuScheduler:
         """A new agent incarnation: give it back the committed reservations it lost."""
         lost = [
             GpuReservation(res, g.kernel_id, list(g.devices), "committed")
-            for res, g in self._grants.items()
-            if g.host == host.host_id and res in self._committed and res not in host.reported
+            for res, g in self._grants_on.get(host.host_id, {}).items()
+            if res in self._committed and res not in host.reported
         ]
         log.info(
             "agent of host %s (re)started; %d committed reservations to restore",
@@ -828,10 +843,8 @@ class GpuScheduler:
     def _notify(self) -> None:
         gpus = sum(len(h.devices) for h in self._hosts.values() if h.reachable)
         self.ledger.hosts_changed(sum(h.reachable for h in self._hosts.values()), gpus)
-        demand = self._demand
-        own = self._grants_by_host()
-        busy = sum(len(h.busy(own.get(h.host_id, ()))) for h in self._hosts.values())
-        self._ratio = smoothed_demand_ratio(self._ratio, demand, busy)
+        busy = sum(len(h.busy(self._grants_at(h.host_id))) for h in self._hosts.values())
+        self._ratio = smoothed_demand_ratio(self._ratio, self._demand, busy)
         self._version += 1
         self._changed.set()
         self._changed = anyio.Event()

@@ -564,14 +564,12 @@ class RaftReplicatedLog:
             else:
                 step = functools.partial(self._node.step, message)
             try:
-                # Not send(), which first lets every other ready task run: a message is
-                # a step of the round in flight, its proposer waiting.
-                self._inbox_send.send_nowait(step)
-            except anyio.WouldBlock:  # a full inbox: wait for room (back-pressure)
                 try:
+                    # Not send(), which first lets every other ready task run: a message
+                    # is a step of the round in flight, its proposer waiting.
+                    self._inbox_send.send_nowait(step)
+                except anyio.WouldBlock:  # a full inbox: wait for room (back-pressure)
                     await self._inbox_send.send(step)
-                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    return
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
 
