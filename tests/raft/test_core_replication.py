@@ -11,6 +11,7 @@ from nbos.core.wire.raft import (
     HardState,
     RaftAppend,
     RaftAppendResponse,
+    RaftHeartbeat,
 )
 from nbos.raft.core import RaftConfig, Role, StorageView, bootstrap
 from nbos.raft.core.sim import SimCluster
@@ -224,6 +225,68 @@ def test_followers_learn_a_commit_from_the_next_message_not_one_of_its_own(
     cluster.deliver_where(lambda m: isinstance(m, RaftAppend))
     assert all(cluster.node(f).log.committed == index for f in followers)
     cluster.deliver_all()
-    cluster.run(3)  # a heartbeat carries the commit of the last entry
+    # A heartbeat carries the commit of the last entry: not the first round after the
+    # append (that round skips the followers it reached), the second.
+    cluster.run(6)
     assert all(cluster.node(f).log.committed == second for f in followers)
     assert all(cluster.members[f].applied[second].data == b"y" for f in followers)
+
+
+def _heartbeats_of_a_round(cluster: SimCluster, leader: int) -> list[tuple[int, bytes]]:
+    """Tick the leader alone through one heartbeat round: to whom (and with which read
+    context) its heartbeats went; delivered or, on a cut link, lost."""
+    sent: list[RaftHeartbeat] = []
+    for _ in range(cluster.node(leader).config.heartbeat_ticks):
+        cluster.tick([leader])
+        sent += [m for m in cluster.network if isinstance(m, RaftHeartbeat)]
+        cluster.deliver_all()
+    return sorted((m.dst, m.ctx) for m in sent)
+
+
+def test_a_heartbeat_round_skips_the_followers_an_append_reached_since_the_last(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(3, seed=1, heartbeat_ticks=2, max_inflight=2)
+    leader = cluster.wait_leader()
+    a, b = sorted({1, 2, 3} - {leader})
+    _heartbeats_of_a_round(cluster, leader)
+    assert _heartbeats_of_a_round(cluster, leader) == [(a, b""), (b, b"")]
+
+    cluster.node(leader).propose(b"x")
+    cluster.process(leader)
+    cluster.deliver_all()
+    assert _heartbeats_of_a_round(cluster, leader) == []  # the append stood in for them
+    assert _heartbeats_of_a_round(cluster, leader) == [(a, b""), (b, b"")]
+
+    # b's link is cut: its appends are lost until its window is full, then none goes
+    # to it, and it is heartbeaten while a is not
+    cluster.partition({leader, a}, {b})
+    for data in (b"y", b"z", b"w"):
+        cluster.node(leader).propose(data)
+        cluster.process(leader)
+        cluster.deliver_all()
+    _heartbeats_of_a_round(cluster, leader)
+    cluster.node(leader).propose(b"v")
+    cluster.process(leader)
+    cluster.deliver_all()
+    assert _heartbeats_of_a_round(cluster, leader) == [(b, b"")]
+
+    # a read waits for a quorum's answers: its rounds go to every follower
+    cluster.partition({leader}, {a, b})
+    cluster.node(leader).read_index(b"r")
+    cluster.node(leader).propose(b"u")
+    cluster.process(leader)
+    cluster.deliver_all()
+    assert _heartbeats_of_a_round(cluster, leader) == [(a, b"r"), (b, b"r")]
+
+
+def test_every_round_heartbeats_everyone_unless_two_rounds_fit_in_an_election_timeout(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(3, seed=1, heartbeat_ticks=5, election_ticks=10)
+    leader = cluster.wait_leader()
+    a, b = sorted({1, 2, 3} - {leader})
+    cluster.node(leader).propose(b"x")
+    cluster.process(leader)
+    cluster.deliver_all()
+    assert _heartbeats_of_a_round(cluster, leader) == [(a, b""), (b, b"")]

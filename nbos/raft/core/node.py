@@ -584,7 +584,7 @@ class RaftNode:
             if quiet:
                 self._quiesce()
             else:
-                self._broadcast_heartbeat(self._read_only.last_ctx())
+                self._heartbeat_round(self._read_only.last_ctx())
 
     def _count_quiet_tick(self) -> bool:
         """Whether the group has been quiet, at the same last index, for ``quiesce_ticks``."""
@@ -728,8 +728,8 @@ class RaftNode:
 
         A new commit index alone is no reason to send, unless it commits a membership
         change: followers learn it from the next append or heartbeat (at most
-        ``heartbeat_ticks`` later), as in Raft's paper. Each round then costs every
-        follower one message and one answer, not two of each.
+        ``2 * heartbeat_ticks`` later: :meth:`_heartbeat_round`), as in Raft's paper.
+        Each round then costs every follower one message and one answer, not two of each.
         """
         for member, pr in self.progress.items():
             if member == self.id:
@@ -791,8 +791,33 @@ class RaftNode:
     def _broadcast_heartbeat(self, ctx: bytes) -> None:
         for member, pr in self.progress.items():
             if member != self.id:
-                commit = min(pr.match, self.log.committed)
-                self._send(RaftHeartbeat(self.id, member, self.term, commit=commit, ctx=ctx))
+                self._send_heartbeat(member, pr, ctx)
+
+    def _heartbeat_round(self, ctx: bytes) -> None:
+        """The periodic heartbeat: every member that no append reached since the last
+        round gets one.
+
+        While cells come, each follower gets an append per cell, which resets its
+        election timer and carries the commit index as a heartbeat does; a heartbeat
+        besides costs it, and the leader, a message and an answer each. A follower
+        then hears from the leader at least every ``2 * heartbeat_ticks``, so this holds
+        only while that is below ``election_ticks``. A round carrying a read's context
+        (a read waits for a quorum's answers to it) or a leaving leader's (it waits for
+        their commit index) goes to every member.
+        """
+        skip_appended = (
+            not ctx
+            and self._leaving_at is None
+            and 2 * self.config.heartbeat_ticks < self.config.election_ticks
+        )
+        for member, pr in self.progress.items():
+            if member != self.id and not (skip_appended and pr.appended):
+                self._send_heartbeat(member, pr, ctx)
+            pr.appended = False
+
+    def _send_heartbeat(self, member: int, pr: Progress, ctx: bytes) -> None:
+        commit = min(pr.match, self.log.committed)
+        self._send(RaftHeartbeat(self.id, member, self.term, commit=commit, ctx=ctx))
 
     def _leader_read(self, ctx: bytes, origin: int | None) -> None:
         if self.log.term(self.log.committed) != self.term:

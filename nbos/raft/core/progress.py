@@ -63,6 +63,8 @@ class Progress:
         self.probe_sent = False
         #: heard from since the last check-quorum round
         self.recent_active = False
+        #: an append went to it since the leader's last heartbeat round
+        self.appended = False
         self.inflights = Inflights(max_inflight)
         #: in SNAPSHOT: the snapshot index being sent and the next byte to send
         self.pending_snapshot = 0
@@ -101,6 +103,7 @@ class Progress:
 
     def sent_append(self, last_index: int, count: int) -> None:
         """Record an append carrying ``count`` entries ending at ``last_index``."""
+        self.appended = True
         if self.state is ProgressState.REPLICATE:
             if count:
                 self.next = last_index + 1
