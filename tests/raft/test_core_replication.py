@@ -232,6 +232,20 @@ def test_followers_learn_a_commit_from_the_next_message_not_one_of_its_own(
     assert all(cluster.members[f].applied[second].data == b"y" for f in followers)
 
 
+def _led_three(make_cluster: MakeCluster, **config: int) -> tuple[SimCluster, int, list[int]]:
+    """A group of three with a leader, and its two followers."""
+    cluster = make_cluster(3, seed=1, **config)
+    leader = cluster.wait_leader()
+    return cluster, leader, sorted({1, 2, 3} - {leader})
+
+
+def _propose(cluster: SimCluster, leader: int, data: bytes) -> None:
+    """Propose ``data`` at the leader and deliver what follows (lost on a cut link)."""
+    cluster.node(leader).propose(data)
+    cluster.process(leader)
+    cluster.deliver_all()
+
+
 def _heartbeats_of_a_round(cluster: SimCluster, leader: int) -> list[tuple[int, bytes]]:
     """Tick the leader alone through one heartbeat round: to whom (and with which read
     context) its heartbeats went; delivered or, on a cut link, lost."""
@@ -246,15 +260,11 @@ def _heartbeats_of_a_round(cluster: SimCluster, leader: int) -> list[tuple[int, 
 def test_a_heartbeat_round_skips_the_followers_an_append_reached_since_the_last(
     make_cluster: MakeCluster,
 ) -> None:
-    cluster = make_cluster(3, seed=1, heartbeat_ticks=2, max_inflight=2)
-    leader = cluster.wait_leader()
-    a, b = sorted({1, 2, 3} - {leader})
+    cluster, leader, (a, b) = _led_three(make_cluster, heartbeat_ticks=2, max_inflight=2)
     _heartbeats_of_a_round(cluster, leader)
     assert _heartbeats_of_a_round(cluster, leader) == [(a, b""), (b, b"")]
 
-    cluster.node(leader).propose(b"x")
-    cluster.process(leader)
-    cluster.deliver_all()
+    _propose(cluster, leader, b"x")
     assert _heartbeats_of_a_round(cluster, leader) == []  # the append stood in for them
     assert _heartbeats_of_a_round(cluster, leader) == [(a, b""), (b, b"")]
 
@@ -262,31 +272,21 @@ def test_a_heartbeat_round_skips_the_followers_an_append_reached_since_the_last(
     # to it, and it is heartbeaten while a is not
     cluster.partition({leader, a}, {b})
     for data in (b"y", b"z", b"w"):
-        cluster.node(leader).propose(data)
-        cluster.process(leader)
-        cluster.deliver_all()
+        _propose(cluster, leader, data)
     _heartbeats_of_a_round(cluster, leader)
-    cluster.node(leader).propose(b"v")
-    cluster.process(leader)
-    cluster.deliver_all()
+    _propose(cluster, leader, b"v")
     assert _heartbeats_of_a_round(cluster, leader) == [(b, b"")]
 
     # a read waits for a quorum's answers: its rounds go to every follower
     cluster.partition({leader}, {a, b})
     cluster.node(leader).read_index(b"r")
-    cluster.node(leader).propose(b"u")
-    cluster.process(leader)
-    cluster.deliver_all()
+    _propose(cluster, leader, b"u")
     assert _heartbeats_of_a_round(cluster, leader) == [(a, b"r"), (b, b"r")]
 
 
 def test_every_round_heartbeats_everyone_unless_two_rounds_fit_in_an_election_timeout(
     make_cluster: MakeCluster,
 ) -> None:
-    cluster = make_cluster(3, seed=1, heartbeat_ticks=5, election_ticks=10)
-    leader = cluster.wait_leader()
-    a, b = sorted({1, 2, 3} - {leader})
-    cluster.node(leader).propose(b"x")
-    cluster.process(leader)
-    cluster.deliver_all()
+    cluster, leader, (a, b) = _led_three(make_cluster, heartbeat_ticks=5, election_ticks=10)
+    _propose(cluster, leader, b"x")
     assert _heartbeats_of_a_round(cluster, leader) == [(a, b""), (b, b"")]
