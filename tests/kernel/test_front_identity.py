@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import zmq
 
+from nbos.core.errors import TransportError
 from nbos.kernel.front import KernelFront, ReplicaEndpoint
 
 pytestmark = pytest.mark.anyio
@@ -35,3 +37,26 @@ async def test_identity_and_connection_info_stay_readable_after_the_front_stoppe
     assert set(after.ports) == {"shell_port", "iopub_port", "stdin_port", "control_port", "hb_port"}
     assert all(port > 0 for port in after.ports.values())
     assert front.connection_info["shell_port"] == after.ports["shell_port"]
+
+
+async def test_a_front_that_cannot_bind_a_port_raises_and_frees_the_ports_it_bound() -> None:
+    first = KernelFront([ReplicaEndpoint(1, SILENT)], kernel_id="k1")
+    with anyio.move_on_after(0.2):
+        await first.serve()
+    identity = first.identity
+    ctx = zmq.Context()
+    squatter = ctx.socket(zmq.ROUTER)
+    squatter.bind(f"tcp://127.0.0.1:{identity.ports['hb_port']}")  # the last one bound
+    try:
+        with pytest.raises(TransportError, match="cannot bind its front") as failed:
+            KernelFront([ReplicaEndpoint(1, SILENT)], kernel_id="k1", identity=identity)
+    finally:
+        squatter.close(0)
+        ctx.term()
+    # Its other four ports were let go, not left to the garbage collector (``failed``
+    # keeps the failed front's frames alive): a front can take them all now.
+    again = KernelFront([ReplicaEndpoint(1, SILENT)], kernel_id="k1", identity=identity)
+    del failed
+    with anyio.move_on_after(0.2):
+        await again.serve()
+    assert again.identity == identity

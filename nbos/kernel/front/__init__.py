@@ -9,7 +9,8 @@ from nbos.kernel.front._chooser import (
     ExecutorChooser,
     LastExecutorChooser,
 )
-from nbos.kernel.front._front import FrontIdentity, KernelFront
+from nbos.kernel.front._clients import FrontIdentity
+from nbos.kernel.front._front import KernelFront
 from nbos.kernel.front._liveness import HeartbeatPolicy
 from nbos.kernel.front._upstream import ReplicaEndpoint
 

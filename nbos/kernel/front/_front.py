@@ -19,22 +19,17 @@ relays, re-signing every message both ways:
 * if the executor dies mid-cell, a survivor commits ``Done(index, lost)`` and the
   client gets a ``CellLostError`` reply; nothing is re-run.
 
-The front is the Jupyter server side (client sockets, routing, relaying); it composes
-the cell protocol (:mod:`._cells`: exec indices, claims, settles) and the replicas'
-liveness (:mod:`._liveness`: heartbeats, deaths, the majority), and speaks to replicas
-in the terms of :mod:`nbos.kernel.protocol`.
-
-Every message to clients carries the front's session id. A client message that
-is unsigned, wrongly signed or malformed is refused with a log line; a signed
-request of a type the kernel does not serve is logged and ignored, one with bad
-content gets an error reply (:mod:`._requests`), and the channel goes on.
+The front routes and relays. It composes the sockets clients connect to
+(:mod:`._clients`: signing, refusals, one ``busy`` per request), the cell protocol
+(:mod:`._cells`: exec indices, claims, settles) and the replicas' liveness
+(:mod:`._liveness`: heartbeats, deaths, the majority), and speaks to replicas in the
+terms of :mod:`nbos.kernel.protocol`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -64,10 +59,10 @@ from nbos.kernel.front._chooser import (
     ExecutorChooser,
     LastExecutorChooser,
 )
+from nbos.kernel.front._clients import ClientChannels, FrontIdentity, Incoming
 from nbos.kernel.front._liveness import HeartbeatPolicy, Liveness
 from nbos.kernel.front._status import WaitStatus
 from nbos.kernel.front._upstream import Channel, ReplicaEndpoint, Upstream
-from nbos.metrics import events
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +82,6 @@ _WAKE_TIMEOUT_S = 5.0
 _INTERRUPT_TIMEOUT_S = 10.0
 #: How the topic of a replica's status messages ends (ipykernel's ``kernel.<id>.status``).
 _STATUS_TOPIC = b".status"
-
-_Incoming = tuple[list[bytes], _wire.Msg]
 
 
 @attrs.define
@@ -160,18 +153,6 @@ class _Pending:
         self.heard.set()
 
 
-@attrs.frozen
-class FrontIdentity:
-    """What clients know a front by: its key, session id and ports (``shell_port`` ...).
-
-    ``session`` ``None``: a new one (a restarted kernel is a new session).
-    """
-
-    key: str
-    session: str | None
-    ports: Mapping[str, int]
-
-
 class KernelFront:
     """One Jupyter kernel in front of ``replicas``; run it with :meth:`serve`.
 
@@ -200,33 +181,13 @@ class KernelFront:
         self._kernel_id = kernel_id
         self._ip = ip
         self._resume = resume
-        self._key = identity.key if identity is not None else secrets.token_hex(32)
-        self._signer = _wire.Signer(
-            {"key": self._key},
-            username="nbos",
-            session_id=identity.session if identity is not None else None,
-        )
         self._chooser: ExecutorChooser = chooser or LastExecutorChooser()
         self._ctx = zmq.asyncio.Context()
-        ports = identity.ports if identity is not None else {}
         try:
-            self._shell = self._bind(zmq.ROUTER, ports.get("shell_port", 0))
-            self._control = self._bind(zmq.ROUTER, ports.get("control_port", 0))
-            self._stdin = self._bind(zmq.ROUTER, ports.get("stdin_port", 0))
-            self._iopub = self._bind(zmq.PUB, ports.get("iopub_port", 0))
-            self._hb = self._bind(zmq.ROUTER, ports.get("hb_port", 0))
-        except zmq.ZMQError as exc:
+            self._clients = ClientChannels(self._ctx, kernel_id=kernel_id, ip=ip, identity=identity)
+        except TransportError:
             self._ctx.destroy(linger=0)
-            raise TransportError(f"kernel {kernel_id}: cannot bind its front: {exc}") from exc
-        # Kept apart from the sockets: the gateway records a kernel's ports (its state file)
-        # even while the kernel stops and its sockets are closed.
-        self._ports = {
-            "shell_port": _bound_port(self._shell),
-            "iopub_port": _bound_port(self._iopub),
-            "stdin_port": _bound_port(self._stdin),
-            "control_port": _bound_port(self._control),
-            "hb_port": _bound_port(self._hb),
-        }
+            raise
         self._upstreams = {r.replica: Upstream(r, self._ctx) for r in replicas}
         self._liveness = Liveness(
             kernel_id, self._upstreams, heartbeat or HeartbeatPolicy(), lambda: bool(self._pending)
@@ -243,31 +204,22 @@ class KernelFront:
         self._choosing: anyio.CancelScope | None = None
         #: The cell being run, from its turn on the shell to its reply.
         self._cell: _RunningCell | None = None
-        self._refused = 0
         self._tg: anyio.abc.TaskGroup | None = None
-        #: The shell request whose ``busy`` is still due (see :meth:`_flush_busy`).
-        self._busy_for: _wire.Msg | None = None
         #: The shell request whose ``idle`` is still due (see :meth:`_finish_shell`).
         self._idle_for: _wire.Msg | None = None
         #: The shell queue, and how many requests it held when the last shell request's
         #: idle went out: those are the ones queued behind that request.
-        self._shell_queue: MemoryObjectReceiveStream[_Incoming] | None = None
+        self._shell_queue: MemoryObjectReceiveStream[Incoming] | None = None
         self._queued_at_idle = 0
         #: Set once a client asked the kernel to shut down (every replica was asked too).
         self.shutdown_requested = anyio.Event()
-
-    def _bind(self, kind: int, port: int) -> zmq.asyncio.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{self._ip}:{port}")
-        return sock
 
     # --- public -------------------------------------------------------------------
 
     @property
     def session_id(self) -> str:
         """The one session id clients see on every message."""
-        return str(self._signer.session.session)
+        return self._clients.session_id
 
     @property
     def connection_info(self) -> KernelConnectionInfo:
@@ -275,12 +227,12 @@ class KernelFront:
         return {
             "transport": "tcp",
             "ip": self._ip,
-            "shell_port": self._ports["shell_port"],
-            "iopub_port": self._ports["iopub_port"],
-            "stdin_port": self._ports["stdin_port"],
-            "control_port": self._ports["control_port"],
-            "hb_port": self._ports["hb_port"],
-            "key": self._key,
+            "shell_port": self._clients.ports["shell_port"],
+            "iopub_port": self._clients.ports["iopub_port"],
+            "stdin_port": self._clients.ports["stdin_port"],
+            "control_port": self._clients.ports["control_port"],
+            "hb_port": self._clients.ports["hb_port"],
+            "key": self._clients.key,
             "signature_scheme": "hmac-sha256",
             "kernel_name": "nbos",
         }
@@ -288,7 +240,7 @@ class KernelFront:
     @property
     def identity(self) -> FrontIdentity:
         """What a later front needs to take this kernel over (``takeover``)."""
-        return FrontIdentity(self._key, self.session_id, dict(self._ports))
+        return self._clients.identity
 
     @property
     def alive(self) -> tuple[int, ...]:
@@ -304,11 +256,7 @@ class KernelFront:
     def refused(self) -> int:
         """How many client messages were refused: unsigned, wrongly signed or malformed
         messages, requests of types the kernel does not serve, bad content."""
-        return self._refused
-
-    def _refuse(self) -> None:
-        self._refused += 1
-        events().message_refused()
+        return self._clients.refused
 
     @property
     def last_executor(self) -> int | None:
@@ -417,8 +365,8 @@ class KernelFront:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve clients until cancelled; ``task_status.started()`` once every replica answered."""
-        shell_tx, shell_rx = anyio.create_memory_object_stream[_Incoming](100)
-        control_tx, control_rx = anyio.create_memory_object_stream[_Incoming](100)
+        shell_tx, shell_rx = anyio.create_memory_object_stream[Incoming](100)
+        control_tx, control_rx = anyio.create_memory_object_stream[Incoming](100)
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -427,10 +375,10 @@ class KernelFront:
                 await self._wait_ready()
                 if self._resume:
                     await self._cells.resume()
-                tg.start_soon(self._read_client, self._shell, shell_tx)
-                tg.start_soon(self._read_client, self._control, control_tx)
+                tg.start_soon(self._read_client, self._clients.shell, shell_tx)
+                tg.start_soon(self._read_client, self._clients.control, control_tx)
                 tg.start_soon(self._read_client_stdin)
-                tg.start_soon(self._echo_heartbeats)
+                tg.start_soon(self._clients.echo_heartbeats)
                 tg.start_soon(self._shell_worker, shell_rx)
                 tg.start_soon(self._control_worker, control_rx)
                 for up in self._upstreams.values():
@@ -496,8 +444,7 @@ class KernelFront:
     def _close(self) -> None:
         for up in self._upstreams.values():
             up.close()
-        for sock in (self._shell, self._control, self._stdin, self._iopub, self._hb):
-            sock.close(0)
+        self._clients.close()
         self._ctx.term()
 
     # --- start-up -------------------------------------------------------------------
@@ -533,11 +480,11 @@ class KernelFront:
     # --- clients --------------------------------------------------------------------
 
     async def _read_client(
-        self, sock: zmq.asyncio.Socket, tx: MemoryObjectSendStream[_Incoming]
+        self, sock: zmq.asyncio.Socket, tx: MemoryObjectSendStream[Incoming]
     ) -> None:
         while True:
             frames = await sock.recv_multipart()
-            incoming = self._parse_client(frames)
+            incoming = self._clients.parse(frames)
             if incoming is not None:
                 self._liveness.request_seen()
                 try:
@@ -545,72 +492,6 @@ class KernelFront:
                     tx.send_nowait(incoming)
                 except anyio.WouldBlock:  # a full queue: stop reading until it has room
                     await tx.send(incoming)
-
-    def _parse_client(self, frames: list[bytes]) -> _Incoming | None:
-        try:
-            return self._signer.parse(frames)
-        except (AuthenticationError, DecodeError) as exc:
-            self._refuse()
-            log.warning("kernel %s: client message refused: %s", self._kernel_id, exc)
-            return None
-
-    async def _screen(
-        self, idents: list[bytes], msg: _wire.Msg, channel: _requests.Channel
-    ) -> bool:
-        """Whether the front serves ``msg``; if not, it is counted, logged and, when it is
-        a malformed request, answered with an error reply."""
-        try:
-            _requests.screen(channel, msg)
-        except _requests.UnknownRequestError as exc:
-            # Jupyter's rule for a type a kernel does not know: log it and go on.
-            self._refuse()
-            log.warning("kernel %s: client message ignored: %s", self._kernel_id, exc)
-            return False
-        except DecodeError as exc:
-            self._refuse()
-            log.warning("kernel %s: client request refused: %s", self._kernel_id, exc)
-            await self._reply_error(idents, msg, channel, exc)
-            return False
-        return True
-
-    async def _reply_error(
-        self, idents: list[bytes], msg: _wire.Msg, channel: _requests.Channel, exc: NbosError
-    ) -> None:
-        """Answer the request ``msg`` with an error reply (nothing for a message without one)."""
-        reply_type = _requests.reply_type(msg["header"]["msg_type"])
-        if reply_type is None:
-            return
-        sock = self._shell if channel == "shell" else self._control
-        await self._flush_busy()
-        reply = self._signer.new_message(reply_type, protocol.error_content(exc, 0), msg)
-        await self._to_client(sock, reply, idents)
-
-    async def _to_client(
-        self, sock: zmq.asyncio.Socket, msg: _wire.Msg, idents: Sequence[bytes]
-    ) -> None:
-        frames = self._signer.frames(msg, idents, session_id=self.session_id)
-        await sock.send_multipart(frames, copy=False)
-
-    async def _publish(self, msg: _wire.Msg) -> None:
-        await self._flush_busy()
-        await self._send_iopub(msg)
-
-    async def _send_iopub(self, msg: _wire.Msg) -> None:
-        topic = f"kernel.{self._kernel_id}.{msg['header']['msg_type']}".encode()
-        await self._to_client(self._iopub, msg, [topic])
-
-    async def _flush_busy(self) -> None:
-        """Publish the shell request's ``busy`` if it is still due.
-
-        It is published once the request went to its replica, so that the request
-        does not wait for it, and in any case before anything else the front
-        publishes or replies (:meth:`_publish`, :meth:`_reply`): clients still see
-        exactly one ``busy``, before any output.
-        """
-        parent, self._busy_for = self._busy_for, None
-        if parent is not None:
-            busy = self._signer.new_message("status", {"execution_state": "busy"}, parent)
-            await self._send_iopub(busy)
 
     async def _finish_shell(self) -> None:
         """Publish the shell request's ``idle`` if it is still due.
@@ -623,7 +504,7 @@ class KernelFront:
         if parent is not None:
             queue = self._shell_queue
             self._queued_at_idle = 0 if queue is None else queue.statistics().current_buffer_used
-            await self._publish_status("idle", parent)
+            await self._clients.publish_status("idle", parent)
 
     async def _finish_if_out(self, pending: _Pending) -> None:
         """Publish the idle of the shell request in flight once everything of it is out:
@@ -632,25 +513,9 @@ class KernelFront:
         if pending.answered and pending.idled.is_set() and pending is self._active:
             await self._finish_shell()
 
-    async def _publish_status(self, state: str, parent: _wire.Msg) -> None:
-        msg = self._signer.new_message("status", {"execution_state": state}, parent)
-        await self._publish(msg)
-
-    async def _reply(
-        self, idents: list[bytes], parent: _wire.Msg, msg_type: str, content: dict[str, Any]
-    ) -> None:
-        await self._flush_busy()
-        await self._to_client(
-            self._shell, self._signer.new_message(msg_type, content, parent), idents
-        )
-
-    async def _echo_heartbeats(self) -> None:
-        while True:
-            await self._hb.send_multipart(await self._hb.recv_multipart())
-
     # --- shell ----------------------------------------------------------------------
 
-    async def _shell_worker(self, rx: MemoryObjectReceiveStream[_Incoming]) -> None:
+    async def _shell_worker(self, rx: MemoryObjectReceiveStream[Incoming]) -> None:
         self._shell_queue = rx
         async for idents, msg in rx:
             stop = await self._handle_shell(idents, msg, abort=False)
@@ -662,15 +527,16 @@ class KernelFront:
     async def _handle_shell(self, idents: list[bytes], msg: _wire.Msg, *, abort: bool) -> bool:
         """Handle one shell request; ``True`` if it was a cell whose failure stops the queue."""
         msg_type = msg["header"]["msg_type"]
-        self._busy_for = self._idle_for = msg
+        self._clients.busy_due(msg)
+        self._idle_for = msg
         try:
-            if not await self._screen(idents, msg, "shell"):
+            if not await self._clients.screen(idents, msg, "shell"):
                 return False
             if msg_type != "execute_request":
-                await self._relay(idents, msg, "shell", self._shell)
+                await self._relay(idents, msg, "shell", self._clients.shell)
                 return False
             if abort:
-                await self._reply(idents, msg, "execute_reply", {"status": "aborted"})
+                await self._clients.reply(idents, msg, "execute_reply", {"status": "aborted"})
                 return False
             status = await self._execute(idents, msg)
             content = msg["content"]
@@ -721,8 +587,8 @@ class KernelFront:
         notebook shows a cell's outputs, not its reply.
         """
         error = {k: content[k] for k in ("ename", "evalue", "traceback")}
-        await self._publish(self._signer.new_message("error", error, msg))
-        await self._reply(idents, msg, "execute_reply", content)
+        await self._clients.publish(self._clients.new_message("error", error, msg))
+        await self._clients.reply(idents, msg, "execute_reply", content)
         return "error"
 
     async def _choose(self, msg: _wire.Msg, index: int, wait: WaitStatus) -> CellPlan:
@@ -741,7 +607,7 @@ class KernelFront:
         """The status output of cell ``msg`` while it waits to run, updated in place."""
 
         async def publish(msg_type: str, content: dict[str, Any]) -> None:
-            await self._publish(self._signer.new_message(msg_type, content, msg))
+            await self._clients.publish(self._clients.new_message(msg_type, content, msg))
 
         return WaitStatus(publish, f"nbos-wait-{msg['header']['msg_id']}")
 
@@ -765,7 +631,7 @@ class KernelFront:
             if protocol.claim_lost(reply["metadata"]):
                 return False
             self._cells.ran_on(plan.replica)
-            await self._to_client(self._shell, reply, idents)
+            await self._clients.send(self._clients.shell, reply, idents)
             return True
 
         metadata = protocol.cell_metadata(msg["metadata"], index, plan.devices)
@@ -809,7 +675,7 @@ class KernelFront:
         content = await self._cells.lost(index, executor)
         if content["status"] == "error":
             return await self._fail_cell(idents, msg, content)
-        await self._reply(idents, msg, "execute_reply", content)
+        await self._clients.reply(idents, msg, "execute_reply", content)
         return str(content["status"])
 
     async def _relay(
@@ -822,7 +688,7 @@ class KernelFront:
         """Relay a request to a live replica (the last executor first) and its reply back."""
 
         async def relay(reply: _wire.Msg) -> bool:
-            await self._to_client(sock, reply, idents)
+            await self._clients.send(sock, reply, idents)
             return True
 
         expects_reply = msg["header"]["msg_type"].endswith("_request")
@@ -836,10 +702,10 @@ class KernelFront:
             if pending.reply is not None or not expects_reply:
                 return  # a comm message may have reached the log; never send it twice
             if not pending.lost:
-                self._refuse()
+                self._clients.refuse()
                 failure = KernelError(f"replica {target} sent no reply to {msg['msg_type']}")
                 log.warning("kernel %s: %s", self._kernel_id, failure)
-                await self._reply_error(idents, msg, channel, failure)
+                await self._clients.reply_error(idents, msg, channel, failure)
                 return
         log.warning("kernel %s: no live replica for %s", self._kernel_id, msg["msg_type"])
 
@@ -883,7 +749,7 @@ class KernelFront:
             if on_sent is not None:
                 on_sent(pending)
             if shell:
-                await self._flush_busy()
+                await self._clients.flush_busy()
             await _wait_reply(pending)
             if pending.reply is not None and on_reply is not None:
                 # The client may have it before the replica's last output: as with any
@@ -916,17 +782,17 @@ class KernelFront:
 
     # --- control --------------------------------------------------------------------
 
-    async def _control_worker(self, rx: MemoryObjectReceiveStream[_Incoming]) -> None:
+    async def _control_worker(self, rx: MemoryObjectReceiveStream[Incoming]) -> None:
         async for idents, msg in rx:
             msg_type = msg["header"]["msg_type"]
-            await self._publish_status("busy", msg)
+            await self._clients.publish_status("busy", msg)
             try:
-                if await self._screen(idents, msg, "control"):
+                if await self._clients.screen(idents, msg, "control"):
                     await self._serve_control(idents, msg)
             except (NbosError, zmq.ZMQError, KeyError, TypeError, ValueError):
                 log.exception("kernel %s: %s failed", self._kernel_id, msg_type)
             finally:
-                await self._publish_status("idle", msg)
+                await self._clients.publish_status("idle", msg)
 
     async def _serve_control(self, idents: list[bytes], msg: _wire.Msg) -> None:
         msg_type = msg["header"]["msg_type"]
@@ -935,7 +801,7 @@ class KernelFront:
         elif msg_type == "interrupt_request":
             await self._interrupt(idents, msg)
         else:
-            await self._relay(idents, msg, "control", self._control)
+            await self._relay(idents, msg, "control", self._clients.control)
 
     async def _interrupt(self, idents: list[bytes], msg: _wire.Msg) -> None:
         """Interrupt the cell in progress where it is: its wait to run, its replica."""
@@ -956,8 +822,8 @@ class KernelFront:
             self._choosing.cancel()
         # Otherwise the cell is not on its way to a replica yet: the interrupt follows it
         # when it is sent (``_cell_sent``).
-        reply = self._signer.new_message("interrupt_reply", {"status": "ok"}, msg)
-        await self._to_client(self._control, reply, idents)
+        reply = self._clients.new_message("interrupt_reply", {"status": "ok"}, msg)
+        await self._clients.send(self._clients.control, reply, idents)
 
     async def _forward_interrupt(
         self, idents: list[bytes], msg: _wire.Msg, target: int | None
@@ -968,8 +834,8 @@ class KernelFront:
             return
         pending = await self._roundtrip(target, "control", msg, idents, grace=IDLE_GRACE_S)
         content = {"status": "ok"} if pending.reply is None else pending.reply["content"]
-        reply = self._signer.new_message("interrupt_reply", content, msg)
-        await self._to_client(self._control, reply, idents)
+        reply = self._clients.new_message("interrupt_reply", content, msg)
+        await self._clients.send(self._clients.control, reply, idents)
 
     def _cell_sent(self, pending: _Pending) -> None:
         """The cell is on its way to its replica: an interrupt that came first follows it."""
@@ -995,9 +861,9 @@ class KernelFront:
                 for replica in self.alive:
                     tg.start_soon(self._shutdown_one, replica)
         content = {"status": "ok", "restart": restart}
-        reply = self._signer.new_message("shutdown_reply", content, msg)
-        await self._to_client(self._control, reply, idents)
-        await self._publish(self._signer.new_message("shutdown_reply", content, msg))
+        reply = self._clients.new_message("shutdown_reply", content, msg)
+        await self._clients.send(self._clients.control, reply, idents)
+        await self._clients.publish(self._clients.new_message("shutdown_reply", content, msg))
         self.shutdown_requested.set()
 
     async def _shutdown_one(self, replica: int) -> None:
@@ -1034,7 +900,7 @@ class KernelFront:
             pending = self._pending.get(parent_id)
             if pending is not None and pending.target == up.replica:
                 if not is_status:
-                    await self._publish(msg)
+                    await self._clients.publish(msg)
                     pending.got_output()
                 elif msg["content"].get("execution_state") == "idle":
                     pending.got_idle()
@@ -1042,7 +908,7 @@ class KernelFront:
             elif not is_status and self._finished.get(parent_id) == up.replica:
                 # Late output of a finished request (a thread the cell started), from the
                 # replica that ran it: a client shows it with that cell, as with ipykernel.
-                await self._publish(msg)
+                await self._clients.publish(msg)
 
     def _awaits_idle(self, replica: int) -> bool:
         """Whether a request to ``replica`` waits for its idle."""
@@ -1056,11 +922,11 @@ class KernelFront:
             active = self._active
             if parsed is None or active is None or active.target != up.replica:
                 continue
-            await self._to_client(self._stdin, parsed[1], active.idents)
+            await self._clients.send(self._clients.stdin, parsed[1], active.idents)
 
     async def _read_client_stdin(self) -> None:
         while True:
-            incoming = self._parse_client(await self._stdin.recv_multipart())
+            incoming = self._clients.parse(await self._clients.stdin.recv_multipart())
             active = self._active
             if incoming is None:
                 continue
@@ -1069,7 +935,7 @@ class KernelFront:
                 continue
             await self._upstreams[active.target].send("stdin", incoming[1])
 
-    def _parse_upstream(self, up: Upstream, frames: list[bytes]) -> _Incoming | None:
+    def _parse_upstream(self, up: Upstream, frames: list[bytes]) -> Incoming | None:
         try:
             return up.signer.parse(frames)
         except (AuthenticationError, DecodeError) as exc:
@@ -1087,9 +953,3 @@ async def _wait_reply(pending: _Pending) -> None:
     if not pending.replied.is_set():
         with anyio.move_on_after(NO_REPLY_GRACE_S):
             await pending.replied.wait()
-
-
-def _bound_port(sock: zmq.asyncio.Socket) -> int:
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    assert isinstance(endpoint, bytes)
-    return int(endpoint.decode().rsplit(":", 1)[1])
