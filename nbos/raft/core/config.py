@@ -17,7 +17,8 @@ class RaftConfig:
       leader with ``check_quorum`` steps down when it has not heard from a quorum
       for ``election_ticks``.
     * ``heartbeat_ticks``: the leader's heartbeat interval (must be below
-      ``election_ticks``).
+      ``election_ticks``). While ``2 * heartbeat_ticks`` is below ``election_ticks``, a
+      round skips the followers that an append reached since the last round.
     * ``max_inflight``: appends in flight per follower in replicate state.
     * ``max_batch_bytes``: payload bytes per append (at least one entry is sent).
     * ``snapshot_chunk_bytes``: bytes of snapshot image per InstallSnapshot chunk.

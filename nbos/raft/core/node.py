@@ -797,9 +797,10 @@ class RaftNode:
         """The periodic heartbeat: every member that no append reached since the last
         round gets one.
 
-        While cells come, each follower gets an append per cell, which resets its
-        election timer and carries the commit index as a heartbeat does; a heartbeat
-        besides costs it, and the leader, a message and an answer each. A follower
+        While proposals come (a kernel's cells), each follower gets an append per
+        proposal, which resets its election timer and carries the commit index as a
+        heartbeat does; a heartbeat besides costs it, and the leader, a message and an
+        answer each. A follower
         then hears from the leader at least every ``2 * heartbeat_ticks``, so this holds
         only while that is below ``election_ticks``. A round carrying a read's context
         (a read waits for a quorum's answers to it) or a leaving leader's (it waits for
