@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 Incoming = tuple[list[bytes], _wire.Msg]
 
-#: The sockets, by the name of their port, in the order they are bound.
+#: The sockets, by the name of their port.
 _SOCKETS = {
     "shell_port": zmq.ROUTER,
     "iopub_port": zmq.PUB,
@@ -90,10 +90,13 @@ class ClientChannels:
             for sock in bound:
                 sock.close(0)
             raise TransportError(f"kernel {kernel_id}: cannot bind its front: {exc}") from exc
-        self.shell, self.iopub, self.stdin, self.control, self.hb = bound
+        sockets = dict(zip(_SOCKETS, bound, strict=True))
+        self.shell, self.iopub = sockets["shell_port"], sockets["iopub_port"]
+        self.stdin, self.control = sockets["stdin_port"], sockets["control_port"]
+        self.hb = sockets["hb_port"]
         # Kept apart from the sockets: the gateway records a kernel's ports (its state file)
         # even while the kernel stops and its sockets are closed.
-        self.ports = {name: _bound_port(sock) for name, sock in zip(_SOCKETS, bound, strict=True)}
+        self.ports = {name: _bound_port(sock) for name, sock in sockets.items()}
         self._refused = 0
         #: The shell request whose ``busy`` is still due (see :meth:`flush_busy`).
         self._busy_for: _wire.Msg | None = None
