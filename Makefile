@@ -24,6 +24,7 @@ test: $(STAMP) system-deps
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy --strict nbos
+	$(VENV)/bin/lint-imports
 
 demo: $(STAMP)
 	mkdir -p .nbos-run

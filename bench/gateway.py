@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nbos
 from nbos.cli._progress import progress_bar
-from nbos.gateway.control import KernelInfo, StartKernel, call
+from nbos.gateway.control_api import KernelInfo, StartKernel, call
 from nbos.transport.ports import free_loopback_ports
 from tests.gateway._http import stop
 from tests.gateway._service import start_gateway, status_when

@@ -37,8 +37,8 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nbos.gateway.control import KernelList, ListKernels
-from nbos.gateway.control import call as control_call
+from nbos.gateway.control_api import KernelList, ListKernels
+from nbos.gateway.control_api import call as control_call
 from tests.gateway._http import (
     KernelSocket,
     call,

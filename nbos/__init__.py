@@ -3,7 +3,6 @@
 from typing import TYPE_CHECKING
 
 from nbos._version import __version__
-from nbos.core._lazy import lazy_exports
 from nbos.core.errors import (
     CellLostError,
     ConfigError,
@@ -13,6 +12,7 @@ from nbos.core.errors import (
     PlacementError,
     UnknownKernelError,
 )
+from nbos.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nbos.cluster import BlockingLocalCluster, LocalCluster, connect_blocking

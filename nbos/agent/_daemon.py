@@ -69,7 +69,7 @@ from nbos.core.wire.agent import (
     ReplicaStop,
 )
 from nbos.gpu import GpuPool, Inventory, discover_gpus
-from nbos.kernel.control import control_request
+from nbos.kernel.jupyter_requests import control_request
 from nbos.kernel.protocol import EVICT_DEVICES, EVICT_REQUEST
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink

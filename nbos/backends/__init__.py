@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nbos.backends._common import HOST_ID_ENV, normalize_exit_status
+from nbos.backends._common import HOST_ID_ENV, HandleBase, check_start, normalize_exit_status
 from nbos.backends._registry import ENTRY_POINT_GROUP, backend_names, open_backend
 from nbos.backends.local import LocalProcessBackend, LocalProcessHandle
 
@@ -29,12 +29,14 @@ __all__ = [
     "HOST_ID_ENV",
     "DockerBackend",
     "DockerProcessHandle",
+    "HandleBase",
     "LocalProcessBackend",
     "LocalProcessHandle",
     "SshBackend",
     "SshHost",
     "SshProcessHandle",
     "backend_names",
+    "check_start",
     "normalize_exit_status",
     "open_backend",
 ]

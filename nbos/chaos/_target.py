@@ -18,7 +18,7 @@ import attrs
 
 from nbos.cluster import CellClient, ExecuteResult, Kernel
 from nbos.core.errors import KernelError, TransportError, UnknownKernelError
-from nbos.gateway.control import (
+from nbos.gateway.control_api import (
     ControlError,
     ControlReply,
     ControlRequest,

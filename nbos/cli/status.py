@@ -10,7 +10,7 @@ import anyio
 
 from nbos.core.config import Settings
 from nbos.core.errors import TransportError
-from nbos.gateway.control import ClusterStatus, ControlError, StatusRequest, call
+from nbos.gateway.control_api import ClusterStatus, ControlError, StatusRequest, call
 
 
 def register(subparsers: Any) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import anyio.from_thread
 from jupyter_client.connect import KernelConnectionInfo
 
-from nbos.cluster._cells import ExecuteResult
-from nbos.cluster._kernel import Kernel, ReplicaInfo
 from nbos.cluster._local import LocalCluster
+from nbos.gateway import Kernel, ReplicaInfo
+from nbos.kernel.client import ExecuteResult
 
 
 class BlockingKernel:

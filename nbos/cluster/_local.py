@@ -21,13 +21,10 @@ from types import TracebackType
 import msgspec
 
 from nbos.backends.local import LocalProcessBackend
-from nbos.cluster._gateway import Gateway, KernelOptions
-from nbos.cluster._gpus import ClusterGpus
-from nbos.cluster._kernel import Kernel
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, KernelError
 from nbos.core.ids import HostId
-from nbos.gateway import LocalLauncher
+from nbos.gateway import ClusterGpus, Kernel, KernelManager, KernelOptions, LocalLauncher
 from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import ExecutorChooser, HeartbeatPolicy
 
@@ -89,7 +86,7 @@ class LocalCluster:
         self._fence = fence_dead_replicas
         self._gpus: ClusterGpus | None = None
         self._run_dir: Path | None = None
-        self._gateway: Gateway | None = None
+        self._kernel_manager: KernelManager | None = None
         self._stack: AsyncExitStack | None = None
 
     @property
@@ -107,15 +104,15 @@ class LocalCluster:
         return self._gpus
 
     @property
-    def gateway(self) -> Gateway:
-        """The gateway running the kernels (the one of ``nbos gateway``, over local hosts)."""
-        if self._gateway is None:
+    def kernel_manager(self) -> KernelManager:
+        """The kernel manager running the kernels (that of ``nbos gateway``, over local hosts)."""
+        if self._kernel_manager is None:
             raise KernelError("the cluster is not running")
-        return self._gateway
+        return self._kernel_manager
 
     @property
     def kernels(self) -> tuple[Kernel, ...]:
-        return self._gateway.kernels if self._gateway is not None else ()
+        return self._kernel_manager.kernels if self._kernel_manager is not None else ()
 
     async def __aenter__(self) -> LocalCluster:
         stack = AsyncExitStack()
@@ -152,8 +149,8 @@ class LocalCluster:
                 replace_after_s=self._replace_after_s,
                 fence_dead_replicas=self._fence,
             )
-            self._gateway = await stack.enter_async_context(
-                Gateway.serve(self._gpus, launcher, options)
+            self._kernel_manager = await stack.enter_async_context(
+                KernelManager.serve(self._gpus, launcher, options)
             )
         except BaseException:
             await stack.__aexit__(*sys.exc_info())
@@ -181,6 +178,6 @@ class LocalCluster:
         replaces the GPU-aware executor choice. Raises
         :class:`~nbos.core.errors.PlacementError` when the policy cannot place it.
         """
-        if self._gateway is None:
+        if self._kernel_manager is None:
             raise KernelError("start_kernel() outside `async with LocalCluster(...)`")
-        return await self._gateway.start_kernel(chooser=chooser, gpus=gpus)
+        return await self._kernel_manager.start_kernel(chooser=chooser, gpus=gpus)

@@ -5,7 +5,7 @@ Nothing here imports any other part of nbos. The interfaces are imported on firs
 
 from typing import TYPE_CHECKING
 
-from nbos.core._lazy import lazy_exports
+from nbos.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec

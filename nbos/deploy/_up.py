@@ -34,7 +34,7 @@ from nbos.core.config import Settings
 from nbos.core.errors import BackendError, ConfigError, NbosError
 from nbos.core.ids import HostId
 from nbos.deploy._file import ClusterFile, HostTable, StartKind, load_cluster_file
-from nbos.gateway.control import ClusterStatus, StatusRequest, call
+from nbos.gateway.control_api import ClusterStatus, StatusRequest, call
 from nbos.transport.keys import GATEWAY_KEY, HOSTS_DIR, generate_keys
 
 if TYPE_CHECKING:  # the backends' extras (asyncssh, aiodocker) are needed only where used

@@ -1,5 +1,8 @@
-"""The gateway: the cluster's global GPU scheduler, and how a cell's GPU count is found.
+"""The gateway: every kernel of a cluster, its hosts and its GPUs (``docs/architecture.md``).
 
+* :class:`KernelManager` starts, restores, replaces and shuts down replicated kernels
+  (each a :class:`Kernel` handle) over a :class:`ReplicaLauncher`; the embedded
+  :class:`~nbos.cluster.LocalCluster` and the ``nbos gateway`` daemon both run it;
 * :class:`GpuScheduler` places kernels' replicas and grants GPUs to cells through
   the host agents (:mod:`nbos.agent`); see ``docs/placement.md``.
 * :class:`HostDirectory` registers ``nbos agent`` daemons (CURVE), watches their
@@ -14,8 +17,11 @@ from nbos.gateway._agent_backend import (
     AgentBackend,
     AgentProcessHandle,
 )
+from nbos.gateway._cluster_gpus import ClusterGpus, Eviction
 from nbos.gateway._directory import HostDirectory, HostListener, RegisteredHost
 from nbos.gateway._hosts import Grant, HostRecord
+from nbos.gateway._kernel import Kernel, ReplicaInfo
+from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._launch import AdoptingLauncher, LocalLauncher, ReplicaLauncher
 from nbos.gateway._scheduler import CellLease, GpuScheduler, WaitCallback
 
@@ -26,13 +32,19 @@ __all__ = [
     "AgentBackend",
     "AgentProcessHandle",
     "CellLease",
+    "ClusterGpus",
+    "Eviction",
     "GpuScheduler",
     "Grant",
     "HostDirectory",
     "HostListener",
     "HostRecord",
+    "Kernel",
+    "KernelManager",
+    "KernelOptions",
     "LocalLauncher",
     "RegisteredHost",
+    "ReplicaInfo",
     "ReplicaLauncher",
     "WaitCallback",
 ]

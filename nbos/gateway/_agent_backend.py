@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from nbos.backends._common import HandleBase, check_start
+from nbos.backends import HandleBase, check_start
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.errors import BackendError, HostUnreachableError
 from nbos.core.ids import HostId

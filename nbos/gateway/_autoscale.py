@@ -27,11 +27,12 @@ import logging
 import anyio
 import anyio.abc
 
-from nbos.cluster import Gateway, Kernel
 from nbos.core.errors import NbosError
 from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.core.ids import HostId
 from nbos.gateway._directory import HostDirectory
+from nbos.gateway._kernel import Kernel
+from nbos.gateway._kernel_manager import KernelManager
 from nbos.scaling import ScaleIn, ScaleOut
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class LiveAutoscaler:
     def __init__(
         self,
         directory: HostDirectory,
-        gateway: Gateway,
+        kernel_manager: KernelManager,
         provider: HostProvider,
         agent: AgentCommand,
         *,
@@ -54,7 +55,7 @@ class LiveAutoscaler:
         host_timeout: float,
     ) -> None:
         self._directory = directory
-        self._gateway = gateway
+        self._kernel_manager = kernel_manager
         self._provider = provider
         self._agent = agent
         self._period = period
@@ -130,7 +131,7 @@ class LiveAutoscaler:
         try:
             scheduler.set_schedulable(host, False)
             while True:
-                for kernel in self._gateway.kernels:
+                for kernel in self._kernel_manager.kernels:
                     await self._move_off(kernel, host)
                 if scheduler.decisions.removable(scheduler.view().host(host)):
                     break

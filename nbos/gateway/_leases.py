@@ -1,7 +1,7 @@
 """Kernel leases: a kernel whose owner stopped watching it is shut down.
 
 A client that starts a kernel with a lease (the ``nbos`` kernelspec's kernel host)
-keeps a :class:`~nbos.gateway.control.WatchKernel` pending on it. Once none was
+keeps a :class:`~nbos.gateway.control_api.WatchKernel` pending on it. Once none was
 pending for ``lease_s`` seconds, its owner is taken for dead and the kernel for an
 orphan.
 """

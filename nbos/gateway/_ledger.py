@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from nbos.core.ids import KernelId
-from nbos.gateway.control import CellUsage, HostCount, Usage
+from nbos.gateway.control_api import CellUsage, HostCount, Usage
 
 
 class Ledger:

@@ -25,7 +25,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.errors import ConfigError, TransportError
-from nbos.gateway.control import (
+from nbos.gateway.control_api import (
     CellUsage,
     ControlError,
     HostCount,

@@ -10,9 +10,9 @@
   started by the ``local`` host provider;
 * with ``autoscale``, the :class:`~nbos.gateway._autoscale.LiveAutoscaler` adding
   hosts through ``host_provider`` and draining idle ones;
-* the :class:`~nbos.cluster.Gateway` running every kernel over the
+* the :class:`~nbos.gateway.KernelManager` running every kernel over the
   :class:`~nbos.gateway.AgentBackend` (the same kernel code as ``LocalCluster``);
-* the control endpoint at ``address`` (:mod:`nbos.gateway.control`), and the
+* the control endpoint at ``address`` (:mod:`nbos.gateway.control_api`), and the
   leases of kernels started with one (:mod:`nbos.gateway._leases`);
 * with ``http_address``, the Jupyter Kernel Gateway REST and WebSocket API
   (:mod:`nbos.gateway.http`) that ``jupyter server --gateway-url`` speaks;
@@ -28,7 +28,7 @@ the replicas still running and the providers' agents, in that order.
 With a ``[cluster] data_dir`` the gateway is durable: its kernels are kept in
 ``DATA_DIR/gateway/state.json`` (:mod:`nbos.gateway._state`), and a gateway
 started again on the same settings after a crash or ``kill -9`` takes them back
-(:meth:`~nbos.cluster.Gateway.restore`): agents that report to it unregistered
+(:meth:`~nbos.cluster.KernelManager.restore`): agents that report to it unregistered
 are asked to register, local agents still running from the previous run (each
 has a record ``DATA_DIR/agents/HOST.pid``, and runs in a session of its own, so
 it outlives the gateway) are used instead of new ones, and each kernel's
@@ -58,16 +58,18 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from nbos.agent import address_ip, tcp_address
-from nbos.cluster import Gateway, Kernel, KernelOptions
-from nbos.cluster._gpus import ClusterGpus
 from nbos.core.config import AgentSettings, GatewaySettings, Settings
 from nbos.core.errors import ConfigError, TransportError
 from nbos.core.host_provider import AgentCommand, HostProvider
-from nbos.gateway import AgentBackend, HostDirectory
+from nbos.gateway._agent_backend import AgentBackend
 from nbos.gateway._autoscale import LiveAutoscaler
+from nbos.gateway._cluster_gpus import ClusterGpus
+from nbos.gateway._directory import HostDirectory
+from nbos.gateway._kernel import Kernel
+from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import StateFile
-from nbos.gateway.control import (
+from nbos.gateway.control_api import (
     ClusterStatus,
     ControlReply,
     ControlRequest,
@@ -128,12 +130,12 @@ class GatewayService:
     def __init__(
         self,
         directory: HostDirectory,
-        gateway: Gateway,
+        kernel_manager: KernelManager,
         control_address: str,
         autoscaler: LiveAutoscaler | None = None,
     ) -> None:
         self.directory = directory
-        self.gateway = gateway
+        self.kernel_manager = kernel_manager
         self.control_address = control_address
         self.leases = KernelLeases()
         self._in_flight = 0
@@ -208,12 +210,16 @@ class GatewayService:
                 # A kernel's keys reach its replicas over the agent links: CURVE only if they are.
                 curve=keys is not None,
             )
-            gateway = await stack.enter_async_context(
-                Gateway.serve(ClusterGpus(None, directory.scheduler), backend, options, state=state)
+            kernel_manager = await stack.enter_async_context(
+                KernelManager.serve(
+                    ClusterGpus(None, directory.scheduler), backend, options, state=state
+                )
             )
             if kept:
                 # A host silent for this long would be given up anyway.
-                restored = await gateway.restore(kept, conf.heartbeat_s * conf.missed_heartbeats)
+                restored = await kernel_manager.restore(
+                    kept, conf.heartbeat_s * conf.missed_heartbeats
+                )
                 log.info("gateway: %d of %d kernels taken back", len(restored), len(kept))
             if state is not None:
                 await backend.stop_strays()
@@ -222,21 +228,21 @@ class GatewayService:
             if provider is not None:
                 live = LiveAutoscaler(
                     directory,
-                    gateway,
+                    kernel_manager,
                     provider,
                     agent,
                     period=conf.autoscale_period_s,
                     host_timeout=conf.host_start_timeout_s,
                 )
                 _run_autoscaler(live, tg, stack)
-            service = cls(directory, gateway, control, live)
+            service = cls(directory, kernel_manager, control, live)
             tg.start_soon(serve_control, socket, service.handle)
             tg.start_soon(service.expire_leases)
             if conf.metrics_address:
                 await _serve_metrics(service, conf.metrics_address, tg, stack)
             if conf.http_address:
                 service.http = await stack.enter_async_context(
-                    serve_http(conf, gateway, service.max_host_gpus)
+                    serve_http(conf, kernel_manager, service.max_host_gpus)
                 )
             log.info(
                 "gateway: control at %s, agents at %s (ready in %.1f s)",
@@ -261,36 +267,36 @@ class GatewayService:
             case StartKernel(gpus=gpus, connection=connection, lease_s=lease_s):
                 if lease_s is not None and not 0 < lease_s < float("inf"):
                     raise ConfigError("lease_s", lease_s, "positive seconds, or none")
-                kernel = await self.gateway.start_kernel(gpus=gpus, connection=connection)
+                kernel = await self.kernel_manager.start_kernel(gpus=gpus, connection=connection)
                 if lease_s is not None:
                     self.leases.grant(kernel.kernel_id, lease_s)
                 return self.kernel_info(kernel)
             case WatchKernel(kernel_id=kernel_id, wait_s=wait_s):
-                kernel = self.gateway.kernel(kernel_id)
+                kernel = self.kernel_manager.kernel(kernel_id)
                 with self.leases.watched(kernel_id):
                     with anyio.move_on_after(min(max(wait_s, 0.0), _MAX_WATCH_S)):
                         await kernel.closed.wait()
-                return self.kernel_info(self.gateway.kernel(kernel_id))
+                return self.kernel_info(self.kernel_manager.kernel(kernel_id))
             case ListKernels():
-                return KernelList([self.kernel_info(k) for k in self.gateway.kernels])
+                return KernelList([self.kernel_info(k) for k in self.kernel_manager.kernels])
             case ShutdownKernel(kernel_id=kernel_id):
-                await self.gateway.kernel(kernel_id).shutdown()
-                return KernelList([self.kernel_info(k) for k in self.gateway.kernels])
+                await self.kernel_manager.kernel(kernel_id).shutdown()
+                return KernelList([self.kernel_info(k) for k in self.kernel_manager.kernels])
             case StatusRequest():
-                kernels = [self.kernel_info(k) for k in self.gateway.kernels]
+                kernels = [self.kernel_info(k) for k in self.kernel_manager.kernels]
                 return ClusterStatus(self.host_status(), kernels)
             case UsageRequest():
                 return self.directory.scheduler.ledger.usage()
             case SignalReplica(kernel_id=kernel_id, node=node, signal=signum):
-                kernel = self.gateway.kernel(kernel_id)
+                kernel = self.kernel_manager.kernel(kernel_id)
                 await kernel.signal_replica(node, _signal_number(signum))
                 return self.kernel_info(kernel)
             case RestartReplica(kernel_id=kernel_id, node=node, timeout_s=timeout_s):
-                kernel = self.gateway.kernel(kernel_id)
+                kernel = self.kernel_manager.kernel(kernel_id)
                 await kernel.restart_replica(node, timeout=timeout_s)
                 return self.kernel_info(kernel)
             case DigestRequest(kernel_id=kernel_id, after=after, timeout_s=timeout_s):
-                kernel = self.gateway.kernel(kernel_id)
+                kernel = self.kernel_manager.kernel(kernel_id)
                 after = kernel.front.last_exec_index if after is None else after
                 return KernelDigests(after, await kernel.digests(after=after, timeout=timeout_s))
 
@@ -300,7 +306,9 @@ class GatewayService:
             await anyio.sleep(self.leases.check_interval())
             for kernel_id in self.leases.expired():
                 self.leases.forget(kernel_id)
-                kernel = next((k for k in self.gateway.kernels if k.kernel_id == kernel_id), None)
+                kernel = next(
+                    (k for k in self.kernel_manager.kernels if k.kernel_id == kernel_id), None
+                )
                 if kernel is not None:
                     log.warning("kernel %s: its owner stopped watching it: shut down", kernel_id)
                     await kernel.shutdown()
@@ -308,7 +316,7 @@ class GatewayService:
     def idle_for(self) -> float:
         """Seconds since the gateway last had a kernel or a request (0 while it has)."""
         now = time.monotonic()
-        if self._in_flight or self.gateway.kernels:
+        if self._in_flight or self.kernel_manager.kernels:
             self._last_activity = now
         return now - self._last_activity
 
@@ -333,7 +341,7 @@ class GatewayService:
         )
 
     def _replica_ip(self, kernel: Kernel, node: int) -> str:
-        return str(self.gateway.replica_connection(kernel.kernel_id, node).get("ip", ""))
+        return str(self.kernel_manager.replica_connection(kernel.kernel_id, node).get("ip", ""))
 
     def metrics_sample(self) -> ClusterSample:
         """The gauges of ``/metrics``: GPUs by state per host, kernels, live replicas."""
@@ -346,7 +354,7 @@ class GatewayService:
             }
             for h in self.host_status()
         }
-        kernels = self.gateway.kernels
+        kernels = self.kernel_manager.kernels
         alive = sum(r.alive for k in kernels for r in k.replicas)
         return ClusterSample(gpus, len(kernels), alive)
 

@@ -6,7 +6,7 @@ imports torch, and only when a namespace holds torch objects.
 
 from typing import TYPE_CHECKING
 
-from nbos.core._lazy import lazy_exports
+from nbos.core.lazy import lazy_exports
 from nbos.gpu.binding import TorchGpuBinder, device, devices
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pynvml
 
-from nbos.gpu.inventory import GpuDevice, Inventory
+from nbos.gpu.devices import GpuDevice, Inventory
 
 log = logging.getLogger(__name__)
 

@@ -11,46 +11,17 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-import attrs
-
 from nbos.core.errors import ConfigError, GpuError
+from nbos.gpu.devices import GpuDevice, Inventory
 
 log = logging.getLogger(__name__)
 
-InventorySource = Literal["nvml", "virtual"]
 DiscoveryMode = Literal["auto", "nvml", "virtual"]
 
 #: Virtual GPUs per host when none is configured; matches ``[cluster] gpus_per_host``.
 DEFAULT_VIRTUAL_COUNT = 8
 #: Memory of one virtual GPU; matches ``[cluster] gpu_memory_mib``.
 DEFAULT_VIRTUAL_MEMORY_MIB = 40_960
-
-
-@attrs.frozen
-class GpuDevice:
-    """One device. ``utilization_pct`` is ``None`` where the device cannot report it."""
-
-    index: int
-    uuid: str
-    name: str
-    memory_total_mib: int
-    memory_used_mib: int
-    utilization_pct: int | None
-
-
-@attrs.frozen
-class Inventory:
-    """The GPUs found on this host and where the answer came from."""
-
-    devices: tuple[GpuDevice, ...]
-    source: InventorySource
-    #: Why NVML was not used (``None`` when it was).
-    nvml_unavailable_reason: str | None = None
-    driver_version: str | None = None
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        return tuple(d.index for d in self.devices)
 
 
 def discover_gpus(

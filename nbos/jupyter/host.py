@@ -38,7 +38,7 @@ import anyio.abc
 
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, KernelError, NbosError, TransportError
-from nbos.gateway.control import (
+from nbos.gateway.control_api import (
     ControlError,
     KernelInfo,
     ShutdownKernel,

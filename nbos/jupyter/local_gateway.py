@@ -25,7 +25,7 @@ from jupyter_core.paths import jupyter_runtime_dir
 
 from nbos.core.config import ENV_PREFIX, Settings
 from nbos.core.errors import ConfigError, KernelError, TransportError
-from nbos.gateway.control import ClusterStatus, StatusRequest, call
+from nbos.gateway.control_api import ClusterStatus, StatusRequest, call
 from nbos.gateway.runtime import RuntimeFile
 from nbos.transport.ports import free_loopback_ports
 

@@ -34,7 +34,7 @@ from jupyter_client.session import Session
 from traitlets import Int
 
 from nbos.core.errors import KernelError, TransportError
-from nbos.gateway.control import ShutdownKernel, call
+from nbos.gateway.control_api import ShutdownKernel, call
 from nbos.gateway.requests import kernel_gpus
 from nbos.jupyter.host import front_info_path
 

@@ -8,7 +8,7 @@ over any.
 
 from typing import TYPE_CHECKING
 
-from nbos.core._lazy import lazy_exports
+from nbos.core.lazy import lazy_exports
 from nbos.transport._messages import received_messages
 from nbos.transport._open import open_transport
 from nbos.transport.tcp import TcpTransport

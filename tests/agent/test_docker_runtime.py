@@ -21,7 +21,7 @@ import pytest
 from nbos.agent import AgentConfig
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
-from nbos.gateway.control import ClusterStatus, KernelInfo, StartKernel
+from nbos.gateway.control_api import ClusterStatus, KernelInfo, StartKernel
 from nbos.transport.ports import free_loopback_ports
 from tests._servers.dockerd import DockerDaemon, docker_mounts
 from tests.agent._daemons import DEADLINE, AgentProcess, alive, start_agent

@@ -77,7 +77,7 @@ async def test_a_kernel_starts_on_warm_replicas_survives_a_kill_and_the_pools_re
     )
     async with GatewayService.serve(settings) as service:
         warm = await pools_full(agents=3, size=1)
-        kernel = await service.gateway.start_kernel()
+        kernel = await service.kernel_manager.start_kernel()
         pids = {r.pid for r in kernel.replicas}
         # Every replica is a process that was running before the kernel was asked for.
         assert pids <= warm, (pids, warm)

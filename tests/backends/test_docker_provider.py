@@ -38,7 +38,7 @@ async def test_the_docker_provider_adds_an_agent_container_that_runs_a_kernel(
     )
     async with GatewayService.serve(settings) as service:
         await service.directory.scheduler.wait_for_host(HostId("docker-1"), 240)
-        kernel = await service.gateway.start_kernel(gpus=1)
+        kernel = await service.kernel_manager.start_kernel(gpus=1)
         assert [r.host for r in kernel.replicas] == ["docker-1"]
         result = await kernel.execute("%%gpus 1\nprint(6 * 7)")
         assert result.stdout == "42\n", result.reply

@@ -39,7 +39,7 @@ async def test_the_ssh_provider_starts_a_standby_hosts_agent_that_runs_a_kernel(
     )
     async with GatewayService.serve(settings) as service:
         await service.directory.scheduler.wait_for_host(HostId("standby-1"), 240)
-        kernel = await service.gateway.start_kernel(gpus=1)
+        kernel = await service.kernel_manager.start_kernel(gpus=1)
         assert [r.host for r in kernel.replicas] == ["standby-1"]
         result = await kernel.execute("%%gpus 1\nimport os\nprint(os.environ['NBOS_HOST_ID'])")
         assert result.stdout == "standby-1\n", result.reply

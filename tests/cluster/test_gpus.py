@@ -24,11 +24,10 @@ from jupyter_client.connect import KernelConnectionInfo
 
 import nbos
 from nbos.cluster import ExecuteResult, Kernel, LocalCluster
-from nbos.cluster._gpus import Eviction
 from nbos.core.config import ClusterSettings, Settings
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import PlacementRequest
-from nbos.gateway import Grant
+from nbos.gateway import Eviction, Grant
 from nbos.scaling import load_policy
 from tests._wait import eventually
 

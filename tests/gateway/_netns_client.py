@@ -20,7 +20,7 @@ import sys
 import anyio
 import msgspec
 
-from nbos.gateway.control import KernelInfo, StartKernel, StatusRequest, UsageRequest
+from nbos.gateway.control_api import KernelInfo, StartKernel, StatusRequest, UsageRequest
 from tests.gateway._service import ask, run_cell
 
 

@@ -14,7 +14,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.errors import TransportError
-from nbos.gateway.control import (
+from nbos.gateway.control_api import (
     ClusterStatus,
     ControlReply,
     ControlRequest,

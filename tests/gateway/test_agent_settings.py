@@ -28,7 +28,7 @@ async def test_local_agents_run_replicas_with_the_gateways_agent_settings(
         local_settings(tmp_path), agent=AgentSettings(python=str(python))
     )
     async with GatewayService.serve(settings) as service:
-        kernel = await service.gateway.start_kernel()
+        kernel = await service.kernel_manager.start_kernel()
         assert (await kernel.execute("x = 1")).status == "ok"
         pids = {r.pid for r in kernel.replicas}
     # The wrapper execs the interpreter: each replica keeps the pid it wrote (so do the

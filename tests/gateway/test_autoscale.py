@@ -34,7 +34,7 @@ async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_
     async with GatewayService.serve(settings) as service:
         scheduler = service.directory.scheduler
         ledger = scheduler.ledger
-        gateway = service.gateway
+        gateway = service.kernel_manager
         # Two kernels placed on the three first hosts; no GPUs of their own.
         kernel = await gateway.start_kernel(gpus=0)
         other = await gateway.start_kernel(gpus=0)
@@ -117,6 +117,6 @@ async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
     async with GatewayService.serve(settings) as service:
         # Below the floor of one host: the autoscaler asks the provider for one.
         await service.directory.scheduler.wait_for_host(HostId("vm-1"), 2 * DEADLINE)
-        kernel = await service.gateway.start_kernel(gpus=1)
+        kernel = await service.kernel_manager.start_kernel(gpus=1)
         assert [r.host for r in kernel.replicas] == ["vm-1"]
         assert (await kernel.execute("%%gpus 1\nprint(6 * 7)")).stdout == "42\n"

@@ -62,7 +62,7 @@ async def test_replicas_admit_only_their_kernels_keys_and_survive_a_replacement(
     generate_keys(tmp_path / "keys", ["host-1", "host-2", "host-3"])
     settings = local_settings(tmp_path, keys=str(tmp_path / "keys"))
     async with GatewayService.serve(settings) as service:
-        kernel = await service.gateway.start_kernel()
+        kernel = await service.kernel_manager.start_kernel()
         assert (await kernel.execute("x = 41")).status == "ok"
 
         state = StateFile(tmp_path / "run" / "gateway" / "state.json")

@@ -28,7 +28,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from nbos.agent import ProcessIdentity
-from nbos.gateway.control import KernelInfo, KernelList, ListKernels, StartKernel
+from nbos.gateway.control_api import KernelInfo, KernelList, ListKernels, StartKernel
 from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas

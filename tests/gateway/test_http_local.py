@@ -28,7 +28,7 @@ async def test_a_kernel_without_clients_is_culled_once_idle_and_one_with_a_clien
     conf = GatewaySettings(http_address="127.0.0.1:0", cull_idle_timeout=5.0)
     async with (
         LocalCluster(3, run_dir=tmp_path) as cluster,
-        serve_http(conf, cluster.gateway, lambda: 0) as api,
+        serve_http(conf, cluster.kernel_manager, lambda: 0) as api,
     ):
         kernels = f"{api.url}/api/kernels"
         kept = (await call(kernels, "POST", {}))[1]["id"]
@@ -49,7 +49,7 @@ async def test_a_kernel_without_clients_is_culled_once_idle_and_one_with_a_clien
         async def shut_down() -> bool:
             # The API forgets a culled kernel at once and shuts it down after: on a
             # loaded machine the gateway may still be stopping its replicas here.
-            return [k.kernel_id for k in cluster.gateway.kernels] == [kept]
+            return [k.kernel_id for k in cluster.kernel_manager.kernels] == [kept]
 
         await poll(shut_down)
         assert f"kernel {culled} shut down" in caplog.text
@@ -73,7 +73,7 @@ async def test_tls_when_a_certificate_is_configured_and_bad_settings_refused(
     )
     async with (
         LocalCluster(3, run_dir=tmp_path / "cluster") as cluster,
-        serve_http(conf, cluster.gateway, lambda: 4) as api,
+        serve_http(conf, cluster.kernel_manager, lambda: 4) as api,
     ):
         assert api.url.startswith("https://127.0.0.1:")
         response = await httpclient.AsyncHTTPClient().fetch(
@@ -94,6 +94,6 @@ async def test_tls_when_a_certificate_is_configured_and_bad_settings_refused(
         ):
             with pytest.raises(ConfigError):
                 async with serve_http(
-                    msgspec.structs.replace(conf, **bad), cluster.gateway, lambda: 0
+                    msgspec.structs.replace(conf, **bad), cluster.kernel_manager, lambda: 0
                 ):
                     pass

@@ -29,8 +29,8 @@ async def test_an_agent_has_the_resident_kernel_move_its_tensors_off_before_anot
 ) -> None:
     async with GatewayService.serve(local_settings(tmp_path)) as service:
         scheduler = service.directory.scheduler
-        a = await service.gateway.start_kernel(gpus=2)
-        b = await service.gateway.start_kernel(gpus=2)
+        a = await service.kernel_manager.start_kernel(gpus=2)
+        b = await service.kernel_manager.start_kernel(gpus=2)
         ran = await a.execute("import torch\nw = torch.arange(4.0)", timeout=DEADLINE)
         assert ran.status == "ok", ran.reply
         host = next(r.host for r in a.replicas if r.node == ran.executor)

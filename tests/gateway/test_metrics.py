@@ -16,7 +16,7 @@ import zmq.asyncio
 from jupyter_client.session import Session
 from prometheus_client.parser import text_string_to_metric_families
 
-from nbos.gateway.control import KernelInfo, StartKernel
+from nbos.gateway.control_api import KernelInfo, StartKernel
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
 from tests.gateway._service import ask, run_cell, start_gateway, status_when

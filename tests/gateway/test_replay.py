@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from nbos.gateway.control import Usage, UsageRequest, call
+from nbos.gateway.control_api import Usage, UsageRequest, call
 from nbos.gateway.service import GatewayService
 from nbos.scaling.trace import Cell, Session, Trace, dump_json
 from tests._wait import eventually

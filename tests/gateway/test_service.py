@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from nbos.gateway.control import (
+from nbos.gateway.control_api import (
     ControlError,
     DigestRequest,
     KernelDigests,

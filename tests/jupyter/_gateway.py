@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 from jupyter_client.manager import KernelManager
 
-from nbos.gateway.control import KernelInfo, KernelList, ListKernels, call
+from nbos.gateway.control_api import KernelInfo, KernelList, ListKernels, call
 from nbos.gateway.runtime import RuntimeFile
 from nbos.jupyter.local_gateway import RUNTIME_NAME
 from nbos.jupyter.provisioner import NbosProvisioner

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import AsyncKernelManager
 
-from nbos.gateway.control import KernelList, ListKernels, call
+from nbos.gateway.control_api import KernelList, ListKernels, call
 from nbos.gateway.service import GatewayService
 from nbos.jupyter import install
 from tests.agent._daemons import DEADLINE

@@ -58,7 +58,9 @@ async def replica_client(
 ) -> AsyncIterator[AsyncKernelClient]:
     """A Jupyter client on replica ``node`` itself (not the front), for the block."""
     client = AsyncKernelClient()
-    client.load_connection_info(dict(cluster.gateway.replica_connection(kernel.kernel_id, node)))
+    client.load_connection_info(
+        dict(cluster.kernel_manager.replica_connection(kernel.kernel_id, node))
+    )
     client.start_channels()
     try:
         yield client

@@ -81,7 +81,7 @@ async def test_a_replica_lost_while_a_cell_runs_is_replaced_before_the_cell_ends
 async def test_a_replacement_that_lacked_a_majority_is_retried_once_one_is_back(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="nbos.cluster._replacement")
+    caplog.set_level(logging.WARNING, logger="nbos.gateway._replacement")
     # Durable, so a dead replica can come back in place and restore the majority.
     async with nbos.LocalCluster(hosts=4, durable=True, replace_after_s=0.2) as cluster:
         kernel = await cluster.start_kernel()

@@ -180,7 +180,7 @@ async def test_a_replica_restarted_while_a_ping_awaits_its_echo_comes_back(
         kernel = await cluster.start_kernel()
         executor = await run_cells(kernel, CELLS)
         node = next(r.node for r in kernel.replicas if r.node != executor)
-        hb_port = int(cluster.gateway.replica_connection(kernel.kernel_id, node)["hb_port"])
+        hb_port = int(cluster.kernel_manager.replica_connection(kernel.kernel_id, node)["hb_port"])
         await kernel.signal_replica(node, signal.SIGSTOP)
         with anyio.fail_after(30):  # until a ping waits in the frozen replica's socket
             while not unread_bytes(hb_port):  # noqa: ASYNC110

@@ -176,7 +176,7 @@ async def test_a_replacement_that_became_the_leader_still_gets_the_dead_member_r
     # The dead member is removed once the new one is a voter, and the new one may win an
     # election by then (it did under load): the removal must reach it. Here the leadership
     # is handed to it while the replacement waits for its digest.
-    caplog.set_level(logging.INFO, logger="nbos.cluster._replacement")
+    caplog.set_level(logging.INFO, logger="nbos.gateway._replacement")
     flag = tmp_path / "flag"
     flag.touch()
     async with nbos.LocalCluster(hosts=4, durable=False, run_dir=tmp_path / "run") as cluster:

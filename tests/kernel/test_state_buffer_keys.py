@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from nbos.kernel.state._buffers import BufferKeys, place_of
-from nbos.kernel.state._pages import Watcher
+from nbos.kernel.state._page_writes import Watcher
 from nbos.kernel.state._uffd import merged
 
 pytestmark = pytest.mark.anyio

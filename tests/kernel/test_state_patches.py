@@ -19,8 +19,7 @@ from nbos.core.errors import BlobNotFoundError, KernelError, StoreError
 from nbos.core.ids import BlobKey
 from nbos.kernel.state import StateCapture, _codec, _pages, _patch, apply, load_namespace
 from nbos.kernel.state._buffers import fetch
-from nbos.kernel.state._pages import PageWrites
-from nbos.kernel.state._uffd import Span
+from nbos.kernel.state._page_writes import PageWrites, Span
 from nbos.store.local import LocalObjectStore
 from tests.kernel.conftest import Pair
 

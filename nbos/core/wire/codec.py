@@ -14,7 +14,7 @@ import msgspec
 from nbos.core.errors import DecodeError
 from nbos.core.wire.agent import AgentMessage
 from nbos.core.wire.base import PROTOCOL_VERSION
-from nbos.core.wire.control import ControlMessage
+from nbos.core.wire.control_api import ControlMessage
 from nbos.core.wire.entries import KernelEntry
 from nbos.core.wire.log_commands import LogCommand
 from nbos.core.wire.raft import RaftMessage

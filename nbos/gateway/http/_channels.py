@@ -29,7 +29,7 @@ import zmq.asyncio
 from jupyter_client.session import DELIM, Session
 
 from nbos.gateway.http._wsproto import WireMsg
-from nbos.kernel.control import channel_url, session_for
+from nbos.kernel.jupyter_requests import channel_url, session_for
 
 log = logging.getLogger(__name__)
 

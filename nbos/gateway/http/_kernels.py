@@ -26,11 +26,12 @@ import anyio.abc
 import zmq
 import zmq.asyncio
 
-from nbos.cluster import Gateway, Kernel
 from nbos.core.errors import ConfigError, KernelError, UnknownKernelError
 from nbos.core.ids import KernelId
+from nbos.gateway._kernel import Kernel
+from nbos.gateway._kernel_manager import KernelManager
 from nbos.gateway.http._channels import ChannelBridge, Sink
-from nbos.kernel.control import channel_url, control_request, session_for
+from nbos.kernel.jupyter_requests import channel_url, control_request, session_for
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +95,16 @@ class ApiKernel:
 
 
 class ApiKernels:
-    """Every kernel of the API, over the gateway's :class:`~nbos.cluster.Gateway`."""
+    """Every kernel of the API, over the gateway's :class:`~nbos.gateway.KernelManager`."""
 
     def __init__(
         self,
-        gateway: Gateway,
+        kernel_manager: KernelManager,
         tg: anyio.abc.TaskGroup,
         ctx: zmq.asyncio.Context,
         max_gpus: Callable[[], int],
     ) -> None:
-        self.gateway = gateway
+        self.kernel_manager = kernel_manager
         self.max_gpus = max_gpus
         self._tg = tg
         self._ctx = ctx
@@ -121,7 +122,7 @@ class ApiKernels:
     async def start(self, name: str, gpus: int, env: Mapping[str, Any]) -> ApiKernel:
         """Start a kernel of kernelspec ``name`` (``gpus`` per cell); ``env`` as requested."""
         passed = _kernel_env(env)
-        kernel = await self.gateway.start_kernel(gpus=gpus, env=passed)
+        kernel = await self.kernel_manager.start_kernel(gpus=gpus, env=passed)
         api = ApiKernel(name, gpus, passed, kernel)
         self._kernels[api.kernel_id] = api
         self._tg.start_soon(self._supervise, api)
@@ -142,7 +143,7 @@ class ApiKernels:
             old = api.kernel
             await old.shutdown()
             try:
-                api.kernel = await self.gateway.start_kernel(gpus=api.gpus, env=api.env)
+                api.kernel = await self.kernel_manager.start_kernel(gpus=api.gpus, env=api.env)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self._forget(api)

@@ -16,9 +16,9 @@ import attrs
 import zmq.asyncio
 from tornado import httpserver, netutil, web
 
-from nbos.cluster import Gateway
 from nbos.core.config import GatewaySettings
 from nbos.core.errors import ConfigError, TransportError
+from nbos.gateway._kernel_manager import KernelManager
 from nbos.gateway.http import _handlers as h
 from nbos.gateway.http._kernels import ApiKernels
 from nbos.gateway.http._websocket import KernelChannels
@@ -67,7 +67,7 @@ def _tls(conf: GatewaySettings) -> ssl.SSLContext | None:
 
 @asynccontextmanager
 async def serve_http(
-    conf: GatewaySettings, gateway: Gateway, max_gpus: Callable[[], int]
+    conf: GatewaySettings, kernel_manager: KernelManager, max_gpus: Callable[[], int]
 ) -> AsyncIterator[HttpApi]:
     """Serve the Kernel Gateway API at ``conf.http_address`` until the block exits.
 
@@ -83,7 +83,7 @@ async def serve_http(
     ctx = zmq.asyncio.Context()
     try:
         async with anyio.create_task_group() as tg:
-            kernels = ApiKernels(gateway, tg, ctx, max_gpus)
+            kernels = ApiKernels(kernel_manager, tg, ctx, max_gpus)
             settings = {"kernels": kernels, "token": conf.auth_token}
             app = web.Application(
                 [

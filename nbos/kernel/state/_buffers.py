@@ -48,8 +48,8 @@ from nbos.core.object_store import ObjectStore
 from nbos.kernel.state import _patch
 from nbos.kernel.state._held import StoreBuffer, held_buffers
 from nbos.kernel.state._inplace import InPlace
-from nbos.kernel.state._pages import PageWrites
-from nbos.kernel.state._uffd import Span, merged
+from nbos.kernel.state._page_writes import PageWrites, Span
+from nbos.kernel.state._uffd import merged
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,8 @@ import platform
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from nbos.kernel.state._pages import Watcher
+from nbos.kernel.state._page_writes import Span, Watcher
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +104,6 @@ _UFFDIO_UNREGISTER = _iowr(_UFFD_API, 0x01, ctypes.sizeof(_Range), direction=2)
 _UFFDIO_WRITEPROTECT = _iowr(_UFFD_API, 0x06, ctypes.sizeof(_WriteProtect))
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 
-Span = tuple[int, int]  # [start, end) of addresses (page-aligned for tracked spans)
 
 
 class _Tracked:
@@ -124,7 +121,7 @@ class _Tracked:
 class UffdPages:
     """Written pages of tracked buffers, through one userfaultfd (one per process).
 
-    Implements :class:`~nbos.kernel.state._pages.PageWrites`; unlike soft-dirty bits it
+    Implements :class:`~nbos.kernel.state._page_writes.PageWrites`; unlike soft-dirty bits it
     sees only what :meth:`track` armed, and :meth:`written` is ``True`` for the rest.
     """
 

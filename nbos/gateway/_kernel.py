@@ -12,11 +12,11 @@ import anyio.abc
 import attrs
 from jupyter_client.connect import KernelConnectionInfo
 
-from nbos.cluster._cells import CellClient, ExecuteResult
-from nbos.cluster._replacement import Replacer
 from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError, ReplacementError
 from nbos.core.ids import HostId, KernelId
+from nbos.gateway._replacement import Replacer
+from nbos.kernel.client import CellClient, ExecuteResult
 from nbos.kernel.front import KernelFront
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from nbos.core.config import ClusterSettings
 from nbos.core.errors import GpuError
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import PlacementPolicy
-from nbos.gateway import GpuScheduler
+from nbos.gateway._scheduler import GpuScheduler
 from nbos.gpu import GpuPool, Inventory, discover_gpus
 from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import KernelFront

@@ -36,7 +36,8 @@ import anyio
 
 from nbos.core.errors import NbosError, QuorumLostError
 from nbos.core.ids import HostId, KernelId
-from nbos.gateway import GpuScheduler, Grant
+from nbos.gateway._hosts import Grant
+from nbos.gateway._scheduler import GpuScheduler
 from nbos.gateway.requests import cell_gpus
 from nbos.kernel.front import CellPlan, ChoiceRequest
 from nbos.metrics import events

@@ -1,6 +1,6 @@
 """The gateway's kernels: placement, replicas, fronts, exits, restarts, replacement, migration.
 
-One implementation for every cluster: :class:`Gateway` runs kernels over a
+One implementation for every cluster: :class:`KernelManager` runs kernels over a
 :class:`~nbos.gateway.ReplicaLauncher` and a GPU scheduler. The embedded
 :class:`~nbos.cluster.LocalCluster` gives it local processes and in-process agents;
 ``nbos gateway`` gives it the :class:`~nbos.gateway.AgentBackend` of registered
@@ -14,7 +14,7 @@ their host is reached at. Fronts bind ``front_ip``.
 
 Durability: given a :class:`~nbos.gateway._state.StateFile` (``nbos gateway`` with a
 data dir), the gateway rewrites it whenever its kernels change (a kernel started, shut
-down or lost, a replica restarted or replaced), and :meth:`Gateway.restore` takes the
+down or lost, a replica restarted or replaced), and :meth:`KernelManager.restore` takes the
 kernels it names back after a restart: the replicas kept running on their hosts (the
 launcher adopts them), each front binds its old ports with its old key, and the cells
 go on from the replicas' log. The embedded cluster keeps no state file.
@@ -41,14 +41,15 @@ import attrs
 import msgspec
 
 from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
-from nbos.cluster._chooser import GpuChooser
-from nbos.cluster._kernel import Kernel, stop_processes
-from nbos.cluster._replacement import Replacer, Spawn, Spawned
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, NbosError, UnknownKernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
-from nbos.gateway import AdoptingLauncher, GpuScheduler, ReplicaLauncher
+from nbos.gateway._executor_choice import GpuChooser
+from nbos.gateway._kernel import Kernel, stop_processes
+from nbos.gateway._launch import AdoptingLauncher, ReplicaLauncher
+from nbos.gateway._replacement import Replacer, Spawn, Spawned
+from nbos.gateway._scheduler import GpuScheduler
 from nbos.gateway._state import (
     FrontRecord,
     GatewayState,
@@ -147,7 +148,7 @@ def _restart_identity(connection: Mapping[str, Any] | None) -> FrontIdentity | N
     return FrontIdentity(key, None, ports)
 
 
-class Gateway:
+class KernelManager:
     """Every kernel of one cluster; build it with :meth:`serve`."""
 
     def __init__(
@@ -180,7 +181,7 @@ class Gateway:
         options: KernelOptions,
         *,
         state: StateFile | None = None,
-    ) -> AsyncIterator[Gateway]:
+    ) -> AsyncIterator[KernelManager]:
         """Run kernels until the block exits, which shuts every kernel down.
 
         ``state``: keep the kernels there (the launcher must be an

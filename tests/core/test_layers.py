@@ -1,0 +1,69 @@
+"""The import-linter contracts of pyproject.toml hold, and each one fails on the import it forbids.
+
+Each case copies the package, adds one forbidden import to one module and runs
+``lint-imports`` on the copy: the contract named must be among those reported broken.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(tree / "pyproject.toml"), "--no-cache"],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "nbos", tmp_path / "nbos", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def test_the_package_keeps_every_contract(tree: Path) -> None:
+    result = _lint(tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        # core at the bottom imports nothing of nbos
+        ("nbos/core/ids.py", "import nbos.gateway", "Layers"),
+        # the Raft does not know the kernel that runs on it
+        ("nbos/raft/kv.py", "import nbos.kernel.front", "Layers"),
+        # independent siblings of one layer: policies know nothing of where processes run
+        ("nbos/scaling/model.py", "import nbos.backends", "Layers"),
+        # two modules of one package importing each other
+        ("nbos/gpu/devices.py", "import nbos.gpu.inventory", "No import cycles"),
+        # a layer above may use the gateway, not its private modules
+        ("nbos/cluster/_local.py", "import nbos.gateway._scheduler", "private module"),
+    ],
+)
+def test_a_forbidden_import_breaks_its_contract(
+    tree: Path, module: str, line: str, contract: str
+) -> None:
+    path = tree / module
+    path.write_text(path.read_text() + f"\n{line}  # added by the test\n")
+    result = _lint(tree)
+    assert result.returncode != 0, result.stdout
+    broken = [row for row in result.stdout.splitlines() if row.endswith(" BROKEN")]
+    # an upward import is often a cycle too; the contract named must be among the broken
+    assert any(contract in row for row in broken), result.stdout
