@@ -6,9 +6,11 @@ Each case copies the package, adds one forbidden import to one module and runs
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,19 @@ def test_a_forbidden_import_breaks_its_contract(
     broken = [row for row in result.stdout.splitlines() if row.endswith(" BROKEN")]
     # an upward import is often a cycle too; the contract named must be among the broken
     assert any(contract in row for row in broken), result.stdout
+
+
+def test_the_architecture_table_and_the_contract_name_the_same_layers() -> None:
+    """docs/architecture.md's layer table, top to bottom, is the contract's layer list."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contract = next(c for c in config["contracts"] if c["type"] == "layers")
+    in_contract = [sorted(p.strip() for p in row.split("|")) for row in contract["layers"]]
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Layers", 1)[1].split("\n\n", 3)[2]
+    in_docs = [
+        sorted(name.replace("/", ".") for name in re.findall(r"`(nbos/\w+)`", row.split("|")[2]))
+        for row in table.splitlines()[2:]
+    ]
+    assert in_docs == in_contract
+    packages = {p.name for p in (ROOT / "nbos").iterdir() if (p / "__init__.py").exists()}
+    assert {name.split(".")[1] for row in in_docs for name in row} == packages
