@@ -26,7 +26,7 @@ from nbos.chaos._checks import (
     check_runs,
 )
 from nbos.chaos._freeze import FreezeReplica
-from nbos.chaos._gateway import (
+from nbos.chaos._deployment_faults import (
     CommandNetwork,
     GatewayProcesses,
     KillAgent,

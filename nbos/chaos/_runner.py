@@ -22,7 +22,7 @@ from nbos.chaos._checks import (
     check_runs,
 )
 from nbos.chaos._freeze import FreezeReplica
-from nbos.chaos._gateway import KillAgent, KillGateway, PartitionHost
+from nbos.chaos._deployment_faults import KillAgent, KillGateway, PartitionHost
 from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
 from nbos.chaos._nemesis import Nemesis, Strike, until
 from nbos.chaos._report import ChaosReport, FaultReport
@@ -62,7 +62,7 @@ def default_nemeses() -> tuple[Nemesis, ...]:
 
 def known_nemeses() -> tuple[Nemesis, ...]:
     """:func:`default_nemeses` and those of a gateway deployment, with nothing to carry
-    them out yet (see :mod:`nbos.chaos._gateway`)."""
+    them out yet (see :mod:`nbos.chaos._deployment_faults`)."""
     return (*default_nemeses(), PartitionHost(), KillGateway(), KillAgent())
 
 
