@@ -25,7 +25,6 @@ from nbos.chaos._checks import (
     check_outcomes,
     check_runs,
 )
-from nbos.chaos._freeze import FreezeReplica
 from nbos.chaos._deployment_faults import (
     CommandNetwork,
     GatewayProcesses,
@@ -34,6 +33,7 @@ from nbos.chaos._deployment_faults import (
     Network,
     PartitionHost,
 )
+from nbos.chaos._freeze import FreezeReplica
 from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
 from nbos.chaos._nemesis import Nemesis, Strike
 from nbos.chaos._report import ChaosReport, FaultReport

@@ -21,8 +21,8 @@ from nbos.chaos._checks import (
     check_outcomes,
     check_runs,
 )
-from nbos.chaos._freeze import FreezeReplica
 from nbos.chaos._deployment_faults import KillAgent, KillGateway, PartitionHost
+from nbos.chaos._freeze import FreezeReplica
 from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
 from nbos.chaos._nemesis import Nemesis, Strike, until
 from nbos.chaos._report import ChaosReport, FaultReport

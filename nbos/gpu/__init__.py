@@ -10,14 +10,16 @@ from nbos.core.lazy import lazy_exports
 from nbos.gpu.binding import TorchGpuBinder, device, devices
 
 if TYPE_CHECKING:
-    from nbos.gpu.inventory import GpuDevice, Inventory, discover_gpus, virtual_inventory
+    from nbos.gpu._devices import GpuDevice, Inventory
+    from nbos.gpu.inventory import discover_gpus, virtual_inventory
     from nbos.gpu.pool import Allocation, GpuPool, PoolCounts, ReservationState
 
 # A replica needs only ``binding``; the agents' inventory and pool load on first use.
 __getattr__ = lazy_exports(
     __name__,
     {
-        "nbos.gpu.inventory": ("GpuDevice", "Inventory", "discover_gpus", "virtual_inventory"),
+        "nbos.gpu._devices": ("GpuDevice", "Inventory"),
+        "nbos.gpu.inventory": ("discover_gpus", "virtual_inventory"),
         "nbos.gpu.pool": ("Allocation", "GpuPool", "PoolCounts", "ReservationState"),
     },
 )

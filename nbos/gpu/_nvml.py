@@ -7,7 +7,7 @@ from typing import Any
 
 import pynvml
 
-from nbos.gpu.devices import GpuDevice, Inventory
+from nbos.gpu._devices import GpuDevice, Inventory
 
 log = logging.getLogger(__name__)
 

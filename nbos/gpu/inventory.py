@@ -12,7 +12,7 @@ import logging
 from typing import Literal
 
 from nbos.core.errors import ConfigError, GpuError
-from nbos.gpu.devices import GpuDevice, Inventory
+from nbos.gpu._devices import GpuDevice, Inventory
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ def test_the_package_keeps_every_contract(tree: Path) -> None:
         # independent siblings of one layer: policies know nothing of where processes run
         ("nbos/scaling/model.py", "import nbos.backends", "Layers"),
         # two modules of one package importing each other
-        ("nbos/gpu/devices.py", "import nbos.gpu.inventory", "No import cycles"),
+        ("nbos/gpu/_devices.py", "import nbos.gpu.inventory", "No import cycles"),
         # a layer above may use the gateway, not its private modules
         ("nbos/cluster/_local.py", "import nbos.gateway._scheduler", "private module"),
     ],

@@ -19,7 +19,8 @@ import weakref
 import anyio.lowlevel
 
 from nbos.kernel.state._inplace import InPlace
-from nbos.kernel.state._pages import PageWrites, probe
+from nbos.kernel.state._page_writes import PageWrites
+from nbos.kernel.state._pages import probe
 
 _SLICE = 16 << 20
 

@@ -105,7 +105,6 @@ _UFFDIO_WRITEPROTECT = _iowr(_UFFD_API, 0x06, ctypes.sizeof(_WriteProtect))
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 
 
-
 class _Tracked:
     """A tracked span and the owners that keep it alive."""
 
