@@ -11,7 +11,6 @@ if TYPE_CHECKING:
     from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
     from nbos.core.config import Settings
     from nbos.core.executor_chooser import CellPlan, ChoiceRequest, ExecutorChooser
-    from nbos.core.gpu_binder import GpuBinder
     from nbos.core.host_provider import AgentCommand, HostProvider
     from nbos.core.object_store import ObjectStore
     from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
@@ -25,7 +24,6 @@ __getattr__ = lazy_exports(
         "nbos.core.compute_backend": ("ComputeBackend", "ProcessHandle", "ProcessSpec"),
         "nbos.core.config": ("Settings",),
         "nbos.core.executor_chooser": ("CellPlan", "ChoiceRequest", "ExecutorChooser"),
-        "nbos.core.gpu_binder": ("GpuBinder",),
         "nbos.core.host_provider": ("AgentCommand", "HostProvider"),
         "nbos.core.object_store": ("ObjectStore",),
         "nbos.core.placement": ("ClusterView", "HostView", "PlacementPolicy", "PlacementRequest"),
@@ -43,7 +41,6 @@ __all__ = [
     "ClusterView",
     "ComputeBackend",
     "ExecutorChooser",
-    "GpuBinder",
     "HostProvider",
     "HostView",
     "ObjectStore",
