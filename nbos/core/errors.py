@@ -34,9 +34,9 @@ class PluginError(ConfigError):
     two distributions register, an import that failed, options the factory refused, or
     an object that does not satisfy the group's Protocol.
 
-    A :class:`ConfigError` because a plug-in is always chosen by a name in the settings
-    (``[cluster] placement_policy``, ``[store] kind``, ``[gateway] host_provider`` ...),
-    and what fixes it is there or in what is installed, never a retry: it is refused
+    A :class:`ConfigError` because a plug-in is always chosen by a name, in the settings
+    (``[cluster] placement_policy``, ``[store] kind``, ``[gateway] host_provider``) or
+    in code, and what fixes it is that name or what is installed, never a retry: it is refused
     where bad settings are (at start, an HTTP 400), not taken for a full cluster or an
     unreachable host. ``key`` is the group, ``value`` the name, ``expected`` the cause.
     """
