@@ -2,46 +2,27 @@
 
 from __future__ import annotations
 
-import logging
-from importlib.metadata import entry_points
 from typing import Any
 
 from nbos.core.compute_backend import ComputeBackend
-from nbos.core.errors import BackendError, ConfigError
-
-logger = logging.getLogger(__name__)
+from nbos.core.plugins import PluginGroup
 
 ENTRY_POINT_GROUP = "nbos.backends"
+
+_BACKENDS = PluginGroup[ComputeBackend](ENTRY_POINT_GROUP, ComputeBackend)
 
 
 def backend_names() -> list[str]:
     """The names registered in the ``nbos.backends`` entry point group, sorted."""
-    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    return _BACKENDS.names()
 
 
-def open_backend(name: str, **options: Any) -> ComputeBackend:
+def open_backend(name: str, /, **options: Any) -> ComputeBackend:
     """Make the backend registered as ``name``, passing ``options`` to its constructor.
 
-    Raises :class:`ConfigError` for an unknown name or options the backend does not
-    take, and :class:`BackendError` when the backend cannot be loaded (a missing
-    optional dependency, such as ``aiodocker`` for ``docker``).
+    Raises :class:`~nbos.core.errors.PluginError` for an unknown name, a name two
+    packages register, a backend that cannot be imported (a missing optional
+    dependency, such as ``aiodocker`` for ``docker``: install ``nbos[docker]``), options
+    it does not take, or something that is not a ``ComputeBackend``.
     """
-    found = entry_points(group=ENTRY_POINT_GROUP, name=name)
-    if not found:
-        logger.warning("no compute backend named %r (known: %s)", name, backend_names())
-        raise ConfigError("cluster.backend", name, f"one of {backend_names()}")
-    entry_point = next(iter(found))
-    try:
-        factory = entry_point.load()
-    except ImportError as exc:
-        logger.warning("cannot load compute backend %r: %s", name, exc)
-        raise BackendError(
-            f"backend {name!r} needs a missing package ({exc}); install nbos[{name}]"
-        ) from exc
-    try:
-        backend = factory(**options)
-    except TypeError as exc:
-        raise ConfigError(f"backend {name}", options, f"the options it takes ({exc})") from exc
-    if not isinstance(backend, ComputeBackend):
-        raise BackendError(f"entry point {entry_point.value} did not make a ComputeBackend")
-    return backend
+    return _BACKENDS.make(name, **options)

@@ -10,10 +10,11 @@ from nbos.core.lazy import lazy_exports
 if TYPE_CHECKING:
     from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
     from nbos.core.config import Settings
-    from nbos.core.gpu_binder import GpuBinder
+    from nbos.core.executor_chooser import CellPlan, ChoiceRequest, ExecutorChooser
     from nbos.core.host_provider import AgentCommand, HostProvider
     from nbos.core.object_store import ObjectStore
     from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
+    from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
     from nbos.core.replicated_log import ReplicatedLog, StateMachine
     from nbos.core.transport import Transport
 
@@ -22,20 +23,24 @@ __getattr__ = lazy_exports(
     {
         "nbos.core.compute_backend": ("ComputeBackend", "ProcessHandle", "ProcessSpec"),
         "nbos.core.config": ("Settings",),
-        "nbos.core.gpu_binder": ("GpuBinder",),
+        "nbos.core.executor_chooser": ("CellPlan", "ChoiceRequest", "ExecutorChooser"),
         "nbos.core.host_provider": ("AgentCommand", "HostProvider"),
         "nbos.core.object_store": ("ObjectStore",),
         "nbos.core.placement": ("ClusterView", "HostView", "PlacementPolicy", "PlacementRequest"),
+        "nbos.core.replica_launcher": ("AdoptingLauncher", "ReplicaLauncher"),
         "nbos.core.replicated_log": ("ReplicatedLog", "StateMachine"),
         "nbos.core.transport": ("Transport",),
     },
 )
 
 __all__ = [
+    "AdoptingLauncher",
     "AgentCommand",
+    "CellPlan",
+    "ChoiceRequest",
     "ClusterView",
     "ComputeBackend",
-    "GpuBinder",
+    "ExecutorChooser",
     "HostProvider",
     "HostView",
     "ObjectStore",
@@ -43,6 +48,7 @@ __all__ = [
     "PlacementRequest",
     "ProcessHandle",
     "ProcessSpec",
+    "ReplicaLauncher",
     "ReplicatedLog",
     "Settings",
     "StateMachine",

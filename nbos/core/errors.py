@@ -28,6 +28,29 @@ class ConfigError(NbosError):
         super().__init__(f"bad config value for {key!r}: {value!r} (expected {expected})")
 
 
+class PluginError(ConfigError):
+    """A plug-in (an entry point of an ``nbos.*`` group) cannot be used; names the group,
+    the name and the cause: an unknown name (``known`` lists the registered ones), a name
+    two distributions register, an import that failed, options the factory refused, or
+    an object that does not satisfy the group's Protocol.
+
+    A :class:`ConfigError` because a plug-in is always chosen by a name, in the settings
+    (``[cluster] placement_policy``, ``[store] kind``, ``[gateway] host_provider``) or
+    in code, and what fixes it is that name or what is installed, never a retry: it is refused
+    where bad settings are (at start, an HTTP 400), not taken for a full cluster or an
+    unreachable host. ``key`` is the group, ``value`` the name, ``expected`` the cause.
+    """
+
+    def __init__(self, group: str, name: str, cause: str, known: Sequence[str] = ()) -> None:
+        self.group = group
+        self.name = name
+        self.cause = cause
+        self.known = list(known)
+        self.key, self.value, self.expected = group, name, cause
+        # Not ConfigError's message: the group is not a settings key.
+        NbosError.__init__(self, f"plug-in {name!r} of entry point group {group!r}: {cause}")
+
+
 # --- wire ----------------------------------------------------------------------
 
 
@@ -209,15 +232,6 @@ class PolicyContractError(PlacementError):
     """A placement policy answered with hosts it may not choose (too few, repeated,
     unknown, excluded, unschedulable, or without the idle GPUs a target needs): a bug
     in the policy, not a full cluster."""
-
-
-class UnknownPolicyError(PlacementError):
-    """No placement policy is registered under this name."""
-
-    def __init__(self, name: str, known: list[str]) -> None:
-        self.name = name
-        self.known = known
-        super().__init__(f"unknown placement policy {name!r}; known: {', '.join(known) or 'none'}")
 
 
 # --- backends ------------------------------------------------------------------

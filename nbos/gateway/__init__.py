@@ -11,6 +11,7 @@
 * :mod:`nbos.gateway.requests` works out how many GPUs a cell asks for.
 """
 
+from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
 from nbos.gateway._agent_backend import (
     HOST_LOST_STATUS,
     UNKNOWN_STATUS,
@@ -22,7 +23,7 @@ from nbos.gateway._directory import HostDirectory, HostListener, RegisteredHost
 from nbos.gateway._hosts import Grant, HostRecord
 from nbos.gateway._kernel import Kernel, ReplicaInfo
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
-from nbos.gateway._launch import AdoptingLauncher, LocalLauncher, ReplicaLauncher
+from nbos.gateway._launch import LocalLauncher
 from nbos.gateway._scheduler import CellLease, GpuScheduler, WaitCallback
 
 __all__ = [

@@ -35,11 +35,11 @@ from collections.abc import Awaitable, Callable, Mapping
 import anyio
 
 from nbos.core.errors import NbosError, QuorumLostError
+from nbos.core.executor_chooser import CellPlan, ChoiceRequest
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway._hosts import Grant
 from nbos.gateway._scheduler import GpuScheduler
 from nbos.gateway.requests import cell_gpus
-from nbos.kernel.front import CellPlan, ChoiceRequest
 from nbos.metrics import events
 from nbos.scaling.migration import MigrationPlan
 

@@ -45,9 +45,9 @@ from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, NbosError, UnknownKernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
+from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
 from nbos.gateway._executor_choice import GpuChooser
 from nbos.gateway._kernel import Kernel, stop_processes
-from nbos.gateway._launch import AdoptingLauncher, ReplicaLauncher
 from nbos.gateway._replacement import Replacer, Spawn, Spawned
 from nbos.gateway._scheduler import GpuScheduler
 from nbos.gateway._state import (

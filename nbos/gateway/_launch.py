@@ -1,6 +1,7 @@
 """Where a kernel's replicas run: ports, a working directory and connection info on their host.
 
-The gateway's kernel code starts replicas through a :class:`ReplicaLauncher`, one
+The gateway's kernel code starts replicas through a
+:class:`~nbos.core.replica_launcher.ReplicaLauncher`, one
 interface for two places:
 
 * :class:`~nbos.gateway.AgentBackend`: hosts are ``nbos agent`` daemons, on this
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import anyio
@@ -38,50 +39,6 @@ from nbos.core.ids import HostId
 from nbos.transport.ports import LOOPBACK, free_loopback_ports
 
 _POLL_S = 0.05
-
-
-class ReplicaLauncher(Protocol):
-    """Starts replica processes on hosts and finds out where clients reach them."""
-
-    def ip(self, host: HostId) -> str:
-        """The address ``host`` is reached at (its replicas bind it)."""
-        ...
-
-    def virtual_gpus(self, host: HostId) -> bool:
-        """Whether ``host``'s GPUs are virtual (replicas keep "GPU" tensors in host memory)."""
-        ...
-
-    async def addresses(self, host: HostId, count: int) -> list[str]:
-        """``count`` ``tcp://IP:PORT`` addresses free on ``host``, never handed out before."""
-        ...
-
-    async def start_replica(
-        self, host: HostId, spec: ProcessSpec, *, workdir: str, connection_key: str
-    ) -> ProcessHandle:
-        """Start ``spec`` on ``host`` with a working directory ``workdir`` (kept across
-        restarts) holding a connection file seeded with the host's address and the key."""
-        ...
-
-    async def connection_info(self, handle: ProcessHandle, timeout: float) -> Mapping[str, Any]:
-        """The replica's connection info once its kernel bound its ports.
-
-        Raises :class:`~nbos.core.errors.BackendError` if it ended first or ``timeout`` passed.
-        """
-        ...
-
-
-@runtime_checkable
-class AdoptingLauncher(ReplicaLauncher, Protocol):
-    """A launcher whose replicas outlive the gateway, which a restarted one takes back."""
-
-    def process_id(self, handle: ProcessHandle) -> str:
-        """What names ``handle``'s process to :meth:`adopt` in a later gateway."""
-        ...
-
-    async def adopt(self, host: HostId, process_id: str, timeout: float) -> ProcessHandle:
-        """A handle on ``process_id`` of ``host``, waiting up to ``timeout`` for the host;
-        a handle that has ended already if the process did or the host did not come."""
-        ...
 
 
 class LocalLauncher:

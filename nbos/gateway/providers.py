@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,51 +32,35 @@ import msgspec
 
 from nbos.agent import ProcessIdentity
 from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
-from nbos.core.errors import BackendError, ConfigError
+from nbos.core.errors import BackendError
 from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.core.ids import HostId
+from nbos.core.plugins import PluginGroup
 
 log = logging.getLogger(__name__)
 
 GROUP = "nbos.host_providers"
+_PROVIDERS = PluginGroup[HostProvider](GROUP, HostProvider)
+
 #: How long an agent may take to stop its replicas on SIGTERM before it is killed.
 AGENT_STOP_S = 15.0
 
 
 def available_providers() -> list[str]:
     """Names of the registered host providers, sorted."""
-    return sorted({ep.name for ep in entry_points(group=GROUP)})
+    return _PROVIDERS.names()
 
 
-def load_host_provider(name: str, **options: Any) -> HostProvider:
+def load_host_provider(name: str, /, **options: Any) -> HostProvider:
     """The provider registered as ``name``, made with ``options``.
 
-    Raises :class:`ConfigError` for an unknown name, options the factory refuses or a
-    factory that does not make a ``HostProvider``, and :class:`BackendError` when the
-    entry point cannot be loaded (a missing optional dependency).
+    Raises :class:`~nbos.core.errors.PluginError` for an unknown name, a name two
+    packages register, an entry point that cannot be imported (a missing optional
+    dependency), options the factory refuses or a factory that does not make a
+    ``HostProvider``; a ``ConfigError`` the factory raises for an option's value
+    passes as it is.
     """
-    found = sorted({ep.value: ep for ep in entry_points(group=GROUP, name=name)}.items())
-    if len(found) != 1:
-        # None, or two distributions claiming the name: either way not a choice to guess.
-        expected = f"one of {available_providers()}" if not found else "a name registered once"
-        log.warning("host provider %r: %d registrations", name, len(found))
-        raise ConfigError("gateway.host_provider", name, expected)
-    entry = found[0][1]
-    try:
-        factory = entry.load()
-    except ImportError as exc:
-        log.warning("host provider %r (%s) failed to load: %s", name, entry.value, exc)
-        raise BackendError(f"host provider {name!r} needs a missing package: {exc}") from exc
-    try:
-        provider = factory(**options)
-    except (TypeError, ConfigError) as exc:
-        log.warning("host provider %r refused options %s: %s", name, sorted(options), exc)
-        raise ConfigError(
-            "gateway.host_provider_options", options, f"options {name} takes ({exc})"
-        ) from exc
-    if not isinstance(provider, HostProvider):
-        raise ConfigError("gateway.host_provider", name, f"{entry.value} to make a HostProvider")
-    return provider
+    return _PROVIDERS.make(name, **options)
 
 
 class _Stoppable(Protocol):

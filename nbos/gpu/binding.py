@@ -1,4 +1,4 @@
-"""Binding GPUs to a replica for one cell: the torch implementation of ``GpuBinder``.
+"""Binding GPUs to a replica for the span of one cell: :class:`TorchGpuBinder`.
 
 ``CUDA_VISIBLE_DEVICES`` is read once, when CUDA initialises in a process, so
 it cannot follow a binding that changes from cell to cell. A replica process
@@ -18,6 +18,11 @@ Tensors are moved in place (``tensor.data = ...``, ``module.to(...)``), so every
 name and container that refers to a tensor still refers to the same object:
 aliasing in the namespace survives a move. torch is imported lazily; without it
 the binder binds device ids and moves nothing.
+
+There is no ``GpuBinder`` Protocol to plug another binder in: the replica kernel makes
+its binder itself, from its own namespace (with a host-memory target on virtual GPUs),
+and what user code reads (:func:`devices`, :func:`device`) is this module's state, so
+a binder of another framework belongs here, not in a user's package behind a setting.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ class TorchGpuBinder:
     ``target`` maps a device index to the ``torch.device`` to move onto; the
     default is ``cuda:<index>``. Tests on machines without CUDA pass a CPU target
     to exercise the same walk.
+
+    Binding the devices already bound is a no-op; a failing ``bind`` leaves nothing
+    bound; ``release(evict=False)`` leaves tensors resident until :meth:`evict` or a
+    ``bind`` to other devices.
     """
 
     def __init__(
@@ -68,13 +77,16 @@ class TorchGpuBinder:
 
     @property
     def bound(self) -> tuple[int, ...]:
+        """Device indices bound now (empty when none)."""
         return _bound
 
     @property
     def resident(self) -> tuple[int, ...]:
+        """Devices that still hold this replica's tensors (lazily not yet evicted)."""
         return self._resident
 
     async def bind(self, devices: Sequence[int]) -> None:
+        """Bind ``devices`` (host-local indices) and bring resident state onto them."""
         global _bound  # noqa: PLW0603 - one binding per replica process, read by user code
         wanted = tuple(devices)
         if wanted == _bound:
@@ -85,12 +97,14 @@ class TorchGpuBinder:
         self._resident = wanted if wanted and _torch_loaded() else ()
 
     async def release(self, *, evict: bool) -> None:
+        """End the binding, evicting now or leaving state resident."""
         global _bound  # noqa: PLW0603
         _bound = ()
         if evict:
             await self.evict()
 
     async def evict(self) -> None:
+        """Move any resident state to host memory."""
         if not self._resident:
             return
         import torch

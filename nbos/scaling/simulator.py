@@ -200,8 +200,7 @@ def simulate(
 
     Raises :class:`ScalingError` for a malformed trace, one with a session asking for
     more GPUs than a host has, or a ``model`` that is not empty;
-    :class:`~nbos.core.errors.UnknownPolicyError` / :class:`PlacementError` for a
-    policy that cannot be loaded, and
+    :class:`~nbos.core.errors.PluginError` for a policy that cannot be loaded, and
     :class:`~nbos.core.errors.PolicyContractError` if the policy answers with hosts
     it may not choose.
     """

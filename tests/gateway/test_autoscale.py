@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, PluginError
 from nbos.core.host_provider import HostProvider
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant
@@ -84,7 +84,9 @@ async def test_autoscaler_keys_without_autoscale_are_refused(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"gateway\.max_hosts"):
         async with GatewayService.serve(local_settings(tmp_path, max_hosts=9)):
             pass
-    with pytest.raises(ConfigError, match=r"gateway\.host_provider"):
+    with pytest.raises(
+        PluginError, match=r"'no-such-provider' of entry point group 'nbos\.host_providers'"
+    ):
         async with GatewayService.serve(
             local_settings(tmp_path, autoscale=True, host_provider="no-such-provider")
         ):
@@ -98,7 +100,7 @@ async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
     monkeypatch.syspath_prepend(str(site))
     assert {"local", "docker", "ssh", "example-vms"} <= set(available_providers())
     assert isinstance(load_host_provider("example-vms", quota=1), HostProvider)
-    with pytest.raises(ConfigError, match="host_provider_options"):
+    with pytest.raises(PluginError, match="zones"):
         load_host_provider("example-vms", zones=3)
 
     settings = local_settings(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nbos.core.errors import PlacementError, UnknownPolicyError
+from nbos.core.errors import PluginError
 from nbos.scaling import (
     BinPackingPolicy,
     LeastLoadedPolicy,
@@ -34,14 +34,14 @@ def test_kwargs_reach_the_policy() -> None:
 
 
 def test_unknown_name_lists_known_policies() -> None:
-    with pytest.raises(UnknownPolicyError) as err:
+    with pytest.raises(PluginError) as err:
         load_policy("no-such-policy")
     assert "least-loaded" in err.value.known
     assert "least-loaded" in str(err.value)
 
 
-def test_bad_arguments_are_a_placement_error() -> None:
-    with pytest.raises(PlacementError, match="refused its arguments"):
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(PluginError, match="refused the options"):
         load_policy("least-loaded", seed=1)
 
 
@@ -61,11 +61,11 @@ def odd_entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("odd_entry_points")
-def test_broken_entry_points_are_placement_errors() -> None:
-    with pytest.raises(PlacementError, match="failed to load"):
+def test_broken_entry_points_are_refused() -> None:
+    with pytest.raises(PluginError, match="failed to import"):
         load_policy("broken")
-    with pytest.raises(PlacementError, match="not a PlacementPolicy"):
+    with pytest.raises(PluginError, match=r"not a nbos\.core\.placement\.PlacementPolicy"):
         load_policy("not-a-policy")
-    with pytest.raises(PlacementError, match="registered twice"):
+    with pytest.raises(PluginError, match=r"by 2 distributions: nbos .* and odd-policies 0\.1"):
         load_policy("bin-packing")
     assert isinstance(load_policy("least-loaded"), LeastLoadedPolicy)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nbos.core.config import Settings, StoreSettings
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, PluginError
 from nbos.store import LocalObjectStore, RedisObjectStore, open_store
 
 pytestmark = pytest.mark.anyio
@@ -26,11 +26,10 @@ def test_redis_kind_opens_a_redis_store() -> None:
     assert isinstance(store, RedisObjectStore)
 
 
-def test_an_unknown_kind_is_a_config_error_listing_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="local, redis") as info:
+def test_an_unknown_kind_is_refused_listing_the_known_ones() -> None:
+    with pytest.raises(PluginError, match="local, redis") as info:
         open_store(StoreSettings(kind="s3"))  # type: ignore[arg-type]
-    assert info.value.key == "store.kind"
-    assert info.value.value == "s3"
+    assert (info.value.group, info.value.name) == ("nbos.object_stores", "s3")
 
 
 def test_the_local_kind_needs_a_path() -> None:

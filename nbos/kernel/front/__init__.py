@@ -1,14 +1,11 @@
 """The kernel front: one Jupyter kernel in front of a kernel's replicas.
 
-See :class:`KernelFront`; :class:`ExecutorChooser` is where GPU-aware scheduling plugs in.
+See :class:`KernelFront`; :class:`ExecutorChooser` (from ``nbos.core``) is where GPU-aware
+scheduling plugs in.
 """
 
-from nbos.kernel.front._chooser import (
-    CellPlan,
-    ChoiceRequest,
-    ExecutorChooser,
-    LastExecutorChooser,
-)
+from nbos.core.executor_chooser import CellPlan, ChoiceRequest, ExecutorChooser
+from nbos.kernel.front._chooser import LastExecutorChooser
 from nbos.kernel.front._clients import FrontIdentity
 from nbos.kernel.front._front import KernelFront
 from nbos.kernel.front._liveness import HeartbeatPolicy

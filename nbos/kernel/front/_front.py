@@ -50,15 +50,11 @@ from nbos.core.errors import (
     QuorumLostError,
     TransportError,
 )
+from nbos.core.executor_chooser import CellPlan, ChoiceRequest, ExecutorChooser
 from nbos.kernel import protocol
 from nbos.kernel.front import _requests, _wire
 from nbos.kernel.front._cells import CellRefused, Cells
-from nbos.kernel.front._chooser import (
-    CellPlan,
-    ChoiceRequest,
-    ExecutorChooser,
-    LastExecutorChooser,
-)
+from nbos.kernel.front._chooser import LastExecutorChooser
 from nbos.kernel.front._clients import ClientChannels, FrontIdentity, Incoming
 from nbos.kernel.front._liveness import HeartbeatPolicy, Liveness
 from nbos.kernel.front._status import WaitStatus

@@ -382,7 +382,7 @@ class ReplicaKernel(IPythonKernel):
             await self._binder.bind(cell.devices)
         except Exception as exc:
             run.close()
-            # A failed bind leaves nothing bound (GpuBinder contract); the cell does not
+            # A failed bind leaves nothing bound (TorchGpuBinder); the cell does not
             # run, and its Done (status error) still commits so later cells go on.
             log.exception("binding GPUs %s for cell %d failed", cell.devices, cell.index)
             return error_content(GpuError(f"cannot bind GPUs {list(cell.devices)}: {exc}"), 0)
