@@ -20,11 +20,13 @@ from nbos.scaling.autoscaler import (
 )
 from nbos.scaling.decisions import CellDecision, ClusterDecisions
 from nbos.scaling.executor import Choice, Execute, Migrate, Wait, check_cell_gpus, choose_executor
+from nbos.scaling.ledger import Ledger, Totals
 from nbos.scaling.migration import MigrationPlan, plan_migration
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.policies import BinPackingPolicy, LeastLoadedPolicy, RandomPolicy
 from nbos.scaling.registry import GROUP, available_policies, load_policy
-from nbos.scaling.simulator import Sample, SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.results import Run, Sample, SimResult, metrics_table, sim_result
+from nbos.scaling.simulator import SimConfig, simulate
 from nbos.scaling.trace import Cell, Session, Trace, first_hours, load_trace, synthetic_trace
 
 __all__ = [
@@ -40,9 +42,11 @@ __all__ = [
     "Execute",
     "Hold",
     "LeastLoadedPolicy",
+    "Ledger",
     "Migrate",
     "MigrationPlan",
     "RandomPolicy",
+    "Run",
     "Sample",
     "ScaleDecision",
     "ScaleIn",
@@ -50,6 +54,7 @@ __all__ = [
     "Session",
     "SimConfig",
     "SimResult",
+    "Totals",
     "Trace",
     "Wait",
     "admissible",
@@ -61,6 +66,7 @@ __all__ = [
     "load_trace",
     "metrics_table",
     "plan_migration",
+    "sim_result",
     "simulate",
     "smoothed_demand_ratio",
     "subscription_ratio",
