@@ -19,7 +19,7 @@ from nbos.scaling.autoscaler import (
     smoothed_demand_ratio,
 )
 from nbos.scaling.decisions import CellDecision, ClusterDecisions
-from nbos.scaling.executor import Choice, Execute, Migrate, Wait, check_cell_gpus, choose_executor
+from nbos.scaling.executor import Execute, Wait, check_cell_gpus
 from nbos.scaling.ledger import Ledger, Totals
 from nbos.scaling.migration import MigrationPlan, plan_migration
 from nbos.scaling.model import ClusterModel
@@ -36,14 +36,12 @@ __all__ = [
     "BinPackingPolicy",
     "Cell",
     "CellDecision",
-    "Choice",
     "ClusterDecisions",
     "ClusterModel",
     "Execute",
     "Hold",
     "LeastLoadedPolicy",
     "Ledger",
-    "Migrate",
     "MigrationPlan",
     "RandomPolicy",
     "Run",
@@ -60,7 +58,6 @@ __all__ = [
     "admissible",
     "available_policies",
     "check_cell_gpus",
-    "choose_executor",
     "first_hours",
     "load_policy",
     "load_trace",
