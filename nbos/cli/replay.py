@@ -20,7 +20,8 @@ from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
 from nbos.gateway.replay import ReplayConfig, replay
 from nbos.scaling.autoscaler import AutoscalerConfig
-from nbos.scaling.simulator import SimConfig, SimResult, simulate
+from nbos.scaling.results import SimResult
+from nbos.scaling.simulator import SimConfig, simulate
 from nbos.scaling.trace import Trace
 
 

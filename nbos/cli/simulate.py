@@ -13,7 +13,8 @@ from typing import Any
 from nbos.cli._progress import progress_bar
 from nbos.core.errors import ConfigError
 from nbos.scaling.autoscaler import AutoscalerConfig
-from nbos.scaling.simulator import MODES, SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.results import SimResult, metrics_table
+from nbos.scaling.simulator import MODES, SimConfig, simulate
 from nbos.scaling.trace import Trace, first_hours, load_trace, synthetic_trace
 
 Progress = Callable[[float], None]

@@ -58,7 +58,6 @@ from nbos.core.wire.agent import (
     GpuReservation,
 )
 from nbos.gateway._hosts import Grant, HostRecord
-from nbos.gateway._ledger import Ledger
 from nbos.gateway._rpc import RequestChannel
 from nbos.scaling import (
     ClusterDecisions,
@@ -68,6 +67,7 @@ from nbos.scaling import (
     check_cell_gpus,
     smoothed_demand_ratio,
 )
+from nbos.scaling.ledger import Ledger
 from nbos.transport import received_messages
 
 log = logging.getLogger(__name__)

@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from nbos.core.errors import NbosError, TransportError, UnknownKernelError
+from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
 
 log = logging.getLogger(__name__)
 
@@ -173,45 +174,19 @@ class UsageRequest(_Msg):
     """The gateway's accounting since it started (what ``nbos replay`` reports)."""
 
 
-class CellUsage(_Msg):
-    """One cell's GPUs as the scheduler granted them; times are wall-clock seconds.
-
-    ``ready``: the front asked for its executor (the previous cell had settled);
-    ``started``: its GPUs were committed (``None``: it never got them); ``ended``: they
-    were released (``None``: still running, or a cell of no GPUs).
-    """
-
-    kernel_id: str
-    exec_index: int
-    gpus: int
-    ready: float
-    started: float | None = None
-    ended: float | None = None
-
-
-class HostCount(_Msg):
-    """From ``time`` on, the cluster had ``hosts`` hosts with ``gpus`` GPUs in all."""
-
-    time: float
-    hosts: int
-    gpus: int
-
-
 class Usage(_Msg):
-    """Every cell, the host count over time, and the moves and scaling actions made.
-
-    ``ceiling_s``: seconds the autoscaler spent at its host ceiling while work waited.
-    """
+    """The gateway's :class:`~nbos.scaling.ledger.Ledger`: every cell's grant, the host
+    count over time, and its totals, all in wall-clock seconds."""
 
     since: float
     now: float
     cells: list[CellUsage]
     hosts: list[HostCount]
-    migrations: int = 0
-    drain_moves: int = 0
-    scale_outs: int = 0
-    scale_ins: int = 0
-    ceiling_s: float = 0.0
+    totals: Totals
+
+    @classmethod
+    def of(cls, ledger: Ledger) -> Usage:
+        return cls(ledger.since, ledger.now(), ledger.cells(), ledger.hosts(), ledger.totals())
 
 
 class ControlError(_Msg):

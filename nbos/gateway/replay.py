@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 import anyio
@@ -26,9 +26,7 @@ from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.errors import ConfigError, TransportError
 from nbos.gateway.control_api import (
-    CellUsage,
     ControlError,
-    HostCount,
     KernelInfo,
     ShutdownKernel,
     StartKernel,
@@ -36,7 +34,8 @@ from nbos.gateway.control_api import (
     UsageRequest,
     call,
 )
-from nbos.scaling.simulator import Sample, SimResult, _percentile
+from nbos.scaling.ledger import CellUsage, HostCount
+from nbos.scaling.results import Run, Sample, SimResult, sim_result
 from nbos.scaling.trace import Cell, Session, Trace
 
 log = logging.getLogger(__name__)
@@ -158,7 +157,7 @@ async def _start(
 
 
 async def _cell(client: AsyncKernelClient, session: Session, cell: Cell, speedup: float) -> None:
-    gpus = session.gpus if cell.gpus is None else cell.gpus
+    gpus = session.cell_gpus(cell)
     code = f"import time\ntime.sleep({cell.duration / speedup!r})"
     if gpus:
         code = f"%%gpus {gpus}\n{code}"
@@ -173,22 +172,37 @@ async def _cell(client: AsyncKernelClient, session: Session, cell: Cell, speedup
 
 
 def result(trace: Trace, run: ReplayRun, config: ReplayConfig) -> SimResult:
-    """The metrics of ``nbos simulate`` from the gateway's usage records of ``run``
-    (counters are the difference between its accounting at the end and the start)."""
+    """The metrics of ``nbos simulate`` from the gateway's ledger over ``run`` (its totals
+    at the end less those at the start), in trace seconds."""
     assert run.after is not None
-    before, after, kernels, t0, ended = run.before, run.after, run.kernels, run.t0, run.ended
-    k = config.speedup
-    by_cell = {(c.kernel_id, c.exec_index): c for c in after.cells}
-    ours = {
-        (kernels[s.id], i)
-        for s in trace.sessions
-        if s.id in kernels
-        for i in range(1, len(s.cells) + 1)
-    }
+    after, t0, ended, k = run.after, run.t0, run.ended, config.speedup
+    delays, busy, used = _cells(trace, run, k)
+    samples = _samples(used, after.hosts, t0, ended, k)
+    measured = Run(
+        mode="replay",
+        policy=config.policy,
+        interactive_within=config.interactive_within,
+        seconds=(ended - t0) * k,
+        totals=(after.totals - run.before.totals).scaled(k),
+        delays=delays,
+        busy_gpu_s=busy,
+        peak_gpus_committed=max((s.gpus_committed for s in samples), default=0),
+        hosts_timeline=tuple(((h.time - t0) * k, h.hosts) for h in _within(after.hosts, t0, ended)),
+        samples=samples,
+    )
+    return sim_result(trace, measured)
+
+
+def _cells(trace: Trace, run: ReplayRun, k: float) -> tuple[list[float], float, list[CellUsage]]:
+    """Each trace cell that got its GPUs: its delay (trace seconds) against the start it
+    would have had on an unlimited cluster, the work (GPU-seconds) of all, their grants."""
+    assert run.after is not None
+    by_cell = {(c.kernel_id, c.exec_index): c for c in run.after.cells}
     delays: list[float] = []
     busy = 0.0
+    used: list[CellUsage] = []
     for session in trace.sessions:
-        kernel = kernels.get(session.id)
+        kernel = run.kernels.get(session.id)
         ideal_end = -math.inf
         for i, cell in enumerate(session.cells, start=1):
             ideal = max(cell.start, ideal_end)
@@ -196,44 +210,11 @@ def result(trace: Trace, run: ReplayRun, config: ReplayConfig) -> SimResult:
             usage = by_cell.get((kernel, i)) if kernel is not None else None
             if usage is None or usage.started is None:
                 continue
-            delays.append(max(0.0, (usage.started - t0) * k - ideal))
-            busy += (session.gpus if cell.gpus is None else cell.gpus) * cell.duration
-    used = [c for key, c in by_cell.items() if key in ours and c.started is not None]
-    delays.sort()
-    total = sum(len(s.cells) for s in trace.sessions)
-    samples = _samples(used, after.hosts, t0, ended, k)
-    span = max(ended - t0, 1e-9)
-    return SimResult(
-        mode="replay",
-        policy=config.policy,
-        sessions=len(trace.sessions),
-        cells=total,
-        cells_unserved=total - len(delays),
-        hours=(ended - t0) * k / 3600,
-        gpu_hours_reserved=sum(c.gpus * ((c.ended or ended) - (c.started or ended)) for c in used)
-        * k
-        / 3600,
-        gpu_hours_busy=busy / 3600,
-        gpu_hours_provisioned=_integral(after.hosts, t0, ended, lambda h: h.gpus) * k / 3600,
-        delay_p50=_percentile(delays, 0.50),
-        delay_p95=_percentile(delays, 0.95),
-        delay_p99=_percentile(delays, 0.99),
-        interactive_within=config.interactive_within,
-        interactive_share=sum(d <= config.interactive_within for d in delays) / total
-        if total
-        else 0.0,
-        migrations=after.migrations - before.migrations,
-        drain_moves=after.drain_moves - before.drain_moves,
-        scale_outs=after.scale_outs - before.scale_outs,
-        scale_ins=after.scale_ins - before.scale_ins,
-        hosts_mean=_integral(after.hosts, t0, ended, lambda h: h.hosts) / span,
-        hosts_max=max((s.hosts for s in samples), default=0),
-        peak_gpus_committed=max((s.gpus_committed for s in samples), default=0),
-        hours_at_ceiling=(after.ceiling_s - before.ceiling_s) * k / 3600,
-        hosts_timeline=tuple(((h.time - t0) * k, h.hosts) for h in _within(after.hosts, t0, ended)),
-        samples=samples,
-        delays=tuple(delays),
-    )
+            # Real clocks jitter: a cell is never early.
+            delays.append(max(0.0, (usage.started - run.t0) * k - ideal))
+            busy += session.cell_gpus(cell) * cell.duration
+            used.append(usage)
+    return delays, busy, used
 
 
 def _within(hosts: Sequence[HostCount], t0: float, end: float) -> list[HostCount]:
@@ -243,16 +224,6 @@ def _within(hosts: Sequence[HostCount], t0: float, end: float) -> list[HostCount
     if first is not None:
         inside.insert(0, HostCount(t0, first.hosts, first.gpus))
     return inside
-
-
-def _integral(
-    hosts: Sequence[HostCount], t0: float, end: float, value: Callable[[HostCount], int]
-) -> float:
-    points = _within(hosts, t0, end)
-    return sum(
-        float(value(h)) * ((points[i + 1].time if i + 1 < len(points) else end) - h.time)
-        for i, h in enumerate(points)
-    )
 
 
 def _samples(

@@ -86,6 +86,7 @@ from nbos.gateway.control_api import (
     SignalReplica,
     StartKernel,
     StatusRequest,
+    Usage,
     UsageRequest,
     WatchKernel,
     serve_control,
@@ -286,7 +287,7 @@ class GatewayService:
                 kernels = [self.kernel_info(k) for k in self.kernel_manager.kernels]
                 return ClusterStatus(self.host_status(), kernels)
             case UsageRequest():
-                return self.directory.scheduler.ledger.usage()
+                return Usage.of(self.directory.scheduler.ledger)
             case SignalReplica(kernel_id=kernel_id, node=node, signal=signum):
                 kernel = self.kernel_manager.kernel(kernel_id)
                 await kernel.signal_replica(node, _signal_number(signum))

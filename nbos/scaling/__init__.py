@@ -19,12 +19,14 @@ from nbos.scaling.autoscaler import (
     smoothed_demand_ratio,
 )
 from nbos.scaling.decisions import CellDecision, ClusterDecisions
-from nbos.scaling.executor import Choice, Execute, Migrate, Wait, check_cell_gpus, choose_executor
+from nbos.scaling.executor import Execute, Wait, check_cell_gpus
+from nbos.scaling.ledger import Ledger, Totals
 from nbos.scaling.migration import MigrationPlan, plan_migration
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.policies import BinPackingPolicy, LeastLoadedPolicy, RandomPolicy
 from nbos.scaling.registry import GROUP, available_policies, load_policy
-from nbos.scaling.simulator import Sample, SimConfig, SimResult, metrics_table, simulate
+from nbos.scaling.results import Run, Sample, SimResult, metrics_table, sim_result
+from nbos.scaling.simulator import SimConfig, simulate
 from nbos.scaling.trace import Cell, Session, Trace, first_hours, load_trace, synthetic_trace
 
 __all__ = [
@@ -34,15 +36,15 @@ __all__ = [
     "BinPackingPolicy",
     "Cell",
     "CellDecision",
-    "Choice",
     "ClusterDecisions",
     "ClusterModel",
     "Execute",
     "Hold",
     "LeastLoadedPolicy",
-    "Migrate",
+    "Ledger",
     "MigrationPlan",
     "RandomPolicy",
+    "Run",
     "Sample",
     "ScaleDecision",
     "ScaleIn",
@@ -50,17 +52,18 @@ __all__ = [
     "Session",
     "SimConfig",
     "SimResult",
+    "Totals",
     "Trace",
     "Wait",
     "admissible",
     "available_policies",
     "check_cell_gpus",
-    "choose_executor",
     "first_hours",
     "load_policy",
     "load_trace",
     "metrics_table",
     "plan_migration",
+    "sim_result",
     "simulate",
     "smoothed_demand_ratio",
     "subscription_ratio",

@@ -134,8 +134,9 @@ class ClusterDecisions:
 
         :class:`Execute` on a replica's host; else, when another host could commit
         the GPUs, the :class:`MigrationPlan` moving the busiest replica there; else
-        :class:`Wait`. Raises as :func:`~nbos.scaling.choose_executor` for GPU counts no host can
-        ever satisfy, and :class:`PolicyContractError` for a bad migration target.
+        :class:`Wait`. Raises :class:`GpuError` for a negative count,
+        :class:`InsufficientGpusError` for more GPUs than any host has, and
+        :class:`PolicyContractError` for a bad migration target.
         """
         choice = execute_or_wait(last_host, replica_hosts, cluster, gpus)
         if choice is not None:

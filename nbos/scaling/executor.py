@@ -3,8 +3,9 @@
 The order (design, "One cell, end to end", step 2): the last executor if its host
 can commit the kernel's GPUs now (its tensors may still be resident there), else
 the replica whose host has the most idle GPUs, else a migration to a host that
-can commit them, else the cell waits. Waiting and migrating are ordinary
-outcomes, returned as values; only a request no host could ever satisfy is an error.
+can commit them (which :class:`~nbos.scaling.ClusterDecisions` plans), else the
+cell waits. Waiting and migrating are ordinary outcomes, returned as values; only
+a request no host could ever satisfy is an error.
 """
 
 from __future__ import annotations
@@ -32,48 +33,10 @@ class Execute:
 
 
 @attrs.frozen
-class Migrate:
-    """No replica's host can commit the GPUs now, but ``candidates`` (sorted) can."""
-
-    candidates: tuple[HostId, ...]
-    reason: str
-
-
-@attrs.frozen
 class Wait:
     """No host can commit the GPUs now; the cell waits (``reason`` is shown to the client)."""
 
     reason: str
-
-
-Choice = Execute | Migrate | Wait
-
-
-def choose_executor(
-    last_executor_host: HostId | None,
-    replica_hosts: Sequence[HostId],
-    cluster_view: ClusterView,
-    gpus: int,
-) -> Choice:
-    """Decide where a cell asking for ``gpus`` GPUs runs.
-
-    Replica hosts missing from ``cluster_view`` (dead, not yet reported) are
-    skipped. Ties between replica hosts go to the earlier one in ``replica_hosts``.
-    A draining (unschedulable) host still runs cells of the replicas it holds;
-    only placement and migration avoid it.
-    Raises :class:`GpuError` for a negative count and
-    :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
-    """
-    choice = execute_or_wait(last_executor_host, replica_hosts, cluster_view, gpus)
-    if choice is not None:
-        return choice
-    on_replica = frozenset(replica_hosts)
-    movable = sorted(
-        h.host_id
-        for h in cluster_view.hosts
-        if h.schedulable and h.host_id not in on_replica and h.gpus_idle >= gpus
-    )
-    return Migrate(tuple(movable), f"no replica's host has {gpus} idle GPUs")
 
 
 def execute_or_wait(
@@ -82,8 +45,17 @@ def execute_or_wait(
     cluster_view: ClusterView,
     gpus: int,
 ) -> Execute | Wait | None:
-    """:func:`choose_executor`'s answer, ``None`` for a :class:`Migrate` (without listing
-    its candidates, which costs a scan of the cluster: the decisions ask the policy instead)."""
+    """Where a cell asking for ``gpus`` GPUs runs, if on a replica's host; ``None`` when
+    only a migration can run it now (:meth:`~nbos.scaling.ClusterDecisions.cell` then asks
+    the policy where to).
+
+    Replica hosts missing from ``cluster_view`` (dead, not yet reported) are
+    skipped. Ties between replica hosts go to the earlier one in ``replica_hosts``.
+    A draining (unschedulable) host still runs cells of the replicas it holds;
+    only placement and migration avoid it.
+    Raises :class:`GpuError` for a negative count and
+    :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
+    """
     check_cell_gpus(gpus, cluster_view.largest_gpus())
     replicas = _views(replica_hosts, cluster_view)
     last = next((h for h in replicas if h.host_id == last_executor_host), None)

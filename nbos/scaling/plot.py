@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nbos.core.errors import ConfigError
-from nbos.scaling.simulator import SimResult
+from nbos.scaling.results import SimResult
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,9 @@ every ``tick`` seconds. Events at equal times run in a fixed order (ends,
 hosts joining, session starts, cells, stops, ticks; then the order they were
 scheduled), so a run is deterministic given the trace, the config and a
 deterministic policy (seed :class:`~nbos.scaling.RandomPolicy` via
-``policy_kwargs``). Metrics are described in ``docs/simulator.md``.
+``policy_kwargs``). The run keeps the gateway's :class:`~nbos.scaling.ledger.Ledger` on
+its clock and reports through :mod:`nbos.scaling.results`, as ``nbos replay`` does;
+metrics are described in ``docs/simulator.md``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ import heapq
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import attrs
 
@@ -57,8 +59,10 @@ from nbos.gpu.pool import GpuPool
 from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, ScaleOut
 from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.executor import Execute, Wait
+from nbos.scaling.ledger import Ledger
 from nbos.scaling.migration import MigrationPlan
 from nbos.scaling.model import ClusterModel
+from nbos.scaling.results import Run, Sample, SimResult, sim_result
 from nbos.scaling.trace import Cell, Session, Trace, validated
 
 log = logging.getLogger(__name__)
@@ -115,71 +119,6 @@ class SimConfig:
     #: The run stops taking work this long after the trace ends: cells not started then
     #: are reported as never run (running ones finish).
     overrun_limit: float = attrs.field(default=6 * 3600.0, validator=_check_config)
-
-
-class Sample(NamedTuple):
-    """The cluster at one moment: GPUs committed, running cells, of the hosts, and hosts."""
-
-    time: float
-    gpus_committed: int
-    gpus_busy: int
-    gpus_provisioned: int
-    hosts: int
-
-
-@attrs.frozen
-class SimResult:
-    """What one run measured (see ``docs/simulator.md`` for each figure)."""
-
-    #: The :data:`Mode` simulated, or ``"replay"`` for a live cluster's (``nbos replay``).
-    mode: str
-    policy: str
-    sessions: int
-    cells: int
-    cells_unserved: int
-    hours: float
-    gpu_hours_reserved: float
-    gpu_hours_busy: float
-    gpu_hours_provisioned: float
-    delay_p50: float
-    delay_p95: float
-    delay_p99: float
-    interactive_within: float
-    interactive_share: float
-    migrations: int
-    drain_moves: int
-    scale_outs: int
-    scale_ins: int
-    hosts_mean: float
-    hosts_max: int
-    peak_gpus_committed: int
-    #: Hours at the autoscaler's host ceiling while work waited (ticks counted).
-    hours_at_ceiling: float
-    #: ``(time, hosts)`` at start and at each change of the host count.
-    hosts_timeline: tuple[tuple[float, int], ...]
-    #: The cluster at every tick and at the end, for plots.
-    samples: tuple[Sample, ...] = ()
-    #: Every started cell's delay (seconds), sorted.
-    delays: tuple[float, ...] = ()
-
-    def summary(self) -> dict[str, Any]:
-        """The figures as plain values (no samples or delays), with the two shares."""
-        fields = attrs.fields(SimResult)
-        data = attrs.asdict(self, filter=attrs.filters.exclude(fields.samples, fields.delays))
-        data["hosts_timeline"] = [list(point) for point in self.hosts_timeline]
-        data["busy_share"] = self.busy_share
-        data["utilisation"] = self.utilisation
-        return data
-
-    @property
-    def busy_share(self) -> float:
-        """Busy GPU-hours over reserved (committed) GPU-hours."""
-        return _share(self.gpu_hours_busy, self.gpu_hours_reserved)
-
-    @property
-    def utilisation(self) -> float:
-        """Busy GPU-hours over provisioned GPU-hours (the hosts' GPUs over time)."""
-        return _share(self.gpu_hours_busy, self.gpu_hours_provisioned)
 
 
 def simulate(
@@ -247,23 +186,6 @@ class _Kernel:
         return self.session.cell_gpus(self.queue[0][0])
 
 
-@attrs.define
-class _Counters:
-    migrations: int = 0
-    drain_moves: int = 0
-    scale_outs: int = 0
-    scale_ins: int = 0
-    peak_committed: int = 0
-    busy: int = 0
-    busy_gpu_seconds: float = 0.0
-    committed_gpu_seconds: float = 0.0
-    provisioned_gpu_seconds: float = 0.0
-    host_seconds: float = 0.0
-    ceiling_seconds: float = 0.0
-    delays: list[float] = attrs.field(factory=list)
-    samples: list[Sample] = attrs.field(factory=list)
-
-
 class _Simulation:
     """The event loop over a :class:`ClusterModel`; every decision is ``decisions``'."""
 
@@ -297,11 +219,15 @@ class _Simulation:
         self._provisioning = 0
         self._closed = False
         self._warned_ceiling = False
-        self._n = _Counters()
-        self._timeline: list[tuple[float, int]] = []
+        # GPUs of running cells (a migration commits them before its cell runs), and the
+        # GPU-seconds of the cells started: the trace's work, which no ledger of a cluster holds.
+        self._gpus_busy = 0
+        self._busy_gpu_s = 0.0
+        self._delays: list[float] = []
+        self._samples: list[Sample] = []
         for _ in range(config.hosts):
             self._new_host()
-        self._timeline.append((0.0, len(self.pools)))
+        self.ledger = Ledger(lambda: self._now, len(self.pools), self.model.capacity)
 
     # --- the loop ------------------------------------------------------------------
 
@@ -314,7 +240,7 @@ class _Simulation:
             when, order, _, action = heapq.heappop(self._events)
             if order >= _TICK and (self._closed or not self._unfinished):
                 continue  # the run ends with its last session (or the overrun limit)
-            self._advance(when)
+            self._now = when
             action()
             if self._cfg.mode == "nbos":
                 self.model.observe_demand()
@@ -324,14 +250,6 @@ class _Simulation:
     def _at(self, when: float, order: int, action: Callable[[], None]) -> None:
         self._seq += 1
         heapq.heappush(self._events, (when, order, self._seq, action))
-
-    def _advance(self, when: float) -> None:
-        dt = when - self._now
-        if dt > 0:
-            self._n.host_seconds += len(self.pools) * dt
-            self._n.provisioned_gpu_seconds += self.model.capacity * dt
-            self._n.committed_gpu_seconds += self.model.committed * dt
-            self._now = when
 
     def _schedule_session(self, s: Session) -> None:
         kernel = _Kernel(s, KernelId(s.id))
@@ -466,7 +384,7 @@ class _Simulation:
             self._begin(kernel, decision.host, self._now, reservation)
         elif isinstance(decision, MigrationPlan):
             self._move(kernel, decision.source, decision.target)
-            self._n.migrations += 1
+            self.ledger.migrations += 1
             reservation = self._commit(decision.target, kernel, gpus, kernel.next_reservation())
             ready = self._now + self._cfg.migration_time
             self._begin(kernel, decision.target, ready, reservation)
@@ -487,8 +405,8 @@ class _Simulation:
         kernel.executing_on = host
         cell, ideal_start = kernel.queue[0]
         gpus = kernel.session.cell_gpus(cell)
-        self._n.delays.append(at - ideal_start)
-        self._n.busy_gpu_seconds += gpus * cell.duration
+        self._delays.append(at - ideal_start)
+        self._busy_gpu_s += gpus * cell.duration
         if at > self._now:
             self._at(at, _END, lambda: self._busy(gpus))
         else:
@@ -496,10 +414,10 @@ class _Simulation:
         self._at(at + cell.duration, _END, lambda: self._end(kernel, host, reservation, gpus))
 
     def _busy(self, gpus: int) -> None:
-        self._n.busy += gpus
+        self._gpus_busy += gpus
 
     def _end(self, kernel: _Kernel, host: HostId, reservation: str | None, gpus: int) -> None:
-        self._n.busy -= gpus
+        self._gpus_busy -= gpus
         kernel.last, kernel.executing_on = host, None
         kernel.queue.popleft()
         if reservation is not None:
@@ -535,12 +453,12 @@ class _Simulation:
         view = self.model.view()
         decision = self.decisions.scale(view, self._now, failed, self._provisioning)
         if isinstance(decision, ScaleOut):
-            self._n.scale_outs += 1
+            self.ledger.scale_outs += 1
             count = decision.count
             self._provisioning += count
             self._at(self._now + self._cfg.host_startup, _HOST, lambda: self._join(count))
         elif isinstance(decision, ScaleIn):
-            self._n.scale_ins += 1
+            self.ledger.scale_ins += 1
             for h in decision.hosts:
                 self.model.set_schedulable(h, False)
             self._drain()
@@ -552,7 +470,7 @@ class _Simulation:
             return
         if len(self.pools) + self._provisioning < limits.max_hosts:
             return
-        self._n.ceiling_seconds += self._cfg.tick
+        self.ledger.ceiling_s += self._cfg.tick
         if not self._warned_ceiling:
             self._warned_ceiling = True
             log.warning(
@@ -606,21 +524,22 @@ class _Simulation:
             log.debug("t=%.0f: cannot move %s off %s yet", self._now, kernel.kernel_id, source)
             return
         self._move(kernel, source, target)
-        self._n.drain_moves += 1
+        self.ledger.drain_moves += 1
 
     def _mark_hosts(self) -> None:
-        self._timeline.append((self._now, len(self.pools)))
+        self.ledger.hosts_changed(len(self.pools), self.model.capacity)
 
     # --- accounting --------------------------------------------------------------
 
     def _commit(self, host: HostId, kernel: _Kernel, gpus: int, reservation: str) -> str:
         self.pools[host].commit(reservation, kernel.kernel_id, gpus)
         self.model.commit(host, gpus)
-        self._n.peak_committed = max(self._n.peak_committed, self.model.committed)
+        self.ledger.gpus_committed(self.model.committed)
         return reservation
 
     def _release(self, host: HostId, reservation: str, *, resident: bool = False) -> None:
         self.model.release(host, len(self.pools[host].release(reservation, resident=resident)))
+        self.ledger.gpus_committed(self.model.committed)
 
     def _move(self, kernel: _Kernel, source: HostId, target: HostId) -> None:
         self.model.move(kernel.kernel_id, source, target)
@@ -630,105 +549,28 @@ class _Simulation:
 
     def _sample(self) -> None:
         m = self.model
-        self._n.samples.append(
-            Sample(self._now, m.committed, self._n.busy, m.capacity, len(self.pools))
+        self._samples.append(
+            Sample(self._now, m.committed, self._gpus_busy, m.capacity, len(self.pools))
         )
 
     # --- results -----------------------------------------------------------------
 
     def _result(self) -> SimResult:
-        n, end = self._n, self._now
-        delays = sorted(n.delays)
-        served = len(delays)
-        total_cells = sum(len(s.cells) for s in self._trace.sessions)
-        fast = sum(1 for d in delays if d <= self._cfg.interactive_within)
-        return SimResult(
+        run = Run(
             mode=self._cfg.mode,
             policy=self.decisions.policy.name,
-            sessions=len(self._trace.sessions),
-            cells=total_cells,
-            cells_unserved=total_cells - served,
-            hours=end / 3600,
-            gpu_hours_reserved=n.committed_gpu_seconds / 3600,
-            gpu_hours_busy=n.busy_gpu_seconds / 3600,
-            gpu_hours_provisioned=n.provisioned_gpu_seconds / 3600,
-            delay_p50=_percentile(delays, 0.50),
-            delay_p95=_percentile(delays, 0.95),
-            delay_p99=_percentile(delays, 0.99),
             interactive_within=self._cfg.interactive_within,
-            interactive_share=_share(fast, total_cells),
-            migrations=n.migrations,
-            drain_moves=n.drain_moves,
-            scale_outs=n.scale_outs,
-            scale_ins=n.scale_ins,
-            hosts_mean=n.host_seconds / end if end > 0 else float(len(self.pools)),
-            hosts_max=max(count for _, count in self._timeline),
-            peak_gpus_committed=n.peak_committed,
-            hours_at_ceiling=n.ceiling_seconds / 3600,
-            hosts_timeline=tuple(self._timeline),
-            samples=tuple(n.samples),
-            delays=tuple(delays),
+            seconds=self._now,
+            totals=self.ledger.totals(),
+            delays=self._delays,
+            busy_gpu_s=self._busy_gpu_s,
+            peak_gpus_committed=self.ledger.peak_committed,
+            hosts_timeline=tuple((h.time, h.hosts) for h in self.ledger.hosts()),
+            samples=tuple(self._samples),
         )
-
-
-def _percentile(ordered: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks; 0 for no values."""
-    if not ordered:
-        return 0.0
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _share(part: float, whole: float) -> float:
-    return part / whole if whole > 0 else 0.0
+        return sim_result(self._trace, run)
 
 
 def _refused(error: ConfigError) -> ConfigError:
     log.warning("simulator config refused: %s", error)
     return error
-
-
-# --- reporting -------------------------------------------------------------------------
-
-_ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
-    ("policy", lambda r: r.policy),
-    ("sessions / cells", lambda r: f"{r.sessions} / {r.cells}"),
-    ("cells never run", lambda r: f"{r.cells_unserved}"),
-    ("simulated hours", lambda r: f"{r.hours:.1f}"),
-    ("GPU-hours reserved", lambda r: f"{r.gpu_hours_reserved:,.0f}"),
-    ("GPU-hours busy", lambda r: f"{r.gpu_hours_busy:,.0f}"),
-    ("GPU-hours provisioned", lambda r: f"{r.gpu_hours_provisioned:,.0f}"),
-    ("busy / reserved", lambda r: f"{r.busy_share:.1%}"),
-    ("utilisation (busy / provisioned)", lambda r: f"{r.utilisation:.1%}"),
-    (
-        "cell delay p50 / p95 / p99 (s)",
-        lambda r: f"{r.delay_p50:.1f} / {r.delay_p95:.1f} / {r.delay_p99:.1f}",
-    ),
-    (
-        "interactive (start within)",
-        lambda r: f"{r.interactive_share:.1%} ({r.interactive_within:g} s)",
-    ),
-    ("migrations / drain moves", lambda r: f"{r.migrations} / {r.drain_moves}"),
-    ("scale-outs / scale-ins", lambda r: f"{r.scale_outs} / {r.scale_ins}"),
-    ("hosts mean / max", lambda r: f"{r.hosts_mean:.1f} / {r.hosts_max}"),
-    ("peak GPUs committed", lambda r: f"{r.peak_gpus_committed}"),
-    ("hours at host ceiling, work waiting", lambda r: f"{r.hours_at_ceiling:.1f}"),
-)
-
-
-def metrics_table(results: Sequence[SimResult]) -> str:
-    """The results side by side, one column per run, as plain text."""
-    header = ("metric", *(r.mode for r in results))
-    rows = [header, *((label, *(fmt(r) for r in results)) for label, fmt in _ROWS)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

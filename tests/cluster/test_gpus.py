@@ -219,8 +219,8 @@ async def test_the_devices_a_cell_sees_are_the_ones_committed_for_it(
             return [r for r in pool.committed() if r.kernel_id == a.kernel_id]
 
         def started() -> bool:
-            usage = cluster.gpus.scheduler.ledger.usage()
-            return any(c.kernel_id == a.kernel_id and c.started for c in usage.cells)
+            cells = cluster.gpus.scheduler.ledger.cells()
+            return any(c.kernel_id == a.kernel_id and c.started for c in cells)
 
         # The scheduler lists a grant from its pre-commit on: wait until the agent has
         # committed it and the scheduler has its answer (the cell started).

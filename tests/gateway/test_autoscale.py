@@ -52,7 +52,7 @@ async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_
         assert waited.status == "ok", waited.reply
         assert ledger.scale_outs >= 1 and ledger.migrations >= 1
         assert {h.host_id for h in scheduler.view().hosts} >= {"host-4"}
-        cells = ledger.usage().cells
+        cells = ledger.cells()
         cell = next(c for c in cells if c.kernel_id == kernel.kernel_id and c.gpus == 2)
         assert cell.started is not None and cell.started > cell.ready  # it waited for the host
 

@@ -10,8 +10,14 @@ from pathlib import Path
 import anyio
 import pytest
 
+from nbos.cli import replay as replay_cli
+from nbos.cli import simulate as simulate_cli
+from nbos.gateway import replay
 from nbos.gateway.control_api import Usage, UsageRequest, call
+from nbos.gateway.replay import ReplayConfig, ReplayRun
 from nbos.gateway.service import GatewayService
+from nbos.scaling import results, simulator
+from nbos.scaling.ledger import CellUsage, HostCount, Totals
 from nbos.scaling.trace import Cell, Session, Trace, dump_json
 from tests._wait import eventually
 from tests.agent._daemons import DEADLINE, ROOT
@@ -95,7 +101,7 @@ async def test_a_replayed_burst_scales_the_cluster_out_then_back_in(tmp_path: Pa
         await eventually(lambda: ledger.scale_ins >= 1, timeout=DEADLINE)
         usage = await call(service.control_address, UsageRequest())
     assert isinstance(usage, Usage)
-    assert usage.scale_outs >= 1 and usage.scale_ins >= 1
+    assert usage.totals.scale_outs >= 1 and usage.totals.scale_ins >= 1
     assert max(h.hosts for h in usage.hosts) == 4 and usage.hosts[-1].hosts == 3
     # Every cell ran, and one waited for the fourth host: ready before it came, run after.
     assert len(usage.cells) == 4 and all(c.ended is not None for c in usage.cells)
@@ -103,3 +109,31 @@ async def test_a_replayed_burst_scales_the_cluster_out_then_back_in(tmp_path: Pa
     assert any(c.ready < fourth <= (c.started or 0) for c in usage.cells)
     rows = _table(shown.stdout.decode())
     assert rows["cells never run"] == ["0"]
+
+
+def test_replay_and_simulate_report_through_the_same_results_code() -> None:
+    assert replay.sim_result is simulator.sim_result is results.sim_result
+    assert replay.SimResult is simulator.SimResult is results.SimResult
+    assert replay_cli.show is simulate_cli.show
+
+
+def test_a_replays_figures_are_the_gateways_ledger_over_the_run_in_trace_seconds() -> None:
+    # One 2-GPU cell submitted a minute into the trace, replayed a minute a second from
+    # t0 = 100: it got its GPUs half a second (30 s of trace) late and held them 60 s.
+    trace = Trace((Session("a", 0, 120, 2, (Cell(60, 3600),)),))
+    before = Usage(0.0, 100.0, [], [HostCount(0.0, 2, 16)], Totals(migrations=1, host_s=200.0))
+    after = Usage(
+        0.0,
+        200.0,
+        [CellUsage("k-a", 1, 2, 101.0, 101.5, 161.5)],
+        [HostCount(0.0, 2, 16), HostCount(150.0, 3, 24)],
+        Totals(migrations=3, host_s=200.0 + 250.0, committed_gpu_s=120.0),
+    )
+    run = ReplayRun(before, 100.0, after, 200.0, {"a": "k-a"})
+    r = replay.result(trace, run, ReplayConfig(speedup=60.0, policy="least-loaded"))
+    assert (r.mode, r.delays, r.cells_unserved, r.migrations) == ("replay", (30.0,), 0, 2)
+    assert r.hosts_timeline == ((0.0, 2), (3000.0, 3))
+    assert (r.hours, r.hosts_mean, r.hosts_max) == (100 * 60 / 3600, 2.5, 3)
+    assert r.gpu_hours_reserved == pytest.approx(120 * 60 / 3600)
+    assert r.gpu_hours_busy == pytest.approx(2.0)
+    assert r.peak_gpus_committed == 2

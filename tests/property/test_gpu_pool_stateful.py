@@ -1,7 +1,7 @@
 """Stateful property test of GPU accounting: host pools and the gateway's view over them.
 
 The gateway's view is a dict of host -> :class:`GpuPool`, with every kernel having a
-replica on every host; cells pick their executor with ``choose_executor`` over a
+replica on every host; cells pick their executor with ``ClusterDecisions.cell`` over a
 ``ClusterView`` built from the pools and pre-commit where it says. A plain
 reference model records what each reservation should be; hypothesis drives random
 pre-commits, commits (after a pre-commit and direct), releases (with and without
@@ -25,13 +25,14 @@ from nbos.core.errors import InsufficientGpusError, UnknownReservationError
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView
 from nbos.gpu import GpuPool
-from nbos.scaling import Execute, Wait, choose_executor
+from nbos.scaling import ClusterDecisions, Execute, LeastLoadedPolicy, Wait
 from tests.property._support import ManualClock, sized
 
 HOSTS = ("h0", "h1", "h2")
 KERNELS = tuple(KernelId(f"k{i}") for i in range(4))
 DEVICES = {"h0": (0, 1, 2, 3), "h1": (0, 1), "h2": (1, 3, 4, 7, 8)}
 TTL = 10.0
+DECISIONS = ClusterDecisions(LeastLoadedPolicy())
 
 # Model states beyond the pool's own: "lost" = a pre-commit dropped by an agent
 # restart; "forgotten" = a finished reservation whose memory a restart dropped.
@@ -128,7 +129,7 @@ class GpuAccounting(RuleBasedStateMachine):
         )
         replicas = [HostId(h) for h in HOSTS]
         try:
-            choice = choose_executor(HostId(last) if last else None, replicas, view, n)
+            choice = DECISIONS.cell(view, kernel, replicas, HostId(last) if last else None, n)
         except InsufficientGpusError:
             assert n > max(len(d) for d in DEVICES.values())
             return self._new_id()

@@ -1,34 +1,50 @@
-"""Executor choice per cell: last executor, most idle replica, migrate, wait."""
+"""Executor choice per cell (``ClusterDecisions.cell``): last executor, most idle replica,
+migrate, wait."""
 
 from __future__ import annotations
 
 import pytest
 
 from nbos.core.errors import GpuError, InsufficientGpusError
-from nbos.core.ids import HostId
-from nbos.scaling import Execute, Migrate, Wait, choose_executor
+from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import ClusterView
+from nbos.scaling import (
+    CellDecision,
+    ClusterDecisions,
+    Execute,
+    LeastLoadedPolicy,
+    MigrationPlan,
+    Wait,
+)
 
 from .conftest import cluster, host
 
+K = KernelId("k-1")
 R = [HostId("r1"), HostId("r2"), HostId("r3")]
+
+
+def decide(
+    last: HostId | None, replicas: list[HostId], view: ClusterView, gpus: int
+) -> CellDecision:
+    return ClusterDecisions(LeastLoadedPolicy()).cell(view, K, replicas, last, gpus)
 
 
 def test_last_executor_keeps_the_cell_when_its_host_can_commit() -> None:
     view = cluster(host("r1", committed=6), host("r2"), host("r3"))
-    assert choose_executor(HostId("r1"), R, view, 2) == Execute(HostId("r1"), "last-executor")
+    assert decide(HostId("r1"), R, view, 2) == Execute(HostId("r1"), "last-executor")
 
 
 def test_otherwise_the_replica_with_most_idle_gpus() -> None:
     view = cluster(host("r1", committed=7), host("r2", committed=4), host("r3", committed=2))
-    assert choose_executor(HostId("r1"), R, view, 2) == Execute(HostId("r3"), "most-idle")
+    assert decide(HostId("r1"), R, view, 2) == Execute(HostId("r3"), "most-idle")
     # Ties go to the earlier replica.
     tied = cluster(host("r1", committed=8), host("r2", committed=2), host("r3", committed=2))
-    assert choose_executor(None, R, tied, 1) == Execute(HostId("r2"), "most-idle")
+    assert decide(None, R, tied, 1) == Execute(HostId("r2"), "most-idle")
 
 
 def test_last_executor_that_is_no_longer_a_replica_is_ignored() -> None:
     view = cluster(host("gone"), host("r1", committed=5), host("r2", committed=1), host("r3"))
-    choice = choose_executor(HostId("gone"), R, view, 1)
+    choice = decide(HostId("gone"), R, view, 1)
     assert choice == Execute(HostId("r3"), "most-idle")
 
 
@@ -40,33 +56,34 @@ def test_migrate_when_only_other_hosts_can_commit() -> None:
         host("free"),
         host("draining", schedulable=False),
     )
-    choice = choose_executor(HostId("r1"), R, view, 2)
-    assert isinstance(choice, Migrate)
-    assert choice.candidates == (HostId("free"),)
+    # The replica on the busiest host moves (r1 and r2 tie: the earlier), never to a
+    # draining host.
+    choice = decide(HostId("r1"), R, view, 2)
+    assert choice == MigrationPlan(K, HostId("r1"), HostId("free"))
 
 
 def test_wait_when_no_host_can_commit() -> None:
     view = cluster(host("r1", committed=8), host("r2", committed=7), host("r3", committed=8))
-    choice = choose_executor(HostId("r2"), R, view, 2)
+    choice = decide(HostId("r2"), R, view, 2)
     assert isinstance(choice, Wait)
     assert "2 GPUs" in choice.reason
 
 
 def test_dead_replica_host_is_skipped() -> None:
     view = cluster(host("r1", committed=8), host("r3", committed=3))
-    assert choose_executor(HostId("r2"), R, view, 1) == Execute(HostId("r3"), "most-idle")
+    assert decide(HostId("r2"), R, view, 1) == Execute(HostId("r3"), "most-idle")
 
 
 def test_zero_gpu_cell_runs_on_last_executor_even_on_a_full_host() -> None:
     view = cluster(host("r1", committed=8), host("r2"), host("r3"))
-    assert choose_executor(HostId("r1"), R, view, 0) == Execute(HostId("r1"), "last-executor")
+    assert decide(HostId("r1"), R, view, 0) == Execute(HostId("r1"), "last-executor")
 
 
 def test_more_gpus_than_any_host_has_is_a_clear_error() -> None:
     view = cluster(host("r1"), host("r2"), host("r3", total=4))
     with pytest.raises(InsufficientGpusError) as err:
-        choose_executor(None, R, view, 9)
+        decide(None, R, view, 9)
     assert (err.value.requested, err.value.available) == (9, 8)
     assert "no host has that many GPUs" in str(err.value)
     with pytest.raises(GpuError):
-        choose_executor(None, R, view, -1)
+        decide(None, R, view, -1)

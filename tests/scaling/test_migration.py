@@ -11,10 +11,9 @@ from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView, PlacementRequest
 from nbos.scaling import (
     BinPackingPolicy,
+    ClusterDecisions,
     LeastLoadedPolicy,
-    Migrate,
     MigrationPlan,
-    choose_executor,
     plan_migration,
 )
 
@@ -45,12 +44,10 @@ def test_the_replica_on_the_busiest_host_moves_to_the_policys_target() -> None:
     )
 
 
-def test_it_agrees_with_choose_executor() -> None:
-    choice = choose_executor(None, ids("a", "b", "c"), BUSY, 4)
+def test_it_is_the_plan_a_cell_decision_carries() -> None:
+    decision = ClusterDecisions(LeastLoadedPolicy()).cell(BUSY, K, ids("a", "b", "c"), None, 4)
     plan = plan_migration(ids("a", "b", "c"), PlacementRequest(K, 4), BUSY, LeastLoadedPolicy())
-    assert isinstance(choice, Migrate)
-    assert plan is not None
-    assert plan.target in choice.candidates
+    assert decision == plan
 
 
 def test_hosts_holding_a_replica_or_excluded_are_never_targets() -> None:

@@ -1,0 +1,198 @@
+"""The figures of one run and the table of several: what ``nbos simulate`` and ``nbos replay``
+both print.
+
+A run, simulated or replayed on a live cluster, is measured as a :class:`Run` (its
+:class:`~nbos.scaling.ledger.Ledger`'s totals, its cells' delays and work, in trace
+seconds); :func:`sim_result` sums it up as a :class:`SimResult` the same way for both,
+and :func:`metrics_table` prints results side by side. ``docs/simulator.md`` describes
+each figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+
+from nbos.scaling.ledger import Totals
+from nbos.scaling.trace import Trace
+
+
+class Sample(NamedTuple):
+    """The cluster at one moment: GPUs committed, running cells, of the hosts, and hosts."""
+
+    time: float
+    gpus_committed: int
+    gpus_busy: int
+    gpus_provisioned: int
+    hosts: int
+
+
+@attrs.frozen
+class SimResult:
+    """What one run measured (see ``docs/simulator.md`` for each figure)."""
+
+    #: The simulator's mode, or ``"replay"`` for a live cluster's (``nbos replay``).
+    mode: str
+    policy: str
+    sessions: int
+    cells: int
+    cells_unserved: int
+    hours: float
+    gpu_hours_reserved: float
+    gpu_hours_busy: float
+    gpu_hours_provisioned: float
+    delay_p50: float
+    delay_p95: float
+    delay_p99: float
+    interactive_within: float
+    interactive_share: float
+    migrations: int
+    drain_moves: int
+    scale_outs: int
+    scale_ins: int
+    hosts_mean: float
+    hosts_max: int
+    peak_gpus_committed: int
+    #: Hours at the autoscaler's host ceiling while work waited (ticks counted).
+    hours_at_ceiling: float
+    #: ``(time, hosts)`` at start and at each change of the host count.
+    hosts_timeline: tuple[tuple[float, int], ...]
+    #: The cluster over time, for plots.
+    samples: tuple[Sample, ...] = ()
+    #: Every started cell's delay (seconds), sorted.
+    delays: tuple[float, ...] = ()
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as plain values (no samples or delays), with the two shares."""
+        fields = attrs.fields(SimResult)
+        data = attrs.asdict(self, filter=attrs.filters.exclude(fields.samples, fields.delays))
+        data["hosts_timeline"] = [list(point) for point in self.hosts_timeline]
+        data["busy_share"] = self.busy_share
+        data["utilisation"] = self.utilisation
+        return data
+
+    @property
+    def busy_share(self) -> float:
+        """Busy GPU-hours over reserved (committed) GPU-hours."""
+        return _share(self.gpu_hours_busy, self.gpu_hours_reserved)
+
+    @property
+    def utilisation(self) -> float:
+        """Busy GPU-hours over provisioned GPU-hours (the hosts' GPUs over time)."""
+        return _share(self.gpu_hours_busy, self.gpu_hours_provisioned)
+
+
+@attrs.frozen
+class Run:
+    """What one run of a trace measured, all times in trace seconds."""
+
+    mode: str
+    policy: str
+    interactive_within: float
+    #: From the trace's start to the run's end.
+    seconds: float
+    #: The cluster's ledger over the run.
+    totals: Totals
+    #: Every started cell's delay.
+    delays: Sequence[float]
+    #: GPUs times duration of every started cell: the trace's work.
+    busy_gpu_s: float
+    peak_gpus_committed: int
+    hosts_timeline: tuple[tuple[float, int], ...]
+    samples: tuple[Sample, ...]
+
+
+def sim_result(trace: Trace, run: Run) -> SimResult:
+    """``run``'s figures for the table, its cells counted against ``trace``'s."""
+    delays = sorted(run.delays)
+    cells = sum(len(s.cells) for s in trace.sessions)
+    fast = sum(1 for d in delays if d <= run.interactive_within)
+    totals = run.totals
+    hosts_now = run.hosts_timeline[-1][1] if run.hosts_timeline else 0
+    return SimResult(
+        mode=run.mode,
+        policy=run.policy,
+        sessions=len(trace.sessions),
+        cells=cells,
+        cells_unserved=cells - len(delays),
+        hours=run.seconds / 3600,
+        gpu_hours_reserved=totals.committed_gpu_s / 3600,
+        gpu_hours_busy=run.busy_gpu_s / 3600,
+        gpu_hours_provisioned=totals.provisioned_gpu_s / 3600,
+        delay_p50=_percentile(delays, 0.50),
+        delay_p95=_percentile(delays, 0.95),
+        delay_p99=_percentile(delays, 0.99),
+        interactive_within=run.interactive_within,
+        interactive_share=_share(fast, cells),
+        migrations=totals.migrations,
+        drain_moves=totals.drain_moves,
+        scale_outs=totals.scale_outs,
+        scale_ins=totals.scale_ins,
+        hosts_mean=totals.host_s / run.seconds if run.seconds > 0 else float(hosts_now),
+        hosts_max=max((count for _, count in run.hosts_timeline), default=0),
+        peak_gpus_committed=run.peak_gpus_committed,
+        hours_at_ceiling=totals.ceiling_s / 3600,
+        hosts_timeline=run.hosts_timeline,
+        samples=run.samples,
+        delays=tuple(delays),
+    )
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks of sorted values; 0 for no values."""
+    if not ordered:
+        return 0.0
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _share(part: float, whole: float) -> float:
+    """``part / whole``, and 0 of nothing."""
+    return part / whole if whole > 0 else 0.0
+
+
+_ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
+    ("policy", lambda r: r.policy),
+    ("sessions / cells", lambda r: f"{r.sessions} / {r.cells}"),
+    ("cells never run", lambda r: f"{r.cells_unserved}"),
+    ("simulated hours", lambda r: f"{r.hours:.1f}"),
+    ("GPU-hours reserved", lambda r: f"{r.gpu_hours_reserved:,.0f}"),
+    ("GPU-hours busy", lambda r: f"{r.gpu_hours_busy:,.0f}"),
+    ("GPU-hours provisioned", lambda r: f"{r.gpu_hours_provisioned:,.0f}"),
+    ("busy / reserved", lambda r: f"{r.busy_share:.1%}"),
+    ("utilisation (busy / provisioned)", lambda r: f"{r.utilisation:.1%}"),
+    (
+        "cell delay p50 / p95 / p99 (s)",
+        lambda r: f"{r.delay_p50:.1f} / {r.delay_p95:.1f} / {r.delay_p99:.1f}",
+    ),
+    (
+        "interactive (start within)",
+        lambda r: f"{r.interactive_share:.1%} ({r.interactive_within:g} s)",
+    ),
+    ("migrations / drain moves", lambda r: f"{r.migrations} / {r.drain_moves}"),
+    ("scale-outs / scale-ins", lambda r: f"{r.scale_outs} / {r.scale_ins}"),
+    ("hosts mean / max", lambda r: f"{r.hosts_mean:.1f} / {r.hosts_max}"),
+    ("peak GPUs committed", lambda r: f"{r.peak_gpus_committed}"),
+    ("hours at host ceiling, work waiting", lambda r: f"{r.hours_at_ceiling:.1f}"),
+)
+
+
+def metrics_table(results: Sequence[SimResult]) -> str:
+    """The results side by side, one column per run, as plain text."""
+    header = ("metric", *(r.mode for r in results))
+    rows = [header, *((label, *(fmt(r) for r in results)) for label, fmt in _ROWS)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
