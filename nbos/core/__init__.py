@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from nbos.core.config import Settings
     from nbos.core.gpu_binder import GpuBinder
     from nbos.core.host_provider import AgentCommand, HostProvider
+    from nbos.core.log_storage import LogStorage
     from nbos.core.object_store import ObjectStore
     from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
     from nbos.core.replicated_log import ReplicatedLog, StateMachine
@@ -24,6 +25,7 @@ __getattr__ = lazy_exports(
         "nbos.core.config": ("Settings",),
         "nbos.core.gpu_binder": ("GpuBinder",),
         "nbos.core.host_provider": ("AgentCommand", "HostProvider"),
+        "nbos.core.log_storage": ("LogStorage",),
         "nbos.core.object_store": ("ObjectStore",),
         "nbos.core.placement": ("ClusterView", "HostView", "PlacementPolicy", "PlacementRequest"),
         "nbos.core.replicated_log": ("ReplicatedLog", "StateMachine"),
@@ -38,6 +40,7 @@ __all__ = [
     "GpuBinder",
     "HostProvider",
     "HostView",
+    "LogStorage",
     "ObjectStore",
     "PlacementPolicy",
     "PlacementRequest",

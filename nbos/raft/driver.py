@@ -51,6 +51,7 @@ from nbos.core.errors import (
     UnknownPeerError,
 )
 from nbos.core.ids import NodeId, PeerId
+from nbos.core.log_storage import LogStorage
 from nbos.core.replicated_log import StateMachine
 from nbos.core.transport import Transport
 from nbos.core.wire import decode, encode
@@ -67,7 +68,7 @@ from nbos.core.wire.raft import (
 )
 from nbos.raft._waiters import Outcome, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
-from nbos.raft.storage import DiskStorage, LogStorage, MemoryStorage
+from nbos.raft.storage import DiskStorage, MemoryStorage
 
 log = logging.getLogger(__name__)
 
