@@ -66,6 +66,7 @@ from nbos.core.wire.raft import (
     RaftTransferRequest,
     SnapshotMeta,
 )
+from nbos.raft._client_sessions import ClientSessions
 from nbos.raft._waiters import Outcome, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
 from nbos.raft.storage import DiskStorage, MemoryStorage
@@ -154,7 +155,7 @@ class RaftReplicatedLog:
         self._settings = settings
         self._peers: dict[int, PeerId] = {int(n): p for n, p in peers.items()}
         self._addresses: dict[int, MemberAddress] = {}
-        self._sessions: dict[str, ClientSession] = {}
+        self._sessions = ClientSessions(node.id, state_machine)
         self._pending: dict[int, _Pending] = {}
         # (deadline, tiebreak, proposal): the tick loop fails the overdue ones
         self._deadlines: list[tuple[float, int, _Pending]] = []
@@ -354,9 +355,9 @@ class RaftReplicatedLog:
             self._seq += 1
             client_id, seq = self._client_id, self._seq
         pending = _Pending(client_id, seq, on_done=on_done)
-        session = self._sessions.get(client_id)
-        if session is not None and session.seq == seq:
-            pending.outcome.set(session.result)
+        result = self._sessions.last_result(client_id, seq)
+        if result is not None:
+            pending.outcome.set(result)
             return pending, None
         proposal = Proposal(client_id, seq, data)
         if forward:
@@ -467,11 +468,11 @@ class RaftReplicatedLog:
 
     def _settle_from_session(self, proposal: Proposal, waiters: list[_Pending]) -> bool:
         """Settle ``waiters`` if ``proposal``'s session shows it applied already."""
-        session = self._sessions.get(proposal.client_id)
-        if session is None or proposal.seq > session.seq:
+        result = self._sessions.result(proposal.client_id, proposal.seq)
+        if result is None:
             return False
         for waiter in waiters:
-            waiter.outcome.set(session.result if proposal.seq == session.seq else b"")
+            waiter.outcome.set(result)
         return True
 
     def _settle_forwarded(self, session: ClientSession) -> None:
@@ -482,8 +483,7 @@ class RaftReplicatedLog:
     def _take_forward(self, message: RaftForward) -> None:
         """As the leader, append proposals a follower forwarded (dropped otherwise)."""
         for proposal in message.proposals:
-            session = self._sessions.get(proposal.client_id)
-            if session is not None and proposal.seq <= session.seq:
+            if self._sessions.result(proposal.client_id, proposal.seq) is not None:
                 continue  # applied already: its proposer learns the result applying it
             try:
                 self._node.propose(_encoder.encode(proposal))
@@ -701,26 +701,13 @@ class RaftReplicatedLog:
         if isinstance(command, MemberAddress):
             self._learn_address(command)
             return b""
-        session = self._sessions.get(command.client_id)
-        if session is not None and command.seq <= session.seq:
+        session = self._sessions.apply(index, command)
+        if session is None:
             # A retry of something already applied: the first result stands.
-            return session.result if command.seq == session.seq else b""
-        result = self._apply_new(index, command)
-        session = self._sessions[command.client_id] = ClientSession(
-            command.client_id, command.seq, result
-        )
+            return self._sessions.result(command.client_id, command.seq) or b""
         if self._forwarding:
             self._settle_forwarded(session)
-        return result
-
-    def _apply_new(self, index: int, command: Proposal) -> bytes:
-        try:
-            return self._sm.apply(index, command.data)
-        except Exception:
-            # The StateMachine contract forbids raising; every replica hits the same
-            # entry, so skipping it keeps them equal rather than stopping all of them.
-            log.exception("node %d: state machine raised on entry %d", self._node.id, index)
-            return b""
+        return session.result
 
     def _learn_address(self, member: MemberAddress) -> None:
         self._addresses[member.node] = member
@@ -735,7 +722,7 @@ class RaftReplicatedLog:
         return _encoder.encode(
             DriverSnapshot(
                 app=self._sm.snapshot(),
-                sessions=list(self._sessions.values()),
+                sessions=self._sessions.sessions(),
                 members=list(self._addresses.values()),
             )
         )
@@ -745,7 +732,7 @@ class RaftReplicatedLog:
             return
         snapshot = _snapshot_decoder.decode(image)
         self._sm.restore(snapshot.app)
-        self._sessions = {s.client_id: s for s in snapshot.sessions}
+        self._sessions.restore(snapshot.sessions)
         for member in snapshot.members:
             self._learn_address(member)
 
