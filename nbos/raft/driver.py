@@ -55,7 +55,7 @@ from nbos.core.log_storage import LogStorage
 from nbos.core.replicated_log import StateMachine
 from nbos.core.transport import Transport
 from nbos.core.wire import decode, encode
-from nbos.core.wire.log_commands import ClientSession, DriverSnapshot, MemberAddress, Proposal
+from nbos.core.wire.log_commands import ClientSession, MemberAddress, Proposal
 from nbos.core.wire.raft import (
     ConfChange,
     Entry,
@@ -67,6 +67,7 @@ from nbos.core.wire.raft import (
     SnapshotMeta,
 )
 from nbos.raft._client_sessions import ClientSessions
+from nbos.raft._snapshot_image import SnapshotImage
 from nbos.raft._waiters import Outcome, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
 from nbos.raft.storage import DiskStorage, MemoryStorage
@@ -78,7 +79,6 @@ T = TypeVar("T")
 _PEER_MESSAGES: tuple[type, ...] = typing.get_args(RaftPeerMessages)
 _DRIVER_MESSAGES: tuple[type, ...] = typing.get_args(RaftDriverMessages)
 _command_decoder = msgspec.msgpack.Decoder(Proposal | MemberAddress)
-_snapshot_decoder = msgspec.msgpack.Decoder(DriverSnapshot)
 _encoder = msgspec.msgpack.Encoder()
 #: A Ready with at most this many bytes of entries (and no snapshot) is written on the
 #: node loop itself: for a small write, the fsync costs less than the two thread
@@ -151,11 +151,11 @@ class RaftReplicatedLog:
         self._node = node
         self._storage = storage
         self._transport = transport
-        self._sm = state_machine
         self._settings = settings
         self._peers: dict[int, PeerId] = {int(n): p for n, p in peers.items()}
         self._addresses: dict[int, MemberAddress] = {}
         self._sessions = ClientSessions(node.id, state_machine)
+        self._image = SnapshotImage(state_machine, self._sessions)
         self._pending: dict[int, _Pending] = {}
         # (deadline, tiebreak, proposal): the tick loop fails the overdue ones
         self._deadlines: list[tuple[float, int, _Pending]] = []
@@ -718,29 +718,15 @@ class RaftReplicatedLog:
 
     # --- snapshots -------------------------------------------------------------------
 
-    def _image(self) -> bytes:
-        return _encoder.encode(
-            DriverSnapshot(
-                app=self._sm.snapshot(),
-                sessions=self._sessions.sessions(),
-                members=list(self._addresses.values()),
-            )
-        )
-
     def _restore(self, image: bytes) -> None:
-        if not image:
-            return
-        snapshot = _snapshot_decoder.decode(image)
-        self._sm.restore(snapshot.app)
-        self._sessions.restore(snapshot.sessions)
-        for member in snapshot.members:
+        for member in self._image.restore(image):
             self._learn_address(member)
 
     async def _maybe_snapshot(self) -> None:
         applied = self._node.applied_index
         if applied - self._last_snapshot < self._settings.snapshot_every:
             return
-        image = self._image()
+        image = self._image.encode(self._addresses.values())
         meta_index = applied
         node = self._node
         term = node.log.term(meta_index)
