@@ -26,7 +26,6 @@ import functools
 import heapq
 import itertools
 import logging
-import math
 import random
 import time
 import typing
@@ -68,7 +67,7 @@ from nbos.core.wire.raft import (
 )
 from nbos.raft._client_sessions import ClientSessions
 from nbos.raft._snapshot_image import SnapshotImage
-from nbos.raft._waiters import Outcome, Watermark
+from nbos.raft._waiters import Outcome, PendingProposal, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
 from nbos.raft.storage import DiskStorage, MemoryStorage
 
@@ -86,33 +85,10 @@ _encoder = msgspec.msgpack.Encoder()
 _INLINE_PERSIST_BYTES = 64 * 1024
 
 
-class _Pending:
-    """A proposal waiting for its entry to be applied."""
-
-    def __init__(
-        self,
-        client_id: str,
-        seq: int,
-        timeout: float = math.inf,
-        on_done: Callable[[Outcome[bytes]], None] | None = None,
-    ) -> None:
-        self.client_id = client_id
-        self.seq = seq
-        self.timeout = timeout
-        self.outcome: Outcome[bytes] = Outcome(on_done)
-
-    def expire(self) -> None:
-        self.outcome.fail(
-            ProposalTimeoutError(
-                f"proposal {self.client_id}/{self.seq} not applied within {self.timeout}s"
-            )
-        )
-
-
 class _Forwarding:
     """A ``forward=True`` proposal not applied here yet, and whom it was last handed to."""
 
-    def __init__(self, proposal: Proposal, pending: _Pending) -> None:
+    def __init__(self, proposal: Proposal, pending: PendingProposal) -> None:
         self.proposal = proposal
         self.payload = _encoder.encode(proposal)
         #: Callers of ``propose`` waiting on it (a retry with the same session joins).
@@ -156,9 +132,9 @@ class RaftReplicatedLog:
         self._addresses: dict[int, MemberAddress] = {}
         self._sessions = ClientSessions(node.id, state_machine)
         self._image = SnapshotImage(state_machine, self._sessions)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingProposal] = {}
         # (deadline, tiebreak, proposal): the tick loop fails the overdue ones
-        self._deadlines: list[tuple[float, int, _Pending]] = []
+        self._deadlines: list[tuple[float, int, PendingProposal]] = []
         self._tiebreak = itertools.count()
         self._reads: dict[bytes, Outcome[int]] = {}
         self._forwarding: dict[tuple[str, int], _Forwarding] = {}
@@ -347,14 +323,14 @@ class RaftReplicatedLog:
         seq: int | None,
         forward: bool,
         on_done: Callable[[Outcome[bytes]], None] | None,
-    ) -> tuple[_Pending, Callable[[], None] | None]:
+    ) -> tuple[PendingProposal, Callable[[], None] | None]:
         """A proposal's waiter and the step that proposes it on the node loop (``None``:
         a retry of what applied already, settled at once with the first result).
         Without ``client_id`` and ``seq`` it is this log's own next one."""
         if client_id is None or seq is None:
             self._seq += 1
             client_id, seq = self._client_id, self._seq
-        pending = _Pending(client_id, seq, on_done=on_done)
+        pending = PendingProposal(client_id, seq, on_done=on_done)
         result = self._sessions.last_result(client_id, seq)
         if result is not None:
             pending.outcome.set(result)
@@ -365,7 +341,7 @@ class RaftReplicatedLog:
         return pending, self._appender(proposal, pending)
 
     def _submit(
-        self, step: Callable[[], None], pending: _Pending, timeout: float
+        self, step: Callable[[], None], pending: PendingProposal, timeout: float
     ) -> Callable[[], None] | None:
         """Queue ``step`` for the node loop, ``pending`` failing after ``timeout``;
         returns ``step`` if the inbox is full (the caller sends it once there is room).
@@ -389,7 +365,9 @@ class RaftReplicatedLog:
             pending.outcome.fail(LogClosedError("the replicated log was closed"))
         return None
 
-    async def _enqueue(self, step: Callable[[], None], pending: _Pending, timeout: float) -> bytes:
+    async def _enqueue(
+        self, step: Callable[[], None], pending: PendingProposal, timeout: float
+    ) -> bytes:
         """Run ``step`` on the node loop and wait for ``pending``, in one trip."""
         unsent = self._submit(step, pending, timeout)
         if unsent is not None:
@@ -407,10 +385,12 @@ class RaftReplicatedLog:
 
     async def _replicate_command(self, command: MemberAddress) -> None:
         self._seq += 1
-        pending = _Pending(self._client_id, self._seq)
+        pending = PendingProposal(self._client_id, self._seq)
         await self._enqueue(self._appender(command, pending), pending, timeout=10.0)
 
-    def _appender(self, command: Proposal | MemberAddress, pending: _Pending) -> Callable[[], None]:
+    def _appender(
+        self, command: Proposal | MemberAddress, pending: PendingProposal
+    ) -> Callable[[], None]:
         """What appends ``command`` on the node loop as the leader (a follower refuses)."""
         payload = _encoder.encode(command)
 
@@ -424,7 +404,7 @@ class RaftReplicatedLog:
 
     # --- forwarding (on the node loop) ---------------------------------------------
 
-    def _track(self, proposal: Proposal, pending: _Pending) -> None:
+    def _track(self, proposal: Proposal, pending: PendingProposal) -> None:
         """Start handing ``proposal`` to the leader until it applies here."""
         if self._settle_from_session(proposal, [pending]):
             return
@@ -466,7 +446,7 @@ class RaftReplicatedLog:
             ):
                 self._hand_over(tracked)
 
-    def _settle_from_session(self, proposal: Proposal, waiters: list[_Pending]) -> bool:
+    def _settle_from_session(self, proposal: Proposal, waiters: list[PendingProposal]) -> bool:
         """Settle ``waiters`` if ``proposal``'s session shows it applied already."""
         result = self._sessions.result(proposal.client_id, proposal.seq)
         if result is None:
@@ -508,7 +488,7 @@ class RaftReplicatedLog:
             await self._send(message)
 
     async def _change(self, change: ConfChange) -> None:
-        pending = _Pending("", 0)
+        pending = PendingProposal("", 0)
 
         def propose() -> None:
             self._pending[self._node.propose_conf_change(change)] = pending
