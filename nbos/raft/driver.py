@@ -54,7 +54,7 @@ from nbos.core.log_storage import LogStorage
 from nbos.core.replicated_log import StateMachine
 from nbos.core.transport import Transport
 from nbos.core.wire import decode, encode
-from nbos.core.wire.log_commands import ClientSession, MemberAddress, Proposal
+from nbos.core.wire.log_commands import MemberAddress, Proposal
 from nbos.core.wire.raft import (
     ConfChange,
     Entry,
@@ -66,6 +66,7 @@ from nbos.core.wire.raft import (
     SnapshotMeta,
 )
 from nbos.raft._client_sessions import ClientSessions
+from nbos.raft._forwarding import Forwarding
 from nbos.raft._snapshot_image import SnapshotImage
 from nbos.raft._waiters import Outcome, PendingProposal, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
@@ -83,29 +84,6 @@ _encoder = msgspec.msgpack.Encoder()
 #: node loop itself: for a small write, the fsync costs less than the two thread
 #: switches of handing it to a worker, and every consensus round has such a write.
 _INLINE_PERSIST_BYTES = 64 * 1024
-
-
-class _Forwarding:
-    """A ``forward=True`` proposal not applied here yet, and whom it was last handed to."""
-
-    def __init__(self, proposal: Proposal, pending: PendingProposal) -> None:
-        self.proposal = proposal
-        self.payload = _encoder.encode(proposal)
-        #: Callers of ``propose`` waiting on it (a retry with the same session joins).
-        self.waiters = [pending]
-        #: ``(term, leader)`` when it was last handed over; it is handed over again when
-        #: that changes, or at tick ``retry_at`` (``None``: this leader appended it, and
-        #: it stays in the log for as long as the term lasts).
-        self.via: tuple[int, int | None] = (-1, None)
-        self.retry_at: int | None = 0
-
-    @property
-    def done(self) -> bool:
-        return all(w.outcome.done for w in self.waiters)
-
-    def settle(self, result: bytes) -> None:
-        for waiter in self.waiters:
-            waiter.outcome.set(result)
 
 
 class RaftReplicatedLog:
@@ -137,12 +115,9 @@ class RaftReplicatedLog:
         self._deadlines: list[tuple[float, int, PendingProposal]] = []
         self._tiebreak = itertools.count()
         self._reads: dict[bytes, Outcome[int]] = {}
-        self._forwarding: dict[tuple[str, int], _Forwarding] = {}
-        # What the node loop sends after it took its queued input: forwarded proposals
-        # per leader (one message each) and leadership requests.
-        self._forward_batch: dict[int, list[Proposal]] = {}
+        self._forwarding = Forwarding(node, self._sessions, settings.election_ticks)
+        # Leadership requests, which the node loop sends after it took its queued input.
         self._outbox: list[RaftDriverMessages] = []
-        self._ticks = 0
         self._applied = Watermark(node.applied_index)
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Callable[[], None]](
             10_000
@@ -337,7 +312,7 @@ class RaftReplicatedLog:
             return pending, None
         proposal = Proposal(client_id, seq, data)
         if forward:
-            return pending, functools.partial(self._track, proposal, pending)
+            return pending, functools.partial(self._forwarding.track, proposal, pending)
         return pending, self._appender(proposal, pending)
 
     def _submit(
@@ -402,76 +377,6 @@ class RaftReplicatedLog:
 
         return append
 
-    # --- forwarding (on the node loop) ---------------------------------------------
-
-    def _track(self, proposal: Proposal, pending: PendingProposal) -> None:
-        """Start handing ``proposal`` to the leader until it applies here."""
-        if self._settle_from_session(proposal, [pending]):
-            return
-        key = (proposal.client_id, proposal.seq)
-        tracked = self._forwarding.get(key)
-        if tracked is not None:  # the same proposal again: it waits with the first
-            tracked.waiters.append(pending)
-            return
-        tracked = self._forwarding[key] = _Forwarding(proposal, pending)
-        self._hand_over(tracked)
-
-    def _hand_over(self, tracked: _Forwarding) -> None:
-        """Append ``tracked`` as the leader, or send it to the leader this node knows of."""
-        node = self._node
-        tracked.via = (node.term, node.leader_id)
-        try:
-            node.propose(tracked.payload)  # a follower refuses, but wakes to time the leader
-        except NotLeaderError:
-            if node.leader_id is None or node.leader_id == node.id:
-                # No leader known, or this one refuses for now (a leadership transfer,
-                # its own removal): try again on the next tick.
-                tracked.retry_at = self._ticks + 1
-            else:
-                self._forward_batch.setdefault(node.leader_id, []).append(tracked.proposal)
-                # lost on the way, or dropped by a leader in transfer: sent again later
-                tracked.retry_at = self._ticks + self._settings.election_ticks
-        else:
-            tracked.retry_at = None
-
-    def _retry_forwarding(self) -> None:
-        """Hand over again what a leader change (or a lost message) may have dropped."""
-        node = self._node
-        now = (node.term, node.leader_id)
-        for key, tracked in list(self._forwarding.items()):
-            if tracked.done:  # its callers' deadlines passed
-                del self._forwarding[key]
-            elif tracked.via != now or (
-                tracked.retry_at is not None and self._ticks >= tracked.retry_at
-            ):
-                self._hand_over(tracked)
-
-    def _settle_from_session(self, proposal: Proposal, waiters: list[PendingProposal]) -> bool:
-        """Settle ``waiters`` if ``proposal``'s session shows it applied already."""
-        result = self._sessions.result(proposal.client_id, proposal.seq)
-        if result is None:
-            return False
-        for waiter in waiters:
-            waiter.outcome.set(result)
-        return True
-
-    def _settle_forwarded(self, session: ClientSession) -> None:
-        tracked = self._forwarding.pop((session.client_id, session.seq), None)
-        if tracked is not None:
-            tracked.settle(session.result)
-
-    def _take_forward(self, message: RaftForward) -> None:
-        """As the leader, append proposals a follower forwarded (dropped otherwise)."""
-        for proposal in message.proposals:
-            if self._sessions.result(proposal.client_id, proposal.seq) is not None:
-                continue  # applied already: its proposer learns the result applying it
-            try:
-                self._node.propose(_encoder.encode(proposal))
-            except NotLeaderError as exc:
-                # the follower hands them over again once it knows the new leader
-                log.debug("node %d: forwarded proposals dropped: %s", self._node.id, exc)
-                return
-
     def _take_transfer_request(self, message: RaftTransferRequest) -> None:
         try:
             self._node.transfer_leadership(message.src)
@@ -479,11 +384,10 @@ class RaftReplicatedLog:
             log.debug("node %d: no transfer to %d: %s", self._node.id, message.src, exc)
 
     async def _flush_outbox(self) -> None:
-        node = self._node
-        batch, self._forward_batch = self._forward_batch, {}
+        forwards = self._forwarding.messages()
         outbox, self._outbox = self._outbox, []
-        for leader, proposals in batch.items():
-            await self._send(RaftForward(node.id, leader, node.term, proposals=proposals))
+        for forward in forwards:
+            await self._send(forward)
         for message in outbox:
             await self._send(message)
 
@@ -509,7 +413,7 @@ class RaftReplicatedLog:
         while True:
             await anyio.sleep(interval)
             self._expire()
-            if self._node.quiesced and not self._forwarding:
+            if self._node.quiesced and not self._forwarding.tracked:
                 # nothing to time until an input wakes the node (it has no proposal
                 # in flight whose deadline could pass meanwhile)
                 self._awake = anyio.Event()
@@ -523,10 +427,8 @@ class RaftReplicatedLog:
                 return
 
     def _tick(self) -> None:
-        self._ticks += 1
         self._node.tick()
-        if self._forwarding:
-            self._retry_forwarding()
+        self._forwarding.tick()
 
     async def _receive_loop(self) -> None:
         while True:
@@ -539,7 +441,7 @@ class RaftReplicatedLog:
                 continue
             self._peers.setdefault(message.src, sender)
             if isinstance(message, RaftForward):
-                step = functools.partial(self._take_forward, message)
+                step = functools.partial(self._forwarding.take, message)
             elif isinstance(message, RaftTransferRequest):
                 step = functools.partial(self._take_transfer_request, message)
             else:
@@ -578,7 +480,7 @@ class RaftReplicatedLog:
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     # EndOfStream: closed while draining; the `async for` then ends.
                     break
-            if self._forward_batch or self._outbox:
+            if self._forwarding.unsent or self._outbox:
                 await self._flush_outbox()
             while (rd := self._node.ready()) is not None:
                 await self._handle(rd)
@@ -612,10 +514,7 @@ class RaftReplicatedLog:
                 await self._send(message)
         if rd.snapshot is not None:
             self._restore(rd.snapshot.data)
-            # what the snapshot covers applied here without passing through _apply
-            for key, tracked in list(self._forwarding.items()):
-                if self._settle_from_session(tracked.proposal, tracked.waiters):
-                    del self._forwarding[key]
+            self._forwarding.settle_restored()
         if not commits_only:
             for entry in rd.committed_entries:
                 self._apply(entry)
@@ -685,8 +584,8 @@ class RaftReplicatedLog:
         if session is None:
             # A retry of something already applied: the first result stands.
             return self._sessions.result(command.client_id, command.seq) or b""
-        if self._forwarding:
-            self._settle_forwarded(session)
+        if self._forwarding.tracked:
+            self._forwarding.settle(session)
         return session.result
 
     def _learn_address(self, member: MemberAddress) -> None:
