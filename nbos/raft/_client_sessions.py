@@ -47,20 +47,17 @@ class ClientSessions:
         session = self._last.get(proposal.client_id)
         if session is not None and proposal.seq <= session.seq:
             return None
-        result = self._apply_new(index, proposal)
-        session = self._last[proposal.client_id] = ClientSession(
-            proposal.client_id, proposal.seq, result
-        )
-        return session
-
-    def _apply_new(self, index: int, proposal: Proposal) -> bytes:
         try:
-            return self._sm.apply(index, proposal.data)
+            result = self._sm.apply(index, proposal.data)
         except Exception:
             # The StateMachine contract forbids raising; every replica hits the same
             # entry, so skipping it keeps them equal rather than stopping all of them.
             log.exception("node %d: state machine raised on entry %d", self._node_id, index)
-            return b""
+            result = b""
+        session = self._last[proposal.client_id] = ClientSession(
+            proposal.client_id, proposal.seq, result
+        )
+        return session
 
     def sessions(self) -> list[ClientSession]:
         return list(self._last.values())

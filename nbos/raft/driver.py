@@ -6,28 +6,19 @@ end (persist in a worker thread, send, apply, advance) before it takes more
 input, which is what the core's contract asks. Other tasks only read the
 transport, tick, and wait on outcomes that the node loop sets.
 
-The driver wraps application data in a :class:`~nbos.core.wire.log_commands.Proposal`
-carrying a client session ``(client_id, seq)``: a retried proposal with the same
-pair applies once, and the retry gets the first result. Sessions, member
-addresses and the application image together form the Raft snapshot.
-
-``propose(..., forward=True)`` works on any member, as etcd-io/raft's proposal
-forwarding does: a follower sends the proposal to the leader it knows of in a
-:class:`~nbos.core.wire.raft.RaftForward` over the same transport, and hands it
-over again when the leader (or the term) changes or nothing applied within an
-election timeout. The session makes each hand-over idempotent, and the caller's
-wait ends when the entry with its ``(client_id, seq)`` applies on this node.
+What the node loop works with has a module each: a proposal from its call to its
+outcome (:mod:`~nbos.raft._proposals`), the client sessions that apply each
+proposal once (:mod:`~nbos.raft._client_sessions`), the forwarding of proposals to
+the leader (:mod:`~nbos.raft._forwarding`), and the image of the Raft snapshot
+(:mod:`~nbos.raft._snapshot_image`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import heapq
-import itertools
 import logging
 import random
-import time
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -36,14 +27,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import msgspec
 from anyio.abc import TaskGroup
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import (
     DecodeError,
     LogClosedError,
-    NotLeaderError,
     ProposalTimeoutError,
     ReplicationError,
     TransportClosedError,
@@ -54,10 +43,9 @@ from nbos.core.log_storage import LogStorage
 from nbos.core.replicated_log import StateMachine
 from nbos.core.transport import Transport
 from nbos.core.wire import decode, encode
-from nbos.core.wire.log_commands import MemberAddress, Proposal
+from nbos.core.wire.log_commands import MemberAddress
 from nbos.core.wire.raft import (
     ConfChange,
-    Entry,
     RaftAppend,
     RaftDriverMessages,
     RaftForward,
@@ -67,8 +55,9 @@ from nbos.core.wire.raft import (
 )
 from nbos.raft._client_sessions import ClientSessions
 from nbos.raft._forwarding import Forwarding
+from nbos.raft._proposals import Proposals, Step
 from nbos.raft._snapshot_image import SnapshotImage
-from nbos.raft._waiters import Outcome, PendingProposal, Watermark
+from nbos.raft._waiters import Outcome, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
 from nbos.raft.storage import DiskStorage, MemoryStorage
 
@@ -78,8 +67,6 @@ T = TypeVar("T")
 
 _PEER_MESSAGES: tuple[type, ...] = typing.get_args(RaftPeerMessages)
 _DRIVER_MESSAGES: tuple[type, ...] = typing.get_args(RaftDriverMessages)
-_command_decoder = msgspec.msgpack.Decoder(Proposal | MemberAddress)
-_encoder = msgspec.msgpack.Encoder()
 #: A Ready with at most this many bytes of entries (and no snapshot) is written on the
 #: node loop itself: for a small write, the fsync costs less than the two thread
 #: switches of handing it to a worker, and every consensus round has such a write.
@@ -108,24 +95,22 @@ class RaftReplicatedLog:
         self._settings = settings
         self._peers: dict[int, PeerId] = {int(n): p for n, p in peers.items()}
         self._addresses: dict[int, MemberAddress] = {}
-        self._sessions = ClientSessions(node.id, state_machine)
-        self._image = SnapshotImage(state_machine, self._sessions)
-        self._pending: dict[int, PendingProposal] = {}
-        # (deadline, tiebreak, proposal): the tick loop fails the overdue ones
-        self._deadlines: list[tuple[float, int, PendingProposal]] = []
-        self._tiebreak = itertools.count()
+        sessions = ClientSessions(node.id, state_machine)
+        self._image = SnapshotImage(state_machine, sessions)
         self._reads: dict[bytes, Outcome[int]] = {}
-        self._forwarding = Forwarding(node, self._sessions, settings.election_ticks)
+        self._forwarding = Forwarding(node, sessions, settings.election_ticks)
         # Leadership requests, which the node loop sends after it took its queued input.
         self._outbox: list[RaftDriverMessages] = []
         self._applied = Watermark(node.applied_index)
-        self._inbox_send, self._inbox = anyio.create_memory_object_stream[Callable[[], None]](
-            10_000
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[Step](10_000)
+        self._proposals = Proposals(
+            node=node,
+            sessions=sessions,
+            forwarding=self._forwarding,
+            inbox=self._inbox_send,
+            learn_address=self._learn_address,
         )
-        self._client_id = f"node-{node.id}-{uuid.uuid4().hex[:12]}"
         self._tasks: TaskGroup | None = None
-        self._seq = 0
-        self._closed = False
         self._last_snapshot = node.snapshot.meta.index
         #: Set by the node loop when the node is awake: the tick loop waits on it while
         #: the node is quiesced, so an idle group costs no wake-ups at all.
@@ -174,10 +159,10 @@ class RaftReplicatedLog:
         follower hands the proposal to the leader instead of raising ``NotLeaderError``,
         and keeps doing so across leader changes until it applied here or ``timeout``
         passed (``ProposalTimeoutError``)."""
-        pending, step = self._proposal(data, client_id, seq, forward, None)
+        pending, step = self._proposals.prepare(data, client_id, seq, forward, None)
         if step is None:
             return await pending.outcome.wait()
-        return await self._enqueue(step, pending, timeout)
+        return await self._proposals.enqueue(step, pending, timeout)
 
     def propose_nowait(
         self,
@@ -195,8 +180,8 @@ class RaftReplicatedLog:
         returns or raises) on that loop the moment it settles: as the entry applies,
         turns of the loop before an awaiting caller would resume.
         """
-        pending, step = self._proposal(data, client_id, seq, forward, on_done)
-        if step is None or (unsent := self._submit(step, pending, timeout)) is None:
+        pending, step = self._proposals.prepare(data, client_id, seq, forward, on_done)
+        if step is None or (unsent := self._proposals.submit(step, pending, timeout)) is None:
             return
 
         async def send() -> None:
@@ -253,7 +238,7 @@ class RaftReplicatedLog:
     async def add_learner(self, node: NodeId, peer: PeerId, address: str) -> None:
         # The address goes through the log first so every member, and any later
         # leader, can reach the learner.
-        await self._replicate_command(MemberAddress(int(node), str(peer), address))
+        await self._proposals.replicate_address(MemberAddress(int(node), str(peer), address))
         await self._change(ConfChange("add_learner", int(node)))
 
     async def promote(self, node: NodeId) -> None:
@@ -266,16 +251,18 @@ class RaftReplicatedLog:
         await self._call(lambda: self._node.transfer_leadership(int(node)))
 
     async def aclose(self) -> None:
-        # Closed first: a waiter told of the close may propose again (propose_nowait).
-        self._closed = True
-        self._fail_all(LogClosedError("the replicated log was closed"))
+        error = LogClosedError("the replicated log was closed")
+        self._proposals.close(error)
+        for outcome in self._reads.values():
+            outcome.fail(error)
+        self._forwarding.clear()
         await self._inbox_send.aclose()
 
     # --- calls into the node loop --------------------------------------------------
 
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the node loop, between two Ready cycles; re-raises what it raises."""
-        if self._closed:
+        if self._proposals.closed:
             raise LogClosedError("the replicated log was closed")
         outcome: Outcome[T] = Outcome()
 
@@ -290,92 +277,6 @@ class RaftReplicatedLog:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise LogClosedError("the replicated log was closed") from None
         return await outcome.wait()
-
-    def _proposal(
-        self,
-        data: bytes,
-        client_id: str | None,
-        seq: int | None,
-        forward: bool,
-        on_done: Callable[[Outcome[bytes]], None] | None,
-    ) -> tuple[PendingProposal, Callable[[], None] | None]:
-        """A proposal's waiter and the step that proposes it on the node loop (``None``:
-        a retry of what applied already, settled at once with the first result).
-        Without ``client_id`` and ``seq`` it is this log's own next one."""
-        if client_id is None or seq is None:
-            self._seq += 1
-            client_id, seq = self._client_id, self._seq
-        pending = PendingProposal(client_id, seq, on_done=on_done)
-        result = self._sessions.last_result(client_id, seq)
-        if result is not None:
-            pending.outcome.set(result)
-            return pending, None
-        proposal = Proposal(client_id, seq, data)
-        if forward:
-            return pending, functools.partial(self._forwarding.track, proposal, pending)
-        return pending, self._appender(proposal, pending)
-
-    def _submit(
-        self, step: Callable[[], None], pending: PendingProposal, timeout: float
-    ) -> Callable[[], None] | None:
-        """Queue ``step`` for the node loop, ``pending`` failing after ``timeout``;
-        returns ``step`` if the inbox is full (the caller sends it once there is room).
-
-        This is the hot path under load, so it avoids a cancel scope and timer per
-        proposal: the deadline goes on a heap that the tick loop sweeps (so it is
-        kept to within a tick), and ``step`` fails on refusal the same outcome that
-        the apply sets.
-        """
-        if self._closed:
-            pending.outcome.fail(LogClosedError("the replicated log was closed"))
-            return None
-        pending.timeout = timeout
-        deadline = time.monotonic() + timeout
-        heapq.heappush(self._deadlines, (deadline, next(self._tiebreak), pending))
-        try:
-            self._inbox_send.send_nowait(step)
-        except anyio.WouldBlock:
-            return step
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pending.outcome.fail(LogClosedError("the replicated log was closed"))
-        return None
-
-    async def _enqueue(
-        self, step: Callable[[], None], pending: PendingProposal, timeout: float
-    ) -> bytes:
-        """Run ``step`` on the node loop and wait for ``pending``, in one trip."""
-        unsent = self._submit(step, pending, timeout)
-        if unsent is not None:
-            try:
-                await self._inbox_send.send(unsent)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                raise LogClosedError("the replicated log was closed") from None
-        return await pending.outcome.wait()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        heap = self._deadlines
-        while heap and (heap[0][0] <= now or heap[0][2].outcome.done):
-            heapq.heappop(heap)[2].expire()
-
-    async def _replicate_command(self, command: MemberAddress) -> None:
-        self._seq += 1
-        pending = PendingProposal(self._client_id, self._seq)
-        await self._enqueue(self._appender(command, pending), pending, timeout=10.0)
-
-    def _appender(
-        self, command: Proposal | MemberAddress, pending: PendingProposal
-    ) -> Callable[[], None]:
-        """What appends ``command`` on the node loop as the leader (a follower refuses)."""
-        payload = _encoder.encode(command)
-
-        def append() -> None:
-            try:
-                self._pending[self._node.propose(payload)] = pending
-            except Exception as exc:
-                pending.outcome.fail(exc)
-
-        return append
 
     def _take_transfer_request(self, message: RaftTransferRequest) -> None:
         try:
@@ -392,12 +293,7 @@ class RaftReplicatedLog:
             await self._send(message)
 
     async def _change(self, change: ConfChange) -> None:
-        pending = PendingProposal("", 0)
-
-        def propose() -> None:
-            self._pending[self._node.propose_conf_change(change)] = pending
-
-        await self._call(propose)
+        pending = await self._call(functools.partial(self._proposals.propose_conf_change, change))
         await pending.outcome.wait()
 
     # --- the loops -----------------------------------------------------------------
@@ -412,7 +308,7 @@ class RaftReplicatedLog:
         interval = self._settings.tick_ms / 1000
         while True:
             await anyio.sleep(interval)
-            self._expire()
+            self._proposals.expire()
             if self._node.quiesced and not self._forwarding.tracked:
                 # nothing to time until an input wakes the node (it has no proposal
                 # in flight whose deadline could pass meanwhile)
@@ -499,7 +395,7 @@ class RaftReplicatedLog:
         commits_only = not rd.entries and rd.snapshot is None
         if commits_only:
             for entry in rd.committed_entries:
-                self._apply(entry)
+                self._proposals.apply(entry)
         for append in rd.messages:
             if isinstance(append, RaftAppend):
                 await self._send(append)
@@ -517,7 +413,7 @@ class RaftReplicatedLog:
             self._forwarding.settle_restored()
         if not commits_only:
             for entry in rd.committed_entries:
-                self._apply(entry)
+                self._proposals.apply(entry)
         self._node.advance(rd)
         for state in rd.read_states:
             outcome = self._reads.get(state.ctx)
@@ -545,48 +441,6 @@ class RaftReplicatedLog:
             log.debug("node %d: transport does not know %s", self._node.id, peer)
         except TransportClosedError:
             log.debug("node %d: transport closed while sending", self._node.id)
-
-    # --- applying --------------------------------------------------------------------
-
-    def _apply(self, entry: Entry) -> None:
-        pending = self._pending.pop(entry.index, None)
-        if entry.kind == "conf":
-            if pending is not None:
-                pending.outcome.set(b"")
-            return
-        if entry.kind != "normal":
-            if pending is not None:  # our proposal was overwritten by a new leader's no-op
-                pending.outcome.fail(NotLeaderError(self._node.leader_id))
-            return
-        try:
-            command = _command_decoder.decode(entry.data)
-        except (msgspec.MsgspecError, ValueError):
-            log.exception("node %d: undecodable entry %d skipped", self._node.id, entry.index)
-            return
-        result = self._apply_command(entry.index, command)
-        if pending is None:
-            return
-        if isinstance(command, Proposal) and (command.client_id, command.seq) == (
-            pending.client_id,
-            pending.seq,
-        ):
-            pending.outcome.set(result)
-        elif isinstance(command, MemberAddress) and pending.client_id == self._client_id:
-            pending.outcome.set(b"")
-        else:
-            pending.outcome.fail(NotLeaderError(self._node.leader_id))
-
-    def _apply_command(self, index: int, command: Proposal | MemberAddress) -> bytes:
-        if isinstance(command, MemberAddress):
-            self._learn_address(command)
-            return b""
-        session = self._sessions.apply(index, command)
-        if session is None:
-            # A retry of something already applied: the first result stands.
-            return self._sessions.result(command.client_id, command.seq) or b""
-        if self._forwarding.tracked:
-            self._forwarding.settle(session)
-        return session.result
 
     def _learn_address(self, member: MemberAddress) -> None:
         self._addresses[member.node] = member
@@ -623,17 +477,6 @@ class RaftReplicatedLog:
         # Keep what recovery to the previous snapshot needs, as a fallback should
         # the new snapshot file turn out damaged; free everything older.
         self._storage.compact(previous)
-
-    def _fail_all(self, error: Exception) -> None:
-        for pending in self._pending.values():
-            pending.outcome.fail(error)
-        for _, _, pending in self._deadlines:  # some may not have reached the node loop
-            pending.outcome.fail(error)
-        self._deadlines.clear()
-        for outcome in self._reads.values():
-            outcome.fail(error)
-        self._pending.clear()
-        self._forwarding.clear()
 
 
 def _open_storage(data_dir: Path | None, settings: RaftSettings) -> LogStorage:
