@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 
 class ClientSessions:
-    """The state machine's proposals, each applied once per ``(client_id, seq)``."""
+    """Applies proposals to the state machine once per ``(client_id, seq)``, keeping
+    each client's last one and its result."""
 
     def __init__(self, node_id: int, state_machine: StateMachine) -> None:
         self._node_id = node_id
