@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from nbos.core.config import Settings
     from nbos.core.executor_chooser import CellPlan, ChoiceRequest, ExecutorChooser
     from nbos.core.host_provider import AgentCommand, HostProvider
+    from nbos.core.log_storage import LogStorage
     from nbos.core.object_store import ObjectStore
     from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
     from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
@@ -25,6 +26,7 @@ __getattr__ = lazy_exports(
         "nbos.core.config": ("Settings",),
         "nbos.core.executor_chooser": ("CellPlan", "ChoiceRequest", "ExecutorChooser"),
         "nbos.core.host_provider": ("AgentCommand", "HostProvider"),
+        "nbos.core.log_storage": ("LogStorage",),
         "nbos.core.object_store": ("ObjectStore",),
         "nbos.core.placement": ("ClusterView", "HostView", "PlacementPolicy", "PlacementRequest"),
         "nbos.core.replica_launcher": ("AdoptingLauncher", "ReplicaLauncher"),
@@ -43,6 +45,7 @@ __all__ = [
     "ExecutorChooser",
     "HostProvider",
     "HostView",
+    "LogStorage",
     "ObjectStore",
     "PlacementPolicy",
     "PlacementRequest",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import anyio
+
+from nbos.core.errors import ProposalTimeoutError
 
 T = TypeVar("T")
 
@@ -53,6 +56,29 @@ class Outcome(Generic[T]):
     async def wait(self) -> T:
         await self._event.wait()
         return self.result()
+
+
+class PendingProposal:
+    """A proposal waiting for its entry to be applied."""
+
+    def __init__(
+        self,
+        client_id: str,
+        seq: int,
+        timeout: float = math.inf,
+        on_done: Callable[[Outcome[bytes]], None] | None = None,
+    ) -> None:
+        self.client_id = client_id
+        self.seq = seq
+        self.timeout = timeout
+        self.outcome: Outcome[bytes] = Outcome(on_done)
+
+    def expire(self) -> None:
+        self.outcome.fail(
+            ProposalTimeoutError(
+                f"proposal {self.client_id}/{self.seq} not applied within {self.timeout}s"
+            )
+        )
 
 
 class Watermark:

@@ -6,29 +6,19 @@ end (persist in a worker thread, send, apply, advance) before it takes more
 input, which is what the core's contract asks. Other tasks only read the
 transport, tick, and wait on outcomes that the node loop sets.
 
-The driver wraps application data in a :class:`~nbos.core.wire.log_commands.Proposal`
-carrying a client session ``(client_id, seq)``: a retried proposal with the same
-pair applies once, and the retry gets the first result. Sessions, member
-addresses and the application image together form the Raft snapshot.
-
-``propose(..., forward=True)`` works on any member, as etcd-io/raft's proposal
-forwarding does: a follower sends the proposal to the leader it knows of in a
-:class:`~nbos.core.wire.raft.RaftForward` over the same transport, and hands it
-over again when the leader (or the term) changes or nothing applied within an
-election timeout. The session makes each hand-over idempotent, and the caller's
-wait ends when the entry with its ``(client_id, seq)`` applies on this node.
+What the node loop works with has a module each: a proposal from its call to its
+outcome (:mod:`~nbos.raft._proposals`), the client sessions that apply each
+proposal once (:mod:`~nbos.raft._client_sessions`), the forwarding of proposals to
+the leader (:mod:`~nbos.raft._forwarding`), and the image of the Raft snapshot
+(:mod:`~nbos.raft._snapshot_image`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import heapq
-import itertools
 import logging
-import math
 import random
-import time
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -37,27 +27,25 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import msgspec
 from anyio.abc import TaskGroup
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import (
     DecodeError,
     LogClosedError,
-    NotLeaderError,
     ProposalTimeoutError,
     ReplicationError,
     TransportClosedError,
     UnknownPeerError,
 )
 from nbos.core.ids import NodeId, PeerId
+from nbos.core.log_storage import LogStorage
 from nbos.core.replicated_log import StateMachine
 from nbos.core.transport import Transport
 from nbos.core.wire import decode, encode
-from nbos.core.wire.log_commands import ClientSession, DriverSnapshot, MemberAddress, Proposal
+from nbos.core.wire.log_commands import MemberAddress
 from nbos.core.wire.raft import (
     ConfChange,
-    Entry,
     RaftAppend,
     RaftDriverMessages,
     RaftForward,
@@ -65,9 +53,13 @@ from nbos.core.wire.raft import (
     RaftTransferRequest,
     SnapshotMeta,
 )
+from nbos.raft._client_sessions import ClientSessions
+from nbos.raft._forwarding import Forwarding
+from nbos.raft._proposals import Proposals, Step
+from nbos.raft._snapshot_image import SnapshotImage
 from nbos.raft._waiters import Outcome, Watermark
 from nbos.raft.core import RaftConfig, RaftNode, Ready, StorageView, bootstrap
-from nbos.raft.storage import DiskStorage, LogStorage, MemoryStorage
+from nbos.raft.storage import DiskStorage, MemoryStorage
 
 log = logging.getLogger(__name__)
 
@@ -75,59 +67,10 @@ T = TypeVar("T")
 
 _PEER_MESSAGES: tuple[type, ...] = typing.get_args(RaftPeerMessages)
 _DRIVER_MESSAGES: tuple[type, ...] = typing.get_args(RaftDriverMessages)
-_command_decoder = msgspec.msgpack.Decoder(Proposal | MemberAddress)
-_snapshot_decoder = msgspec.msgpack.Decoder(DriverSnapshot)
-_encoder = msgspec.msgpack.Encoder()
 #: A Ready with at most this many bytes of entries (and no snapshot) is written on the
 #: node loop itself: for a small write, the fsync costs less than the two thread
 #: switches of handing it to a worker, and every consensus round has such a write.
 _INLINE_PERSIST_BYTES = 64 * 1024
-
-
-class _Pending:
-    """A proposal waiting for its entry to be applied."""
-
-    def __init__(
-        self,
-        client_id: str,
-        seq: int,
-        timeout: float = math.inf,
-        on_done: Callable[[Outcome[bytes]], None] | None = None,
-    ) -> None:
-        self.client_id = client_id
-        self.seq = seq
-        self.timeout = timeout
-        self.outcome: Outcome[bytes] = Outcome(on_done)
-
-    def expire(self) -> None:
-        self.outcome.fail(
-            ProposalTimeoutError(
-                f"proposal {self.client_id}/{self.seq} not applied within {self.timeout}s"
-            )
-        )
-
-
-class _Forwarding:
-    """A ``forward=True`` proposal not applied here yet, and whom it was last handed to."""
-
-    def __init__(self, proposal: Proposal, pending: _Pending) -> None:
-        self.proposal = proposal
-        self.payload = _encoder.encode(proposal)
-        #: Callers of ``propose`` waiting on it (a retry with the same session joins).
-        self.waiters = [pending]
-        #: ``(term, leader)`` when it was last handed over; it is handed over again when
-        #: that changes, or at tick ``retry_at`` (``None``: this leader appended it, and
-        #: it stays in the log for as long as the term lasts).
-        self.via: tuple[int, int | None] = (-1, None)
-        self.retry_at: int | None = 0
-
-    @property
-    def done(self) -> bool:
-        return all(w.outcome.done for w in self.waiters)
-
-    def settle(self, result: bytes) -> None:
-        for waiter in self.waiters:
-            waiter.outcome.set(result)
 
 
 class RaftReplicatedLog:
@@ -149,30 +92,25 @@ class RaftReplicatedLog:
         self._node = node
         self._storage = storage
         self._transport = transport
-        self._sm = state_machine
         self._settings = settings
         self._peers: dict[int, PeerId] = {int(n): p for n, p in peers.items()}
         self._addresses: dict[int, MemberAddress] = {}
-        self._sessions: dict[str, ClientSession] = {}
-        self._pending: dict[int, _Pending] = {}
-        # (deadline, tiebreak, proposal): the tick loop fails the overdue ones
-        self._deadlines: list[tuple[float, int, _Pending]] = []
-        self._tiebreak = itertools.count()
+        sessions = ClientSessions(node.id, state_machine)
+        self._image = SnapshotImage(state_machine, sessions)
         self._reads: dict[bytes, Outcome[int]] = {}
-        self._forwarding: dict[tuple[str, int], _Forwarding] = {}
-        # What the node loop sends after it took its queued input: forwarded proposals
-        # per leader (one message each) and leadership requests.
-        self._forward_batch: dict[int, list[Proposal]] = {}
+        self._forwarding = Forwarding(node, sessions, settings.election_ticks)
+        # Leadership requests, which the node loop sends after it took its queued input.
         self._outbox: list[RaftDriverMessages] = []
-        self._ticks = 0
         self._applied = Watermark(node.applied_index)
-        self._inbox_send, self._inbox = anyio.create_memory_object_stream[Callable[[], None]](
-            10_000
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[Step](10_000)
+        self._proposals = Proposals(
+            node=node,
+            sessions=sessions,
+            forwarding=self._forwarding,
+            inbox=self._inbox_send,
+            learn_address=self._learn_address,
         )
-        self._client_id = f"node-{node.id}-{uuid.uuid4().hex[:12]}"
         self._tasks: TaskGroup | None = None
-        self._seq = 0
-        self._closed = False
         self._last_snapshot = node.snapshot.meta.index
         #: Set by the node loop when the node is awake: the tick loop waits on it while
         #: the node is quiesced, so an idle group costs no wake-ups at all.
@@ -221,10 +159,10 @@ class RaftReplicatedLog:
         follower hands the proposal to the leader instead of raising ``NotLeaderError``,
         and keeps doing so across leader changes until it applied here or ``timeout``
         passed (``ProposalTimeoutError``)."""
-        pending, step = self._proposal(data, client_id, seq, forward, None)
+        pending, step = self._proposals.prepare(data, client_id, seq, forward, None)
         if step is None:
             return await pending.outcome.wait()
-        return await self._enqueue(step, pending, timeout)
+        return await self._proposals.enqueue(step, pending, timeout)
 
     def propose_nowait(
         self,
@@ -242,8 +180,8 @@ class RaftReplicatedLog:
         returns or raises) on that loop the moment it settles: as the entry applies,
         turns of the loop before an awaiting caller would resume.
         """
-        pending, step = self._proposal(data, client_id, seq, forward, on_done)
-        if step is None or (unsent := self._submit(step, pending, timeout)) is None:
+        pending, step = self._proposals.prepare(data, client_id, seq, forward, on_done)
+        if step is None or (unsent := self._proposals.submit(step, pending, timeout)) is None:
             return
 
         async def send() -> None:
@@ -300,7 +238,7 @@ class RaftReplicatedLog:
     async def add_learner(self, node: NodeId, peer: PeerId, address: str) -> None:
         # The address goes through the log first so every member, and any later
         # leader, can reach the learner.
-        await self._replicate_command(MemberAddress(int(node), str(peer), address))
+        await self._proposals.replicate_address(MemberAddress(int(node), str(peer), address))
         await self._change(ConfChange("add_learner", int(node)))
 
     async def promote(self, node: NodeId) -> None:
@@ -313,16 +251,18 @@ class RaftReplicatedLog:
         await self._call(lambda: self._node.transfer_leadership(int(node)))
 
     async def aclose(self) -> None:
-        # Closed first: a waiter told of the close may propose again (propose_nowait).
-        self._closed = True
-        self._fail_all(LogClosedError("the replicated log was closed"))
+        error = LogClosedError("the replicated log was closed")
+        self._proposals.close(error)
+        for outcome in self._reads.values():
+            outcome.fail(error)
+        self._forwarding.clear()
         await self._inbox_send.aclose()
 
     # --- calls into the node loop --------------------------------------------------
 
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the node loop, between two Ready cycles; re-raises what it raises."""
-        if self._closed:
+        if self._proposals.closed:
             raise LogClosedError("the replicated log was closed")
         outcome: Outcome[T] = Outcome()
 
@@ -338,159 +278,6 @@ class RaftReplicatedLog:
             raise LogClosedError("the replicated log was closed") from None
         return await outcome.wait()
 
-    def _proposal(
-        self,
-        data: bytes,
-        client_id: str | None,
-        seq: int | None,
-        forward: bool,
-        on_done: Callable[[Outcome[bytes]], None] | None,
-    ) -> tuple[_Pending, Callable[[], None] | None]:
-        """A proposal's waiter and the step that proposes it on the node loop (``None``:
-        a retry of what applied already, settled at once with the first result).
-        Without ``client_id`` and ``seq`` it is this log's own next one."""
-        if client_id is None or seq is None:
-            self._seq += 1
-            client_id, seq = self._client_id, self._seq
-        pending = _Pending(client_id, seq, on_done=on_done)
-        session = self._sessions.get(client_id)
-        if session is not None and session.seq == seq:
-            pending.outcome.set(session.result)
-            return pending, None
-        proposal = Proposal(client_id, seq, data)
-        if forward:
-            return pending, functools.partial(self._track, proposal, pending)
-        return pending, self._appender(proposal, pending)
-
-    def _submit(
-        self, step: Callable[[], None], pending: _Pending, timeout: float
-    ) -> Callable[[], None] | None:
-        """Queue ``step`` for the node loop, ``pending`` failing after ``timeout``;
-        returns ``step`` if the inbox is full (the caller sends it once there is room).
-
-        This is the hot path under load, so it avoids a cancel scope and timer per
-        proposal: the deadline goes on a heap that the tick loop sweeps (so it is
-        kept to within a tick), and ``step`` fails on refusal the same outcome that
-        the apply sets.
-        """
-        if self._closed:
-            pending.outcome.fail(LogClosedError("the replicated log was closed"))
-            return None
-        pending.timeout = timeout
-        deadline = time.monotonic() + timeout
-        heapq.heappush(self._deadlines, (deadline, next(self._tiebreak), pending))
-        try:
-            self._inbox_send.send_nowait(step)
-        except anyio.WouldBlock:
-            return step
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pending.outcome.fail(LogClosedError("the replicated log was closed"))
-        return None
-
-    async def _enqueue(self, step: Callable[[], None], pending: _Pending, timeout: float) -> bytes:
-        """Run ``step`` on the node loop and wait for ``pending``, in one trip."""
-        unsent = self._submit(step, pending, timeout)
-        if unsent is not None:
-            try:
-                await self._inbox_send.send(unsent)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                raise LogClosedError("the replicated log was closed") from None
-        return await pending.outcome.wait()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        heap = self._deadlines
-        while heap and (heap[0][0] <= now or heap[0][2].outcome.done):
-            heapq.heappop(heap)[2].expire()
-
-    async def _replicate_command(self, command: MemberAddress) -> None:
-        self._seq += 1
-        pending = _Pending(self._client_id, self._seq)
-        await self._enqueue(self._appender(command, pending), pending, timeout=10.0)
-
-    def _appender(self, command: Proposal | MemberAddress, pending: _Pending) -> Callable[[], None]:
-        """What appends ``command`` on the node loop as the leader (a follower refuses)."""
-        payload = _encoder.encode(command)
-
-        def append() -> None:
-            try:
-                self._pending[self._node.propose(payload)] = pending
-            except Exception as exc:
-                pending.outcome.fail(exc)
-
-        return append
-
-    # --- forwarding (on the node loop) ---------------------------------------------
-
-    def _track(self, proposal: Proposal, pending: _Pending) -> None:
-        """Start handing ``proposal`` to the leader until it applies here."""
-        if self._settle_from_session(proposal, [pending]):
-            return
-        key = (proposal.client_id, proposal.seq)
-        tracked = self._forwarding.get(key)
-        if tracked is not None:  # the same proposal again: it waits with the first
-            tracked.waiters.append(pending)
-            return
-        tracked = self._forwarding[key] = _Forwarding(proposal, pending)
-        self._hand_over(tracked)
-
-    def _hand_over(self, tracked: _Forwarding) -> None:
-        """Append ``tracked`` as the leader, or send it to the leader this node knows of."""
-        node = self._node
-        tracked.via = (node.term, node.leader_id)
-        try:
-            node.propose(tracked.payload)  # a follower refuses, but wakes to time the leader
-        except NotLeaderError:
-            if node.leader_id is None or node.leader_id == node.id:
-                # No leader known, or this one refuses for now (a leadership transfer,
-                # its own removal): try again on the next tick.
-                tracked.retry_at = self._ticks + 1
-            else:
-                self._forward_batch.setdefault(node.leader_id, []).append(tracked.proposal)
-                # lost on the way, or dropped by a leader in transfer: sent again later
-                tracked.retry_at = self._ticks + self._settings.election_ticks
-        else:
-            tracked.retry_at = None
-
-    def _retry_forwarding(self) -> None:
-        """Hand over again what a leader change (or a lost message) may have dropped."""
-        node = self._node
-        now = (node.term, node.leader_id)
-        for key, tracked in list(self._forwarding.items()):
-            if tracked.done:  # its callers' deadlines passed
-                del self._forwarding[key]
-            elif tracked.via != now or (
-                tracked.retry_at is not None and self._ticks >= tracked.retry_at
-            ):
-                self._hand_over(tracked)
-
-    def _settle_from_session(self, proposal: Proposal, waiters: list[_Pending]) -> bool:
-        """Settle ``waiters`` if ``proposal``'s session shows it applied already."""
-        session = self._sessions.get(proposal.client_id)
-        if session is None or proposal.seq > session.seq:
-            return False
-        for waiter in waiters:
-            waiter.outcome.set(session.result if proposal.seq == session.seq else b"")
-        return True
-
-    def _settle_forwarded(self, session: ClientSession) -> None:
-        tracked = self._forwarding.pop((session.client_id, session.seq), None)
-        if tracked is not None:
-            tracked.settle(session.result)
-
-    def _take_forward(self, message: RaftForward) -> None:
-        """As the leader, append proposals a follower forwarded (dropped otherwise)."""
-        for proposal in message.proposals:
-            session = self._sessions.get(proposal.client_id)
-            if session is not None and proposal.seq <= session.seq:
-                continue  # applied already: its proposer learns the result applying it
-            try:
-                self._node.propose(_encoder.encode(proposal))
-            except NotLeaderError as exc:
-                # the follower hands them over again once it knows the new leader
-                log.debug("node %d: forwarded proposals dropped: %s", self._node.id, exc)
-                return
-
     def _take_transfer_request(self, message: RaftTransferRequest) -> None:
         try:
             self._node.transfer_leadership(message.src)
@@ -498,21 +285,15 @@ class RaftReplicatedLog:
             log.debug("node %d: no transfer to %d: %s", self._node.id, message.src, exc)
 
     async def _flush_outbox(self) -> None:
-        node = self._node
-        batch, self._forward_batch = self._forward_batch, {}
+        forwards = self._forwarding.messages()
         outbox, self._outbox = self._outbox, []
-        for leader, proposals in batch.items():
-            await self._send(RaftForward(node.id, leader, node.term, proposals=proposals))
+        for forward in forwards:
+            await self._send(forward)
         for message in outbox:
             await self._send(message)
 
     async def _change(self, change: ConfChange) -> None:
-        pending = _Pending("", 0)
-
-        def propose() -> None:
-            self._pending[self._node.propose_conf_change(change)] = pending
-
-        await self._call(propose)
+        pending = await self._call(functools.partial(self._proposals.propose_conf_change, change))
         await pending.outcome.wait()
 
     # --- the loops -----------------------------------------------------------------
@@ -527,8 +308,8 @@ class RaftReplicatedLog:
         interval = self._settings.tick_ms / 1000
         while True:
             await anyio.sleep(interval)
-            self._expire()
-            if self._node.quiesced and not self._forwarding:
+            self._proposals.expire()
+            if self._node.quiesced and not self._forwarding.tracked:
                 # nothing to time until an input wakes the node (it has no proposal
                 # in flight whose deadline could pass meanwhile)
                 self._awake = anyio.Event()
@@ -542,10 +323,8 @@ class RaftReplicatedLog:
                 return
 
     def _tick(self) -> None:
-        self._ticks += 1
         self._node.tick()
-        if self._forwarding:
-            self._retry_forwarding()
+        self._forwarding.tick()
 
     async def _receive_loop(self) -> None:
         while True:
@@ -558,7 +337,7 @@ class RaftReplicatedLog:
                 continue
             self._peers.setdefault(message.src, sender)
             if isinstance(message, RaftForward):
-                step = functools.partial(self._take_forward, message)
+                step = functools.partial(self._forwarding.take, message)
             elif isinstance(message, RaftTransferRequest):
                 step = functools.partial(self._take_transfer_request, message)
             else:
@@ -597,7 +376,7 @@ class RaftReplicatedLog:
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     # EndOfStream: closed while draining; the `async for` then ends.
                     break
-            if self._forward_batch or self._outbox:
+            if self._forwarding.unsent or self._outbox:
                 await self._flush_outbox()
             while (rd := self._node.ready()) is not None:
                 await self._handle(rd)
@@ -616,7 +395,7 @@ class RaftReplicatedLog:
         commits_only = not rd.entries and rd.snapshot is None
         if commits_only:
             for entry in rd.committed_entries:
-                self._apply(entry)
+                self._proposals.apply(entry)
         for append in rd.messages:
             if isinstance(append, RaftAppend):
                 await self._send(append)
@@ -631,13 +410,10 @@ class RaftReplicatedLog:
                 await self._send(message)
         if rd.snapshot is not None:
             self._restore(rd.snapshot.data)
-            # what the snapshot covers applied here without passing through _apply
-            for key, tracked in list(self._forwarding.items()):
-                if self._settle_from_session(tracked.proposal, tracked.waiters):
-                    del self._forwarding[key]
+            self._forwarding.settle_restored()
         if not commits_only:
             for entry in rd.committed_entries:
-                self._apply(entry)
+                self._proposals.apply(entry)
         self._node.advance(rd)
         for state in rd.read_states:
             outcome = self._reads.get(state.ctx)
@@ -666,61 +442,6 @@ class RaftReplicatedLog:
         except TransportClosedError:
             log.debug("node %d: transport closed while sending", self._node.id)
 
-    # --- applying --------------------------------------------------------------------
-
-    def _apply(self, entry: Entry) -> None:
-        pending = self._pending.pop(entry.index, None)
-        if entry.kind == "conf":
-            if pending is not None:
-                pending.outcome.set(b"")
-            return
-        if entry.kind != "normal":
-            if pending is not None:  # our proposal was overwritten by a new leader's no-op
-                pending.outcome.fail(NotLeaderError(self._node.leader_id))
-            return
-        try:
-            command = _command_decoder.decode(entry.data)
-        except (msgspec.MsgspecError, ValueError):
-            log.exception("node %d: undecodable entry %d skipped", self._node.id, entry.index)
-            return
-        result = self._apply_command(entry.index, command)
-        if pending is None:
-            return
-        if isinstance(command, Proposal) and (command.client_id, command.seq) == (
-            pending.client_id,
-            pending.seq,
-        ):
-            pending.outcome.set(result)
-        elif isinstance(command, MemberAddress) and pending.client_id == self._client_id:
-            pending.outcome.set(b"")
-        else:
-            pending.outcome.fail(NotLeaderError(self._node.leader_id))
-
-    def _apply_command(self, index: int, command: Proposal | MemberAddress) -> bytes:
-        if isinstance(command, MemberAddress):
-            self._learn_address(command)
-            return b""
-        session = self._sessions.get(command.client_id)
-        if session is not None and command.seq <= session.seq:
-            # A retry of something already applied: the first result stands.
-            return session.result if command.seq == session.seq else b""
-        result = self._apply_new(index, command)
-        session = self._sessions[command.client_id] = ClientSession(
-            command.client_id, command.seq, result
-        )
-        if self._forwarding:
-            self._settle_forwarded(session)
-        return result
-
-    def _apply_new(self, index: int, command: Proposal) -> bytes:
-        try:
-            return self._sm.apply(index, command.data)
-        except Exception:
-            # The StateMachine contract forbids raising; every replica hits the same
-            # entry, so skipping it keeps them equal rather than stopping all of them.
-            log.exception("node %d: state machine raised on entry %d", self._node.id, index)
-            return b""
-
     def _learn_address(self, member: MemberAddress) -> None:
         self._addresses[member.node] = member
         if member.node == self._node.id:
@@ -730,29 +451,15 @@ class RaftReplicatedLog:
 
     # --- snapshots -------------------------------------------------------------------
 
-    def _image(self) -> bytes:
-        return _encoder.encode(
-            DriverSnapshot(
-                app=self._sm.snapshot(),
-                sessions=list(self._sessions.values()),
-                members=list(self._addresses.values()),
-            )
-        )
-
     def _restore(self, image: bytes) -> None:
-        if not image:
-            return
-        snapshot = _snapshot_decoder.decode(image)
-        self._sm.restore(snapshot.app)
-        self._sessions = {s.client_id: s for s in snapshot.sessions}
-        for member in snapshot.members:
+        for member in self._image.restore(image):
             self._learn_address(member)
 
     async def _maybe_snapshot(self) -> None:
         applied = self._node.applied_index
         if applied - self._last_snapshot < self._settings.snapshot_every:
             return
-        image = self._image()
+        image = self._image.encode(self._addresses.values())
         meta_index = applied
         node = self._node
         term = node.log.term(meta_index)
@@ -770,17 +477,6 @@ class RaftReplicatedLog:
         # Keep what recovery to the previous snapshot needs, as a fallback should
         # the new snapshot file turn out damaged; free everything older.
         self._storage.compact(previous)
-
-    def _fail_all(self, error: Exception) -> None:
-        for pending in self._pending.values():
-            pending.outcome.fail(error)
-        for _, _, pending in self._deadlines:  # some may not have reached the node loop
-            pending.outcome.fail(error)
-        self._deadlines.clear()
-        for outcome in self._reads.values():
-            outcome.fail(error)
-        self._pending.clear()
-        self._forwarding.clear()
 
 
 def _open_storage(data_dir: Path | None, settings: RaftSettings) -> LogStorage:

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 
 from nbos.core.errors import ConfigError, ReplicationError
+from nbos.core.log_storage import InitialState, LogStorage
 from nbos.core.wire.raft import ConfState, Entry, HardState, SnapshotMeta
 from nbos.raft.storage import (
     DiskStorage,
-    InitialState,
     InvalidLogWriteError,
     LogCompactedError,
-    LogStorage,
     LogUnavailableError,
     MemoryStorage,
     NoSnapshotError,

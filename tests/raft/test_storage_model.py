@@ -16,12 +16,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from nbos.core.log_storage import LogStorage
 from nbos.core.wire.raft import ConfState, Entry, HardState, SnapshotMeta
 from nbos.raft.storage import (
     DiskStorage,
     InvalidLogWriteError,
     LogCompactedError,
-    LogStorage,
     LogUnavailableError,
     MemoryStorage,
 )

@@ -6,10 +6,10 @@
 * :class:`MemoryStorage` has the same interface with no disk, for the simulator
   and tests.
 
-Both implement :class:`LogStorage`. They are synchronous and not thread-safe.
+Both implement :class:`~nbos.core.log_storage.LogStorage`. They are synchronous and
+not thread-safe.
 """
 
-from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, InitialState, LogStorage, SnapshotSink
 from nbos.raft.storage._disk import DEFAULT_SEGMENT_BYTES, DiskStorage
 from nbos.raft.storage._errors import (
     InvalidLogWriteError,
@@ -22,17 +22,13 @@ from nbos.raft.storage._errors import (
 from nbos.raft.storage._memory import MemoryStorage
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES",
     "DEFAULT_SEGMENT_BYTES",
     "DiskStorage",
-    "InitialState",
     "InvalidLogWriteError",
     "LogCompactedError",
-    "LogStorage",
     "LogUnavailableError",
     "MemoryStorage",
     "NoSnapshotError",
     "SnapshotOutOfDateError",
-    "SnapshotSink",
     "StorageIOError",
 ]

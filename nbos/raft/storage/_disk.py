@@ -46,9 +46,9 @@ from typing import TypeVar, get_args
 
 from nbos.core.config import FsyncPolicy
 from nbos.core.errors import ConfigError, StorageCorruptError
+from nbos.core.log_storage import DEFAULT_CHUNK_BYTES, SnapshotSink
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
 from nbos.raft.storage import _snapfile
-from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, SnapshotSink
 from nbos.raft.storage._errors import (
     InvalidLogWriteError,
     NoSnapshotError,

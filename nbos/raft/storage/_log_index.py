@@ -11,8 +11,8 @@ import logging
 from collections.abc import Sequence
 from itertools import pairwise
 
+from nbos.core.log_storage import InitialState
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
-from nbos.raft.storage._api import InitialState
 from nbos.raft.storage._errors import (
     InvalidLogWriteError,
     LogCompactedError,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from nbos.core.errors import ConfigError
+from nbos.core.log_storage import DEFAULT_CHUNK_BYTES, SnapshotSink
 from nbos.core.wire.raft import Entry, HardState, SnapshotMeta
-from nbos.raft.storage._api import DEFAULT_CHUNK_BYTES, SnapshotSink
 from nbos.raft.storage._errors import InvalidLogWriteError, NoSnapshotError
 from nbos.raft.storage._log_index import LogIndex, LogIndexReads
 

@@ -1,4 +1,4 @@
-"""The interface the Raft core and driver use to reach durable state."""
+"""The ``LogStorage`` interface: a Raft node's durable state, which the Raft driver plugs in."""
 
 from __future__ import annotations
 
