@@ -18,7 +18,7 @@ from nbos.scaling.autoscaler import (
     ScaleOut,
     smoothed_demand_ratio,
 )
-from nbos.scaling.decisions import CellDecision, ClusterDecisions
+from nbos.scaling.decisions import CellDecision, ClusterDecisions, ScaleStep
 from nbos.scaling.executor import Choice, Execute, Migrate, Wait, check_cell_gpus, choose_executor
 from nbos.scaling.migration import MigrationPlan, plan_migration
 from nbos.scaling.model import ClusterModel
@@ -47,6 +47,7 @@ __all__ = [
     "ScaleDecision",
     "ScaleIn",
     "ScaleOut",
+    "ScaleStep",
     "Session",
     "SimConfig",
     "SimResult",

@@ -10,7 +10,7 @@ outcomes, returned as values; only a request no host could ever satisfy is an er
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import attrs
@@ -81,11 +81,13 @@ def execute_or_wait(
     replica_hosts: Sequence[HostId],
     cluster_view: ClusterView,
     gpus: int,
+    down: Collection[HostId] = (),
 ) -> Execute | Wait | None:
     """:func:`choose_executor`'s answer, ``None`` for a :class:`Migrate` (without listing
-    its candidates, which costs a scan of the cluster: the decisions ask the policy instead)."""
+    its candidates, which costs a scan of the cluster: the decisions ask the policy instead).
+    Replica hosts in ``down`` run nothing, as if missing from the view."""
     check_cell_gpus(gpus, cluster_view.largest_gpus())
-    replicas = _views(replica_hosts, cluster_view)
+    replicas = [h for h in _views(replica_hosts, cluster_view) if h.host_id not in down]
     last = next((h for h in replicas if h.host_id == last_executor_host), None)
     if last is not None and last.gpus_idle >= gpus:
         return Execute(last.host_id, "last-executor")
