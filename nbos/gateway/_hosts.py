@@ -7,7 +7,6 @@ from collections.abc import Iterable
 import attrs
 
 from nbos.core.ids import HostId, KernelId, PeerId
-from nbos.core.placement import HostView
 from nbos.core.wire.agent import AgentStatus, GpuReservation
 
 _LIVE = ("precommitted", "committed")
@@ -35,7 +34,7 @@ class HostRecord:
 
     ``reachable`` turns false when its agent does not answer a request or stops
     reporting; such a host is left out of executor choice and placement until it
-    reports again. ``schedulable`` is the operator's drain switch (placement only).
+    reports again.
     """
 
     host_id: HostId
@@ -48,7 +47,6 @@ class HostRecord:
     #: Idle devices still holding a kernel's tensors, as ``(device, kernel)``.
     resident: tuple[tuple[int, str], ...] = ()
     reachable: bool = True
-    schedulable: bool = True
 
     def update(self, peer: PeerId, status: AgentStatus, now: float) -> bool:
         """Take a status report; ``True`` if it comes from a new agent incarnation."""
@@ -83,14 +81,3 @@ class HostRecord:
             **counts,
             "resident": len(resident),
         }
-
-    def view(self, own: Iterable[Grant], subscribed: int, replicas: int, held: int = 0) -> HostView:
-        """The host for placement; ``held`` GPUs more count as committed (a migration's)."""
-        return HostView(
-            host_id=self.host_id,
-            gpus_total=len(self.devices),
-            gpus_committed=min(len(self.devices), len(self.busy(own)) + held),
-            gpus_subscribed=subscribed,
-            replicas=replicas,
-            schedulable=self.schedulable and self.reachable,
-        )

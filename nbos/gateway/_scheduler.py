@@ -1,9 +1,10 @@
 """The gateway's GPU scheduler: placement, executor choice, pre-commit, commit and release.
 
-Design, "One cell, end to end", steps 2, 3 and 7. The scheduler keeps a model
-of every host from its agent's reports and its own grants, decides with the
-pure functions of :mod:`nbos.scaling`, and makes every reservation through the
-host's agent, which is the authority on its devices: a view that is out of
+Design, "One cell, end to end", steps 2, 3 and 7. The scheduler keeps the
+cluster's :class:`~nbos.scaling.ClusterModel` (the simulator's model) up to date
+from its agents' reports and its own grants, decides with the cluster's
+:class:`~nbos.scaling.ClusterDecisions` on the model's view, and makes every
+reservation through the host's agent, which is the authority on its devices: a view that is out of
 date costs a refused pre-commit and a retry, never a device bound twice.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -34,7 +35,6 @@ from nbos.core.errors import (
     HostUnreachableError,
     InsufficientGpusError,
     PlacementError,
-    PolicyContractError,
     QuorumLostError,
     TransportError,
     UnknownReservationError,
@@ -62,11 +62,11 @@ from nbos.gateway._ledger import Ledger
 from nbos.gateway._rpc import RequestChannel
 from nbos.scaling import (
     ClusterDecisions,
+    ClusterModel,
     Execute,
     MigrationPlan,
     Wait,
     check_cell_gpus,
-    smoothed_demand_ratio,
 )
 from nbos.transport import received_messages
 
@@ -141,25 +141,16 @@ class GpuScheduler:
         self._grants: dict[str, Grant] = {}
         self._grants_on: dict[HostId, dict[str, Grant]] = {}
         self._committed: set[str] = set()
-        self._placements: dict[KernelId, tuple[tuple[HostId, ...], int]] = {}
-        # Per host, kept with _placements: GPUs subscribed and replicas placed there.
-        self._subscribed: Counter[HostId] = Counter()
-        self._replica_count: Counter[HostId] = Counter()
-        #: GPUs subscribed per cell over all kernels, kept with _placements too.
-        self._demand = 0
+        #: The cluster as the decisions see it: the simulator's model, kept from reports.
+        self.model = ClusterModel(replicas_per_kernel)
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
-        # GPUs a migrating cell will take on its target host, by cell.
-        self._held: dict[tuple[KernelId, int], tuple[HostId, int]] = {}
         self._pending_release: dict[str, tuple[HostId, bool]] = {}
         # (host, kernel) whose ReleaseKernel the host has not confirmed yet.
         self._owed: set[tuple[HostId, KernelId]] = set()
         # Peers admitted by registration (HostDirectory), or None: hosts are learnt
         # from their reports, the scheduler connecting to the address they give.
         self._admitted: dict[HostId, PeerId] | None = {} if registered else None
-        self._ratio = 1.0
-        #: Kernels the policy could not place, counted (the autoscaler reads it).
-        self.placement_failures = 0
         self.ledger = Ledger()
         self._version = 0
         self._changed = anyio.Event()
@@ -226,28 +217,9 @@ class GpuScheduler:
 
     # --- the cluster -----------------------------------------------------------------
 
-    def view(self, only: Iterable[HostId] | None = None) -> ClusterView:
-        """Every known host as placement sees it (unreachable hosts are unschedulable);
-        ``only`` those of the hosts given that are known, in that order."""
-        held: Counter[HostId] = Counter()
-        for host_id, n in self._held.values():
-            held[host_id] += n
-        records = (
-            sorted(self._hosts.values(), key=lambda h: h.host_id)
-            if only is None
-            else [self._hosts[h] for h in only if h in self._hosts]
-        )
-        subscribed, placed = self._subscribed, self._replica_count
-        hosts = [
-            h.view(
-                self._grants_at(h.host_id),
-                subscribed[h.host_id],
-                placed[h.host_id],
-                held[h.host_id],
-            )
-            for h in records
-        ]
-        return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
+    def view(self) -> ClusterView:
+        """Every known host as the decisions see it (unreachable hosts are unschedulable)."""
+        return self.model.view()
 
     def _grants_at(self, host_id: HostId) -> Iterable[Grant]:
         """This scheduler's grants on ``host_id``: a host's view looks at its own only."""
@@ -256,6 +228,7 @@ class GpuScheduler:
     def _keep_grant(self, grant: Grant) -> None:
         self._grants[grant.reservation_id] = grant
         self._grants_on.setdefault(grant.host, {})[grant.reservation_id] = grant
+        self._sync(grant.host)
 
     def _drop_grant(self, res: str) -> Grant | None:
         grant = self._grants.pop(res, None)
@@ -264,7 +237,16 @@ class GpuScheduler:
             del on_host[res]
             if not on_host:
                 del self._grants_on[grant.host]
+            self._sync(grant.host)
         return grant
+
+    def _sync(self, host_id: HostId) -> None:
+        """Tell the model what the host's agent reported and what this scheduler granted there:
+        a device either holds counts as committed (a report may predate a fresh grant)."""
+        host = self._hosts.get(host_id)
+        if host is not None:
+            busy = len(host.busy(self._grants_at(host_id)))
+            self.model.set_gpus(host_id, len(host.devices), busy)
 
     @property
     def decisions(self) -> ClusterDecisions:
@@ -312,7 +294,8 @@ class GpuScheduler:
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
         """Drain a host (no new replicas; cells go to its replicas only when the kernel has
         no other live replica) or undrain it."""
-        self._hosts[host_id].schedulable = schedulable
+        self._hosts[host_id]  # KeyError for a host that is gone, as the autoscaler expects
+        self.model.set_schedulable(host_id, schedulable)
         self._notify()
 
     def remove_host(self, host_id: HostId) -> None:
@@ -320,6 +303,7 @@ class GpuScheduler:
         if self._admitted is not None:
             self._admitted.pop(host_id, None)
         if self._hosts.pop(host_id, None) is not None:
+            self.model.remove_host(host_id)
             log.info("host %s removed", host_id)
         self._owed = {(h, k) for h, k in self._owed if h != host_id}
         self._notify()
@@ -335,15 +319,8 @@ class GpuScheduler:
         :class:`~nbos.core.errors.PolicyContractError` when it answers with anything
         but ``replicas_per_kernel`` distinct known, schedulable hosts outside ``exclude``.
         """
-        try:
-            hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
-        except PolicyContractError:
-            raise
-        except PlacementError:
-            self.placement_failures += 1
-            self._notify()
-            raise
-        self._set_placement(kernel_id, (hosts, gpus))
+        hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
+        self._set_placement(kernel_id, hosts, gpus)
         self._owed -= {(h, kernel_id) for h in hosts}
         log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
         self._notify()
@@ -352,36 +329,31 @@ class GpuScheduler:
     def adopt_placement(self, kernel_id: KernelId, hosts: Iterable[HostId], gpus: int) -> None:
         """A kernel placed before this scheduler started (a restarted gateway took it
         over): its replicas are on ``hosts``, ``gpus`` subscribed on each."""
-        self._set_placement(kernel_id, (tuple(hosts), gpus))
+        self._set_placement(kernel_id, tuple(hosts), gpus)
         self._notify()
 
     def replica_moved(self, kernel_id: KernelId, old: HostId, new: HostId) -> None:
         """A replica of the kernel was replaced from host ``old`` to ``new``: so is its
         subscription. (What it held on ``old`` is freed by :meth:`replica_gone`.)"""
-        placed = self._placements.get(kernel_id)
-        if placed is None or old not in placed[0]:
+        hosts = self.model.replica_hosts(kernel_id)
+        if old not in hosts:
             return
-        hosts, gpus = placed
-        self._set_placement(kernel_id, (tuple(new if h == old else h for h in hosts), gpus))
+        if new in hosts:
+            log.warning("kernel %s: a replica moved to %s, which holds one already", kernel_id, new)
+            return
+        self.model.move(kernel_id, old, new)
         log.info("kernel %s: replica moved from %s to %s", kernel_id, old, new)
         self._notify()
 
-    def _set_placement(
-        self, kernel_id: KernelId, placement: tuple[tuple[HostId, ...], int] | None
-    ) -> None:
-        """The kernel's replicas are on these hosts, subscribing that many GPUs on each
-        (``None``: it is gone)."""
-        old = self._placements.pop(kernel_id, None)
-        for entry, sign in ((old, -1), (placement, 1)):
-            if entry is None:
-                continue
-            hosts, gpus = entry
-            self._demand += sign * gpus
-            for h in hosts:
-                self._subscribed[h] += sign * gpus
-                self._replica_count[h] += sign
-        if placement is not None:
-            self._placements[kernel_id] = placement
+    def _set_placement(self, kernel_id: KernelId, hosts: tuple[HostId, ...], gpus: int) -> None:
+        """The kernel's replicas are on these hosts, subscribing ``gpus`` on each (in place of
+        an earlier placement: a gateway taking the kernel over adopts it again)."""
+        self._forget_placement(kernel_id)
+        self.model.place(kernel_id, hosts, gpus)
+
+    def _forget_placement(self, kernel_id: KernelId) -> None:
+        if self.model.placed(kernel_id):
+            self.model.forget(kernel_id)
 
     @contextmanager
     def holding(
@@ -393,12 +365,12 @@ class GpuScheduler:
         the view here, so that neither another cell's decision nor the autoscaler (which
         drains idle hosts) takes the host from under the move.
         """
-        self._held[(kernel_id, exec_index)] = (host, gpus)
+        self.model.hold(host, gpus)
         self._notify()
         try:
             yield
         finally:
-            self._held.pop((kernel_id, exec_index), None)
+            self.model.hold(host, -gpus)
             self._notify()
 
     # --- cells -----------------------------------------------------------------------
@@ -426,14 +398,15 @@ class GpuScheduler:
         :class:`GpuError` for a negative count and :class:`QuorumLostError` for no
         replicas.
         """
-        check_cell_gpus(gpus, max((len(h.devices) for h in self._hosts.values()), default=0))
+        check_cell_gpus(gpus, self.view().largest_gpus())
         if not replicas:
             raise QuorumLostError(
                 f"kernel {kernel_id} has no live replica to run cell {exec_index}"
             )
         # The kernel has live replicas on these hosts: nothing is owed for it there.
         self._owed -= {(h, kernel_id) for h in replicas.values()}
-        replicas = self._off_draining(replicas)
+        staying = self._decisions.off_draining(tuple(replicas.values()), self.model.is_draining)
+        replicas = {n: h for n, h in replicas.items() if h in staying}
         self.ledger.cell_ready(kernel_id, exec_index, gpus)
         if gpus == 0:
             # Nothing to pre-commit, but the executor is still the decision's, made on
@@ -441,7 +414,7 @@ class GpuScheduler:
             # and its cost must not grow with the cluster.
             order = [replicas[r] for r in sorted(replicas)]
             last = replicas.get(last_executor) if last_executor is not None else None
-            choice = self._decisions.cell(self.view(order), kernel_id, order, last, 0)
+            choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
             host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
             replica = self._replica_on(host, replicas, last_executor)
             self.ledger.cell_started(kernel_id, exec_index)
@@ -478,14 +451,6 @@ class GpuScheduler:
                 del self._queues[key]
             self._waiting.pop((kernel_id, exec_index), None)
             self._notify()
-
-    def _off_draining(self, replicas: Mapping[int, HostId]) -> Mapping[int, HostId]:
-        """The replicas not on draining hosts, if the kernel has any: a draining host's
-        replica is about to move, and a cell running there would be lost with it."""
-        staying = {
-            n: h for n, h in replicas.items() if h not in self._hosts or self._hosts[h].schedulable
-        }
-        return staying or replicas
 
     async def committed(self, grant: Grant) -> Grant:
         """The cell of ``grant`` started: commit its reservation and return the grant.
@@ -566,7 +531,7 @@ class GpuScheduler:
 
     async def kernel_gone(self, kernel_id: KernelId) -> None:
         """The kernel was shut down or died: free its GPUs and residency on every host."""
-        self._set_placement(kernel_id, None)
+        self._forget_placement(kernel_id)
         async with anyio.create_task_group() as tg:
             for host_id in list(self._hosts):
                 tg.start_soon(self.replica_gone, kernel_id, host_id)
@@ -606,13 +571,14 @@ class GpuScheduler:
         """One attempt over the replicas' hosts: a grant, or the decision to wait or migrate."""
         order = [replicas[r] for r in sorted(replicas)]
         last_host = replicas.get(last_executor) if last_executor is not None else None
-        refused: set[HostId] = set()
+        down = {h for h in order if h not in self._hosts or not self._hosts[h].reachable}
         while True:
-            view = self._exec_view(refused)
             try:
-                choice = self._decisions.cell(view, kernel_id, order, last_host, gpus)
+                choice = self._decisions.cell(
+                    self.view(), kernel_id, order, last_host, gpus, down=down
+                )
             except InsufficientGpusError:
-                return Wait(f"waiting for {gpus} GPUs: no reachable host has that many")
+                return Wait(f"waiting for {gpus} GPUs: no host has that many")
             except PlacementError as exc:
                 return Wait(f"waiting for {gpus} GPUs: no migration ({exc})")
             if not isinstance(choice, Execute):
@@ -621,14 +587,7 @@ class GpuScheduler:
             grant = await self._precommit(kernel_id, exec_index, replica, choice.host, gpus)
             if grant is not None:
                 return grant
-            refused.add(choice.host)
-
-    def _exec_view(self, exclude: set[HostId]) -> ClusterView:
-        full = self.view()
-        hosts = [
-            h for h in full.hosts if h.host_id not in exclude and self._hosts[h.host_id].reachable
-        ]
-        return ClusterView(hosts, full.replicas_per_kernel, full.demand_to_busy_ratio)
+            down.add(choice.host)
 
     @staticmethod
     def _replica_on(host: HostId, replicas: Mapping[int, HostId], last: int | None) -> int:
@@ -656,8 +615,8 @@ class GpuScheduler:
             grant = Grant(
                 kernel_id, exec_index, replica, host_id, tuple(reply.reservation.devices), res
             )
-            self._keep_grant(grant)
             host.reported[res] = reply.reservation
+            self._keep_grant(grant)
             return grant
         if isinstance(reply, GpuRefused):
             log.info(
@@ -686,6 +645,7 @@ class GpuScheduler:
         else:
             self._pending_release.pop(res, None)
             host.reported.pop(res, None)
+            self._sync(host.host_id)
         self._notify()
 
     async def _send_release_kernel(self, host: HostRecord, kernel_id: KernelId) -> None:
@@ -696,6 +656,7 @@ class GpuScheduler:
         self._owed.discard((host.host_id, kernel_id))
         for res in [r for r, g in host.reported.items() if g.kernel_id == kernel_id]:
             del host.reported[res]
+        self._sync(host.host_id)
         self._notify()
 
     async def _refresh(self, host: HostRecord) -> None:
@@ -765,6 +726,7 @@ class GpuScheduler:
                 host_id, sender, status.address, status.incarnation, tuple(status.devices), now
             )
             host.update(sender, status, now)
+            self.model.add_host(host_id, len(host.devices))
             log.info("host %s joined with %d GPUs", host_id, len(host.devices))
             self._release_foreign(host)
         else:
@@ -773,6 +735,8 @@ class GpuScheduler:
                 self._reconcile(host)
             elif not was_reachable:
                 log.info("host %s is reachable again", host_id)
+            self.model.set_reachable(host_id, True)
+        self._sync(host_id)
         self._resend(host)
         self._notify()
 
@@ -831,6 +795,7 @@ class GpuScheduler:
     def _unreachable(self, host: HostRecord, why: str) -> None:
         if host.reachable:
             host.reachable = False
+            self.model.set_reachable(host.host_id, False)
             log.warning(
                 "host %s is unreachable (%s): not schedulable until it reports again",
                 host.host_id,
@@ -843,8 +808,7 @@ class GpuScheduler:
     def _notify(self) -> None:
         gpus = sum(len(h.devices) for h in self._hosts.values() if h.reachable)
         self.ledger.hosts_changed(sum(h.reachable for h in self._hosts.values()), gpus)
-        busy = sum(len(h.busy(self._grants_at(h.host_id))) for h in self._hosts.values())
-        self._ratio = smoothed_demand_ratio(self._ratio, self._demand, busy)
+        self.model.observe_demand()
         self._version += 1
         self._changed.set()
         self._changed = anyio.Event()

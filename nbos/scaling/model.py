@@ -140,6 +140,9 @@ class ClusterModel:
         """Kernels with a replica on the host (a copy)."""
         return set(self._get(host_id).kernels)
 
+    def placed(self, kernel_id: KernelId) -> bool:
+        return kernel_id in self._placements
+
     def replica_hosts(self, kernel_id: KernelId) -> tuple[HostId, ...]:
         """The kernel's replica hosts, in placement order (empty if not placed)."""
         placed = self._placements.get(kernel_id)
