@@ -6,6 +6,10 @@ from its agents' reports and its own grants, decides with the cluster's
 :class:`~nbos.scaling.ClusterDecisions` on the model's view, and makes every
 reservation through the host's agent, which is the authority on its devices: a view that is out of
 date costs a refused pre-commit and a retry, never a device bound twice.
+
+The conversation with the agents beyond a cell's grant (reports, restarts, releases
+owed) is :class:`~nbos.gateway._agent_sync.AgentSync`'s, and whether they answer
+:class:`~nbos.gateway._host_liveness.HostLiveness`'s.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ from nbos.core.errors import (
     InsufficientGpusError,
     PlacementError,
     QuorumLostError,
-    TransportError,
     UnknownReservationError,
 )
 from nbos.core.ids import HostId, KernelId, PeerId
@@ -45,19 +48,14 @@ from nbos.core.transport import Transport
 from nbos.core.wire.agent import (
     AgentReply,
     AgentRequest,
-    AgentRestore,
-    AgentStatus,
-    AgentStatusRequest,
     GpuCommit,
-    GpuFreed,
     GpuGranted,
     GpuPrecommit,
     GpuRefused,
-    GpuRelease,
-    GpuReleaseKernel,
-    GpuReservation,
 )
-from nbos.gateway._hosts import Grant, HostRecord
+from nbos.gateway._agent_sync import AgentSync
+from nbos.gateway._host_liveness import HostLiveness
+from nbos.gateway._hosts import Grant, HostRecord, Hosts
 from nbos.gateway._ledger import Ledger
 from nbos.gateway._rpc import RequestChannel
 from nbos.scaling import (
@@ -68,7 +66,6 @@ from nbos.scaling import (
     Wait,
     check_cell_gpus,
 )
-from nbos.transport import received_messages
 
 log = logging.getLogger(__name__)
 
@@ -124,33 +121,30 @@ class GpuScheduler:
         replicas_per_kernel: int,
         registered: bool = False,
     ) -> None:
-        self._transport = transport
         self._decisions = (
             policy
             if isinstance(policy, ClusterDecisions)
             else ClusterDecisions(policy, replicas_per_kernel)
         )
-        self._rpc = RequestChannel[AgentRequest, AgentReply](
-            transport, timeout=rpc_timeout, retry_interval=retry_interval
-        )
-        self._host_timeout = host_timeout
         self._poll = poll_interval
-        self._replicas_per_kernel = replicas_per_kernel
-        self._hosts: dict[HostId, HostRecord] = {}
-        # Grants by reservation id, and the same by host (see _keep_grant, _drop_grant).
-        self._grants: dict[str, Grant] = {}
-        self._grants_on: dict[HostId, dict[str, Grant]] = {}
-        self._committed: set[str] = set()
         #: The cluster as the decisions see it: the simulator's model, kept from reports.
         self.model = ClusterModel(replicas_per_kernel)
+        self._hosts = Hosts(self.model)
+        self._liveness = HostLiveness(self._hosts, host_timeout, self._notify)
+        rpc = RequestChannel[AgentRequest, AgentReply](
+            transport, timeout=rpc_timeout, retry_interval=retry_interval
+        )
+        self._agents = AgentSync(
+            transport,
+            rpc,
+            self._hosts,
+            self._liveness,
+            notify=self._notify,
+            spawn=self._spawn,
+            registered=registered,
+        )
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
-        self._pending_release: dict[str, tuple[HostId, bool]] = {}
-        # (host, kernel) whose ReleaseKernel the host has not confirmed yet.
-        self._owed: set[tuple[HostId, KernelId]] = set()
-        # Peers admitted by registration (HostDirectory), or None: hosts are learnt
-        # from their reports, the scheduler connecting to the address they give.
-        self._admitted: dict[HostId, PeerId] | None = {} if registered else None
         self.ledger = Ledger()
         self._version = 0
         self._changed = anyio.Event()
@@ -208,8 +202,8 @@ class GpuScheduler:
         )
         async with anyio.create_task_group() as tg:
             scheduler._tg = tg
-            tg.start_soon(scheduler._receive_loop)
-            tg.start_soon(scheduler._liveness_loop)
+            tg.start_soon(scheduler._agents.receive)
+            tg.start_soon(scheduler._liveness.run)
             try:
                 yield scheduler
             finally:
@@ -220,33 +214,6 @@ class GpuScheduler:
     def view(self) -> ClusterView:
         """Every known host as the decisions see it (unreachable hosts are unschedulable)."""
         return self.model.view()
-
-    def _grants_at(self, host_id: HostId) -> Iterable[Grant]:
-        """This scheduler's grants on ``host_id``: a host's view looks at its own only."""
-        return self._grants_on.get(host_id, {}).values()
-
-    def _keep_grant(self, grant: Grant) -> None:
-        self._grants[grant.reservation_id] = grant
-        self._grants_on.setdefault(grant.host, {})[grant.reservation_id] = grant
-        self._sync(grant.host)
-
-    def _drop_grant(self, res: str) -> Grant | None:
-        grant = self._grants.pop(res, None)
-        if grant is not None:
-            on_host = self._grants_on[grant.host]
-            del on_host[res]
-            if not on_host:
-                del self._grants_on[grant.host]
-            self._sync(grant.host)
-        return grant
-
-    def _sync(self, host_id: HostId) -> None:
-        """Tell the model what the host's agent reported and what this scheduler granted there:
-        a device either holds counts as committed (a report may predate a fresh grant)."""
-        host = self._hosts.get(host_id)
-        if host is not None:
-            busy = len(host.busy(self._grants_at(host_id)))
-            self.model.set_gpus(host_id, len(host.devices), busy)
 
     @property
     def decisions(self) -> ClusterDecisions:
@@ -259,7 +226,7 @@ class GpuScheduler:
 
     def grants(self) -> tuple[Grant, ...]:
         """Live grants (pre-committed or committed), oldest first."""
-        return tuple(self._grants.values())
+        return self._hosts.grants()
 
     def waiting(self) -> Mapping[tuple[KernelId, int], str]:
         """Cells waiting for GPUs now, by ``(kernel, exec_index)``, with the reason shown."""
@@ -268,28 +235,22 @@ class GpuScheduler:
     async def wait_for_hosts(self, n: int, timeout: float = 10.0) -> None:
         """Return once ``n`` hosts are reachable; ``TimeoutError`` after ``timeout``."""
         with anyio.fail_after(timeout):
-            while sum(h.reachable for h in self._hosts.values()) < n:
+            while sum(h.reachable for h in self._hosts.records()) < n:
                 await self._wait_change(self._version)
 
     async def wait_for_host(self, host_id: HostId, timeout: float) -> None:
         """Return once ``host_id`` reported and is reachable; ``TimeoutError`` after ``timeout``."""
         with anyio.fail_after(timeout):
-            while not (host_id in self._hosts and self._hosts[host_id].reachable):
+            while not self._hosts.reachable(host_id):
                 await self._wait_change(self._version)
 
     def admit(self, host_id: HostId, peer: PeerId) -> None:
         """Registration took ``host_id``'s agent at ``peer``: its reports count from now on."""
-        if self._admitted is None:
-            raise ConfigError("registered", False, "a scheduler serving registered hosts")
-        self._admitted[host_id] = peer
+        self._agents.admit(host_id, peer)
 
     def host_vanished(self, host_id: HostId, why: str) -> None:
         """The host's agent stopped answering: unreachable until it registers again."""
-        if self._admitted is not None:
-            self._admitted.pop(host_id, None)
-        host = self._hosts.get(host_id)
-        if host is not None:
-            self._unreachable(host, why)
+        self._agents.vanished(host_id, why)
 
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
         """Drain a host (no new replicas; cells go to its replicas only when the kernel has
@@ -300,12 +261,9 @@ class GpuScheduler:
 
     def remove_host(self, host_id: HostId) -> None:
         """Forget a drained host that leaves the cluster (its agent is being stopped)."""
-        if self._admitted is not None:
-            self._admitted.pop(host_id, None)
-        if self._hosts.pop(host_id, None) is not None:
-            self.model.remove_host(host_id)
+        self._agents.removed(host_id)
+        if self._hosts.leave(host_id):
             log.info("host %s removed", host_id)
-        self._owed = {(h, k) for h, k in self._owed if h != host_id}
         self._notify()
 
     # --- placement -------------------------------------------------------------------
@@ -321,7 +279,7 @@ class GpuScheduler:
         """
         hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
         self._set_placement(kernel_id, hosts, gpus)
-        self._owed -= {(h, kernel_id) for h in hosts}
+        self._agents.kernel_lives_on(kernel_id, hosts)
         log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
         self._notify()
         return hosts
@@ -403,8 +361,7 @@ class GpuScheduler:
             raise QuorumLostError(
                 f"kernel {kernel_id} has no live replica to run cell {exec_index}"
             )
-        # The kernel has live replicas on these hosts: nothing is owed for it there.
-        self._owed -= {(h, kernel_id) for h in replicas.values()}
+        self._agents.kernel_lives_on(kernel_id, replicas.values())
         staying = self._decisions.off_draining(tuple(replicas.values()), self.model.is_draining)
         replicas = {n: h for n, h in replicas.items() if h in staying}
         self.ledger.cell_ready(kernel_id, exec_index, gpus)
@@ -463,23 +420,23 @@ class GpuScheduler:
         not run the cell, and release the grant.
         """
         res = grant.reservation_id
-        if not res or res in self._committed:
-            return self._grants.get(res, grant)
-        if res not in self._grants:
+        if not res or res in self._hosts.committed:
+            return self._hosts.grant(res) or grant
+        if self._hosts.grant(res) is None:
             raise UnknownReservationError(res, "released")
         host = self._hosts[grant.host]
         n = len(grant.devices)
-        reply = await self._call(host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n))
+        reply = await self._agents.call(host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n))
         if isinstance(reply, GpuGranted) and reply.reservation.state == "committed":
             devices = tuple(reply.reservation.devices)
             if devices != grant.devices:
                 log.warning(
                     "reservation %s re-committed on devices %s, not %s", res, devices, grant.devices
                 )
-            if res in self._grants:
+            if self._hosts.grant(res) is not None:
                 grant = attrs.evolve(grant, devices=devices)
-                self._keep_grant(grant)
-                self._committed.add(res)
+                self._hosts.keep(grant)
+                self._hosts.committed.add(res)
                 self.ledger.cell_started(grant.kernel_id, grant.exec_index)
             return grant
         raise _refusal_error(reply, n, host.host_id)
@@ -491,17 +448,12 @@ class GpuScheduler:
         kernel needs them (lazy eviction).
         """
         res = grant.reservation_id
-        if not res or self._drop_grant(res) is None:
+        if not res or self._hosts.drop(res) is None:
             return
-        if res in self._committed:
+        if res in self._hosts.committed:
             self.ledger.cell_ended(grant.kernel_id, grant.exec_index)
-        self._committed.discard(res)
-        host = self._hosts.get(grant.host)
-        if host is None or not host.reachable:
-            self._pending_release[res] = (grant.host, resident)
-            self._notify()
-            return
-        await self._send_release(host, res, resident)
+        self._hosts.committed.discard(res)
+        await self._agents.release(grant.host, res, resident)
 
     @asynccontextmanager
     async def cell(
@@ -533,8 +485,8 @@ class GpuScheduler:
         """The kernel was shut down or died: free its GPUs and residency on every host."""
         self._forget_placement(kernel_id)
         async with anyio.create_task_group() as tg:
-            for host_id in list(self._hosts):
-                tg.start_soon(self.replica_gone, kernel_id, host_id)
+            for host in list(self._hosts.records()):
+                tg.start_soon(self.replica_gone, kernel_id, host.host_id)
         log.info("kernel %s gone: its GPUs are released", kernel_id)
 
     async def replica_gone(self, kernel_id: KernelId, host_id: HostId) -> None:
@@ -545,17 +497,12 @@ class GpuScheduler:
         allocation waits for an eviction that nobody can do. An unreachable
         agent is told when it reports again.
         """
-        gone = [
-            (r, g) for r, g in self._grants_on.get(host_id, {}).items() if g.kernel_id == kernel_id
-        ]
+        gone = [(r, g) for r, g in self._hosts.on(host_id).items() if g.kernel_id == kernel_id]
         for res, grant in gone:
-            self._drop_grant(res)
-            self._committed.discard(res)
+            self._hosts.drop(res)
+            self._hosts.committed.discard(res)
             self.ledger.cell_ended(kernel_id, grant.exec_index)
-        self._owed.add((host_id, kernel_id))
-        host = self._hosts.get(host_id)
-        if host is not None and host.reachable:
-            await self._send_release_kernel(host, kernel_id)
+        await self._agents.release_kernel(host_id, kernel_id)
         self._notify()
 
     # --- choosing and pre-committing -------------------------------------------------
@@ -571,7 +518,7 @@ class GpuScheduler:
         """One attempt over the replicas' hosts: a grant, or the decision to wait or migrate."""
         order = [replicas[r] for r in sorted(replicas)]
         last_host = replicas.get(last_executor) if last_executor is not None else None
-        down = {h for h in order if h not in self._hosts or not self._hosts[h].reachable}
+        down = {h for h in order if not self._hosts.reachable(h)}
         while True:
             try:
                 choice = self._decisions.cell(
@@ -601,12 +548,14 @@ class GpuScheduler:
         host = self._hosts[host_id]
         res = f"{kernel_id}/{exec_index}/{uuid.uuid4().hex[:12]}"
         try:
-            reply = await self._call(host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus))
+            reply = await self._agents.call(
+                host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus)
+            )
         except HostUnreachableError:
             return None
         except BaseException:
             # Cancelled while asking: the agent may have granted it; give it back.
-            self._spawn(self._send_release, host, res, False)
+            self._agents.release_soon(host, res)
             raise
         if isinstance(reply, GpuGranted) and reply.reservation.state in (
             "precommitted",
@@ -616,7 +565,7 @@ class GpuScheduler:
                 kernel_id, exec_index, replica, host_id, tuple(reply.reservation.devices), res
             )
             host.reported[res] = reply.reservation
-            self._keep_grant(grant)
+            self._hosts.keep(grant)
             return grant
         if isinstance(reply, GpuRefused):
             log.info(
@@ -624,190 +573,14 @@ class GpuScheduler:
             )
         else:
             log.warning("host %s answered a pre-commit with %s", host_id, type(reply).__name__)
-        self._spawn(self._refresh, host)
+        self._agents.refresh_soon(host)
         return None
-
-    # --- agent conversations ---------------------------------------------------------
-
-    async def _call(self, host: HostRecord, make: Callable[[int], AgentRequest]) -> AgentReply:
-        try:
-            return await self._rpc.call(host.peer, host.host_id, make)
-        except HostUnreachableError as exc:
-            if not self._rpc.closed:  # else the scheduler stops: the host is not to blame
-                self._unreachable(host, str(exc))
-            raise
-
-    async def _send_release(self, host: HostRecord, res: str, resident: bool) -> None:
-        try:
-            await self._call(host, lambda rid: GpuRelease(rid, res, resident))
-        except HostUnreachableError:
-            self._pending_release[res] = (host.host_id, resident)
-        else:
-            self._pending_release.pop(res, None)
-            host.reported.pop(res, None)
-            self._sync(host.host_id)
-        self._notify()
-
-    async def _send_release_kernel(self, host: HostRecord, kernel_id: KernelId) -> None:
-        try:
-            await self._call(host, lambda rid: GpuReleaseKernel(rid, kernel_id))
-        except HostUnreachableError:
-            return
-        self._owed.discard((host.host_id, kernel_id))
-        for res in [r for r, g in host.reported.items() if g.kernel_id == kernel_id]:
-            del host.reported[res]
-        self._sync(host.host_id)
-        self._notify()
-
-    async def _refresh(self, host: HostRecord) -> None:
-        try:
-            reply = await self._call(host, AgentStatusRequest)
-        except HostUnreachableError:
-            return
-        if isinstance(reply, AgentStatus):
-            self._on_status(host.peer, reply)
-
-    async def _restore(self, host: HostRecord, lost: list[GpuReservation]) -> None:
-        log.warning(
-            "agent of host %s restarted without %d committed reservations; restoring",
-            host.host_id,
-            len(lost),
-        )
-        try:
-            reply = await self._call(host, lambda rid: AgentRestore(rid, lost))
-        except HostUnreachableError:
-            return
-        if isinstance(reply, GpuRefused):
-            log.warning("host %s refused to restore reservations: %s", host.host_id, reply.message)
-        await self._refresh(host)
-
-    # --- reports ---------------------------------------------------------------------
-
-    async def _receive_loop(self) -> None:
-        try:
-            await self._receive()
-        finally:
-            # No reply can reach a call from now on: calls must not wait out their timeout
-            # (a cluster torn down by cancellation would hang in its shielded releases).
-            self._rpc.close()
-
-    async def _receive(self) -> None:
-        async for sender, message in received_messages(self._transport, "scheduler"):
-            if isinstance(message, AgentStatus) and message.request_id is None:
-                self._on_status(sender, message)
-            elif isinstance(message, AgentStatus | GpuGranted | GpuRefused | GpuFreed):
-                if message.request_id is None or not self._rpc.deliver(message.request_id, message):
-                    log.debug(
-                        "late or duplicate %s from %s dropped", type(message).__name__, sender
-                    )
-            else:
-                log.warning(
-                    "scheduler dropped unexpected %s from %s", type(message).__name__, sender
-                )
-
-    def _on_status(self, sender: PeerId, status: AgentStatus) -> None:
-        host_id = HostId(status.host_id)
-        now = anyio.current_time()
-        host = self._hosts.get(host_id)
-        if self._admitted is not None:
-            # Registration connected to the host (with its key); reports count only
-            # from the peer it admitted, and the address it checked stays.
-            if self._admitted.get(host_id) != sender:
-                log.debug("status of %s from %s, not an admitted host: dropped", host_id, sender)
-                return
-        elif host is None or (host.peer, host.address) != (sender, status.address):
-            try:
-                self._transport.add_peer(sender, status.address)
-            except TransportError as exc:
-                log.warning("host %s reported a bad address %r: %s", host_id, status.address, exc)
-                return
-        if host is None:
-            host = self._hosts[host_id] = HostRecord(
-                host_id, sender, status.address, status.incarnation, tuple(status.devices), now
-            )
-            host.update(sender, status, now)
-            self.model.add_host(host_id, len(host.devices))
-            log.info("host %s joined with %d GPUs", host_id, len(host.devices))
-            self._release_foreign(host)
-        else:
-            was_reachable = host.reachable
-            if host.update(sender, status, now):
-                self._reconcile(host)
-            elif not was_reachable:
-                log.info("host %s is reachable again", host_id)
-            self.model.set_reachable(host_id, True)
-        self._sync(host_id)
-        self._resend(host)
-        self._notify()
-
-    def _release_foreign(self, host: HostRecord) -> None:
-        """Free what the first report of ``host`` holds: this scheduler granted nothing there
-        yet, so those are the grants of an earlier gateway, which died with it.
-
-        The tensors stay resident (the replicas live on), to be evicted lazily. A cell
-        that was running when that gateway died may still use its devices a while.
-        """
-        for res, reservation in list(host.reported.items()):
-            log.info(
-                "host %s: reservation %s of kernel %s is not ours (an earlier gateway's): released",
-                host.host_id,
-                res,
-                reservation.kernel_id,
-            )
-            self._spawn(self._send_release, host, res, True)
-
-    def _reconcile(self, host: HostRecord) -> None:
-        """A new agent incarnation: give it back the committed reservations it lost."""
-        lost = [
-            GpuReservation(res, g.kernel_id, list(g.devices), "committed")
-            for res, g in self._grants_on.get(host.host_id, {}).items()
-            if res in self._committed and res not in host.reported
-        ]
-        log.info(
-            "agent of host %s (re)started; %d committed reservations to restore",
-            host.host_id,
-            len(lost),
-        )
-        if lost:
-            self._spawn(self._restore, host, lost)
-
-    def _resend(self, host: HostRecord) -> None:
-        """Retry releases that an unreachable agent missed, now that it reported them."""
-        for res, (host_id, _) in list(self._pending_release.items()):
-            if host_id == host.host_id and res not in host.reported:
-                del self._pending_release[res]  # expired or lost there: nothing left to free
-        for res in host.reported:
-            pending = self._pending_release.get(res)
-            if pending is not None:
-                self._spawn(self._send_release, host, res, pending[1])
-        for host_id, kernel in list(self._owed):
-            if host_id == host.host_id:
-                self._spawn(self._send_release_kernel, host, kernel)
-
-    async def _liveness_loop(self) -> None:
-        while True:
-            await anyio.sleep(self._host_timeout / 4)
-            now = anyio.current_time()
-            for host in self._hosts.values():
-                if host.reachable and now - host.last_seen > self._host_timeout:
-                    self._unreachable(host, f"no report for {now - host.last_seen:.1f} s")
-
-    def _unreachable(self, host: HostRecord, why: str) -> None:
-        if host.reachable:
-            host.reachable = False
-            self.model.set_reachable(host.host_id, False)
-            log.warning(
-                "host %s is unreachable (%s): not schedulable until it reports again",
-                host.host_id,
-                why,
-            )
-            self._notify()
 
     # --- wake-ups --------------------------------------------------------------------
 
     def _notify(self) -> None:
-        gpus = sum(len(h.devices) for h in self._hosts.values() if h.reachable)
-        self.ledger.hosts_changed(sum(h.reachable for h in self._hosts.values()), gpus)
+        reachable = [h for h in self._hosts.records() if h.reachable]
+        self.ledger.hosts_changed(len(reachable), sum(len(h.devices) for h in reachable))
         self.model.observe_demand()
         self._version += 1
         self._changed.set()
