@@ -4,8 +4,9 @@ Design, "One cell, end to end", steps 2, 3 and 7. The scheduler keeps the
 cluster's :class:`~nbos.scaling.ClusterModel` (the simulator's model) up to date
 from its agents' reports and its own grants, decides with the cluster's
 :class:`~nbos.scaling.ClusterDecisions` on the model's view, and makes every
-reservation through the host's agent, which is the authority on its devices: a view that is out of
-date costs a refused pre-commit and a retry, never a device bound twice.
+reservation through the host's agent, which is the authority on its devices: a
+view that is out of date costs a refused pre-commit and a retry, never a device
+bound twice.
 
 The conversation with the agents beyond a cell's grant (reports, restarts, releases
 owed) is :class:`~nbos.gateway._agent_sync.AgentSync`'s, and whether they answer
@@ -255,7 +256,8 @@ class GpuScheduler:
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
         """Drain a host (no new replicas; cells go to its replicas only when the kernel has
         no other live replica) or undrain it."""
-        self._hosts[host_id]  # KeyError for a host that is gone, as the autoscaler expects
+        if host_id not in self._hosts:
+            raise KeyError(host_id)  # the host is gone: the autoscaler's drain ends
         self.model.set_schedulable(host_id, schedulable)
         self._notify()
 
@@ -314,9 +316,7 @@ class GpuScheduler:
             self.model.forget(kernel_id)
 
     @contextmanager
-    def holding(
-        self, kernel_id: KernelId, exec_index: int, host: HostId, gpus: int
-    ) -> Iterator[None]:
+    def holding(self, host: HostId, gpus: int) -> Iterator[None]:
         """Count ``gpus`` GPUs of ``host`` as committed while a cell's replica migrates there.
 
         The simulator commits a migrating cell's GPUs when it decides the move; so does
@@ -366,9 +366,9 @@ class GpuScheduler:
         replicas = {n: h for n, h in replicas.items() if h in staying}
         self.ledger.cell_ready(kernel_id, exec_index, gpus)
         if gpus == 0:
-            # Nothing to pre-commit, but the executor is still the decision's, made on
-            # the replicas' hosts alone: a cell without GPUs never waits nor migrates,
-            # and its cost must not grow with the cluster.
+            # Nothing to pre-commit, but the executor is still the decision's, which looks
+            # up the replicas' hosts alone in the model's view: a cell without GPUs never
+            # waits nor migrates, and its cost must not grow with the cluster.
             order = [replicas[r] for r in sorted(replicas)]
             last = replicas.get(last_executor) if last_executor is not None else None
             choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
@@ -518,8 +518,9 @@ class GpuScheduler:
         """One attempt over the replicas' hosts: a grant, or the decision to wait or migrate."""
         order = [replicas[r] for r in sorted(replicas)]
         last_host = replicas.get(last_executor) if last_executor is not None else None
-        down = {h for h in order if not self._hosts.reachable(h)}
+        refused: set[HostId] = set()
         while True:
+            down = refused | {h for h in order if not self._hosts.reachable(h)}
             try:
                 choice = self._decisions.cell(
                     self.view(), kernel_id, order, last_host, gpus, down=down
@@ -534,7 +535,7 @@ class GpuScheduler:
             grant = await self._precommit(kernel_id, exec_index, replica, choice.host, gpus)
             if grant is not None:
                 return grant
-            down.add(choice.host)
+            refused.add(choice.host)
 
     @staticmethod
     def _replica_on(host: HostId, replicas: Mapping[int, HostId], last: int | None) -> int:

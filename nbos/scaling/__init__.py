@@ -1,8 +1,8 @@
 """Placement policies, executor choice, migration, autoscaling and the trace-driven simulator.
 
 :class:`ClusterDecisions` makes every scheduling decision of one cluster, for the
-gateway and the simulator alike; :class:`ClusterModel` is the cluster the
-simulator keeps up to date event by event.
+gateway and the simulator alike; :class:`ClusterModel` is the cluster both
+keep up to date event by event.
 
 Policies are found by name through the entry point group ``nbos.placement_policies``;
 see ``docs/placement.md`` for writing one.

@@ -4,7 +4,7 @@ A pure decision (design, "Failures, migration, scaling"): the replica on the
 busiest of the kernel's hosts moves, because that host is the least likely to
 free GPUs soon; the policy's ``migration_target`` picks the destination among
 hosts that hold no replica of the kernel. ``None`` means no host can take it
-now, and the caller should signal the autoscaler (``placement_failed``).
+now: the cell waits, which the autoscaler counts as a placement failure.
 """
 
 from __future__ import annotations

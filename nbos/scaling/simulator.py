@@ -5,8 +5,9 @@ the object the gateway's scheduler uses too: the placement policy loaded by
 name through :func:`~nbos.scaling.load_policy` (so a user's policy registered by
 entry point works here unchanged), the executor choice and migration plan, and
 the :class:`~nbos.scaling.autoscaler.Autoscaler`. The cluster is a
-:class:`~nbos.scaling.model.ClusterModel` kept up to date event by event, with a
-real :class:`~nbos.gpu.GpuPool` per host driven by the simulated clock. Two modes:
+:class:`~nbos.scaling.model.ClusterModel` (the class the gateway's scheduler keeps too)
+kept up to date event by event, with a real :class:`~nbos.gpu.GpuPool` per host driven
+by the simulated clock. Two modes:
 
 ``"nbos"``
     Each session's kernel has ``replicas_per_kernel`` replicas placed by the
