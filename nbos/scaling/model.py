@@ -171,8 +171,8 @@ class ClusterModel:
         """The host joins with ``gpus`` GPUs, none committed (with what was kept aside for it)."""
         if host_id in self._hosts or gpus < 0:
             raise _bad(f"cannot add host {host_id} with {gpus} GPUs")
-        host = self._aside.pop(host_id, None) or _Host(0)
-        host.total = gpus
+        aside = self._aside.pop(host_id, None)
+        host = _Host(gpus) if aside is None else attrs.evolve(aside, total=gpus)
         self._hosts[host_id] = host
         bisect.insort(self._order, host_id)
         self._totals[gpus] += 1
@@ -191,9 +191,11 @@ class ClusterModel:
         self._reindex()
         self.capacity -= host.total
         self.committed -= host.committed
-        host.total = host.committed = 0
         if host.kernels or host.held:
-            self._aside[host_id] = host
+            # Only what names the host waits aside: it comes back in service, reachable.
+            self._aside[host_id] = _Host(
+                0, held=host.held, subscribed=host.subscribed, kernels=host.kernels
+            )
 
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
         """Drain the host (no new replicas) or take it back into service."""

@@ -24,9 +24,10 @@ def test_a_placement_on_a_host_not_yet_in_the_cluster_counts_once_it_joins() -> 
     assert [h.host_id for h in m.view().hosts] == [H0, H1]
     m.add_host(H2, 4)
     assert (m.host(H2).gpus_subscribed, m.host(H2).replicas) == (2, 1)
+    m.set_schedulable(H2, False)
     m.remove_host(H2)  # a host may leave while a kernel names it: kept aside again
     m.add_host(H2, 8)
-    assert (m.host(H2).gpus_total, m.host(H2).replicas) == (8, 1)
+    assert (m.host(H2).gpus_total, m.host(H2).replicas, m.host(H2).schedulable) == (8, 1, True)
     m.forget(KernelId("k"))
     assert m.host(H2).gpus_subscribed == 0
 
