@@ -7,9 +7,9 @@ The trace-driven simulator replays :func:`nbos.scaling.synthetic_trace` (SESSION
 over ``NBOS_BENCH_DECIDE_HOURS`` hours, default 8) on a fixed cluster of HOSTS hosts of 8
 GPUs in nbos mode (3 replicas per kernel, the least-loaded policy, no autoscaler), and
 every decision goes through :class:`~nbos.scaling.ClusterDecisions`, the object the
-gateway's scheduler uses, over the simulator's :class:`~nbos.scaling.model.ClusterModel`
-(whose host index lets least-loaded decide without ranking every host; the gateway builds
-its views without one). Each call (``place``, ``place_one``, ``reserve``, ``cell``,
+gateway's scheduler uses, over a :class:`~nbos.scaling.model.ClusterModel`, the model the
+gateway's scheduler keeps too (whose host index lets least-loaded decide without ranking
+every host). Each call (``place``, ``place_one``, ``reserve``, ``cell``,
 ``scale``) is timed, together with the :meth:`ClusterModel.view` it was given (the view is
 rebuilt only after a change, so that cost is part of a decision too). The time is the
 thread's CPU time (``time.thread_time_ns``), which a busy machine's preemptions do not

@@ -2,9 +2,10 @@
 
 Every ``period`` seconds the gateway asks the cluster's
 :class:`~nbos.scaling.ClusterDecisions` (the scheduler's, so the one the simulator
-makes) for a scaling decision over the scheduler's view, with ``placement_failed``
-set while a cell waits for GPUs or a kernel could not be placed since the last
-decision, and the hosts being started counted as provisioning. Then:
+makes) for a scaling decision over the scheduler's view, with the cells waiting
+for GPUs (the decisions remember, as placement failures, the kernels they could not
+place since the last decision) and the hosts being started counted as provisioning.
+Then:
 
 * :class:`~nbos.scaling.ScaleOut`: the host provider starts that many hosts; each
   counts as provisioning until its agent registered and reported its GPUs (or, after
@@ -62,7 +63,6 @@ class LiveAutoscaler:
         self._host_timeout = host_timeout
         self._provisioning = 0
         self._draining: set[HostId] = set()
-        self._failures_seen = directory.scheduler.placement_failures
 
     @property
     def draining(self) -> frozenset[HostId]:
@@ -79,18 +79,15 @@ class LiveAutoscaler:
     def tick(self, tg: anyio.abc.TaskGroup) -> None:
         """One decision, its actions started in ``tg``."""
         scheduler = self._directory.scheduler
-        decisions = scheduler.decisions
-        view = scheduler.view()
-        failures = scheduler.placement_failures
-        waiting = bool(scheduler.waiting()) or failures != self._failures_seen
-        self._failures_seen = failures
-        decision = decisions.scale(view, anyio.current_time(), waiting, self._provisioning)
-        autoscaler = decisions.autoscaler
-        if (
-            waiting
-            and autoscaler is not None
-            and len(view.hosts) + self._provisioning >= autoscaler.config.max_hosts
-        ):
+        step = scheduler.decisions.scale(
+            scheduler.view(),
+            anyio.current_time(),
+            cells_waiting=bool(scheduler.waiting()),
+            kernels_waiting=False,  # a kernel not placed is refused at once, not kept waiting
+            provisioning=self._provisioning,
+        )
+        decision = step.decision
+        if step.at_ceiling:
             scheduler.ledger.ceiling_s += self._period
         if isinstance(decision, ScaleOut):
             scheduler.ledger.scale_outs += 1

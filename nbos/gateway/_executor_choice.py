@@ -157,7 +157,7 @@ class GpuChooser:
                 f"moves to {outcome.target}"
             )
         source = next(n for n, h in replicas.items() if h == outcome.source)
-        with self._scheduler.holding(self._kernel_id, request.exec_index, outcome.target, gpus):
+        with self._scheduler.holding(outcome.target, gpus):
             node = await self._migrate(source, outcome.target, request.exec_index - 1)
         # The source was fenced (or, failed early, is spared): the cell waits for the others.
         survivors = {n: h for n, h in self._hosts.items() if n in replicas and n != source}

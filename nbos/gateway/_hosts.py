@@ -1,14 +1,14 @@
-"""The scheduler's model of the hosts: what each agent last reported, plus its own grants."""
+"""What the scheduler knows of the hosts: what each agent last reported, plus its own grants."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
 from nbos.core.ids import HostId, KernelId, PeerId
-from nbos.core.placement import HostView
 from nbos.core.wire.agent import AgentStatus, GpuReservation
+from nbos.scaling import ClusterModel
 
 _LIVE = ("precommitted", "committed")
 
@@ -35,7 +35,7 @@ class HostRecord:
 
     ``reachable`` turns false when its agent does not answer a request or stops
     reporting; such a host is left out of executor choice and placement until it
-    reports again. ``schedulable`` is the operator's drain switch (placement only).
+    reports again.
     """
 
     host_id: HostId
@@ -48,7 +48,6 @@ class HostRecord:
     #: Idle devices still holding a kernel's tensors, as ``(device, kernel)``.
     resident: tuple[tuple[int, str], ...] = ()
     reachable: bool = True
-    schedulable: bool = True
 
     def update(self, peer: PeerId, status: AgentStatus, now: float) -> bool:
         """Take a status report; ``True`` if it comes from a new agent incarnation."""
@@ -84,13 +83,89 @@ class HostRecord:
             "resident": len(resident),
         }
 
-    def view(self, own: Iterable[Grant], subscribed: int, replicas: int, held: int = 0) -> HostView:
-        """The host for placement; ``held`` GPUs more count as committed (a migration's)."""
-        return HostView(
-            host_id=self.host_id,
-            gpus_total=len(self.devices),
-            gpus_committed=min(len(self.devices), len(self.busy(own)) + held),
-            gpus_subscribed=subscribed,
-            replicas=replicas,
-            schedulable=self.schedulable and self.reachable,
-        )
+
+class Hosts:
+    """The hosts the scheduler knows and its grants on them, mirrored into the cluster model.
+
+    Every change to a host's report or to the grants there goes through here, so that
+    the model's committed GPUs of a host are always the devices either holds.
+    """
+
+    def __init__(self, model: ClusterModel) -> None:
+        self.model = model
+        self._records: dict[HostId, HostRecord] = {}
+        # Grants by reservation id, and the same by host: a host's count looks at its own.
+        self._grants: dict[str, Grant] = {}
+        self._on: dict[HostId, dict[str, Grant]] = {}
+        #: Reservation ids whose cells started (committed on their agents).
+        self.committed: set[str] = set()
+
+    # --- hosts -------------------------------------------------------------------------
+
+    def get(self, host_id: HostId) -> HostRecord | None:
+        return self._records.get(host_id)
+
+    def __getitem__(self, host_id: HostId) -> HostRecord:
+        return self._records[host_id]
+
+    def __contains__(self, host_id: object) -> bool:
+        return host_id in self._records
+
+    def records(self) -> Iterable[HostRecord]:
+        return self._records.values()
+
+    def reachable(self, host_id: HostId) -> bool:
+        host = self._records.get(host_id)
+        return host is not None and host.reachable
+
+    def join(self, host: HostRecord) -> None:
+        self._records[host.host_id] = host
+        self.model.add_host(host.host_id, len(host.devices))
+        self.synced(host.host_id)
+
+    def leave(self, host_id: HostId) -> bool:
+        """Forget the host (``False`` if unknown); what names it in the model stays aside."""
+        if self._records.pop(host_id, None) is None:
+            return False
+        self.model.remove_host(host_id)
+        return True
+
+    def set_reachable(self, host: HostRecord, reachable: bool) -> None:
+        host.reachable = reachable
+        self.model.set_reachable(host.host_id, reachable)
+
+    def synced(self, host_id: HostId) -> None:
+        """The host's report changed (or what it holds was freed): the model follows."""
+        host = self._records.get(host_id)
+        if host is not None:
+            busy = len(host.busy(self.on(host_id).values()))
+            self.model.set_gpus(host_id, len(host.devices), busy)
+
+    # --- grants ------------------------------------------------------------------------
+
+    def grant(self, res: str) -> Grant | None:
+        return self._grants.get(res)
+
+    def grants(self) -> tuple[Grant, ...]:
+        """Live grants (pre-committed or committed), oldest first."""
+        return tuple(self._grants.values())
+
+    def on(self, host_id: HostId) -> Mapping[str, Grant]:
+        """The grants on ``host_id``, by reservation id."""
+        return self._on.get(host_id, {})
+
+    def keep(self, grant: Grant) -> None:
+        self._grants[grant.reservation_id] = grant
+        self._on.setdefault(grant.host, {})[grant.reservation_id] = grant
+        self.synced(grant.host)
+
+    def drop(self, res: str) -> Grant | None:
+        """Forget the grant; ``None`` if there was none."""
+        grant = self._grants.pop(res, None)
+        if grant is not None:
+            on_host = self._on[grant.host]
+            del on_host[res]
+            if not on_host:
+                del self._on[grant.host]
+            self.synced(grant.host)
+        return grant

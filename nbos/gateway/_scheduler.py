@@ -1,17 +1,23 @@
 """The gateway's GPU scheduler: placement, executor choice, pre-commit, commit and release.
 
-Design, "One cell, end to end", steps 2, 3 and 7. The scheduler keeps a model
-of every host from its agent's reports and its own grants, decides with the
-pure functions of :mod:`nbos.scaling`, and makes every reservation through the
-host's agent, which is the authority on its devices: a view that is out of
-date costs a refused pre-commit and a retry, never a device bound twice.
+Design, "One cell, end to end", steps 2, 3 and 7. The scheduler keeps the
+cluster's :class:`~nbos.scaling.ClusterModel` (the simulator's model) up to date
+from its agents' reports and its own grants, decides with the cluster's
+:class:`~nbos.scaling.ClusterDecisions` on the model's view, and makes every
+reservation through the host's agent, which is the authority on its devices: a
+view that is out of date costs a refused pre-commit and a retry, never a device
+bound twice.
+
+The conversation with the agents beyond a cell's grant (reports, restarts, releases
+owed) is :class:`~nbos.gateway._agent_sync.AgentSync`'s, and whether they answer
+:class:`~nbos.gateway._host_liveness.HostLiveness`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -34,9 +40,7 @@ from nbos.core.errors import (
     HostUnreachableError,
     InsufficientGpusError,
     PlacementError,
-    PolicyContractError,
     QuorumLostError,
-    TransportError,
     UnknownReservationError,
 )
 from nbos.core.ids import HostId, KernelId, PeerId
@@ -45,30 +49,24 @@ from nbos.core.transport import Transport
 from nbos.core.wire.agent import (
     AgentReply,
     AgentRequest,
-    AgentRestore,
-    AgentStatus,
-    AgentStatusRequest,
     GpuCommit,
-    GpuFreed,
     GpuGranted,
     GpuPrecommit,
     GpuRefused,
-    GpuRelease,
-    GpuReleaseKernel,
-    GpuReservation,
 )
-from nbos.gateway._hosts import Grant, HostRecord
+from nbos.gateway._agent_sync import AgentSync
+from nbos.gateway._host_liveness import HostLiveness
+from nbos.gateway._hosts import Grant, HostRecord, Hosts
 from nbos.gateway._rpc import RequestChannel
 from nbos.scaling import (
     ClusterDecisions,
+    ClusterModel,
     Execute,
     MigrationPlan,
     Wait,
     check_cell_gpus,
-    smoothed_demand_ratio,
 )
 from nbos.scaling.ledger import Ledger
-from nbos.transport import received_messages
 
 log = logging.getLogger(__name__)
 
@@ -124,42 +122,30 @@ class GpuScheduler:
         replicas_per_kernel: int,
         registered: bool = False,
     ) -> None:
-        self._transport = transport
         self._decisions = (
             policy
             if isinstance(policy, ClusterDecisions)
             else ClusterDecisions(policy, replicas_per_kernel)
         )
-        self._rpc = RequestChannel[AgentRequest, AgentReply](
+        self._poll = poll_interval
+        #: The cluster as the decisions see it: the simulator's model, kept from reports.
+        self.model = ClusterModel(replicas_per_kernel)
+        self._hosts = Hosts(self.model)
+        self._liveness = HostLiveness(self._hosts, host_timeout, self._notify)
+        rpc = RequestChannel[AgentRequest, AgentReply](
             transport, timeout=rpc_timeout, retry_interval=retry_interval
         )
-        self._host_timeout = host_timeout
-        self._poll = poll_interval
-        self._replicas_per_kernel = replicas_per_kernel
-        self._hosts: dict[HostId, HostRecord] = {}
-        # Grants by reservation id, and the same by host (see _keep_grant, _drop_grant).
-        self._grants: dict[str, Grant] = {}
-        self._grants_on: dict[HostId, dict[str, Grant]] = {}
-        self._committed: set[str] = set()
-        self._placements: dict[KernelId, tuple[tuple[HostId, ...], int]] = {}
-        # Per host, kept with _placements: GPUs subscribed and replicas placed there.
-        self._subscribed: Counter[HostId] = Counter()
-        self._replica_count: Counter[HostId] = Counter()
-        #: GPUs subscribed per cell over all kernels, kept with _placements too.
-        self._demand = 0
+        self._agents = AgentSync(
+            transport,
+            rpc,
+            self._hosts,
+            self._liveness,
+            notify=self._notify,
+            spawn=self._spawn,
+            registered=registered,
+        )
         self._queues: dict[frozenset[HostId], deque[object]] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
-        # GPUs a migrating cell will take on its target host, by cell.
-        self._held: dict[tuple[KernelId, int], tuple[HostId, int]] = {}
-        self._pending_release: dict[str, tuple[HostId, bool]] = {}
-        # (host, kernel) whose ReleaseKernel the host has not confirmed yet.
-        self._owed: set[tuple[HostId, KernelId]] = set()
-        # Peers admitted by registration (HostDirectory), or None: hosts are learnt
-        # from their reports, the scheduler connecting to the address they give.
-        self._admitted: dict[HostId, PeerId] | None = {} if registered else None
-        self._ratio = 1.0
-        #: Kernels the policy could not place, counted (the autoscaler reads it).
-        self.placement_failures = 0
         self.ledger = Ledger()
         self._version = 0
         self._changed = anyio.Event()
@@ -217,8 +203,8 @@ class GpuScheduler:
         )
         async with anyio.create_task_group() as tg:
             scheduler._tg = tg
-            tg.start_soon(scheduler._receive_loop)
-            tg.start_soon(scheduler._liveness_loop)
+            tg.start_soon(scheduler._agents.receive)
+            tg.start_soon(scheduler._liveness.run)
             try:
                 yield scheduler
             finally:
@@ -226,45 +212,9 @@ class GpuScheduler:
 
     # --- the cluster -----------------------------------------------------------------
 
-    def view(self, only: Iterable[HostId] | None = None) -> ClusterView:
-        """Every known host as placement sees it (unreachable hosts are unschedulable);
-        ``only`` those of the hosts given that are known, in that order."""
-        held: Counter[HostId] = Counter()
-        for host_id, n in self._held.values():
-            held[host_id] += n
-        records = (
-            sorted(self._hosts.values(), key=lambda h: h.host_id)
-            if only is None
-            else [self._hosts[h] for h in only if h in self._hosts]
-        )
-        subscribed, placed = self._subscribed, self._replica_count
-        hosts = [
-            h.view(
-                self._grants_at(h.host_id),
-                subscribed[h.host_id],
-                placed[h.host_id],
-                held[h.host_id],
-            )
-            for h in records
-        ]
-        return ClusterView(hosts, self._replicas_per_kernel, self._ratio)
-
-    def _grants_at(self, host_id: HostId) -> Iterable[Grant]:
-        """This scheduler's grants on ``host_id``: a host's view looks at its own only."""
-        return self._grants_on.get(host_id, {}).values()
-
-    def _keep_grant(self, grant: Grant) -> None:
-        self._grants[grant.reservation_id] = grant
-        self._grants_on.setdefault(grant.host, {})[grant.reservation_id] = grant
-
-    def _drop_grant(self, res: str) -> Grant | None:
-        grant = self._grants.pop(res, None)
-        if grant is not None:
-            on_host = self._grants_on[grant.host]
-            del on_host[res]
-            if not on_host:
-                del self._grants_on[grant.host]
-        return grant
+    def view(self) -> ClusterView:
+        """Every known host as the decisions see it (unreachable hosts are unschedulable)."""
+        return self.model.view()
 
     @property
     def decisions(self) -> ClusterDecisions:
@@ -277,7 +227,7 @@ class GpuScheduler:
 
     def grants(self) -> tuple[Grant, ...]:
         """Live grants (pre-committed or committed), oldest first."""
-        return tuple(self._grants.values())
+        return self._hosts.grants()
 
     def waiting(self) -> Mapping[tuple[KernelId, int], str]:
         """Cells waiting for GPUs now, by ``(kernel, exec_index)``, with the reason shown."""
@@ -286,42 +236,36 @@ class GpuScheduler:
     async def wait_for_hosts(self, n: int, timeout: float = 10.0) -> None:
         """Return once ``n`` hosts are reachable; ``TimeoutError`` after ``timeout``."""
         with anyio.fail_after(timeout):
-            while sum(h.reachable for h in self._hosts.values()) < n:
+            while sum(h.reachable for h in self._hosts.records()) < n:
                 await self._wait_change(self._version)
 
     async def wait_for_host(self, host_id: HostId, timeout: float) -> None:
         """Return once ``host_id`` reported and is reachable; ``TimeoutError`` after ``timeout``."""
         with anyio.fail_after(timeout):
-            while not (host_id in self._hosts and self._hosts[host_id].reachable):
+            while not self._hosts.reachable(host_id):
                 await self._wait_change(self._version)
 
     def admit(self, host_id: HostId, peer: PeerId) -> None:
         """Registration took ``host_id``'s agent at ``peer``: its reports count from now on."""
-        if self._admitted is None:
-            raise ConfigError("registered", False, "a scheduler serving registered hosts")
-        self._admitted[host_id] = peer
+        self._agents.admit(host_id, peer)
 
     def host_vanished(self, host_id: HostId, why: str) -> None:
         """The host's agent stopped answering: unreachable until it registers again."""
-        if self._admitted is not None:
-            self._admitted.pop(host_id, None)
-        host = self._hosts.get(host_id)
-        if host is not None:
-            self._unreachable(host, why)
+        self._agents.vanished(host_id, why)
 
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
         """Drain a host (no new replicas; cells go to its replicas only when the kernel has
         no other live replica) or undrain it."""
-        self._hosts[host_id].schedulable = schedulable
+        if host_id not in self._hosts:
+            raise KeyError(host_id)  # the host is gone: the autoscaler's drain ends
+        self.model.set_schedulable(host_id, schedulable)
         self._notify()
 
     def remove_host(self, host_id: HostId) -> None:
         """Forget a drained host that leaves the cluster (its agent is being stopped)."""
-        if self._admitted is not None:
-            self._admitted.pop(host_id, None)
-        if self._hosts.pop(host_id, None) is not None:
+        self._agents.removed(host_id)
+        if self._hosts.leave(host_id):
             log.info("host %s removed", host_id)
-        self._owed = {(h, k) for h, k in self._owed if h != host_id}
         self._notify()
 
     # --- placement -------------------------------------------------------------------
@@ -335,16 +279,9 @@ class GpuScheduler:
         :class:`~nbos.core.errors.PolicyContractError` when it answers with anything
         but ``replicas_per_kernel`` distinct known, schedulable hosts outside ``exclude``.
         """
-        try:
-            hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
-        except PolicyContractError:
-            raise
-        except PlacementError:
-            self.placement_failures += 1
-            self._notify()
-            raise
-        self._set_placement(kernel_id, (hosts, gpus))
-        self._owed -= {(h, kernel_id) for h in hosts}
+        hosts = self._decisions.place(self.view(), kernel_id, gpus, exclude)
+        self._set_placement(kernel_id, hosts, gpus)
+        self._agents.kernel_lives_on(kernel_id, hosts)
         log.info("kernel %s placed on %s (%d GPUs per cell)", kernel_id, list(hosts), gpus)
         self._notify()
         return hosts
@@ -352,53 +289,46 @@ class GpuScheduler:
     def adopt_placement(self, kernel_id: KernelId, hosts: Iterable[HostId], gpus: int) -> None:
         """A kernel placed before this scheduler started (a restarted gateway took it
         over): its replicas are on ``hosts``, ``gpus`` subscribed on each."""
-        self._set_placement(kernel_id, (tuple(hosts), gpus))
+        self._set_placement(kernel_id, tuple(hosts), gpus)
         self._notify()
 
     def replica_moved(self, kernel_id: KernelId, old: HostId, new: HostId) -> None:
         """A replica of the kernel was replaced from host ``old`` to ``new``: so is its
         subscription. (What it held on ``old`` is freed by :meth:`replica_gone`.)"""
-        placed = self._placements.get(kernel_id)
-        if placed is None or old not in placed[0]:
+        hosts = self.model.replica_hosts(kernel_id)
+        if old not in hosts:
             return
-        hosts, gpus = placed
-        self._set_placement(kernel_id, (tuple(new if h == old else h for h in hosts), gpus))
+        if new in hosts:
+            log.warning("kernel %s: a replica moved to %s, which holds one already", kernel_id, new)
+            return
+        self.model.move(kernel_id, old, new)
         log.info("kernel %s: replica moved from %s to %s", kernel_id, old, new)
         self._notify()
 
-    def _set_placement(
-        self, kernel_id: KernelId, placement: tuple[tuple[HostId, ...], int] | None
-    ) -> None:
-        """The kernel's replicas are on these hosts, subscribing that many GPUs on each
-        (``None``: it is gone)."""
-        old = self._placements.pop(kernel_id, None)
-        for entry, sign in ((old, -1), (placement, 1)):
-            if entry is None:
-                continue
-            hosts, gpus = entry
-            self._demand += sign * gpus
-            for h in hosts:
-                self._subscribed[h] += sign * gpus
-                self._replica_count[h] += sign
-        if placement is not None:
-            self._placements[kernel_id] = placement
+    def _set_placement(self, kernel_id: KernelId, hosts: tuple[HostId, ...], gpus: int) -> None:
+        """The kernel's replicas are on these hosts, subscribing ``gpus`` on each (in place of
+        an earlier placement: a gateway taking the kernel over adopts it again)."""
+        self._forget_placement(kernel_id)
+        self.model.place(kernel_id, hosts, gpus)
+
+    def _forget_placement(self, kernel_id: KernelId) -> None:
+        if self.model.placed(kernel_id):
+            self.model.forget(kernel_id)
 
     @contextmanager
-    def holding(
-        self, kernel_id: KernelId, exec_index: int, host: HostId, gpus: int
-    ) -> Iterator[None]:
+    def holding(self, host: HostId, gpus: int) -> Iterator[None]:
         """Count ``gpus`` GPUs of ``host`` as committed while a cell's replica migrates there.
 
         The simulator commits a migrating cell's GPUs when it decides the move; so does
         the view here, so that neither another cell's decision nor the autoscaler (which
         drains idle hosts) takes the host from under the move.
         """
-        self._held[(kernel_id, exec_index)] = (host, gpus)
+        self.model.hold(host, gpus)
         self._notify()
         try:
             yield
         finally:
-            self._held.pop((kernel_id, exec_index), None)
+            self.model.hold(host, -gpus)
             self._notify()
 
     # --- cells -----------------------------------------------------------------------
@@ -426,22 +356,22 @@ class GpuScheduler:
         :class:`GpuError` for a negative count and :class:`QuorumLostError` for no
         replicas.
         """
-        check_cell_gpus(gpus, max((len(h.devices) for h in self._hosts.values()), default=0))
+        check_cell_gpus(gpus, self.view().largest_gpus())
         if not replicas:
             raise QuorumLostError(
                 f"kernel {kernel_id} has no live replica to run cell {exec_index}"
             )
-        # The kernel has live replicas on these hosts: nothing is owed for it there.
-        self._owed -= {(h, kernel_id) for h in replicas.values()}
-        replicas = self._off_draining(replicas)
+        self._agents.kernel_lives_on(kernel_id, replicas.values())
+        staying = self._decisions.off_draining(tuple(replicas.values()), self.model.is_draining)
+        replicas = {n: h for n, h in replicas.items() if h in staying}
         self.ledger.cell_ready(kernel_id, exec_index, gpus)
         if gpus == 0:
-            # Nothing to pre-commit, but the executor is still the decision's, made on
-            # the replicas' hosts alone: a cell without GPUs never waits nor migrates,
-            # and its cost must not grow with the cluster.
+            # Nothing to pre-commit, but the executor is still the decision's, which looks
+            # up the replicas' hosts alone in the model's view: a cell without GPUs never
+            # waits nor migrates, and its cost must not grow with the cluster.
             order = [replicas[r] for r in sorted(replicas)]
             last = replicas.get(last_executor) if last_executor is not None else None
-            choice = self._decisions.cell(self.view(order), kernel_id, order, last, 0)
+            choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
             host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
             replica = self._replica_on(host, replicas, last_executor)
             self.ledger.cell_started(kernel_id, exec_index)
@@ -479,14 +409,6 @@ class GpuScheduler:
             self._waiting.pop((kernel_id, exec_index), None)
             self._notify()
 
-    def _off_draining(self, replicas: Mapping[int, HostId]) -> Mapping[int, HostId]:
-        """The replicas not on draining hosts, if the kernel has any: a draining host's
-        replica is about to move, and a cell running there would be lost with it."""
-        staying = {
-            n: h for n, h in replicas.items() if h not in self._hosts or self._hosts[h].schedulable
-        }
-        return staying or replicas
-
     async def committed(self, grant: Grant) -> Grant:
         """The cell of ``grant`` started: commit its reservation and return the grant.
 
@@ -498,23 +420,23 @@ class GpuScheduler:
         not run the cell, and release the grant.
         """
         res = grant.reservation_id
-        if not res or res in self._committed:
-            return self._grants.get(res, grant)
-        if res not in self._grants:
+        if not res or res in self._hosts.committed:
+            return self._hosts.grant(res) or grant
+        if self._hosts.grant(res) is None:
             raise UnknownReservationError(res, "released")
         host = self._hosts[grant.host]
         n = len(grant.devices)
-        reply = await self._call(host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n))
+        reply = await self._agents.call(host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n))
         if isinstance(reply, GpuGranted) and reply.reservation.state == "committed":
             devices = tuple(reply.reservation.devices)
             if devices != grant.devices:
                 log.warning(
                     "reservation %s re-committed on devices %s, not %s", res, devices, grant.devices
                 )
-            if res in self._grants:
+            if self._hosts.grant(res) is not None:
                 grant = attrs.evolve(grant, devices=devices)
-                self._keep_grant(grant)
-                self._committed.add(res)
+                self._hosts.keep(grant)
+                self._hosts.committed.add(res)
                 self.ledger.cell_started(grant.kernel_id, grant.exec_index)
             return grant
         raise _refusal_error(reply, n, host.host_id)
@@ -526,17 +448,12 @@ class GpuScheduler:
         kernel needs them (lazy eviction).
         """
         res = grant.reservation_id
-        if not res or self._drop_grant(res) is None:
+        if not res or self._hosts.drop(res) is None:
             return
-        if res in self._committed:
+        if res in self._hosts.committed:
             self.ledger.cell_ended(grant.kernel_id, grant.exec_index)
-        self._committed.discard(res)
-        host = self._hosts.get(grant.host)
-        if host is None or not host.reachable:
-            self._pending_release[res] = (grant.host, resident)
-            self._notify()
-            return
-        await self._send_release(host, res, resident)
+        self._hosts.committed.discard(res)
+        await self._agents.release(grant.host, res, resident)
 
     @asynccontextmanager
     async def cell(
@@ -566,10 +483,10 @@ class GpuScheduler:
 
     async def kernel_gone(self, kernel_id: KernelId) -> None:
         """The kernel was shut down or died: free its GPUs and residency on every host."""
-        self._set_placement(kernel_id, None)
+        self._forget_placement(kernel_id)
         async with anyio.create_task_group() as tg:
-            for host_id in list(self._hosts):
-                tg.start_soon(self.replica_gone, kernel_id, host_id)
+            for host in list(self._hosts.records()):
+                tg.start_soon(self.replica_gone, kernel_id, host.host_id)
         log.info("kernel %s gone: its GPUs are released", kernel_id)
 
     async def replica_gone(self, kernel_id: KernelId, host_id: HostId) -> None:
@@ -580,17 +497,12 @@ class GpuScheduler:
         allocation waits for an eviction that nobody can do. An unreachable
         agent is told when it reports again.
         """
-        gone = [
-            (r, g) for r, g in self._grants_on.get(host_id, {}).items() if g.kernel_id == kernel_id
-        ]
+        gone = [(r, g) for r, g in self._hosts.on(host_id).items() if g.kernel_id == kernel_id]
         for res, grant in gone:
-            self._drop_grant(res)
-            self._committed.discard(res)
+            self._hosts.drop(res)
+            self._hosts.committed.discard(res)
             self.ledger.cell_ended(kernel_id, grant.exec_index)
-        self._owed.add((host_id, kernel_id))
-        host = self._hosts.get(host_id)
-        if host is not None and host.reachable:
-            await self._send_release_kernel(host, kernel_id)
+        await self._agents.release_kernel(host_id, kernel_id)
         self._notify()
 
     # --- choosing and pre-committing -------------------------------------------------
@@ -608,11 +520,13 @@ class GpuScheduler:
         last_host = replicas.get(last_executor) if last_executor is not None else None
         refused: set[HostId] = set()
         while True:
-            view = self._exec_view(refused)
+            down = refused | {h for h in order if not self._hosts.reachable(h)}
             try:
-                choice = self._decisions.cell(view, kernel_id, order, last_host, gpus)
+                choice = self._decisions.cell(
+                    self.view(), kernel_id, order, last_host, gpus, down=down
+                )
             except InsufficientGpusError:
-                return Wait(f"waiting for {gpus} GPUs: no reachable host has that many")
+                return Wait(f"waiting for {gpus} GPUs: no host has that many")
             except PlacementError as exc:
                 return Wait(f"waiting for {gpus} GPUs: no migration ({exc})")
             if not isinstance(choice, Execute):
@@ -622,13 +536,6 @@ class GpuScheduler:
             if grant is not None:
                 return grant
             refused.add(choice.host)
-
-    def _exec_view(self, exclude: set[HostId]) -> ClusterView:
-        full = self.view()
-        hosts = [
-            h for h in full.hosts if h.host_id not in exclude and self._hosts[h.host_id].reachable
-        ]
-        return ClusterView(hosts, full.replicas_per_kernel, full.demand_to_busy_ratio)
 
     @staticmethod
     def _replica_on(host: HostId, replicas: Mapping[int, HostId], last: int | None) -> int:
@@ -642,12 +549,14 @@ class GpuScheduler:
         host = self._hosts[host_id]
         res = f"{kernel_id}/{exec_index}/{uuid.uuid4().hex[:12]}"
         try:
-            reply = await self._call(host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus))
+            reply = await self._agents.call(
+                host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus)
+            )
         except HostUnreachableError:
             return None
         except BaseException:
             # Cancelled while asking: the agent may have granted it; give it back.
-            self._spawn(self._send_release, host, res, False)
+            self._agents.release_soon(host, res)
             raise
         if isinstance(reply, GpuGranted) and reply.reservation.state in (
             "precommitted",
@@ -656,8 +565,8 @@ class GpuScheduler:
             grant = Grant(
                 kernel_id, exec_index, replica, host_id, tuple(reply.reservation.devices), res
             )
-            self._keep_grant(grant)
             host.reported[res] = reply.reservation
+            self._hosts.keep(grant)
             return grant
         if isinstance(reply, GpuRefused):
             log.info(
@@ -665,186 +574,15 @@ class GpuScheduler:
             )
         else:
             log.warning("host %s answered a pre-commit with %s", host_id, type(reply).__name__)
-        self._spawn(self._refresh, host)
+        self._agents.refresh_soon(host)
         return None
-
-    # --- agent conversations ---------------------------------------------------------
-
-    async def _call(self, host: HostRecord, make: Callable[[int], AgentRequest]) -> AgentReply:
-        try:
-            return await self._rpc.call(host.peer, host.host_id, make)
-        except HostUnreachableError as exc:
-            if not self._rpc.closed:  # else the scheduler stops: the host is not to blame
-                self._unreachable(host, str(exc))
-            raise
-
-    async def _send_release(self, host: HostRecord, res: str, resident: bool) -> None:
-        try:
-            await self._call(host, lambda rid: GpuRelease(rid, res, resident))
-        except HostUnreachableError:
-            self._pending_release[res] = (host.host_id, resident)
-        else:
-            self._pending_release.pop(res, None)
-            host.reported.pop(res, None)
-        self._notify()
-
-    async def _send_release_kernel(self, host: HostRecord, kernel_id: KernelId) -> None:
-        try:
-            await self._call(host, lambda rid: GpuReleaseKernel(rid, kernel_id))
-        except HostUnreachableError:
-            return
-        self._owed.discard((host.host_id, kernel_id))
-        for res in [r for r, g in host.reported.items() if g.kernel_id == kernel_id]:
-            del host.reported[res]
-        self._notify()
-
-    async def _refresh(self, host: HostRecord) -> None:
-        try:
-            reply = await self._call(host, AgentStatusRequest)
-        except HostUnreachableError:
-            return
-        if isinstance(reply, AgentStatus):
-            self._on_status(host.peer, reply)
-
-    async def _restore(self, host: HostRecord, lost: list[GpuReservation]) -> None:
-        log.warning(
-            "agent of host %s restarted without %d committed reservations; restoring",
-            host.host_id,
-            len(lost),
-        )
-        try:
-            reply = await self._call(host, lambda rid: AgentRestore(rid, lost))
-        except HostUnreachableError:
-            return
-        if isinstance(reply, GpuRefused):
-            log.warning("host %s refused to restore reservations: %s", host.host_id, reply.message)
-        await self._refresh(host)
-
-    # --- reports ---------------------------------------------------------------------
-
-    async def _receive_loop(self) -> None:
-        try:
-            await self._receive()
-        finally:
-            # No reply can reach a call from now on: calls must not wait out their timeout
-            # (a cluster torn down by cancellation would hang in its shielded releases).
-            self._rpc.close()
-
-    async def _receive(self) -> None:
-        async for sender, message in received_messages(self._transport, "scheduler"):
-            if isinstance(message, AgentStatus) and message.request_id is None:
-                self._on_status(sender, message)
-            elif isinstance(message, AgentStatus | GpuGranted | GpuRefused | GpuFreed):
-                if message.request_id is None or not self._rpc.deliver(message.request_id, message):
-                    log.debug(
-                        "late or duplicate %s from %s dropped", type(message).__name__, sender
-                    )
-            else:
-                log.warning(
-                    "scheduler dropped unexpected %s from %s", type(message).__name__, sender
-                )
-
-    def _on_status(self, sender: PeerId, status: AgentStatus) -> None:
-        host_id = HostId(status.host_id)
-        now = anyio.current_time()
-        host = self._hosts.get(host_id)
-        if self._admitted is not None:
-            # Registration connected to the host (with its key); reports count only
-            # from the peer it admitted, and the address it checked stays.
-            if self._admitted.get(host_id) != sender:
-                log.debug("status of %s from %s, not an admitted host: dropped", host_id, sender)
-                return
-        elif host is None or (host.peer, host.address) != (sender, status.address):
-            try:
-                self._transport.add_peer(sender, status.address)
-            except TransportError as exc:
-                log.warning("host %s reported a bad address %r: %s", host_id, status.address, exc)
-                return
-        if host is None:
-            host = self._hosts[host_id] = HostRecord(
-                host_id, sender, status.address, status.incarnation, tuple(status.devices), now
-            )
-            host.update(sender, status, now)
-            log.info("host %s joined with %d GPUs", host_id, len(host.devices))
-            self._release_foreign(host)
-        else:
-            was_reachable = host.reachable
-            if host.update(sender, status, now):
-                self._reconcile(host)
-            elif not was_reachable:
-                log.info("host %s is reachable again", host_id)
-        self._resend(host)
-        self._notify()
-
-    def _release_foreign(self, host: HostRecord) -> None:
-        """Free what the first report of ``host`` holds: this scheduler granted nothing there
-        yet, so those are the grants of an earlier gateway, which died with it.
-
-        The tensors stay resident (the replicas live on), to be evicted lazily. A cell
-        that was running when that gateway died may still use its devices a while.
-        """
-        for res, reservation in list(host.reported.items()):
-            log.info(
-                "host %s: reservation %s of kernel %s is not ours (an earlier gateway's): released",
-                host.host_id,
-                res,
-                reservation.kernel_id,
-            )
-            self._spawn(self._send_release, host, res, True)
-
-    def _reconcile(self, host: HostRecord) -> None:
-        """A new agent incarnation: give it back the committed reservations it lost."""
-        lost = [
-            GpuReservation(res, g.kernel_id, list(g.devices), "committed")
-            for res, g in self._grants_on.get(host.host_id, {}).items()
-            if res in self._committed and res not in host.reported
-        ]
-        log.info(
-            "agent of host %s (re)started; %d committed reservations to restore",
-            host.host_id,
-            len(lost),
-        )
-        if lost:
-            self._spawn(self._restore, host, lost)
-
-    def _resend(self, host: HostRecord) -> None:
-        """Retry releases that an unreachable agent missed, now that it reported them."""
-        for res, (host_id, _) in list(self._pending_release.items()):
-            if host_id == host.host_id and res not in host.reported:
-                del self._pending_release[res]  # expired or lost there: nothing left to free
-        for res in host.reported:
-            pending = self._pending_release.get(res)
-            if pending is not None:
-                self._spawn(self._send_release, host, res, pending[1])
-        for host_id, kernel in list(self._owed):
-            if host_id == host.host_id:
-                self._spawn(self._send_release_kernel, host, kernel)
-
-    async def _liveness_loop(self) -> None:
-        while True:
-            await anyio.sleep(self._host_timeout / 4)
-            now = anyio.current_time()
-            for host in self._hosts.values():
-                if host.reachable and now - host.last_seen > self._host_timeout:
-                    self._unreachable(host, f"no report for {now - host.last_seen:.1f} s")
-
-    def _unreachable(self, host: HostRecord, why: str) -> None:
-        if host.reachable:
-            host.reachable = False
-            log.warning(
-                "host %s is unreachable (%s): not schedulable until it reports again",
-                host.host_id,
-                why,
-            )
-            self._notify()
 
     # --- wake-ups --------------------------------------------------------------------
 
     def _notify(self) -> None:
-        gpus = sum(len(h.devices) for h in self._hosts.values() if h.reachable)
-        self.ledger.hosts_changed(sum(h.reachable for h in self._hosts.values()), gpus)
-        busy = sum(len(h.busy(self._grants_at(h.host_id))) for h in self._hosts.values())
-        self._ratio = smoothed_demand_ratio(self._ratio, self._demand, busy)
+        reachable = [h for h in self._hosts.records() if h.reachable]
+        self.ledger.hosts_changed(len(reachable), sum(len(h.devices) for h in reachable))
+        self.model.observe_demand()
         self._version += 1
         self._changed.set()
         self._changed = anyio.Event()

@@ -1,8 +1,8 @@
 """Placement policies, executor choice, migration, autoscaling and the trace-driven simulator.
 
 :class:`ClusterDecisions` makes every scheduling decision of one cluster, for the
-gateway and the simulator alike; :class:`ClusterModel` is the cluster the
-simulator keeps up to date event by event.
+gateway and the simulator alike; :class:`ClusterModel` is the cluster both
+keep up to date event by event.
 
 Policies are found by name through the entry point group ``nbos.placement_policies``;
 see ``docs/placement.md`` for writing one.
@@ -18,7 +18,7 @@ from nbos.scaling.autoscaler import (
     ScaleOut,
     smoothed_demand_ratio,
 )
-from nbos.scaling.decisions import CellDecision, ClusterDecisions
+from nbos.scaling.decisions import CellDecision, ClusterDecisions, ScaleStep
 from nbos.scaling.executor import Execute, Wait, check_cell_gpus
 from nbos.scaling.ledger import Ledger, Totals
 from nbos.scaling.migration import MigrationPlan, plan_migration
@@ -49,6 +49,7 @@ __all__ = [
     "ScaleDecision",
     "ScaleIn",
     "ScaleOut",
+    "ScaleStep",
     "Session",
     "SimConfig",
     "SimResult",

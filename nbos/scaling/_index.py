@@ -21,7 +21,7 @@ rule's answer; ``tests/property/test_host_index.py`` checks that on random clust
 :class:`~nbos.scaling.model.ClusterModel` keeps the index in step with the views it
 builds, and hands it out in an :class:`IndexedView`. The index describes the latest
 view only: :func:`current_index` gives it for that view and ``None`` for an older one
-(or a view built elsewhere, such as the gateway's), whose callers scan instead.
+(or a view built elsewhere), whose callers scan instead.
 """
 
 from __future__ import annotations

@@ -9,8 +9,13 @@ event with a value:
 * a cell is ready: :meth:`~ClusterDecisions.cell` (run it on this replica's host,
   migrate this replica there first, or wait);
 * a session of the reservation baseline starts: :meth:`~ClusterDecisions.reserve`;
-* the autoscaler's period: :meth:`~ClusterDecisions.scale` (scale out, scale in, hold),
-  and :meth:`~ClusterDecisions.removable` for when a drained host may go.
+* the autoscaler's period: :meth:`~ClusterDecisions.scale` (scale out, scale in, hold,
+  and whether work waits at the host ceiling), and :meth:`~ClusterDecisions.removable`
+  for when a drained host may go.
+
+The rules around those decisions live here too, so that both sides apply them alike:
+which replicas a cell may run on while hosts drain (:meth:`~ClusterDecisions.off_draining`),
+when placement counts as failed for the autoscaler, and when work waits at its ceiling.
 
 Every host a policy answers with is checked in one place,
 :func:`~nbos.scaling._validate.validate_hosts`; an answer that breaks the policy
@@ -22,9 +27,12 @@ contract raises :class:`~nbos.core.errors.PolicyContractError`, a subclass of
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
+import attrs
+
+from nbos.core.errors import PlacementError, PolicyContractError
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
 from nbos.scaling._validate import validate_hosts
@@ -39,12 +47,22 @@ log = logging.getLogger(__name__)
 CellDecision = Execute | MigrationPlan | Wait
 
 
+@attrs.frozen
+class ScaleStep:
+    """The autoscaler's decision for one period, and whether work waited at the ceiling
+    (the hosts, with those provisioning, at ``max_hosts``) during it."""
+
+    decision: ScaleDecision
+    at_ceiling: bool
+
+
 class ClusterDecisions:
     """The scheduling decisions of one cluster, over :class:`ClusterView` snapshots.
 
     Build one per cluster (:meth:`load` by policy name) and give it to whatever
-    drives the cluster: the gateway's scheduler or the simulator. It keeps no
-    state of its own beyond the policy's and the autoscaler's.
+    drives the cluster: the gateway's scheduler or the simulator. Beyond the
+    policy's and the autoscaler's state it remembers only whether a kernel could not
+    be placed since the last :meth:`scale`.
     """
 
     def __init__(
@@ -56,6 +74,7 @@ class ClusterDecisions:
         self._policy = policy
         self._replicas = replicas_per_kernel
         self._autoscaler = autoscaler
+        self._placement_failed = False
 
     @classmethod
     def load(
@@ -96,7 +115,13 @@ class ClusterDecisions:
         :class:`PolicyContractError` when it answers with hosts it may not choose.
         """
         request = PlacementRequest(kernel_id, gpus, self._replicas, frozenset(exclude))
-        return self._place(cluster, request)
+        try:
+            return self._place(cluster, request)
+        except PolicyContractError:
+            raise
+        except PlacementError:
+            self._placement_failed = True
+            raise
 
     def place_one(
         self, cluster: ClusterView, kernel_id: KernelId, gpus: int, exclude: Iterable[HostId]
@@ -129,33 +154,62 @@ class ClusterDecisions:
         replica_hosts: Sequence[HostId],
         last_host: HostId | None,
         gpus: int,
+        *,
+        down: Collection[HostId] = (),
     ) -> CellDecision:
         """Where a ready cell asking for ``gpus`` runs (``docs/placement.md``).
 
         :class:`Execute` on a replica's host; else, when another host could commit
         the GPUs, the :class:`MigrationPlan` moving the busiest replica there; else
-        :class:`Wait`. Raises :class:`GpuError` for a negative count,
+        :class:`Wait`. Replica hosts in ``down`` (their agents do not answer, or they
+        refused the cell) run nothing and are the first to lose their replica.
+        Raises :class:`GpuError` for a negative count,
         :class:`InsufficientGpusError` for more GPUs than any host has, and
         :class:`PolicyContractError` for a bad migration target.
         """
-        choice = execute_or_wait(last_host, replica_hosts, cluster, gpus)
+        choice = execute_or_wait(last_host, replica_hosts, cluster, gpus, down)
         if choice is not None:
             return choice
         request = PlacementRequest(kernel_id, gpus, 1)
-        plan = plan_migration(replica_hosts, request, cluster, self._policy)
+        plan = plan_migration(replica_hosts, request, cluster, self._policy, down)
         if plan is None:
             return Wait(f"waiting for {gpus} GPUs: no host outside the replicas' can take one")
         return plan
 
+    @staticmethod
+    def off_draining(
+        replica_hosts: Sequence[HostId], draining: Callable[[HostId], bool]
+    ) -> Sequence[HostId]:
+        """The replica hosts a cell may run on: those not being drained, if the kernel has
+        any (a draining host's replica is about to move, and a cell there would be lost
+        with it)."""
+        staying = [h for h in replica_hosts if not draining(h)]
+        return staying or replica_hosts
+
     # --- scaling -----------------------------------------------------------------
 
     def scale(
-        self, cluster: ClusterView, now: float, placement_failed: bool, provisioning: int
-    ) -> ScaleDecision:
-        """The autoscaler's decision at ``now`` (:class:`Hold` without an autoscaler)."""
+        self,
+        cluster: ClusterView,
+        now: float,
+        *,
+        cells_waiting: bool,
+        kernels_waiting: bool,
+        provisioning: int,
+    ) -> ScaleStep:
+        """The autoscaler's decision at ``now`` (:class:`Hold` without an autoscaler).
+
+        Placement counts as failed while cells wait for GPUs or kernels for hosts, or
+        when a kernel could not be placed since the last call (the live cluster refuses
+        it at once, the client asks again). ``provisioning`` hosts are being started.
+        """
+        failed = cells_waiting or kernels_waiting or self._placement_failed
+        self._placement_failed = False
         if self._autoscaler is None:
-            return Hold("no autoscaler")
-        return self._autoscaler.decide(cluster, now, placement_failed, provisioning)
+            return ScaleStep(Hold("no autoscaler"), at_ceiling=False)
+        decision = self._autoscaler.decide(cluster, now, failed, provisioning)
+        ceiling = self._autoscaler.config.max_hosts
+        return ScaleStep(decision, failed and len(cluster.hosts) + provisioning >= ceiling)
 
     @staticmethod
     def removable(host: HostView) -> bool:

@@ -11,7 +11,7 @@ a request no host could ever satisfy is an error.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import attrs
@@ -44,20 +44,21 @@ def execute_or_wait(
     replica_hosts: Sequence[HostId],
     cluster_view: ClusterView,
     gpus: int,
+    down: Collection[HostId] = (),
 ) -> Execute | Wait | None:
     """Where a cell asking for ``gpus`` GPUs runs, if on a replica's host; ``None`` when
     only a migration can run it now (:meth:`~nbos.scaling.ClusterDecisions.cell` then asks
     the policy where to).
 
-    Replica hosts missing from ``cluster_view`` (dead, not yet reported) are
-    skipped. Ties between replica hosts go to the earlier one in ``replica_hosts``.
+    Replica hosts missing from ``cluster_view`` (dead, not yet reported) and those in
+    ``down`` run nothing. Ties between replica hosts go to the earlier one in ``replica_hosts``.
     A draining (unschedulable) host still runs cells of the replicas it holds;
     only placement and migration avoid it.
     Raises :class:`GpuError` for a negative count and
     :class:`InsufficientGpusError` when no host in the cluster has ``gpus`` GPUs.
     """
     check_cell_gpus(gpus, cluster_view.largest_gpus())
-    replicas = _views(replica_hosts, cluster_view)
+    replicas = [h for h in _views(replica_hosts, cluster_view) if h.host_id not in down]
     last = next((h for h in replicas if h.host_id == last_executor_host), None)
     if last is not None and last.gpus_idle >= gpus:
         return Execute(last.host_id, "last-executor")

@@ -4,13 +4,13 @@ A pure decision (design, "Failures, migration, scaling"): the replica on the
 busiest of the kernel's hosts moves, because that host is the least likely to
 free GPUs soon; the policy's ``migration_target`` picks the destination among
 hosts that hold no replica of the kernel. ``None`` means no host can take it
-now, and the caller should signal the autoscaler (``placement_failed``).
+now: the cell waits, which the autoscaler counts as a placement failure.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
@@ -36,11 +36,12 @@ def plan_migration(
     request: PlacementRequest,
     cluster: ClusterView,
     policy: PlacementPolicy,
+    down: Collection[HostId] = (),
 ) -> MigrationPlan | None:
     """Plan moving one replica of ``request.kernel_id`` to a host that can commit ``request.gpus``.
 
     The source is the replica host with the fewest idle GPUs (a host missing from
-    ``cluster`` counts as the busiest: it cannot run anything); ties go to the
+    ``cluster``, or in ``down``, counts as the busiest: it cannot run anything); ties go to the
     higher subscription, then the earlier host in ``replica_hosts``. The target is
     ``policy.migration_target`` with every replica host (and ``request.exclude``)
     excluded. Returns ``None`` when the policy finds no target. Raises
@@ -53,7 +54,7 @@ def plan_migration(
         raise _refused(
             f"kernel {request.kernel_id}: cannot migrate with replica hosts {list(replica_hosts)}"
         )
-    source = _busiest(replica_hosts, cluster)
+    source = _busiest(replica_hosts, cluster, down)
     exclude = request.exclude | frozenset(replica_hosts)
     target = policy.migration_target(attrs.evolve(request, exclude=exclude), cluster)
     if target is None:
@@ -75,11 +76,13 @@ def plan_migration(
     return MigrationPlan(request.kernel_id, source, target)
 
 
-def _busiest(replica_hosts: Sequence[HostId], cluster: ClusterView) -> HostId:
+def _busiest(
+    replica_hosts: Sequence[HostId], cluster: ClusterView, down: Collection[HostId]
+) -> HostId:
     def rank(item: tuple[int, HostId]) -> tuple[float, int, int]:
         index, host_id = item
         view: HostView | None = cluster.get(host_id)
-        if view is None:
+        if view is None or host_id in down:
             return (float("-inf"), 0, index)
         return (view.gpus_idle, -view.gpus_subscribed, index)
 

@@ -1,8 +1,10 @@
 """The cluster as the scheduling decisions see it, kept up to date event by event.
 
-:class:`ClusterModel` holds every host's GPUs (total and committed), its
-subscriptions and replicas, whether it is schedulable, each placed kernel's
-hosts, and the smoothed demand-to-busy ratio. Each change costs O(1) (a move
+:class:`ClusterModel` is the one model of a cluster, the gateway's scheduler's and
+the simulator's. It holds every host's GPUs (total, committed, and held for a
+migration), its subscriptions and replicas, whether it is schedulable (not being
+drained) and reachable, each placed kernel's hosts, and the smoothed
+demand-to-busy ratio. Each change costs O(1) (a move
 O(replicas)); :meth:`ClusterModel.view` rebuilds the
 :class:`~nbos.core.placement.ClusterView` that policies take only after a change,
 reusing the :class:`~nbos.core.placement.HostView` of every host that did not
@@ -12,8 +14,11 @@ Counts of hosts by idle GPUs answer "could any host commit N GPUs now?" without 
 which is what lets waiting work be skipped cheaply.
 
 The model does no I/O and keeps no clock; what it holds is what its owner told it.
-Inconsistent changes (releasing more than committed, removing a host that still
-holds something, an unknown host or kernel) raise :class:`ScalingError`.
+Placements and held GPUs may name a host that is not in the cluster: a restarted
+gateway adopts its kernels before their hosts report, and a host may leave while a
+kernel still names it. They are kept aside and count once the host joins.
+Inconsistent changes (releasing more than committed, an unknown host or kernel)
+raise :class:`ScalingError`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -38,9 +43,26 @@ log = logging.getLogger(__name__)
 class _Host:
     total: int
     committed: int = 0
+    #: GPUs counted as committed for a migration before its cell commits them.
+    held: int = 0
     subscribed: int = 0
     kernels: set[KernelId] = attrs.Factory(set)
     schedulable: bool = True
+    reachable: bool = True
+
+    @property
+    def idle(self) -> int:
+        return self.total - min(self.total, self.committed + self.held)
+
+    def view(self, host_id: HostId) -> HostView:
+        return HostView(
+            host_id,
+            self.total,
+            self.total - self.idle,
+            self.subscribed,
+            len(self.kernels),
+            self.schedulable and self.reachable,
+        )
 
 
 class ClusterModel:
@@ -49,6 +71,8 @@ class ClusterModel:
     def __init__(self, replicas_per_kernel: int = 3) -> None:
         self._replicas_per_kernel = replicas_per_kernel
         self._hosts: dict[HostId, _Host] = {}
+        # What placements and holds name on hosts not in the cluster, until they join.
+        self._aside: dict[HostId, _Host] = {}
         self._placements: dict[KernelId, tuple[list[HostId], int]] = {}
         # Host views in host id order, rebuilt one slot at a time for the hosts that changed.
         self._order: list[HostId] = []
@@ -107,9 +131,17 @@ class ClusterModel:
         """Hosts marked unschedulable, in the order they were added."""
         return [h for h, s in self._hosts.items() if not s.schedulable]
 
+    def is_draining(self, host_id: HostId) -> bool:
+        """Whether the host is in the cluster and marked unschedulable."""
+        host = self._hosts.get(host_id)
+        return host is not None and not host.schedulable
+
     def kernels_on(self, host_id: HostId) -> set[KernelId]:
         """Kernels with a replica on the host (a copy)."""
         return set(self._get(host_id).kernels)
+
+    def placed(self, kernel_id: KernelId) -> bool:
+        return kernel_id in self._placements
 
     def replica_hosts(self, kernel_id: KernelId) -> tuple[HostId, ...]:
         """The kernel's replica hosts, in placement order (empty if not placed)."""
@@ -117,8 +149,7 @@ class ClusterModel:
         return tuple(placed[0]) if placed is not None else ()
 
     def idle(self, host_id: HostId) -> int:
-        host = self._get(host_id)
-        return host.total - host.committed
+        return self._get(host_id).idle
 
     def could_commit(self, gpus: int, *, schedulable: bool) -> bool:
         """Whether some host (some schedulable one) has ``gpus`` idle GPUs now."""
@@ -127,6 +158,7 @@ class ClusterModel:
 
     @property
     def schedulable_hosts(self) -> int:
+        """Hosts that take new replicas: schedulable and reachable."""
         return sum(self._idle_schedulable.values())
 
     @property
@@ -136,9 +168,12 @@ class ClusterModel:
     # --- hosts ---------------------------------------------------------------------
 
     def add_host(self, host_id: HostId, gpus: int) -> None:
+        """The host joins with ``gpus`` GPUs, none committed (with what was kept aside for it)."""
         if host_id in self._hosts or gpus < 0:
             raise _bad(f"cannot add host {host_id} with {gpus} GPUs")
-        self._hosts[host_id] = _Host(gpus)
+        aside = self._aside.pop(host_id, None)
+        host = _Host(gpus) if aside is None else attrs.evolve(aside, total=gpus)
+        self._hosts[host_id] = host
         bisect.insort(self._order, host_id)
         self._totals[gpus] += 1
         self._reindex()
@@ -146,13 +181,8 @@ class ClusterModel:
         self._count(host_id, +1)
 
     def remove_host(self, host_id: HostId) -> None:
-        """Remove a host that holds no replica and no committed GPU."""
+        """The host leaves with its GPUs; the placements and holds naming it are kept aside."""
         host = self._get(host_id)
-        if host.kernels or host.committed:
-            raise _bad(
-                f"host {host_id} still holds {len(host.kernels)} replicas "
-                f"and {host.committed} committed GPUs"
-            )
         self._count(host_id, -1)
         del self._hosts[host_id]
         self._index.discard(host_id)
@@ -160,34 +190,61 @@ class ClusterModel:
         self._totals[host.total] -= 1
         self._reindex()
         self.capacity -= host.total
+        self.committed -= host.committed
+        if host.kernels or host.held:
+            # Only what names the host waits aside: it comes back in service, reachable.
+            self._aside[host_id] = _Host(
+                0, held=host.held, subscribed=host.subscribed, kernels=host.kernels
+            )
 
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
-        self._count(host_id, -1)
-        self._get(host_id).schedulable = schedulable
-        self._count(host_id, +1)
-        self._changed(host_id)
+        """Drain the host (no new replicas) or take it back into service."""
+        self._get(host_id)
+        self._update(host_id, lambda h: setattr(h, "schedulable", schedulable))
+
+    def set_reachable(self, host_id: HostId, reachable: bool) -> None:
+        """Whether the host's agent answers: an unreachable host is no more schedulable
+        in the view than a draining one, but it is not being drained."""
+        self._get(host_id)
+        self._update(host_id, lambda h: setattr(h, "reachable", reachable))
 
     # --- GPUs ----------------------------------------------------------------------
 
     def commit(self, host_id: HostId, gpus: int) -> None:
         host = self._get(host_id)
-        if not 0 <= gpus <= host.total - host.committed:
-            raise _bad(f"host {host_id}: cannot commit {gpus} of {host.total - host.committed}")
-        self._count(host_id, -1)
-        host.committed += gpus
-        self.committed += gpus
-        self._count(host_id, +1)
-        self._changed(host_id)
+        self.set_gpus(host_id, host.total, host.committed + gpus)
 
     def release(self, host_id: HostId, gpus: int) -> None:
         host = self._get(host_id)
-        if not 0 <= gpus <= host.committed:
-            raise _bad(f"host {host_id}: cannot release {gpus} of {host.committed} committed")
-        self._count(host_id, -1)
-        host.committed -= gpus
-        self.committed -= gpus
-        self._count(host_id, +1)
-        self._changed(host_id)
+        self.set_gpus(host_id, host.total, host.committed - gpus)
+
+    def set_gpus(self, host_id: HostId, total: int, committed: int) -> None:
+        """The host has ``total`` GPUs, ``committed`` of them pre-committed or committed (as
+        its agent reported them, with the grants it has not reported yet)."""
+        host = self._get(host_id)
+        if not 0 <= committed <= total:
+            raise _bad(f"host {host_id}: cannot have {committed} of {total} GPUs committed")
+        self._totals[host.total] -= 1
+        self._totals[total] += 1
+        self.capacity += total - host.total
+        self.committed += committed - host.committed
+
+        def change(h: _Host) -> None:
+            h.total, h.committed = total, committed
+
+        self._update(host_id, change)
+
+    def hold(self, host_id: HostId, gpus: int) -> None:
+        """Count ``gpus`` more (fewer, if negative) of the host's GPUs as committed: those a
+        migrating cell will take there, so that nothing else takes them meanwhile."""
+        host = self._hosts.get(host_id) or self._aside.get(host_id)
+        if (host.held if host is not None else 0) + gpus < 0:
+            raise _bad(f"host {host_id}: cannot hold {gpus} GPUs more")
+
+        def change(h: _Host) -> None:
+            h.held += gpus
+
+        self._update(host_id, change)
 
     # --- placements ----------------------------------------------------------------
 
@@ -195,8 +252,6 @@ class ClusterModel:
         """Subscribe ``gpus`` for a replica of the kernel on each of ``hosts``."""
         if kernel_id in self._placements or len(set(hosts)) != len(hosts):
             raise _bad(f"cannot place kernel {kernel_id} on {list(hosts)}")
-        for h in hosts:
-            self._get(h)
         self._placements[kernel_id] = (list(hosts), gpus)
         self.demand += gpus
         for h in hosts:
@@ -213,7 +268,6 @@ class ClusterModel:
     def move(self, kernel_id: KernelId, source: HostId, target: HostId) -> None:
         """Move the kernel's replica from ``source`` to ``target``, keeping its place in order."""
         hosts, gpus = self._placement(kernel_id)
-        self._get(target)
         if source not in hosts or target in hosts:
             raise _bad(f"cannot move kernel {kernel_id} from {source} to {target} ({hosts})")
         hosts[hosts.index(source)] = target
@@ -245,20 +299,35 @@ class ClusterModel:
             raise _bad(f"kernel {kernel_id} is not placed") from None
 
     def _subscribe(self, kernel_id: KernelId, host_id: HostId, gpus: int, sign: int) -> None:
-        host = self._hosts[host_id]
-        host.subscribed += sign * gpus
-        if sign > 0:
-            host.kernels.add(kernel_id)
-        else:
-            host.kernels.discard(kernel_id)
+        def change(h: _Host) -> None:
+            h.subscribed += sign * gpus
+            if sign > 0:
+                h.kernels.add(kernel_id)
+            else:
+                h.kernels.discard(kernel_id)
+
+        self._update(host_id, change)
+
+    def _update(self, host_id: HostId, change: Callable[[_Host], None]) -> None:
+        """Apply ``change`` to the host in the cluster (recounted, its view rebuilt), or to
+        what is kept aside for a host not in it (dropped once it names nothing)."""
+        host = self._hosts.get(host_id)
+        if host is None:
+            aside = self._aside.setdefault(host_id, _Host(0))
+            change(aside)
+            if not (aside.kernels or aside.held):
+                del self._aside[host_id]
+            return
+        self._count(host_id, -1)
+        change(host)
+        self._count(host_id, +1)
         self._changed(host_id)
 
     def _count(self, host_id: HostId, sign: int) -> None:
         host = self._get(host_id)
-        idle = host.total - host.committed
-        self._idle_all[idle] += sign
-        if host.schedulable:
-            self._idle_schedulable[idle] += sign
+        self._idle_all[host.idle] += sign
+        if host.schedulable and host.reachable:
+            self._idle_schedulable[host.idle] += sign
 
     def _changed(self, host_id: HostId) -> None:
         self._stale.add(host_id)
@@ -273,8 +342,7 @@ class ClusterModel:
         self._view = None
 
     def _host_view(self, host_id: HostId) -> HostView:
-        h = self._hosts[host_id]
-        return HostView(host_id, h.total, h.committed, h.subscribed, len(h.kernels), h.schedulable)
+        return self._hosts[host_id].view(host_id)
 
 
 def _bad(message: str) -> ScalingError:

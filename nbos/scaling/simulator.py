@@ -5,8 +5,9 @@ the object the gateway's scheduler uses too: the placement policy loaded by
 name through :func:`~nbos.scaling.load_policy` (so a user's policy registered by
 entry point works here unchanged), the executor choice and migration plan, and
 the :class:`~nbos.scaling.autoscaler.Autoscaler`. The cluster is a
-:class:`~nbos.scaling.model.ClusterModel` kept up to date event by event, with a
-real :class:`~nbos.gpu.GpuPool` per host driven by the simulated clock. Two modes:
+:class:`~nbos.scaling.model.ClusterModel` (the class the gateway's scheduler keeps too)
+kept up to date event by event, with a real :class:`~nbos.gpu.GpuPool` per host driven
+by the simulated clock. Two modes:
 
 ``"nbos"``
     Each session's kernel has ``replicas_per_kernel`` replicas placed by the
@@ -372,10 +373,11 @@ class _Simulation:
         if self._cfg.mode == "reservation":
             self._begin(kernel, hosts[0], self._now, None)
             return
+        staying = self.decisions.off_draining(hosts, self.model.is_draining)
         gpus = kernel.head_gpus()
         try:
             decision = self.decisions.cell(
-                self.model.view(), kernel.kernel_id, hosts, kernel.last, gpus
+                self.model.view(), kernel.kernel_id, staying, kernel.last, gpus
             )
         except InsufficientGpusError:
             decision = Wait("no host up")  # only while no host is up; hosts are all large enough
@@ -448,10 +450,15 @@ class _Simulation:
         self._at(self._now + self._cfg.tick, _TICK, self._tick)
 
     def _autoscale(self) -> None:
-        failed = bool(self._pending or self._waiting)
-        self._watch_ceiling(failed)
-        view = self.model.view()
-        decision = self.decisions.scale(view, self._now, failed, self._provisioning)
+        step = self.decisions.scale(
+            self.model.view(),
+            self._now,
+            cells_waiting=bool(self._waiting),
+            kernels_waiting=bool(self._pending),
+            provisioning=self._provisioning,
+        )
+        self._watch_ceiling(step.at_ceiling)
+        decision = step.decision
         if isinstance(decision, ScaleOut):
             self.ledger.scale_outs += 1
             count = decision.count
@@ -463,12 +470,9 @@ class _Simulation:
                 self.model.set_schedulable(h, False)
             self._drain()
 
-    def _watch_ceiling(self, failed: bool) -> None:
+    def _watch_ceiling(self, at_ceiling: bool) -> None:
         """Count (and warn once about) ticks where work waits and no host may be added."""
-        limits = self._cfg.autoscaler
-        if limits is None or not failed:
-            return
-        if len(self.pools) + self._provisioning < limits.max_hosts:
+        if not at_ceiling:
             return
         self.ledger.ceiling_s += self._cfg.tick
         if not self._warned_ceiling:
@@ -477,7 +481,7 @@ class _Simulation:
                 "t=%.0f: the autoscaler is at its ceiling of %d hosts while %d kernels wait "
                 "(raise max_hosts to serve them sooner)",
                 self._now,
-                limits.max_hosts,
+                len(self.pools) + self._provisioning,
                 len(self._pending) + len(self._waiting),
             )
 

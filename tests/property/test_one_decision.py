@@ -139,6 +139,24 @@ def test_the_simulator_decides_with_the_object_it_is_given() -> None:
     assert sim.decisions is decisions
 
 
+def test_the_gateway_and_the_simulator_keep_one_model_class() -> None:
+    """One model of the cluster: the scheduler and the simulator keep the same class, and
+    decide on the same type of view (so policies take one code path on both sides)."""
+    sim = _Simulation(
+        Trace(()), SimConfig(hosts=3, autoscaler=None), ClusterDecisions.load("least-loaded")
+    )
+    live: list[tuple[type, type]] = []
+
+    async def gateway() -> None:
+        async with cluster({"h0": (0,), "h1": (0,), "h2": (0,)}) as c:
+            live.append((type(c.scheduler.model), type(c.scheduler.view())))
+
+    anyio.run(gateway)
+    [(model, view)] = live
+    assert model is type(sim.model) is ClusterModel
+    assert view is type(sim.model.view())
+
+
 # --- on the model: no GPU committed twice, drained hosts leave empty -----------------
 
 GPUS = 4

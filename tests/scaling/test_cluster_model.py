@@ -1,0 +1,79 @@
+"""The one cluster model's live surface, and the rules the decisions hold for both sides."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbos.core.errors import PlacementError
+from nbos.core.ids import HostId, KernelId
+from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions, ClusterModel
+
+H0, H1, H2, H3 = (HostId(f"h{i}") for i in range(4))
+
+
+def model(*hosts: HostId, gpus: int = 4) -> ClusterModel:
+    m = ClusterModel()
+    for h in hosts:
+        m.add_host(h, gpus)
+    return m
+
+
+def test_a_placement_on_a_host_not_yet_in_the_cluster_counts_once_it_joins() -> None:
+    m = model(H0, H1)
+    m.place(KernelId("k"), (H0, H1, H2), 2)
+    assert [h.host_id for h in m.view().hosts] == [H0, H1]
+    m.add_host(H2, 4)
+    assert (m.host(H2).gpus_subscribed, m.host(H2).replicas) == (2, 1)
+    m.set_schedulable(H2, False)
+    m.remove_host(H2)  # a host may leave while a kernel names it: kept aside again
+    m.add_host(H2, 8)
+    assert (m.host(H2).gpus_total, m.host(H2).replicas, m.host(H2).schedulable) == (8, 1, True)
+    m.forget(KernelId("k"))
+    assert m.host(H2).gpus_subscribed == 0
+
+
+def test_held_gpus_count_as_committed_and_an_unreachable_host_is_not_schedulable() -> None:
+    m = model(H0)
+    m.set_gpus(H0, 4, 1)
+    m.hold(H0, 2)
+    assert (m.host(H0).gpus_committed, m.committed, m.could_commit(2, schedulable=True)) == (
+        3,
+        1,
+        False,
+    )
+    m.hold(H0, -2)
+    m.set_reachable(H0, False)
+    assert not m.host(H0).schedulable
+    assert (m.schedulable_hosts, m.draining(), m.is_draining(H0)) == (0, [], False)
+    m.set_reachable(H0, True)
+    m.set_schedulable(H0, False)
+    assert m.is_draining(H0)
+
+
+def test_a_cell_runs_off_draining_hosts_unless_all_its_replicas_drain() -> None:
+    m = model(H0, H1, H2)
+    m.set_schedulable(H0, False)
+    assert ClusterDecisions.off_draining((H0, H1, H2), m.is_draining) == [H1, H2]
+    m.set_schedulable(H1, False)
+    m.set_schedulable(H2, False)
+    assert ClusterDecisions.off_draining((H0, H1, H2), m.is_draining) == (H0, H1, H2)
+
+
+def test_a_failed_placement_counts_once_and_work_waiting_at_the_ceiling_is_told() -> None:
+    config = AutoscalerConfig(min_hosts=1, max_hosts=2, scale_out_cooldown=0)
+    decisions = ClusterDecisions.load("least-loaded", autoscaler=Autoscaler(config))
+    m = model(H0, H1)
+    with pytest.raises(PlacementError):
+        decisions.place(m.view(), KernelId("k"), 1)  # 3 replicas, 2 hosts
+
+    def at_ceiling(now: float, cells_waiting: bool = False) -> bool:
+        step = decisions.scale(
+            m.view(), now, cells_waiting=cells_waiting, kernels_waiting=False, provisioning=0
+        )
+        return step.at_ceiling
+
+    assert (at_ceiling(0.0), at_ceiling(1.0), at_ceiling(2.0, cells_waiting=True)) == (
+        True,
+        False,
+        True,
+    )
