@@ -3,7 +3,7 @@
 ``start(host, spec)`` asks the host's agent to start the process
 (``ReplicaStart``, resent until answered: the agent starts a replica id once);
 the handle's ``wait()`` ends when the agent reports ``ReplicaExited`` (which the
-directory acknowledges) or when the host vanishes; ``signal`` and ``terminate``
+directory acknowledges) or when its host is suspected; ``signal`` and ``terminate``
 go through ``ReplicaSignal`` and ``ReplicaStop``. So the gateway's kernel code runs
 unchanged over remote hosts.
 
@@ -12,7 +12,7 @@ What loopback hid, the backend adds for replicas (:meth:`AgentBackend.addresses`
 free on the replica's own host, a working directory and a seeded connection file
 there, and the connection info read back from that host.
 
-A host that vanishes takes its processes with it as far as the gateway knows:
+A suspected host takes its processes with it as far as the gateway knows:
 their handles end with :data:`HOST_LOST_STATUS`. They may still run there, cut off;
 if the host comes back they are stopped (they were replaced meanwhile).
 """
@@ -52,7 +52,7 @@ from nbos.gateway._directory import HostDirectory, RegisteredHost
 
 log = logging.getLogger(__name__)
 
-#: The exit status of a process whose host vanished (it may still run there, cut off).
+#: The exit status of a process whose host is suspected (it may still run there, cut off).
 HOST_LOST_STATUS = -255
 #: The exit status of a process that ended while its agent was down (not its child then).
 UNKNOWN_STATUS = -254
@@ -116,7 +116,7 @@ class AgentBackend:
         self._directory = directory
         self._tg = tg
         self._handles: dict[str, AgentProcessHandle] = {}
-        # Replicas whose hosts vanished: stopped if those hosts come back.
+        # Replicas whose hosts were suspected: stopped if those hosts come back.
         self._lost: dict[str, HostId] = {}
         self._closed = False
 
@@ -132,7 +132,7 @@ class AgentBackend:
         return "agent"
 
     def hosts(self) -> Sequence[HostId]:
-        return [h.host_id for h in self._directory.hosts() if not h.vanished]
+        return [h.host_id for h in self._directory.hosts() if not h.suspected]
 
     def ip(self, host: HostId) -> str:
         """The address ``host`` is reached at."""
@@ -260,7 +260,7 @@ class AgentBackend:
             elif handle is not None and not info.running:
                 self._exited(handle, info)
 
-    def host_vanished(self, host: RegisteredHost) -> None:
+    def host_suspected(self, host: RegisteredHost) -> None:
         for handle in list(self._handles.values()):
             if handle.host == host.host_id:
                 log.warning("replica %s lost with host %s", handle.replica_id, host.host_id)

@@ -1,9 +1,9 @@
 """The scheduler's conversation with the host agents, beyond choosing a cell's executor.
 
-Requests go out with retries (an agent that does not answer is marked unreachable);
+Requests go out with retries (an agent that does not answer is suspected);
 reports come in: a host joins (what it holds from an earlier gateway is freed), its
 agent restarts (it is given back the committed reservations it lost), it comes back
-(releases it missed are resent). Releases meant for an unreachable agent are kept,
+(releases it missed are resent). Releases meant for a suspected agent are kept,
 and so are the kernels whose release a host has not confirmed, until it reports again.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-
-import anyio
 
 from nbos.core.errors import ConfigError, HostUnreachableError, TransportError
 from nbos.core.ids import HostId, KernelId, PeerId
@@ -73,18 +71,19 @@ class AgentSync:
             raise ConfigError("registered", False, "a scheduler serving registered hosts")
         self._admitted[host_id] = peer
 
-    def vanished(self, host_id: HostId, why: str) -> None:
-        """The host's agent stopped answering: unreachable until it registers again."""
+    def suspected(self, host_id: HostId, why: str) -> None:
+        """The host directory suspects the host: its reports count again once it registers."""
         if self._admitted is not None:
             self._admitted.pop(host_id, None)
         host = self._hosts.get(host_id)
         if host is not None:
-            self._liveness.unreachable(host, why)
+            self._liveness.suspect(host, why)
 
     def removed(self, host_id: HostId) -> None:
         """The host left the cluster: its reports no longer count, nothing is owed to it."""
         if self._admitted is not None:
             self._admitted.pop(host_id, None)
+        self._liveness.forget(host_id)
         self._owed = {(h, k) for h, k in self._owed if h != host_id}
 
     def kernel_lives_on(self, kernel_id: KernelId, hosts: Iterable[HostId]) -> None:
@@ -95,29 +94,29 @@ class AgentSync:
 
     async def call(self, host: HostRecord, make: Callable[[int], AgentRequest]) -> AgentReply:
         """One request to the host's agent, resent until it answers; an agent that does not
-        is marked unreachable (:class:`HostUnreachableError`)."""
+        is suspected (:class:`HostUnreachableError`)."""
         try:
             return await self._rpc.call(host.peer, host.host_id, make)
         except HostUnreachableError as exc:
             if not self._rpc.closed:  # else the scheduler stops: the host is not to blame
-                self._liveness.unreachable(host, str(exc))
+                self._liveness.suspect(host, str(exc))
             raise
 
     async def release(self, host_id: HostId, res: str, resident: bool) -> None:
-        """Free reservation ``res`` on the host, now or (unreachable) when it reports again."""
+        """Free reservation ``res`` on the host, now or (suspected) when it reports again."""
         host = self._hosts.get(host_id)
-        if host is None or not host.reachable:
+        if host is None or host.suspected:
             self._pending_release[res] = (host_id, resident)
             self._notify()
             return
         await self._send_release(host, res, resident)
 
     async def release_kernel(self, host_id: HostId, kernel_id: KernelId) -> None:
-        """Free everything of the kernel on the host, resident marks included; an unreachable
+        """Free everything of the kernel on the host, resident marks included; a suspected
         host is told when it reports again."""
         self._owed.add((host_id, kernel_id))
         host = self._hosts.get(host_id)
-        if host is not None and host.reachable:
+        if host is not None and not host.suspected:
             await self._send_release_kernel(host, kernel_id)
 
     def refresh_soon(self, host: HostRecord) -> None:
@@ -197,20 +196,19 @@ class AgentSync:
         host = self._hosts.get(host_id)
         if not self._counts(host, sender, status):
             return
-        now = anyio.current_time()
         if host is None:
             host = HostRecord(
-                host_id, sender, status.address, status.incarnation, tuple(status.devices), now
+                host_id, sender, status.address, status.incarnation, tuple(status.devices)
             )
-            host.update(sender, status, now)
+            host.update(sender, status)
             self._hosts.join(host)
+            self._liveness.reported(host)
             log.info("host %s joined with %d GPUs", host_id, len(host.devices))
             self._release_foreign(host)
         else:
-            was_reachable = host.reachable
-            if host.update(sender, status, now):
+            if host.update(sender, status):
                 self._reconcile(host)
-            self._liveness.reported(host, was_reachable)
+            self._liveness.reported(host)
             self._hosts.synced(host_id)
         self._resend(host)
         self._notify()
@@ -267,7 +265,7 @@ class AgentSync:
             self._spawn(self._restore, host, lost)
 
     def _resend(self, host: HostRecord) -> None:
-        """Retry releases that an unreachable agent missed, now that it reported them."""
+        """Retry releases that a suspected agent missed, now that it reported them."""
         for res, (host_id, _) in list(self._pending_release.items()):
             if host_id == host.host_id and res not in host.reported:
                 del self._pending_release[res]  # expired or lost there: nothing left to free

@@ -1,4 +1,4 @@
-"""The gateway's host directory: agents register over ZeroMQ (CURVE), are watched, vanish.
+"""The gateway's host directory: agents register over ZeroMQ (CURVE) and are watched.
 
 The directory owns the gateway's one endpoint (peer id ``gateway``) and reads
 every message once:
@@ -18,8 +18,10 @@ every message once:
   address it reports (with the host's key on file) and asks it for a hello.
 
 Every message from an admitted agent counts as a sign of life. A host silent for
-``missed_heartbeats`` heartbeat intervals is **vanished**: unschedulable, and its
-listeners are told (the agent backend reports its replicas lost). A vanished host
+``missed_heartbeats`` heartbeat intervals is **suspected**, by the gateway's one failure
+detector (:class:`~nbos.gateway._host_liveness.SilenceDetector`, which does not count
+silence the gateway caused itself by being paused or starved): unschedulable, and its
+listeners are told (the agent backend reports its replicas lost). A suspected host
 that speaks again is asked for a hello and registers anew.
 """
 
@@ -60,6 +62,7 @@ from nbos.core.wire.agent import (
     ReplicaReply,
     ReplicaRequest,
 )
+from nbos.gateway._host_liveness import SilenceDetector
 from nbos.gateway._rpc import RequestChannel
 from nbos.gateway._scheduler import GpuScheduler
 from nbos.scaling import ClusterDecisions
@@ -78,7 +81,7 @@ _FIRST_ID = 1 << 40
 
 @attrs.define
 class RegisteredHost:
-    """One host whose agent registered: where it is, what it has, whether it vanished."""
+    """One host whose agent registered: where it is, what it has, whether it is suspected."""
 
     host_id: HostId
     peer: PeerId
@@ -86,8 +89,7 @@ class RegisteredHost:
     incarnation: str
     gpus: tuple[GpuInfo, ...]
     gpu_source: str
-    last_seen: float
-    vanished: bool = False
+    suspected: bool = False
 
     @property
     def ip(self) -> str:
@@ -102,8 +104,8 @@ class HostListener(Protocol):
         """``host`` (re)registered, holding ``replicas`` (live and unacknowledged ones)."""
         ...
 
-    def host_vanished(self, host: RegisteredHost) -> None:
-        """``host`` stopped answering."""
+    def host_suspected(self, host: RegisteredHost) -> None:
+        """``host`` fell silent."""
         ...
 
     def replica_exited(self, host: HostId, replica: ReplicaInfo) -> None:
@@ -128,7 +130,7 @@ class HostDirectory:
         self._keys = keys
         self._scheduler_inbox = scheduler_inbox
         self._interval = heartbeat_interval
-        self._missed = missed_heartbeats
+        self._silence = SilenceDetector(heartbeat_interval * missed_heartbeats)
         self._rpc = RequestChannel[ReplicaRequest, ReplicaReply](
             transport, timeout=rpc_timeout, retry_interval=_RETRY_S, first_id=_FIRST_ID
         )
@@ -202,22 +204,23 @@ class HostDirectory:
         return self._scheduler
 
     def hosts(self) -> tuple[RegisteredHost, ...]:
-        """Every host that registered, vanished ones included, by name."""
+        """Every host that registered, suspected ones included, by name."""
         return tuple(sorted(self._hosts.values(), key=lambda h: h.host_id))
 
     def live(self, host_id: HostId) -> RegisteredHost:
-        """The registered, not vanished ``host_id``; :class:`HostUnreachableError` otherwise."""
+        """The registered, unsuspected ``host_id``; :class:`HostUnreachableError` otherwise."""
         host = self._hosts.get(host_id)
         if host is None:
             raise HostUnreachableError(host_id, "no agent registered")
-        if host.vanished:
-            raise HostUnreachableError(host_id, "its agent stopped answering")
+        if host.suspected:
+            raise HostUnreachableError(host_id, "its agent fell silent")
         return host
 
     def remove(self, host_id: HostId) -> None:
         """Forget a host that leaves the cluster (drained; its agent is being stopped):
-        what it sends from now on is dropped, and its silence is no vanishing."""
+        what it sends from now on is dropped, and its silence is nobody's failure."""
         host = self._hosts.pop(host_id, None)
+        self._silence.forget(host_id)
         if host is not None:
             self.transport.remove_peer(host.peer)
         self.scheduler.remove_host(host_id)
@@ -229,7 +232,7 @@ class HostDirectory:
     async def wait_for_hosts(self, n: int, timeout: float = 30.0) -> None:
         """Return once ``n`` hosts are registered and live; ``TimeoutError`` after ``timeout``."""
         with anyio.fail_after(timeout):
-            while sum(not h.vanished for h in self._hosts.values()) < n:
+            while sum(not h.suspected for h in self._hosts.values()) < n:
                 await self._changed.wait()
         await self.scheduler.wait_for_hosts(n, timeout)
 
@@ -238,7 +241,7 @@ class HostDirectory:
         with anyio.move_on_after(timeout):
             while True:
                 host = self._hosts.get(host_id)
-                if host is not None and not host.vanished:
+                if host is not None and not host.suspected:
                     return True
                 await self._changed.wait()
         return False
@@ -284,8 +287,8 @@ class HostDirectory:
                     "%s from %s, not a registered agent: dropped", type(message).__name__, sender
                 )
                 continue
-            host.last_seen = anyio.current_time()
-            if host.vanished:
+            self._silence.heard(host.host_id, anyio.current_time())
+            if host.suspected:
                 # Back after we gave up on it: register again (its replicas may be gone).
                 await self._send(sender, AgentHelloRequest(0))
                 continue
@@ -312,13 +315,12 @@ class HostDirectory:
             log.warning("gateway dropped unexpected %s from %s", type(message).__name__, sender)
 
     async def _liveness_loop(self) -> None:
-        limit = self._interval * self._missed
         while True:
-            await anyio.sleep(self._interval)
-            now = anyio.current_time()
-            for host in self._hosts.values():
-                if not host.vanished and now - host.last_seen > limit:
-                    self._vanish(host, f"no word for {now - host.last_seen:.1f} s")
+            await anyio.sleep(self._silence.interval)
+            for host_id, silence in self._silence.silent(anyio.current_time()):
+                host = self._hosts.get(host_id)
+                if host is not None and not host.suspected:
+                    self._suspect(host, f"no word for {silence:.1f} s")
 
     # --- registration ------------------------------------------------------------
 
@@ -336,15 +338,10 @@ class HostDirectory:
             log.warning("host %s: cannot connect to %s: %s", host_id, hello.address, exc)
             return
         host = self._hosts[host_id] = RegisteredHost(
-            host_id,
-            sender,
-            hello.address,
-            hello.incarnation,
-            tuple(hello.gpus),
-            hello.gpu_source,
-            now,
+            host_id, sender, hello.address, hello.incarnation, tuple(hello.gpus), hello.gpu_source
         )
-        if known is None or known.vanished or known.incarnation != hello.incarnation:
+        self._silence.heard(host_id, now)
+        if known is None or known.suspected or known.incarnation != hello.incarnation:
             log.info(
                 "host %s registered at %s: %d %s GPUs, %d replicas",
                 host_id,
@@ -422,12 +419,12 @@ class HostDirectory:
             return None
         return host
 
-    def _vanish(self, host: RegisteredHost, why: str) -> None:
-        host.vanished = True
-        log.warning("host %s vanished (%s): its replicas are lost", host.host_id, why)
-        self.scheduler.host_vanished(host.host_id, why)
+    def _suspect(self, host: RegisteredHost, why: str) -> None:
+        host.suspected = True
+        log.warning("host %s is suspected (%s): its replicas are reported lost", host.host_id, why)
+        self.scheduler.host_suspected(host.host_id, why)
         for listener in self._listeners:
-            listener.host_vanished(host)
+            listener.host_suspected(host)
         self._notify()
 
     async def _send(self, peer: PeerId, message: AnyMessage) -> None:

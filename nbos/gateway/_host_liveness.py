@@ -1,8 +1,14 @@
-"""Whether each host's agent answers: hosts that stop reporting are marked unreachable.
+"""The gateway's one failure detector for hosts: a host silent too long is *suspected*.
 
-An unreachable host is left out of executor choice and placement (the cluster model
-shows it unschedulable) until its agent reports again; nothing it holds is freed on
-suspicion alone (design, "The control plane: suspicion is not proof").
+A suspected host is left out of placement and executor choice until it is heard from
+again. Suspicion is a guess about the network and the host, made by a process that can
+itself be paused, starved of CPU or see its clock jump: so the detector does not blame
+hosts for silence it caused. Time during which its own checks came late (the gateway
+was stopped, its event loop blocked) does not count as anybody's silence.
+
+:class:`SilenceDetector` is that rule, with no clock and no I/O. The host directory runs
+one over its registered agents' heartbeats; a scheduler that learns hosts from their
+reports (no directory, as in the embedded cluster) runs one through :class:`HostLiveness`.
 """
 
 from __future__ import annotations
@@ -12,40 +18,98 @@ from collections.abc import Callable
 
 import anyio
 
+from nbos.core.ids import HostId
 from nbos.gateway._hosts import HostRecord, Hosts
 
 log = logging.getLogger(__name__)
 
+#: Checks per timeout: a silent host is suspected at most a quarter timeout late.
+_CHECKS_PER_TIMEOUT = 4
+
+
+class SilenceDetector:
+    """Which hosts have been silent for longer than ``timeout`` seconds.
+
+    Call :meth:`heard` whenever a host is heard from and :meth:`silent` every
+    :attr:`interval` seconds; both take the caller's clock. A call of :meth:`silent`
+    that comes later than :attr:`interval` after the previous one shifts every host's
+    last word forward by the delay: the hosts may have spoken meanwhile, unheard.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.interval = timeout / _CHECKS_PER_TIMEOUT
+        self._heard: dict[HostId, float] = {}
+        self._suspected: set[HostId] = set()
+        self._checked: float | None = None
+
+    def heard(self, host_id: HostId, now: float) -> None:
+        """The host spoke at ``now``: whatever it was suspected of is over."""
+        self._heard[host_id] = now
+        self._suspected.discard(host_id)
+
+    def forget(self, host_id: HostId) -> None:
+        """The host left the cluster: its silence means nothing any more."""
+        self._heard.pop(host_id, None)
+        self._suspected.discard(host_id)
+
+    def suspected(self, host_id: HostId) -> bool:
+        return host_id in self._suspected
+
+    def silent(self, now: float) -> list[tuple[HostId, float]]:
+        """Hosts newly suspected at ``now``, each with how long it has been silent."""
+        self._credit_own_delay(now)
+        found = [
+            (host_id, now - heard)
+            for host_id, heard in self._heard.items()
+            if host_id not in self._suspected and now - heard > self.timeout
+        ]
+        self._suspected.update(host_id for host_id, _ in found)
+        return found
+
+    def _credit_own_delay(self, now: float) -> None:
+        previous, self._checked = self._checked, now
+        if previous is None:
+            return
+        late = now - previous - self.interval
+        if late > 0:
+            for host_id, heard in self._heard.items():
+                self._heard[host_id] = min(now, heard + late)
+
 
 class HostLiveness:
-    """Marks hosts unreachable when their agents fall silent; run :meth:`run` in a task."""
+    """Suspects hosts whose agents stop reporting to a scheduler that has no host directory;
+    run :meth:`run` in a task. A request an agent does not answer is suspicion too."""
 
     def __init__(self, hosts: Hosts, host_timeout: float, notify: Callable[[], None]) -> None:
         self._hosts = hosts
-        self._timeout = host_timeout
+        self._detector = SilenceDetector(host_timeout)
         self._notify = notify
 
     async def run(self) -> None:
-        """Check every quarter of ``host_timeout`` for hosts silent longer than that."""
         while True:
-            await anyio.sleep(self._timeout / 4)
-            now = anyio.current_time()
-            for host in self._hosts.records():
-                if host.reachable and now - host.last_seen > self._timeout:
-                    self.unreachable(host, f"no report for {now - host.last_seen:.1f} s")
+            await anyio.sleep(self._detector.interval)
+            for host_id, silence in self._detector.silent(anyio.current_time()):
+                host = self._hosts.get(host_id)
+                if host is not None:
+                    self.suspect(host, f"no report for {silence:.1f} s")
 
-    def unreachable(self, host: HostRecord, why: str) -> None:
-        if host.reachable:
-            self._hosts.set_reachable(host, False)
+    def suspect(self, host: HostRecord, why: str) -> None:
+        if not host.suspected:
+            self._hosts.set_suspected(host, True)
             log.warning(
-                "host %s is unreachable (%s): not schedulable until it reports again",
+                "host %s is suspected (%s): nothing new goes there until it reports again",
                 host.host_id,
                 why,
             )
             self._notify()
 
-    def reported(self, host: HostRecord, was_reachable: bool) -> None:
-        """The host's agent reported (its record is up to date): it is reachable again."""
-        if not was_reachable:
-            log.info("host %s is reachable again", host.host_id)
-        self._hosts.set_reachable(host, True)
+    def reported(self, host: HostRecord) -> None:
+        """The host's agent reported (its record is up to date): no longer suspected."""
+        self._detector.heard(host.host_id, anyio.current_time())
+        if host.suspected:
+            log.info("host %s reports again", host.host_id)
+            self._hosts.set_suspected(host, False)
+
+    def forget(self, host_id: HostId) -> None:
+        self._detector.forget(host_id)

@@ -33,9 +33,9 @@ class Grant:
 class HostRecord:
     """One host as the scheduler knows it.
 
-    ``reachable`` turns false when its agent does not answer a request or stops
-    reporting; such a host is left out of executor choice and placement until it
-    reports again.
+    ``suspected`` turns true when its agent does not answer a request or stops
+    reporting (:mod:`nbos.gateway._host_liveness`); such a host is left out of executor
+    choice and placement until it reports again.
     """
 
     host_id: HostId
@@ -43,21 +43,18 @@ class HostRecord:
     address: str
     incarnation: str
     devices: tuple[int, ...]
-    last_seen: float
     reported: dict[str, GpuReservation] = attrs.Factory(dict)
     #: Idle devices still holding a kernel's tensors, as ``(device, kernel)``.
     resident: tuple[tuple[int, str], ...] = ()
-    reachable: bool = True
+    suspected: bool = False
 
-    def update(self, peer: PeerId, status: AgentStatus, now: float) -> bool:
+    def update(self, peer: PeerId, status: AgentStatus) -> bool:
         """Take a status report; ``True`` if it comes from a new agent incarnation."""
         restarted = status.incarnation != self.incarnation
         self.peer, self.address, self.incarnation = peer, status.address, status.incarnation
         self.devices = tuple(status.devices)
         self.reported = {r.reservation_id: r for r in status.reservations if r.state in _LIVE}
         self.resident = tuple(status.resident)
-        self.last_seen = now
-        self.reachable = True
         return restarted
 
     def busy(self, own: Iterable[Grant]) -> set[int]:
@@ -114,9 +111,10 @@ class Hosts:
     def records(self) -> Iterable[HostRecord]:
         return self._records.values()
 
-    def reachable(self, host_id: HostId) -> bool:
+    def live(self, host_id: HostId) -> bool:
+        """Whether the host reported and is not suspected."""
         host = self._records.get(host_id)
-        return host is not None and host.reachable
+        return host is not None and not host.suspected
 
     def join(self, host: HostRecord) -> None:
         self._records[host.host_id] = host
@@ -130,9 +128,9 @@ class Hosts:
         self.model.remove_host(host_id)
         return True
 
-    def set_reachable(self, host: HostRecord, reachable: bool) -> None:
-        host.reachable = reachable
-        self.model.set_reachable(host.host_id, reachable)
+    def set_suspected(self, host: HostRecord, suspected: bool) -> None:
+        host.suspected = suspected
+        self.model.set_suspected(host.host_id, suspected)
 
     def synced(self, host_id: HostId) -> None:
         """The host's report changed (or what it holds was freed): the model follows."""

@@ -9,8 +9,9 @@ view that is out of date costs a refused pre-commit and a retry, never a device
 bound twice.
 
 The conversation with the agents beyond a cell's grant (reports, restarts, releases
-owed) is :class:`~nbos.gateway._agent_sync.AgentSync`'s, and whether they answer
-:class:`~nbos.gateway._host_liveness.HostLiveness`'s.
+owed) is :class:`~nbos.gateway._agent_sync.AgentSync`'s. Which hosts are suspected is
+the one failure detector's (:mod:`nbos.gateway._host_liveness`): the host directory's
+for registered hosts, else the scheduler's own :class:`HostLiveness`.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ class GpuScheduler:
       are woken when GPUs are released or hosts report; a cell asking for more
       GPUs than any known host has gets :class:`InsufficientGpusError` at once;
     * an agent that does not answer within ``rpc_timeout``, or stops reporting for
-      ``host_timeout``, is marked unreachable (logged) and left out until it
-      reports again; releases meant for it are resent then.
+      ``host_timeout`` (without a host directory, which decides that otherwise), is
+      suspected (logged) and left out until it reports again; releases meant for it
+      are resent then.
     """
 
     def __init__(
@@ -204,7 +206,8 @@ class GpuScheduler:
         async with anyio.create_task_group() as tg:
             scheduler._tg = tg
             tg.start_soon(scheduler._agents.receive)
-            tg.start_soon(scheduler._liveness.run)
+            if not registered:  # else the host directory's detector suspects hosts
+                tg.start_soon(scheduler._liveness.run)
             try:
                 yield scheduler
             finally:
@@ -213,7 +216,7 @@ class GpuScheduler:
     # --- the cluster -----------------------------------------------------------------
 
     def view(self) -> ClusterView:
-        """Every known host as the decisions see it (unreachable hosts are unschedulable)."""
+        """Every known host as the decisions see it (suspected hosts are unschedulable)."""
         return self.model.view()
 
     @property
@@ -234,24 +237,27 @@ class GpuScheduler:
         return dict(self._waiting)
 
     async def wait_for_hosts(self, n: int, timeout: float = 10.0) -> None:
-        """Return once ``n`` hosts are reachable; ``TimeoutError`` after ``timeout``."""
+        """Return once ``n`` hosts reported and are not suspected; ``TimeoutError`` after
+        ``timeout``."""
         with anyio.fail_after(timeout):
-            while sum(h.reachable for h in self._hosts.records()) < n:
+            while sum(not h.suspected for h in self._hosts.records()) < n:
                 await self._wait_change(self._version)
 
     async def wait_for_host(self, host_id: HostId, timeout: float) -> None:
-        """Return once ``host_id`` reported and is reachable; ``TimeoutError`` after ``timeout``."""
+        """Return once ``host_id`` reported and is not suspected; ``TimeoutError`` after
+        ``timeout``."""
         with anyio.fail_after(timeout):
-            while not self._hosts.reachable(host_id):
+            while not self._hosts.live(host_id):
                 await self._wait_change(self._version)
 
     def admit(self, host_id: HostId, peer: PeerId) -> None:
         """Registration took ``host_id``'s agent at ``peer``: its reports count from now on."""
         self._agents.admit(host_id, peer)
 
-    def host_vanished(self, host_id: HostId, why: str) -> None:
-        """The host's agent stopped answering: unreachable until it registers again."""
-        self._agents.vanished(host_id, why)
+    def host_suspected(self, host_id: HostId, why: str) -> None:
+        """The host directory suspects the host: nothing new goes there until it registers
+        again."""
+        self._agents.suspected(host_id, why)
 
     def set_schedulable(self, host_id: HostId, schedulable: bool) -> None:
         """Drain a host (no new replicas; cells go to its replicas only when the kernel has
@@ -442,7 +448,7 @@ class GpuScheduler:
         raise _refusal_error(reply, n, host.host_id)
 
     async def release(self, grant: Grant, *, resident: bool = False) -> None:
-        """Free the GPUs of ``grant``; idempotent, and never raises for an unreachable agent.
+        """Free the GPUs of ``grant``; idempotent, and never raises for a suspected agent.
 
         ``resident`` leaves the kernel's tensors on the devices until another
         kernel needs them (lazy eviction).
@@ -494,7 +500,7 @@ class GpuScheduler:
 
         Its grants there are dropped and the agent frees its reservations and
         resident marks (the tensors died with the process), so no later
-        allocation waits for an eviction that nobody can do. An unreachable
+        allocation waits for an eviction that nobody can do. A suspected
         agent is told when it reports again.
         """
         gone = [(r, g) for r, g in self._hosts.on(host_id).items() if g.kernel_id == kernel_id]
@@ -520,7 +526,7 @@ class GpuScheduler:
         last_host = replicas.get(last_executor) if last_executor is not None else None
         refused: set[HostId] = set()
         while True:
-            down = refused | {h for h in order if not self._hosts.reachable(h)}
+            down = refused | {h for h in order if not self._hosts.live(h)}
             try:
                 choice = self._decisions.cell(
                     self.view(), kernel_id, order, last_host, gpus, down=down
@@ -580,8 +586,8 @@ class GpuScheduler:
     # --- wake-ups --------------------------------------------------------------------
 
     def _notify(self) -> None:
-        reachable = [h for h in self._hosts.records() if h.reachable]
-        self.ledger.hosts_changed(len(reachable), sum(len(h.devices) for h in reachable))
+        live = [h for h in self._hosts.records() if not h.suspected]
+        self.ledger.hosts_changed(len(live), sum(len(h.devices) for h in live))
         self.model.observe_demand()
         self._version += 1
         self._changed.set()

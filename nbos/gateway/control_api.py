@@ -43,8 +43,8 @@ from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
 log = logging.getLogger(__name__)
 
 #: ``joining``: registered, its GPUs not yet reported to the scheduler (nothing is placed
-#: there yet); ``up``: schedulable; ``vanished``: silent past the missed-heartbeat limit.
-HostState = Literal["joining", "up", "vanished"]
+#: there yet); ``up``: schedulable; ``suspected``: silent past the missed-heartbeat limit.
+HostState = Literal["joining", "up", "suspected"]
 ControlErrorKind = Literal["malformed", "failed", "unknown"]
 
 

@@ -361,17 +361,17 @@ class GatewayService:
 
     def max_host_gpus(self) -> int:
         """The GPU count of the largest host that is up (the kernelspecs offered)."""
-        return max((len(h.gpus) for h in self.directory.hosts() if not h.vanished), default=0)
+        return max((len(h.gpus) for h in self.directory.hosts() if not h.suspected), default=0)
 
     def host_status(self) -> list[HostStatus]:
         out = []
         for host in self.directory.hosts():
-            state: HostState = "vanished" if host.vanished else "up"
+            state: HostState = "suspected" if host.suspected else "up"
             try:
                 counts = self.directory.scheduler.host(host.host_id).by_state()
             except KeyError:  # registered, no GPU report yet: placement cannot use it
                 counts = {"idle": len(host.gpus)}
-                state = "vanished" if host.vanished else "joining"
+                state = "suspected" if host.suspected else "joining"
             out.append(
                 HostStatus(
                     host.host_id,

@@ -3,7 +3,7 @@
 :class:`ClusterModel` is the one model of a cluster, the gateway's scheduler's and
 the simulator's. It holds every host's GPUs (total, committed, and held for a
 migration), its subscriptions and replicas, whether it is schedulable (not being
-drained) and reachable, each placed kernel's hosts, and the smoothed
+drained) and whether it is suspected (silent), each placed kernel's hosts, and the smoothed
 demand-to-busy ratio. Each change costs O(1) (a move
 O(replicas)); :meth:`ClusterModel.view` rebuilds the
 :class:`~nbos.core.placement.ClusterView` that policies take only after a change,
@@ -48,7 +48,7 @@ class _Host:
     subscribed: int = 0
     kernels: set[KernelId] = attrs.Factory(set)
     schedulable: bool = True
-    reachable: bool = True
+    suspected: bool = False
 
     @property
     def idle(self) -> int:
@@ -61,7 +61,7 @@ class _Host:
             self.total - self.idle,
             self.subscribed,
             len(self.kernels),
-            self.schedulable and self.reachable,
+            self.schedulable and not self.suspected,
         )
 
 
@@ -158,7 +158,7 @@ class ClusterModel:
 
     @property
     def schedulable_hosts(self) -> int:
-        """Hosts that take new replicas: schedulable and reachable."""
+        """Hosts that take new replicas: schedulable and not suspected."""
         return sum(self._idle_schedulable.values())
 
     @property
@@ -192,7 +192,7 @@ class ClusterModel:
         self.capacity -= host.total
         self.committed -= host.committed
         if host.kernels or host.held:
-            # Only what names the host waits aside: it comes back in service, reachable.
+            # Only what names the host waits aside: it comes back in service, unsuspected.
             self._aside[host_id] = _Host(
                 0, held=host.held, subscribed=host.subscribed, kernels=host.kernels
             )
@@ -202,11 +202,11 @@ class ClusterModel:
         self._get(host_id)
         self._update(host_id, lambda h: setattr(h, "schedulable", schedulable))
 
-    def set_reachable(self, host_id: HostId, reachable: bool) -> None:
-        """Whether the host's agent answers: an unreachable host is no more schedulable
-        in the view than a draining one, but it is not being drained."""
+    def set_suspected(self, host_id: HostId, suspected: bool) -> None:
+        """Whether the host is suspected (its agent fell silent): a suspected host is no
+        more schedulable in the view than a draining one, but it is not being drained."""
         self._get(host_id)
-        self._update(host_id, lambda h: setattr(h, "reachable", reachable))
+        self._update(host_id, lambda h: setattr(h, "suspected", suspected))
 
     # --- GPUs ----------------------------------------------------------------------
 
@@ -326,7 +326,7 @@ class ClusterModel:
     def _count(self, host_id: HostId, sign: int) -> None:
         host = self._get(host_id)
         self._idle_all[host.idle] += sign
-        if host.schedulable and host.reachable:
+        if host.schedulable and not host.suspected:
             self._idle_schedulable[host.idle] += sign
 
     def _changed(self, host_id: HostId) -> None:

@@ -244,7 +244,7 @@ async def test_restarted_agent_that_kept_its_pool_is_taken_as_reported() -> None
         assert held(c)["h1"] == 0
 
 
-async def test_unreachable_agent_is_marked_and_the_cell_goes_elsewhere(
+async def test_a_silent_agent_is_suspected_and_the_cell_goes_elsewhere(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with cluster(THREE) as c:
@@ -252,17 +252,17 @@ async def test_unreachable_agent_is_marked_and_the_cell_goes_elsewhere(
         with caplog.at_level(logging.WARNING, logger="nbos.gateway"):
             g = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=1)
         assert g.host in ("h1", "h2")
-        assert "host h0 is unreachable" in caplog.text
-        assert not c.scheduler.host(HostId("h0")).reachable
+        assert "host h0 is suspected" in caplog.text
+        assert c.scheduler.host(HostId("h0")).suspected
         assert not next(h for h in c.scheduler.view().hosts if h.host_id == "h0").schedulable
         # h0's agent never got a lasting reservation: its pre-commit attempts were lost.
         assert held(c)["h0"] == 0
         c.network.heal()
-        await eventually(lambda: c.scheduler.host(HostId("h0")).reachable)
+        await eventually(lambda: not c.scheduler.host(HostId("h0")).suspected)
         await c.scheduler.release(g)
 
 
-async def test_release_to_an_unreachable_agent_is_resent_when_it_reports_again() -> None:
+async def test_release_to_a_suspected_agent_is_resent_when_it_reports_again() -> None:
     async with cluster(THREE) as c:
         g = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=2)
         await c.scheduler.committed(g)
@@ -360,12 +360,12 @@ async def test_replica_gone_frees_its_host_and_its_resident_tensors() -> None:
         assert held(c)["h1"] == 1
 
 
-async def test_kernel_gone_reaches_an_unreachable_host_when_it_is_back() -> None:
+async def test_kernel_gone_reaches_a_suspected_host_when_it_is_back() -> None:
     async with cluster(THREE) as c:
         g = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=1)
         await c.scheduler.committed(g)
         c.network.partition(["gateway"], ["h0/agent"])
-        await eventually(lambda: not c.scheduler.host(HostId("h0")).reachable)
+        await eventually(lambda: c.scheduler.host(HostId("h0")).suspected)
         await c.scheduler.kernel_gone(kernel("a"))
         assert held(c)["h0"] == 1
         c.network.heal()

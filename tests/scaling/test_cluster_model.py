@@ -32,7 +32,7 @@ def test_a_placement_on_a_host_not_yet_in_the_cluster_counts_once_it_joins() -> 
     assert m.host(H2).gpus_subscribed == 0
 
 
-def test_held_gpus_count_as_committed_and_an_unreachable_host_is_not_schedulable() -> None:
+def test_held_gpus_count_as_committed_and_a_suspected_host_is_not_schedulable() -> None:
     m = model(H0)
     m.set_gpus(H0, 4, 1)
     m.hold(H0, 2)
@@ -42,10 +42,10 @@ def test_held_gpus_count_as_committed_and_an_unreachable_host_is_not_schedulable
         False,
     )
     m.hold(H0, -2)
-    m.set_reachable(H0, False)
+    m.set_suspected(H0, True)
     assert not m.host(H0).schedulable
     assert (m.schedulable_hosts, m.draining(), m.is_draining(H0)) == (0, [], False)
-    m.set_reachable(H0, True)
+    m.set_suspected(H0, False)
     m.set_schedulable(H0, False)
     assert m.is_draining(H0)
 
