@@ -121,7 +121,7 @@ class Cluster:
             return len(alive) == 3 and victim not in {r["host"] for r in alive}
 
         status = await self.ask.status_when(done)
-        assert {h["host_id"]: h["state"] for h in status["hosts"]}[victim] == "vanished"
+        assert {h["host_id"]: h["state"] for h in status["hosts"]}[victim] == "suspected"
         hosts = {r["host"] for r in _alive(status)}
         assert hosts == set(HOSTS) - {victim}
         # Each replica listens at its own host's address, as its connection file says.
