@@ -32,8 +32,7 @@ terms of :mod:`nbos.kernel.protocol`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.abc
@@ -44,7 +43,6 @@ from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.errors import KernelError, TransportError
 from nbos.core.executor_chooser import ExecutorChooser
-from nbos.kernel.front import _wire
 from nbos.kernel.front._cells import Cells
 from nbos.kernel.front._chooser import LastExecutorChooser
 from nbos.kernel.front._clients import ClientChannels, FrontIdentity, Incoming
@@ -98,6 +96,9 @@ class KernelFront:
         )
         self._idle = ShellIdle(self._clients)
         self._relay = Relay(kernel_id, upstreams, self._clients, self._liveness, self._idle)
+        #: Send a control request of the front's own to a replica; its reply or ``None``
+        #: (:meth:`Relay.control_request <nbos.kernel.front._relay.Relay.control_request>`).
+        self.control_request = self._relay.control_request
         self._cells = Cells(kernel_id, self._liveness, self._relay.control_request)
         self._membership = Membership(
             kernel_id,
@@ -207,30 +208,6 @@ class KernelFront:
         Raises :class:`KernelError` if it does not answer within ``timeout``.
         """
         await self._membership.revive(replica, timeout=timeout)
-
-    async def control_request(
-        self,
-        replica: int,
-        msg_type: str,
-        content: Mapping[str, Any],
-        *,
-        timeout: float,
-        needs_quorum: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> _wire.Msg | None:
-        """Send a control request of the front's own to ``replica``; its reply or ``None``.
-
-        ``None`` too when the replica is gone (dead, or removed by a replacement), or,
-        for a request that ``needs_quorum``, once no majority of replicas is alive.
-        """
-        return await self._relay.control_request(
-            replica,
-            msg_type,
-            content,
-            timeout=timeout,
-            needs_quorum=needs_quorum,
-            metadata=metadata,
-        )
 
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
