@@ -130,7 +130,10 @@ class Hosts:
 
     def set_suspected(self, host: HostRecord, suspected: bool) -> None:
         host.suspected = suspected
-        self.model.set_suspected(host.host_id, suspected)
+        # A request still in flight when its host left (or rejoined, with a new record)
+        # holds the old record: what it learns is about a host the model no longer has.
+        if self._records.get(host.host_id) is host:
+            self.model.set_suspected(host.host_id, suspected)
 
     def synced(self, host_id: HostId) -> None:
         """The host's report changed (or what it holds was freed): the model follows."""

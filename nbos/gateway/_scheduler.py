@@ -294,8 +294,10 @@ class GpuScheduler:
 
     def adopt_placement(self, kernel_id: KernelId, hosts: Iterable[HostId], gpus: int) -> None:
         """A kernel placed before this scheduler started (a restarted gateway took it
-        over): its replicas are on ``hosts``, ``gpus`` subscribed on each."""
-        self._set_placement(kernel_id, tuple(hosts), gpus)
+        over): its replicas are on ``hosts``, ``gpus`` subscribed on each. A host named
+        twice (a hand-edited state file) counts once."""
+        distinct = tuple(dict.fromkeys(hosts))
+        self._set_placement(kernel_id, distinct, gpus)
         self._notify()
 
     def replica_moved(self, kernel_id: KernelId, old: HostId, new: HostId) -> None:

@@ -370,3 +370,18 @@ async def test_kernel_gone_reaches_a_suspected_host_when_it_is_back() -> None:
         assert held(c)["h0"] == 1
         c.network.heal()
         await eventually(lambda: held(c)["h0"] == 0)
+
+
+async def test_a_request_outliving_its_removed_host_suspects_nothing_in_the_model() -> None:
+    async with cluster(THREE) as c:
+        g = await c.scheduler.acquire(kernel("a"), 1, ALL, last_executor=0, gpus=1)
+        await c.scheduler.committed(g)
+        c.network.partition(["gateway"], ["h0/agent"])
+        async with anyio.create_task_group() as tg:
+            # its release to h0 times out after h0 left: the host it would suspect is gone
+            tg.start_soon(c.scheduler.replica_gone, kernel("a"), HostId("h0"))
+            await anyio.sleep(0.1)
+            c.scheduler.remove_host(HostId("h0"))
+        assert [h.host_id for h in c.scheduler.view().hosts] == ["h1", "h2"]
+        other = await c.scheduler.acquire(kernel("b"), 1, ALL, last_executor=1, gpus=1)
+        assert other.host == "h1"
