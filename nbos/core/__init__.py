@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from nbos.core.executor_chooser import CellPlan, ChoiceRequest, ExecutorChooser
     from nbos.core.host_provider import AgentCommand, HostProvider
     from nbos.core.log_storage import LogStorage
-    from nbos.core.object_store import ObjectStore
+    from nbos.core.object_store import ObjectStore, StoreFactory
     from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
     from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
     from nbos.core.replicated_log import ReplicatedLog, StateMachine
@@ -27,7 +27,7 @@ __getattr__ = lazy_exports(
         "nbos.core.executor_chooser": ("CellPlan", "ChoiceRequest", "ExecutorChooser"),
         "nbos.core.host_provider": ("AgentCommand", "HostProvider"),
         "nbos.core.log_storage": ("LogStorage",),
-        "nbos.core.object_store": ("ObjectStore",),
+        "nbos.core.object_store": ("ObjectStore", "StoreFactory"),
         "nbos.core.placement": ("ClusterView", "HostView", "PlacementPolicy", "PlacementRequest"),
         "nbos.core.replica_launcher": ("AdoptingLauncher", "ReplicaLauncher"),
         "nbos.core.replicated_log": ("ReplicatedLog", "StateMachine"),
@@ -55,5 +55,6 @@ __all__ = [
     "ReplicatedLog",
     "Settings",
     "StateMachine",
+    "StoreFactory",
     "Transport",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Protocol, runtime_checkable
 
+from nbos.core.config import StoreSettings
 from nbos.core.ids import BlobKey
 
 
@@ -54,4 +55,13 @@ class ObjectStore(Protocol):
 
     async def aclose(self) -> None:
         """Release connections and file handles."""
+        ...
+
+
+@runtime_checkable
+class StoreFactory(Protocol):
+    """What an ``nbos.object_stores`` entry point names: usually the store class itself."""
+
+    def from_settings(self, settings: StoreSettings) -> ObjectStore:
+        """A store configured by ``settings``; raises ``ConfigError`` for bad settings."""
         ...

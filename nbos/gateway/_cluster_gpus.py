@@ -107,7 +107,7 @@ class ClusterGpus:
                     gateway,
                     chosen,
                     # An agent answers a grant only after the eviction it needs (up to
-                    # EVICT_TIMEOUT_S); in-process agents do not vanish, so waiting that
+                    # EVICT_TIMEOUT_S); in-process agents do not fall silent, so waiting that
                     # long never hides a dead one.
                     rpc_timeout=EVICT_TIMEOUT_S + 5.0,
                     replicas_per_kernel=settings.replicas_per_kernel,

@@ -53,9 +53,6 @@ class SilenceDetector:
         self._heard.pop(host_id, None)
         self._suspected.discard(host_id)
 
-    def suspected(self, host_id: HostId) -> bool:
-        return host_id in self._suspected
-
     def silent(self, now: float) -> list[tuple[HostId, float]]:
         """Hosts newly suspected at ``now``, each with how long it has been silent."""
         self._credit_own_delay(now)

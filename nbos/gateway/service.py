@@ -65,6 +65,7 @@ from nbos.gateway._agent_backend import AgentBackend
 from nbos.gateway._autoscale import LiveAutoscaler
 from nbos.gateway._cluster_gpus import ClusterGpus
 from nbos.gateway._directory import HostDirectory
+from nbos.gateway._hosts import HostRecord
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._leases import KernelLeases
@@ -366,12 +367,14 @@ class GatewayService:
     def host_status(self) -> list[HostStatus]:
         out = []
         for host in self.directory.hosts():
-            state: HostState = "suspected" if host.suspected else "up"
             try:
-                counts = self.directory.scheduler.host(host.host_id).by_state()
+                record: HostRecord | None = self.directory.scheduler.host(host.host_id)
             except KeyError:  # registered, no GPU report yet: placement cannot use it
-                counts = {"idle": len(host.gpus)}
-                state = "suspected" if host.suspected else "joining"
+                record = None
+            # Silence suspects a host in the directory, an unanswered request in the scheduler.
+            suspected = host.suspected or (record is not None and record.suspected)
+            state: HostState = "suspected" if suspected else "joining" if record is None else "up"
+            counts = record.by_state() if record is not None else {"idle": len(host.gpus)}
             out.append(
                 HostStatus(
                     host.host_id,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nbos.store._factory import ENTRY_POINT_GROUP, StoreFactory, open_store
+from nbos.core.object_store import StoreFactory
+from nbos.store._factory import ENTRY_POINT_GROUP, open_store
 from nbos.store.local import LocalObjectStore
 
 if TYPE_CHECKING:

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 from nbos.core.config import StoreSettings
-from nbos.core.object_store import ObjectStore
+from nbos.core.object_store import ObjectStore, StoreFactory
 from nbos.core.plugins import PluginGroup
 
 ENTRY_POINT_GROUP = "nbos.object_stores"
-
-
-@runtime_checkable
-class StoreFactory(Protocol):
-    """What an ``nbos.object_stores`` entry point names: usually the store class itself."""
-
-    def from_settings(self, settings: StoreSettings) -> ObjectStore:
-        """A store configured by ``settings``; raises ``ConfigError`` for bad settings."""
-        ...
-
 
 _FACTORIES = PluginGroup[StoreFactory](ENTRY_POINT_GROUP, StoreFactory)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from nbos.core.errors import DecodeError
 from nbos.core.wire import PROTOCOL_VERSION, AnyMessage, Envelope, decode, encode
-from nbos.core.wire.control_api import Ping
+from nbos.core.wire.liveness import Ping
 from tests.core.wire_strategies import for_struct
 
 MESSAGE_TYPES: list[type[msgspec.Struct]] = list(typing.get_args(AnyMessage))

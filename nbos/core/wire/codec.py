@@ -14,15 +14,15 @@ import msgspec
 from nbos.core.errors import DecodeError
 from nbos.core.wire.agent import AgentMessage
 from nbos.core.wire.base import PROTOCOL_VERSION
-from nbos.core.wire.control_api import ControlMessage
 from nbos.core.wire.entries import KernelEntry
+from nbos.core.wire.liveness import LivenessMessage
 from nbos.core.wire.log_commands import LogCommand
 from nbos.core.wire.raft import RaftMessage
 from nbos.core.wire.state import StateEntry
 
 log = logging.getLogger(__name__)
 
-AnyMessage = ControlMessage | RaftMessage | AgentMessage | KernelEntry | LogCommand | StateEntry
+AnyMessage = LivenessMessage | RaftMessage | AgentMessage | KernelEntry | LogCommand | StateEntry
 
 
 class Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

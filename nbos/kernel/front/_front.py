@@ -46,7 +46,7 @@ from nbos.core.executor_chooser import ExecutorChooser
 from nbos.kernel.front._cells import Cells
 from nbos.kernel.front._chooser import LastExecutorChooser
 from nbos.kernel.front._clients import ClientChannels, FrontIdentity, Incoming
-from nbos.kernel.front._control import ControlWorker
+from nbos.kernel.front._control_channel import ControlWorker
 from nbos.kernel.front._liveness import HeartbeatPolicy, Liveness
 from nbos.kernel.front._membership import READY_TIMEOUT_S, Membership
 from nbos.kernel.front._relay import Relay

@@ -23,7 +23,7 @@ from nbos.core.object_store import ObjectStore
 from nbos.core.wire.entries import CommEntry
 from nbos.gpu import TorchGpuBinder
 from nbos.kernel.replica._claims import Claims
-from nbos.kernel.replica._control import ControlHandlers
+from nbos.kernel.replica._control_handlers import ControlHandlers
 from nbos.kernel.replica._execution import CellExecution
 from nbos.kernel.replica._interrupts import CellInterrupts
 from nbos.kernel.replica._machine import KernelStateMachine

@@ -17,4 +17,4 @@ class Pong(Message):
     nonce: int
 
 
-ControlMessage = Ping | Pong
+LivenessMessage = Ping | Pong
