@@ -138,7 +138,7 @@ async def test_a_replica_on_an_agent_binds_ports_the_agent_chose_and_serves_cell
         assert await handle.terminate(grace=5.0) is not None
 
 
-async def test_a_silent_host_vanishes_its_processes_are_lost_and_fenced_when_it_returns(
+async def test_a_silent_host_is_suspected_its_processes_are_lost_and_fenced_when_it_returns(
     tmp_path: Path, keys: Path, agents: list[AgentProcess]
 ) -> None:
     async with gateway_side(keys) as gw:

@@ -4,7 +4,7 @@ Each host is a namespace with its own address and an ``nbos agent`` (CURVE keys)
 ``nbos gateway`` runs in a fifth, with its control API and kernel fronts at its own
 address, and a client there drives it. Replicas bind their hosts' addresses, so
 Raft and front traffic crosses the bridge. A host whose agent and replicas are
-``kill -9``ed, or cut off with iptables, vanishes and its replica is replaced on the
+``kill -9``ed, or cut off with iptables, is suspected and its replica is replaced on the
 spare host, state intact; a cut-off host that comes back has its stale replica stopped.
 The gateway ``kill -9``ed and started again takes back every kernel, state intact; with
 one GPU in the cluster, two clients' cells take turns on it, the second shown waiting;
