@@ -110,6 +110,15 @@ class HandleBase(ABC):
     @abstractmethod
     async def signal(self, signum: int) -> None: ...
 
+    @property
+    def suspected(self) -> bool:
+        """Never, unless the backend can lose sight of a host (see the agent backend)."""
+        return False
+
+    async def wait_suspected(self) -> None:
+        """Return once the process ended: a host this backend runs is never suspected."""
+        await self.wait()
+
     async def terminate(self, grace: float = 5.0) -> int:
         """SIGTERM (and SIGCONT, so a stopped process acts on it), then SIGKILL after ``grace``."""
         if self.returncode is not None:

@@ -40,13 +40,12 @@ class LocalCluster:
     cannot recover from its own disk then). ``heartbeat`` tunes how fast a kernel's
     front gives up on a replica that stopped answering; ``rebase_bytes`` how many bytes
     of deltas pile up before a replica re-images its namespace for Raft snapshots.
-    ``replace_dead_replicas``: a replica whose process exited, or that the front
-    declared dead (missed heartbeats; its process is killed then), and that was not
+    ``replace_dead_replicas``: a replica whose process exited and that was not
     restarted within ``replace_after_s`` seconds is replaced by a new one on another
     host, retried with backoff (``Kernel.replace_replica`` does it on demand;
-    ``docs/kernel.md``). ``fence_dead_replicas=False`` leaves a replica declared dead
-    running, as on a host the cluster cannot reach to kill it: the replica's own checks
-    then keep it from running a cell the kernel gave up on.
+    ``docs/kernel.md``); one the front gave up on (missed heartbeats) is never killed
+    for it: it is used again if it answers, and replaced if it stays silent for
+    ``replace_suspected_after_s`` seconds (stopped only once its place is taken).
 
     GPUs: every host has an agent owning ``settings.cluster.gpus_per_host`` virtual
     GPUs, or this machine's NVML GPUs where there are some (``gpu_discovery``:
@@ -69,7 +68,7 @@ class LocalCluster:
         gpu_discovery: DiscoveryMode = "auto",
         replace_dead_replicas: bool = True,
         replace_after_s: float = 1.0,
-        fence_dead_replicas: bool = True,
+        replace_suspected_after_s: float = 30.0,
     ) -> None:
         if hosts < replicas or replicas < 1:
             raise ConfigError("hosts", hosts, f"at least replicas ({replicas}) hosts")
@@ -83,7 +82,9 @@ class LocalCluster:
         self._python = python
         self._gpu_discovery: DiscoveryMode = gpu_discovery
         self._replace_after_s = replace_after_s if replace_dead_replicas else None
-        self._fence = fence_dead_replicas
+        self._replace_suspected_after_s = (
+            replace_suspected_after_s if replace_dead_replicas else None
+        )
         self._gpus: ClusterGpus | None = None
         self._run_dir: Path | None = None
         self._kernel_manager: KernelManager | None = None
@@ -147,7 +148,7 @@ class LocalCluster:
                 heartbeat=self._heartbeat,
                 rebase_bytes=self._rebase_bytes,
                 replace_after_s=self._replace_after_s,
-                fence_dead_replicas=self._fence,
+                replace_suspected_after_s=self._replace_suspected_after_s,
             )
             self._kernel_manager = await stack.enter_async_context(
                 KernelManager.serve(self._gpus, launcher, options)

@@ -37,6 +37,15 @@ class ProcessHandle(Protocol):
         """Wait for the process to end; returns its exit status."""
         ...
 
+    @property
+    def suspected(self) -> bool:
+        """Whether its host is suspected (silent): the process may run on there, cut off."""
+        ...
+
+    async def wait_suspected(self) -> None:
+        """Return once the process is suspected with its host, or has ended."""
+        ...
+
     async def signal(self, signum: int) -> None:
         """Send a signal (SIGKILL, SIGSTOP, SIGCONT, SIGINT ...)."""
         ...

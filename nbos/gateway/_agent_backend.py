@@ -3,18 +3,21 @@
 ``start(host, spec)`` asks the host's agent to start the process
 (``ReplicaStart``, resent until answered: the agent starts a replica id once);
 the handle's ``wait()`` ends when the agent reports ``ReplicaExited`` (which the
-directory acknowledges) or when its host is suspected; ``signal`` and ``terminate``
-go through ``ReplicaSignal`` and ``ReplicaStop``. So the gateway's kernel code runs
-unchanged over remote hosts.
+directory acknowledges); ``signal`` and ``terminate`` go through ``ReplicaSignal`` and
+``ReplicaStop``. So the gateway's kernel code runs unchanged over remote hosts.
 
 What loopback hid, the backend adds for replicas (:meth:`AgentBackend.addresses`,
 :meth:`AgentBackend.start_replica`, :meth:`AgentBackend.connection_info`): ports
 free on the replica's own host, a working directory and a seeded connection file
 there, and the connection info read back from that host.
 
-A suspected host takes its processes with it as far as the gateway knows:
-their handles end with :data:`HOST_LOST_STATUS`. They may still run there, cut off;
-if the host comes back they are stopped (they were replaced meanwhile).
+Suspicion is not proof. A suspected host's processes are only *suspected* with it
+(:attr:`AgentProcessHandle.suspected`): their handles go on, and they are used again
+when the host is heard from, as they were. A handle ends only on proof: its agent
+reports the exit, or says it runs no such replica. A process the gateway asked to stop
+(its kernel shut down, it was replaced) while its host could not be reached is
+*retired*: its handle ends with :data:`HOST_LOST_STATUS`, and the process is stopped
+when its host is back.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ from nbos.gateway._directory import HostDirectory, RegisteredHost
 
 log = logging.getLogger(__name__)
 
-#: The exit status of a process whose host is suspected (it may still run there, cut off).
+#: The exit status of a process asked to stop while its host could not be reached: it
+#: may still run there, cut off, and is stopped when the host is back.
 HOST_LOST_STATUS = -255
 #: The exit status of a process that ended while its agent was down (not its child then).
 UNKNOWN_STATUS = -254
@@ -62,6 +66,9 @@ _STOP_SLACK_S = 10.0
 # A start may pull nothing but still create and start a container (runtime docker),
 # seconds on a loaded engine: more than the usual answer's time.
 _START_TIMEOUT_S = 30.0
+# Between attempts at stopping a retired replica whose host does not answer.
+_RETIRE_RETRY_S = 1.0
+_RETIRE_RETRY_MAX_S = 30.0
 
 
 class AgentProcessHandle(HandleBase):
@@ -72,6 +79,8 @@ class AgentProcessHandle(HandleBase):
         self._backend = backend
         self.replica_id = replica_id
         self.pid: int | None = None
+        self._suspected = False
+        self._suspicion = anyio.Event()
         self._returncode: int | None = None
         self._ended = anyio.Event()
 
@@ -87,6 +96,23 @@ class AgentProcessHandle(HandleBase):
         assert self._returncode is not None
         return self._returncode
 
+    @property
+    def suspected(self) -> bool:
+        """Its host is suspected: the process may run on, cut off (see the module docstring)."""
+        return self._suspected
+
+    @suspected.setter
+    def suspected(self, value: bool) -> None:
+        if value and not self._suspected:
+            self._suspicion.set()
+        elif not value and self._suspected:
+            self._suspicion = anyio.Event()
+        self._suspected = value
+
+    async def wait_suspected(self) -> None:
+        if self._returncode is None:
+            await self._suspicion.wait()
+
     async def signal(self, signum: int) -> None:
         if self._returncode is None:
             await self._backend._request(
@@ -96,17 +122,21 @@ class AgentProcessHandle(HandleBase):
     async def terminate(self, grace: float = 5.0) -> int:
         """``ReplicaStop`` on the agent: SIGTERM, SIGKILL after ``grace``; the exit status."""
         if self._returncode is None:
-            await self._backend._request(
-                self,
-                lambda rid: ReplicaStop(rid, self.replica_id, grace),
-                timeout=grace + _STOP_SLACK_S,
-            )
+            try:
+                await self._backend._request(
+                    self,
+                    lambda rid: ReplicaStop(rid, self.replica_id, grace),
+                    timeout=grace + _STOP_SLACK_S,
+                )
+            except HostUnreachableError as exc:
+                self._backend._retire(self, str(exc))
         return await self.wait()
 
     def _end(self, status: int) -> None:
         if self._returncode is None:
             self._returncode = status
             self._ended.set()
+            self._suspicion.set()  # its watchers end too
 
 
 class AgentBackend:
@@ -116,8 +146,8 @@ class AgentBackend:
         self._directory = directory
         self._tg = tg
         self._handles: dict[str, AgentProcessHandle] = {}
-        # Replicas whose hosts were suspected: stopped if those hosts come back.
-        self._lost: dict[str, HostId] = {}
+        # Replicas asked to stop while their hosts were unreachable: stopped when back.
+        self._retired: dict[str, HostId] = {}
         self._closed = False
 
     @classmethod
@@ -202,16 +232,20 @@ class AgentBackend:
 
         Waits up to ``timeout`` for the host to register, then asks its agent. The
         handle has ended already when the replica did (with its status, or
-        :data:`UNKNOWN_STATUS` once forgotten) or when the host did not register in
-        time (:data:`HOST_LOST_STATUS`; stopped should the host come back).
+        :data:`UNKNOWN_STATUS` once forgotten). One whose host did not register in time
+        is suspected: its host's registration tells whether it still runs.
         """
         handle = self._handles[replica_id] = AgentProcessHandle(self, host, replica_id)
         if not await self._directory.wait_live(host, timeout):
-            log.warning("replica %s: host %s did not register; given up for lost", replica_id, host)
-            self._lost[replica_id] = host
-            self._forget(handle, HOST_LOST_STATUS)
+            log.warning("replica %s: host %s did not register yet; suspected", replica_id, host)
+            handle.suspected = True
             return handle
-        reply = await self._request(handle, ReplicaListRequest)
+        try:
+            reply = await self._request(handle, ReplicaListRequest)
+        except HostUnreachableError as exc:
+            log.warning("replica %s: %s; suspected", replica_id, exc)
+            handle.suspected = True
+            return handle
         if isinstance(reply, ReplicaList):
             info = next((r for r in reply.replicas if r.replica_id == replica_id), None)
             if info is None:
@@ -243,35 +277,47 @@ class AgentBackend:
                         info.replica_id,
                         info.label,
                     )
-                    self._tg.start_soon(self._stop_lost, host, info.replica_id)
+                    self._tg.start_soon(self._stop_retired, host, info.replica_id)
 
     # --- HostListener ------------------------------------------------------------
 
     def host_registered(self, host: RegisteredHost, replicas: list[ReplicaInfo]) -> None:
+        """The host's agent said which replicas it has: the proof of what ended."""
+        reported = {info.replica_id: info for info in replicas}
         for info in replicas:
             handle = self._handles.get(info.replica_id)
-            if info.running and self._lost.get(info.replica_id) == host.host_id:
+            if info.running and self._retired.get(info.replica_id) == host.host_id:
                 log.warning(
-                    "host %s is back with replica %s, given up for lost: stopping it",
+                    "host %s is back with replica %s, which was stopped meanwhile: stopping it",
                     host.host_id,
                     info.replica_id,
                 )
-                self._tg.start_soon(self._stop_lost, host.host_id, info.replica_id)
+                self._tg.start_soon(self._stop_retired, host.host_id, info.replica_id)
             elif handle is not None and not info.running:
                 self._exited(handle, info)
+        for handle in [h for h in self._handles.values() if h.host == host.host_id]:
+            if handle.replica_id not in reported:
+                # Its agent does not know it (the agent keeps its replicas across its restarts).
+                self._forget(handle, UNKNOWN_STATUS)
+            elif handle.suspected:
+                log.info("replica %s is back with host %s", handle.replica_id, host.host_id)
+                handle.suspected = False
 
     def host_suspected(self, host: RegisteredHost) -> None:
-        for handle in list(self._handles.values()):
-            if handle.host == host.host_id:
-                log.warning("replica %s lost with host %s", handle.replica_id, host.host_id)
-                self._lost[handle.replica_id] = host.host_id
-                self._forget(handle, HOST_LOST_STATUS)
+        for handle in self._handles.values():
+            if handle.host == host.host_id and not handle.suspected:
+                log.warning(
+                    "replica %s is suspected with host %s: it runs on as far as we know",
+                    handle.replica_id,
+                    host.host_id,
+                )
+                handle.suspected = True
 
     def replica_exited(self, host: HostId, replica: ReplicaInfo) -> None:
         handle = self._handles.get(replica.replica_id)
         if handle is not None and handle.host == host:
             self._exited(handle, replica)
-        self._lost.pop(replica.replica_id, None)
+        self._retired.pop(replica.replica_id, None)
 
     # --- internals ---------------------------------------------------------------
 
@@ -285,8 +331,7 @@ class AgentBackend:
         except BaseException:
             # The agent may have started it before we gave up: it must not live on.
             self._handles.pop(replica_id, None)
-            self._lost[replica_id] = host
-            self._tg.start_soon(self._stop_lost, host, replica_id)
+            self._tg.start_soon(self._stop_retired, host, replica_id)
             raise
         if not isinstance(reply, ReplicaState):
             self._handles.pop(replica_id, None)
@@ -303,14 +348,9 @@ class AgentBackend:
         make: Callable[[int], ReplicaRequest],
         timeout: float | None = None,
     ) -> ReplicaReply | None:
-        """A request about ``handle``'s process; an unreachable host ends it as lost."""
-        try:
-            reply = await self._directory.call(handle.host, make, timeout)
-        except HostUnreachableError as exc:
-            log.warning("replica %s: %s; given up for lost", handle.replica_id, exc)
-            self._lost[handle.replica_id] = handle.host
-            self._forget(handle, HOST_LOST_STATUS)
-            return None
+        """A request about ``handle``'s process; :class:`HostUnreachableError` if its
+        host did not answer (which proves nothing about the process)."""
+        reply = await self._directory.call(handle.host, make, timeout)
         if isinstance(reply, ReplicaState) and not reply.replica.running:
             self._exited(handle, reply.replica)
         elif isinstance(reply, AgentError) and reply.kind == "unknown_replica":
@@ -329,6 +369,12 @@ class AgentBackend:
             status = UNKNOWN_STATUS
         self._forget(handle, status)
 
+    def _retire(self, handle: AgentProcessHandle, why: str) -> None:
+        """``handle`` was asked to stop but its host is unreachable: stopped when back."""
+        log.warning("replica %s: %s; it is stopped when its host is back", handle.replica_id, why)
+        self._forget(handle, HOST_LOST_STATUS)
+        self._tg.start_soon(self._stop_retired, handle.host, handle.replica_id)
+
     def _forget(self, handle: AgentProcessHandle, status: int) -> None:
         self._handles.pop(handle.replica_id, None)
         handle._end(status)
@@ -339,15 +385,27 @@ class AgentBackend:
         except BackendError as exc:
             log.warning("could not stop replica %s: %s", handle.replica_id, exc)
 
-    async def _stop_lost(self, host: HostId, replica_id: str) -> None:
-        try:
-            await self._directory.call(
-                host,
-                lambda rid: ReplicaStop(rid, replica_id, 1.0),
-                timeout=1.0 + _STOP_SLACK_S,
-            )
-        except HostUnreachableError as exc:
-            log.info("replica %s on %s not stopped yet: %s", replica_id, host, exc)
+    async def _stop_retired(self, host: HostId, replica_id: str) -> None:
+        """Stop a replica nobody may use any more; retried while its host is known, since a
+        host that was only slow never registers again to remind us."""
+        self._retired[replica_id] = host
+        backoff = _RETIRE_RETRY_S
+        while self._retired.get(replica_id) == host and not self._closed:
+            try:
+                await self._directory.call(
+                    host,
+                    lambda rid: ReplicaStop(rid, replica_id, 1.0),
+                    timeout=1.0 + _STOP_SLACK_S,
+                )
+            except HostUnreachableError as exc:
+                if host not in {h.host_id for h in self._directory.hosts()}:
+                    return  # removed from the cluster: its registration, if ever, stops it
+                log.info("replica %s on %s not stopped yet: %s", replica_id, host, exc)
+                await anyio.sleep(backoff)
+                backoff = min(2 * backoff, _RETIRE_RETRY_MAX_S)
+            else:
+                # Stopped, or its agent does not know it (ended and reported already).
+                self._retired.pop(replica_id, None)
 
 
 def _describe(reply: ReplicaReply) -> str:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import signal
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -49,6 +48,7 @@ from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
 from nbos.gateway._executor_choice import GpuChooser
 from nbos.gateway._kernel import Kernel, stop_processes
 from nbos.gateway._replacement import Replacer, Spawn, Spawned
+from nbos.gateway._replica_watch import ReplicaWatch
 from nbos.gateway._scheduler import GpuScheduler
 from nbos.gateway._state import (
     FrontRecord,
@@ -92,10 +92,12 @@ class KernelOptions:
 
     ``store`` is the object store every replica opens (a directory all hosts share,
     or a Redis URL); ``durable`` keeps Raft logs on the hosts' disks;
-    ``replace_after_s`` replaces a replica whose process ended, or that the front
-    declared dead, and that was not restarted within that many seconds (``None``: never
-    by itself); ``fence_dead_replicas`` kills a replica declared dead whose process still
-    runs (``False``: it runs on, as on a host nobody can reach to kill it); ``curve``
+    ``replace_after_s`` replaces a replica whose process ended and that was not
+    restarted within that many seconds (``None``: never by itself);
+    ``replace_suspected_after_s`` one that is only suspected (the front's heartbeats
+    go unanswered, or its host is silent) for that long, while the others keep a
+    majority (``None``: never); a suspected replica is never killed, only stopped once
+    its replacement took its place in the kernel's Raft membership; ``curve``
     gives each kernel a CURVE key pair of its own for its replicas' Raft
     links (only where the links to the agents, which carry it, are CURVE too).
     """
@@ -106,7 +108,7 @@ class KernelOptions:
     heartbeat: HeartbeatPolicy | None = None
     rebase_bytes: int | None = None
     replace_after_s: float | None = 1.0
-    fence_dead_replicas: bool = True
+    replace_suspected_after_s: float | None = 30.0
     front_ip: str = "127.0.0.1"
     curve: bool = False
 
@@ -446,23 +448,6 @@ class KernelManager:
     ) -> None:
         gpus, launcher, options = self.gpus, self.launcher, self.options
 
-        async def watch(node: int, handle: ProcessHandle) -> None:
-            status = await handle.wait()
-            front.mark_dead(node, f"process exited with status {status}")
-            await gpus.replica_gone(kernel_id, launches[node].host)
-            if options.replace_after_s is not None:
-                await replacer.replace_after_exit(node, handle, options.replace_after_s)
-
-        async def fence(node: int) -> None:
-            # The front gave up on a replica whose process still runs (frozen, or too
-            # slow to answer): it goes, so that it can neither run a cell nor vote again.
-            # Its exit then takes the path of any other (restart in place, replacement).
-            handle = handles.get(node)
-            if handle is None or handle.returncode is not None or front.is_closing:
-                return
-            log.warning("kernel %s: replica %d declared dead: killing %r", kernel_id, node, handle)
-            await handle.signal(signal.SIGKILL)
-
         try:
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
@@ -470,7 +455,7 @@ class KernelManager:
                     async def restart(node: int) -> ProcessHandle:
                         # Same host, ports, keys and Raft log directory as before.
                         handle = await launches[node].start(launcher)
-                        tg.start_soon(watch, node, handle)
+                        tg.start_soon(watcher.watch, node, handle)
                         # Runs once the kernel holds the new handle (it does on return).
                         self._persist_soon()
                         return handle
@@ -480,7 +465,7 @@ class KernelManager:
                             kernel_id, node, host, peers, replacing.env, join=True
                         )
                         handle = await launches[node].start(launcher)
-                        tg.start_soon(watch, node, handle)
+                        tg.start_soon(watcher.watch, node, handle)
                         try:
                             info = await self._connection(kernel_id, node, handle)
                         except BaseException:
@@ -499,14 +484,18 @@ class KernelManager:
                         replacer=replacer,
                     )
 
-                    def declared_dead(node: int, reason: str) -> None:
-                        # At the kernel's end, that end stops them all.
-                        if options.fence_dead_replicas and not front.is_closing:
-                            tg.start_soon(fence, node)
-
-                    front.on_dead(declared_dead)
+                    watcher = ReplicaWatch(
+                        front,
+                        handles,
+                        replacer,
+                        lambda node: gpus.replica_gone(kernel_id, launches[node].host),
+                        options.replace_after_s,
+                        options.replace_suspected_after_s,
+                        tg,
+                    )
+                    front.on_dead(watcher.declared_dead)
                     for node, handle in handles.items():
-                        tg.start_soon(watch, node, handle)
+                        tg.start_soon(watcher.watch, node, handle)
                     await tg.start(front.serve)
                     self._tracked[kernel_id] = _Tracked(front, handles, launches, replacing)
                     task_status.started(kernel)

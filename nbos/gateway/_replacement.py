@@ -3,8 +3,9 @@
 Not in the paper: there a kernel lives on with two replicas until one comes back. Here
 the dead member's place is taken by a new Raft member (a new node id), in this order:
 
-1. the dead process is fenced: killed if it still runs (it may only be frozen), and the
-   front stops using it;
+1. the front stops using the old replica (no cell goes there); its process is left
+   alone: it may be only frozen, slow or cut off, and holds the kernel's state until
+   its place is taken;
 2. a new replica process starts, empty and in ``--join`` mode, on the given host (a
    migration's target) or else on one the placement policy picks among those that hold
    none of the kernel's live replicas;
@@ -15,7 +16,14 @@ the dead member's place is taken by a new Raft member (a new node id), in this o
    removed: one membership change at a time, each retried until the Raft core takes it;
    the removal goes to the new voter too, which may have won an election meanwhile;
 5. once it applied the kernel's latest ``Done``, the front forgets the dead replica and
-   lets cells go to the new one.
+   lets cells go to the new one;
+6. the old process, no longer a member (that is the proof), is stopped; on a host that
+   cannot be reached, once the host is back.
+
+The policy replaces a replica whose process exited, and one that is only suspected
+(it stopped answering heartbeats, or its host stopped answering) if it still is after
+a delay; either only while the kernel's other replicas keep a majority, so a
+membership change can commit. No replica is stopped before its place is taken.
 
 Membership requests reach the leader through the front's control channel to a live
 replica (``nbos_member_request``); a follower answers with the leader it knows of.
@@ -26,7 +34,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,6 +49,8 @@ from nbos.metrics import events
 log = logging.getLogger(__name__)
 
 _REQUEST_TIMEOUT_S = 5.0
+# How long stopping a removed replica may hold a replacement up (its agent retries on).
+_STOP_TIMEOUT_S = 30.0
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 0.5
 #: The policy's attempts at replacing one dead replica, and the waits between them
@@ -128,6 +137,8 @@ class Replacer:
         self._scopes: set[anyio.CancelScope] = set()
         self._closed = False
         self._replacing: int | None = None
+        # Replicas the policy is about to replace (see replace_while).
+        self._pending: set[int] = set()
         self._next_node = itertools.count(max(members, default=0) + 1)
         #: Dead replicas the policy gave up on, with why.
         self.failures: dict[int, ReplacementError] = {}
@@ -140,7 +151,7 @@ class Replacer:
         target: HostId | None = None,
         after: int | None = None,
     ) -> int:
-        """Replace replica ``dead`` (killed first if it still runs); the new node id.
+        """Replace replica ``dead``, stopped once its place is taken; the new node id.
 
         ``target`` is the new replica's host (a migration), else the placement policy
         picks one. Cells go to the new replica once it applied cell ``after`` (default:
@@ -171,14 +182,30 @@ class Replacer:
                 ) from None
 
     async def replace_after_exit(self, node: int, handle: ProcessHandle, delay: float) -> None:
-        """The policy: ``handle`` (replica ``node``) exited; replace it after ``delay`` s.
+        """The policy: ``handle`` (replica ``node``) exited; replace it after ``delay`` s."""
+        await self.replace_while(node, handle, delay, lambda: True)
+
+    async def replace_while(
+        self, node: int, handle: ProcessHandle, delay: float, unwell: Callable[[], bool]
+    ) -> None:
+        """The policy: replace replica ``node`` (``handle``) if ``unwell()`` still holds
+        after ``delay`` s and at each attempt.
 
         Not when it was restarted in place or replaced meanwhile, nor while the kernel
-        shuts down. A failed replacement is logged and retried with backoff, up to
-        :data:`POLICY_ATTEMPTS` attempts; then a :class:`ReplacementError` is logged and
-        kept in :attr:`failures`: the kernel goes on with the others.
+        shuts down, nor twice at once. A failed replacement is logged and retried with
+        backoff, up to :data:`POLICY_ATTEMPTS` attempts; then a :class:`ReplacementError`
+        is logged and kept in :attr:`failures`: the kernel goes on with the others.
         """
-        await anyio.sleep(delay)
+        if node in self._pending:
+            return
+        self._pending.add(node)
+        try:
+            await anyio.sleep(delay)
+            await self._attempts(node, handle, unwell)
+        finally:
+            self._pending.discard(node)
+
+    async def _attempts(self, node: int, handle: ProcessHandle, unwell: Callable[[], bool]) -> None:
         backoff, most = POLICY_BACKOFF_S
         why = ""
         for attempt in range(1, POLICY_ATTEMPTS + 1):
@@ -194,14 +221,14 @@ class Replacer:
                 )
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, most)
-            if self._processes.get(node) is not handle or self._kernel_ending():
+            if self._processes.get(node) is not handle or self._kernel_ending() or not unwell():
                 return
             try:
                 await self.replace(node)
             except NbosError as exc:
                 if self._kernel_ending() or node not in self._processes:
                     # No replica of it is wanted any more, or another replacement (a
-                    # migration, a drain) that had fenced it replaced it meanwhile.
+                    # migration, a drain) replaced it meanwhile.
                     return
                 why = str(exc)
             except Exception:
@@ -230,11 +257,20 @@ class Replacer:
     async def _replace(self, dead: int, target: HostId | None, after: int | None) -> int:
         if target is not None and target in {self._processes[n].host for n in self._front.alive}:
             raise KernelError(f"kernel {self._kernel_id} has a live replica on {target}")
-        await self._fence(dead)
         live = [n for n in self._front.alive if n != dead]
         if len(live) * 2 <= len(self._members):
             # Without a majority of the membership no change can commit.
             raise KernelError(f"kernel {self._kernel_id}: only replicas {live} are alive")
+        self._front.mark_dead(dead, "it is being replaced")
+        try:
+            return await self._take_place(dead, live, target, after)
+        except BaseException:
+            self._readmit(dead)
+            raise
+
+    async def _take_place(
+        self, dead: int, live: list[int], target: HostId | None, after: int | None
+    ) -> int:
         node = next(self._next_node)
         host = target if target is not None else self._pick_host(dead, live)
         # Ports on the host that will run it: only its own host knows which are free.
@@ -262,21 +298,32 @@ class Replacer:
             listener.replica_replaced(dead, node, host)
         self._front.remove_replica(dead)
         self._front.activate_replica(node)
-        self._processes.pop(dead, None)
+        old = self._processes.pop(dead)
         self._members.pop(dead, None)
         self._processes[node] = spawned.handle
         self._members[node] = address
         log.info("kernel %s: replica %d replaced by %d", self._kernel_id, dead, node)
         events().replica_moved("replacement" if target is None else "migration")
+        await self._stop_removed(dead, old)
         return node
 
-    async def _fence(self, dead: int) -> None:
-        # A frozen process thawed later must not run cells nor vote: it goes first.
-        handle = self._processes[dead]
-        if handle.returncode is None:
-            await handle.signal(signal.SIGKILL)
-            await handle.wait()
-        self._front.mark_dead(dead, "it is being replaced")
+    def _readmit(self, dead: int) -> None:
+        """The replacement failed: a replica whose process runs is used again if it answers."""
+        handle = self._processes.get(dead)
+        if handle is not None and handle.returncode is None and not self._kernel_ending():
+            self._front.suspect(dead, "its replacement failed")
+
+    async def _stop_removed(self, dead: int, handle: ProcessHandle) -> None:
+        # No longer a member, it can neither vote nor have a cell committed: it goes.
+        if handle.returncode is not None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_STOP_TIMEOUT_S):
+            try:
+                await handle.terminate(grace=1.0)
+            except NbosError as exc:
+                log.warning(
+                    "kernel %s: removed replica %d not stopped: %s", self._kernel_id, dead, exc
+                )
 
     def _pick_host(self, dead: int, live: Sequence[int]) -> HostId:
         live_hosts = frozenset(self._processes[n].host for n in live)

@@ -138,7 +138,7 @@ async def test_a_replica_on_an_agent_binds_ports_the_agent_chose_and_serves_cell
         assert await handle.terminate(grace=5.0) is not None
 
 
-async def test_a_silent_host_is_suspected_its_processes_are_lost_and_fenced_when_it_returns(
+async def test_a_silent_host_is_suspected_its_processes_run_on_and_are_used_again_when_it_returns(
     tmp_path: Path, keys: Path, agents: list[AgentProcess]
 ) -> None:
     async with gateway_side(keys) as gw:
@@ -149,16 +149,39 @@ async def test_a_silent_host_is_suspected_its_processes_are_lost_and_fenced_when
         # A frozen agent says nothing; its replica runs on, cut off from us.
         agents[0].kill(signal.SIGSTOP)
         with anyio.fail_after(DEADLINE):
-            assert await handle.wait() == HOST_LOST_STATUS
+            await handle.wait_suspected()
+        assert handle.suspected and handle.returncode is None  # suspicion is not proof
         assert gw.backend.hosts() == []
         assert not gw.directory.scheduler.view().hosts[0].schedulable
         assert alive(handle.pid)
 
         agents[0].kill(signal.SIGCONT)
         await gw.directory.wait_for_hosts(1, timeout=DEADLINE)
-        # Back, with a process the gateway gave up on: it is stopped, not used.
-        await _poll(lambda: handle.pid is not None and not alive(handle.pid))
+        # Back with the process as it was: it is used again, not stopped.
+        await _poll(lambda: not handle.suspected)
+        assert alive(handle.pid) and handle.returncode is None
         assert gw.directory.scheduler.view().hosts[0].schedulable
+        assert await handle.terminate(grace=5.0) is not None
+        assert not alive(handle.pid)
+
+
+async def test_a_process_stopped_while_its_host_is_cut_off_is_stopped_when_the_host_returns(
+    tmp_path: Path, keys: Path, agents: list[AgentProcess]
+) -> None:
+    async with gateway_side(keys) as gw:
+        agents.append(start_agent("h1", gw.address, tmp_path, keys=keys))
+        await gw.directory.wait_for_hosts(1, timeout=DEADLINE)
+        handle = await gw.backend.start(H1, ProcessSpec(SLEEPER))
+        assert handle.pid is not None
+        agents[0].kill(signal.SIGSTOP)
+        with anyio.fail_after(DEADLINE):
+            await handle.wait_suspected()
+        # Its kernel no longer wants it (shut down, replaced): asked to stop, unreachable.
+        with anyio.fail_after(DEADLINE):
+            assert await handle.terminate(grace=1.0) == HOST_LOST_STATUS
+        assert alive(handle.pid)
+        agents[0].kill(signal.SIGCONT)
+        await _poll(lambda: handle.pid is not None and not alive(handle.pid))
 
 
 @pytest.fixture

@@ -3,8 +3,11 @@ silence the detector caused by checking late (a paused or starved gateway)."""
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from nbos.core.ids import HostId
-from nbos.gateway._host_liveness import SilenceDetector
+from nbos.gateway._host_liveness import MAX_STRETCH, SilenceDetector
 
 A, B = HostId("a"), HostId("b")
 
@@ -57,3 +60,39 @@ def test_a_forgotten_host_is_never_suspected() -> None:
     d.heard(A, 0.0)
     d.forget(A)
     assert checks(d, 1.0, 20.0) == []
+
+
+def test_a_host_whose_heartbeats_come_irregularly_gets_longer_before_it_is_suspected() -> None:
+    d = SilenceDetector(timeout=4.0)
+    t = 0.0
+    for gap in [1.0, 3.0, 0.5, 3.5, 1.0, 3.0] * 4:  # a loaded host: late, then bunched
+        t += gap
+        d.heard(A, t)
+        d.heard(B, t)
+        d.silent(t)
+    d.heard(B, t + 0.5)  # B beat as irregularly, and once more; A falls silent now
+    assert d.limit(A) > 2 * d.timeout
+    # A silence a regular host would be suspected for is not suspicious for this one.
+    assert [host for _, host in checks(d, t + 0.25, t + 2 * d.timeout)] == []
+    # But it does not wait forever: at most MAX_STRETCH timeouts.
+    found = checks(d, t + 2 * d.timeout, t + (MAX_STRETCH + 1) * d.timeout)
+    assert {host for _, host in found} == {A, B}
+
+
+def test_a_host_that_beats_like_a_clock_is_suspected_after_the_timeout() -> None:
+    d = SilenceDetector(timeout=4.0)
+    for t in range(10):
+        d.heard(A, float(t))
+        d.silent(float(t))
+    assert d.limit(A) == d.timeout
+    assert checks(d, 10.0, 15.0) == [(14.0, A)]
+
+
+@given(st.lists(st.floats(0.01, 30.0), min_size=2, max_size=80))
+def test_the_limit_is_never_below_the_timeout_nor_past_its_stretch(gaps: list[float]) -> None:
+    d = SilenceDetector(timeout=4.0)
+    t = 0.0
+    for gap in gaps:
+        t += gap
+        d.heard(A, t)
+    assert d.timeout <= d.limit(A) <= MAX_STRETCH * d.timeout

@@ -47,15 +47,15 @@ def anyio_backend() -> str:
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     # Heartbeats fast enough to notice a frozen replica in a few seconds, slow enough
     # that a busy machine does not drop a live one. No replacements: these tests are
-    # about restarts (tests/kernel/test_replicated_replacement.py has replacements). No
-    # fencing: a frozen replica must stay alive to show what it does once thawed.
+    # about restarts (tests/kernel/test_replicated_replacement.py has replacements). A
+    # frozen replica stays alive (nothing is killed on suspicion) to show what it does
+    # once thawed.
     heartbeat = HeartbeatPolicy(interval_s=0.25, timeout_s=1.0, misses=3)
     async with nbos.LocalCluster(
         hosts=3,
         durable=True,
         heartbeat=heartbeat,
         replace_dead_replicas=False,
-        fence_dead_replicas=False,
         run_dir=tmp_path_factory.mktemp("cluster"),  # kept: the replicas' logs
     ) as c:
         yield c

@@ -193,10 +193,18 @@ class KernelFront:
     def on_dead(self, listener: Callable[[int, str], None]) -> None:
         """Call ``listener(replica, reason)`` whenever the front declares a replica dead.
 
-        Whoever runs the replica's process fences it there: one the front gave up on
-        (missed heartbeats) may only be frozen, and must not come back.
+        One that missed heartbeats is only suspected (:meth:`unresponsive`): it may be
+        slow or frozen, and is used again if it answers before it is replaced.
         """
         self._liveness.on_dead(listener)
+
+    def unresponsive(self, replica: int) -> bool:
+        """Whether ``replica`` is left out on suspicion alone (missed heartbeats)."""
+        return self._liveness.unresponsive(replica)
+
+    def suspect(self, replica: int, reason: str) -> None:
+        """Leave ``replica`` out on suspicion: it is used again once it answers."""
+        self._membership.suspect(replica, reason)
 
     def mark_dead(self, replica: int, reason: str) -> None:
         """Stop using ``replica``; requests in flight there end as lost."""

@@ -5,6 +5,11 @@ A replica is alive until whoever runs it reports its exit, or it misses
 replica being added is on standby: reachable, but not counted, until activated.
 Death listeners hear of every replica declared dead; the front is the first of them
 (it ends the requests in flight there).
+
+Missed heartbeats are suspicion, not proof: the replica may be slow, frozen or cut
+off, or the front itself may have stalled. Such a replica is *unresponsive*: not used,
+but still pinged, and used again as soon as it answers (it is a Raft member all along
+and catches up by itself), unless it was replaced meanwhile.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class HeartbeatPolicy:
 
 #: ``listener(replica, reason)``: a replica was declared dead.
 DeathListener = Callable[[int, str], None]
+#: ``answered(replica)``: an unresponsive replica answered a heartbeat.
+AnswerListener = Callable[[int], None]
 
 
 class Liveness:
@@ -85,6 +92,10 @@ class Liveness:
         #: Replicas being added (replacements): reachable, but not used for cells yet.
         self._standby: set[int] = set()
         self._listeners: list[DeathListener] = []
+        #: Replicas declared dead on suspicion alone (missed heartbeats): pinged still.
+        self._unresponsive: set[int] = set()
+        #: Told when one of them answers (the front uses it again).
+        self.answered: AnswerListener = lambda replica: None
         #: The kernel is being shut down: replicas that end from now on are expected to.
         self.closing = False
         #: When the last client request came (the start counts as one), and the event
@@ -123,13 +134,30 @@ class Liveness:
     def forget(self, replica: int) -> None:
         """``replica`` is gone for good (the front drops its upstream too)."""
         self._standby.discard(replica)
+        self._unresponsive.discard(replica)
+
+    def revived(self, replica: int) -> None:
+        """``replica`` is used again."""
+        self._unresponsive.discard(replica)
 
     def on_dead(self, listener: DeathListener) -> None:
         """Call ``listener(replica, reason)`` whenever a replica is declared dead."""
         self._listeners.append(listener)
 
-    def mark_dead(self, replica: int, reason: str) -> None:
-        """Declare ``replica`` dead (once; a revival may make it alive again)."""
+    def unresponsive(self, replica: int) -> bool:
+        """Whether ``replica`` is left out on suspicion alone, and used again if it answers."""
+        return replica in self._unresponsive
+
+    def mark_dead(self, replica: int, reason: str, *, suspicion: bool = False) -> None:
+        """Declare ``replica`` dead (once; a revival may make it alive again).
+
+        ``suspicion``: only suspected (see the module docstring); else it is used again
+        only when revived (restarted in place).
+        """
+        if suspicion:
+            self._unresponsive.add(replica)
+        else:
+            self._unresponsive.discard(replica)
         up = self._upstreams.get(replica)
         if up is None or not up.mark_dead():
             return
@@ -146,7 +174,8 @@ class Liveness:
             self._request_came = anyio.Event()
 
     async def watch(self, up: Upstream) -> None:
-        """Ping ``up`` until it is marked dead (a revival starts a new watcher).
+        """Ping ``up`` while it is alive, and while it is unresponsive until it answers
+        (a revival starts a new watcher).
 
         The watcher's REQ socket is its own, closed by nobody else: a receive pending on
         a zmq.asyncio socket that is closed ends in a bare ``CancelledError``, which
@@ -155,7 +184,7 @@ class Liveness:
         life = up.life
 
         def current() -> bool:
-            return up.alive and up.life == life
+            return up.life == life and (up.alive or up.replica in self._unresponsive)
 
         misses = 0
         sock = up.new_heartbeat()
@@ -166,14 +195,17 @@ class Liveness:
                     return
                 if await _ping(up.replica, sock, self._policy.timeout_s):
                     misses = 0
+                    if not up.alive and current():
+                        self.answered(up.replica)
+                        return
                     continue
                 # A REQ socket that got no answer is stuck mid-exchange: start a fresh one.
                 sock.close(0)
                 sock = up.new_heartbeat()
                 misses += 1
                 # A watcher of an earlier life never counts against a revived replica.
-                if misses >= self._policy.misses and current():
-                    self.mark_dead(up.replica, f"{misses} heartbeats missed")
+                if misses == self._policy.misses and up.alive and current():
+                    self.mark_dead(up.replica, f"{misses} heartbeats missed", suspicion=True)
         finally:
             sock.close(0)
 

@@ -52,6 +52,7 @@ class Membership:
         self._cells = cells
         self._reader_scopes: dict[int, anyio.CancelScope] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        liveness.answered = self._answered
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Read every replica in ``tg``; return once each answered or was declared dead.
@@ -99,9 +100,34 @@ class Membership:
         if not await self._probe(replica, timeout=timeout):
             up.mark_dead()
             raise KernelError(f"replica {replica} did not answer within {timeout} s")
+        self._liveness.revived(replica)
         self._tg.start_soon(self._liveness.watch, up)
         log.info("kernel %s: replica %d is back", self._kernel_id, replica)
         self._settle_soon()
+
+    def suspect(self, replica: int, reason: str) -> None:
+        """Leave ``replica`` out, and use it again once it answers (see ``_liveness``)."""
+        up = self._upstreams.get(replica)
+        if up is None or self._tg is None:
+            return
+        was_alive = up.alive
+        self._liveness.mark_dead(replica, reason, suspicion=True)
+        if not was_alive:
+            # Its watcher ended when it was declared dead: ping it again.
+            self._tg.start_soon(self._liveness.watch, up)
+
+    def _answered(self, replica: int) -> None:
+        if self._tg is not None and not self._liveness.closing:
+            self._tg.start_soon(self._revive_answered, replica)
+
+    async def _revive_answered(self, replica: int) -> None:
+        try:
+            await self.revive(replica, timeout=_WAKE_TIMEOUT_S)
+        except KernelError as exc:
+            log.info("kernel %s: replica %d answered, then not: %s", self._kernel_id, replica, exc)
+            up = self._upstreams.get(replica)
+            if up is not None and self._tg is not None and self._liveness.unresponsive(replica):
+                self._tg.start_soon(self._liveness.watch, up)
 
     async def add(self, endpoint: ReplicaEndpoint, *, timeout: float) -> None:
         """Reach a new replica on standby (see ``KernelFront.add_replica``)."""
