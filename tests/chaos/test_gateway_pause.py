@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 HEARTBEAT_S = 1.0
 MISSED_HEARTBEATS = 5
 PAUSE_S = 60.0
-#: CPU hogs per core while cells run, and how long.
+#: CPU hogs per core while cells run, and how long (a soak sets it longer).
 HOGS_PER_CORE = 4
-LOAD_S = 40.0
+LOAD_S = float(os.environ.get("NBOS_LOAD_S", "20"))
 
 
 @pytest.fixture
@@ -113,11 +113,11 @@ async def test_a_machine_loaded_far_past_its_cores_loses_no_kernel_and_no_cell(
     assert isinstance(info, KernelInfo), info
     assert (await run_cell(info, "L = []"))["status"] == "ok"
     appended = 0
-    with anyio.move_on_after(LOAD_S):
-        while True:
-            reply = await run_cell(info, f"L.append({appended})")
-            assert reply["status"] == "ok", log.read_text()
-            appended += 1
+    end = anyio.current_time() + LOAD_S
+    while anyio.current_time() < end:  # never cancelled mid-cell: each one is counted
+        reply = await run_cell(info, f"L.append({appended})")
+        assert reply["status"] == "ok", log.read_text()
+        appended += 1
     reply = await run_cell(info, "print(L)")
     assert reply == {"status": "ok", "stdout": f"{list(range(appended))}\n"}, log.read_text()
     status = await ask(address, StatusRequest())
