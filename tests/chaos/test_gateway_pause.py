@@ -11,6 +11,7 @@ its cores while cells run: no kernel is lost, no acknowledged cell either.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,3 +125,53 @@ async def test_a_machine_loaded_far_past_its_cores_loses_no_kernel_and_no_cell(
     assert isinstance(status, ClusterStatus), status
     [kernel] = status.kernels
     assert sum(r.alive for r in kernel.replicas) >= 2, log.read_text()
+
+
+def agent_pids(log: Path) -> list[int]:
+    """The local agents' pids, as the gateway logged them when it started them."""
+    return [
+        int(p)
+        for p in re.findall(r"agent started \(<LocalProcessHandle \S+ pid=(\d+)", log.read_text())
+    ]
+
+
+async def test_agents_silent_past_the_limit_are_suspected_but_no_replica_is_stopped(
+    gateway: tuple[str, Path, subprocess.Popen[bytes]],
+) -> None:
+    """Every agent frozen (as if the gateway were cut off from every host): all hosts are
+    suspected, which is no proof; when they speak again the kernel runs on, on the same
+    replica processes, with its state."""
+    address, log, _ = gateway
+    await status_when(address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    info = await ask(address, StartKernel())
+    assert isinstance(info, KernelInfo), info
+    assert await run_cell(info, "L = [1]") == {"status": "ok", "stdout": ""}
+    agents = agent_pids(log)
+    assert len(agents) == 3, log.read_text()
+    for pid in agents:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        await status_when(address, lambda s: all(h.state == "suspected" for h in s.hosts))
+        # Cells go on meanwhile: the replicas themselves are fine.
+        assert await run_cell(info, "L.append(2)") == {"status": "ok", "stdout": ""}
+    finally:
+        for pid in agents:
+            os.kill(pid, signal.SIGCONT)
+    await status_when(address, lambda s: all(h.state == "up" for h in s.hosts))
+    said = log.read_text()
+    assert await run_cell(info, "print(L)") == {"status": "ok", "stdout": "[1, 2]\n"}, said
+    status = await ask(address, StatusRequest())
+    assert isinstance(status, ClusterStatus), status
+    [kernel] = status.kernels
+    assert [(r.node, r.pid, r.alive) for r in kernel.replicas] == [
+        (r.node, r.pid, True) for r in info.replicas
+    ], said
+    assert all(pid is not None and _running(pid) for pid in (r.pid for r in info.replicas)), said
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
