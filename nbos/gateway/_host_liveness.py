@@ -63,7 +63,7 @@ class SilenceDetector:
         self._heard: dict[HostId, float] = {}
         self._gaps: dict[HostId, deque[float]] = {}
         self._suspected: set[HostId] = set()
-        self._checked: float | None = None
+        self._own_delay = OwnDelay()
 
     def heard(self, host_id: HostId, now: float) -> None:
         """The host spoke at ``now``: whatever it was suspected of is over."""
@@ -97,13 +97,23 @@ class SilenceDetector:
         return found
 
     def _credit_own_delay(self, now: float) -> None:
-        previous, self._checked = self._checked, now
-        if previous is None:
-            return
-        late = now - previous - self.interval
+        late = self._own_delay.late(now, self.interval)
         if late > 0:
             for host_id, heard in self._heard.items():
                 self._heard[host_id] = min(now, heard + late)
+
+
+class OwnDelay:
+    """How late a periodic check came: time the checker itself was stalled (stopped,
+    starved, its loop blocked), which no silence it watches may include."""
+
+    def __init__(self) -> None:
+        self._checked: float | None = None
+
+    def late(self, now: float, interval: float) -> float:
+        """Seconds past ``interval`` since the previous check (0 at the first one)."""
+        previous, self._checked = self._checked, now
+        return 0.0 if previous is None else max(0.0, now - previous - interval)
 
 
 class HostLiveness:

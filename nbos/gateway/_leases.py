@@ -3,7 +3,8 @@
 A client that starts a kernel with a lease (the ``nbos`` kernelspec's kernel host)
 keeps a :class:`~nbos.gateway.control_api.WatchKernel` pending on it. Once none was
 pending for ``lease_s`` seconds, its owner is taken for dead and the kernel for an
-orphan.
+orphan. Time the gateway itself was stalled (its checks came late) counts against no
+lease: a paused gateway must not take its own silence for its clients'.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import attrs
+
+from nbos.gateway._host_liveness import OwnDelay
 
 
 @attrs.define
@@ -28,9 +31,10 @@ class KernelLeases:
 
     def __init__(self) -> None:
         self._leases: dict[str, _Lease] = {}
+        self._own_delay = OwnDelay()
 
-    def grant(self, kernel_id: str, lease_s: float) -> None:
-        self._leases[kernel_id] = _Lease(lease_s, time.monotonic())
+    def grant(self, kernel_id: str, lease_s: float, now: float | None = None) -> None:
+        self._leases[kernel_id] = _Lease(lease_s, time.monotonic() if now is None else now)
 
     def forget(self, kernel_id: str) -> None:
         self._leases.pop(kernel_id, None)
@@ -49,9 +53,16 @@ class KernelLeases:
             lease.watching -= 1
             lease.renewed = time.monotonic()
 
-    def expired(self) -> list[str]:
-        """Kernels whose lease ran out: none watched them for their ``lease_s``."""
-        now = time.monotonic()
+    def expired(self, interval: float, now: float | None = None) -> list[str]:
+        """Kernels whose lease ran out: none watched them for their ``lease_s``.
+
+        Call it every ``interval`` seconds; a call that comes late credits every lease
+        with the delay. ``now``: the monotonic clock's time (default: read it).
+        """
+        now = time.monotonic() if now is None else now
+        late = self._own_delay.late(now, interval)
+        for lease in self._leases.values():
+            lease.renewed = min(now, lease.renewed + late)
         return [
             kernel_id
             for kernel_id, lease in self._leases.items()

@@ -305,8 +305,9 @@ class GatewayService:
     async def expire_leases(self) -> None:
         """Shut down, forever, the kernels whose lease ran out (their owner died)."""
         while True:
-            await anyio.sleep(self.leases.check_interval())
-            for kernel_id in self.leases.expired():
+            interval = self.leases.check_interval()
+            await anyio.sleep(interval)
+            for kernel_id in self.leases.expired(interval):
                 self.leases.forget(kernel_id)
                 kernel = next(
                     (k for k in self.kernel_manager.kernels if k.kernel_id == kernel_id), None
