@@ -200,20 +200,32 @@ class _Run:
         """
         nemesis = self._nemeses[planned.nemesis]
         noticed = anyio.Event()
+        healed = anyio.Event()
         async with anyio.create_task_group() as watching:
-            strike, struck_at = await self._strike_mid_cell(planned, nemesis, watching, noticed)
+            strike, struck_at = await self._strike_mid_cell(
+                planned, nemesis, watching, noticed, healed
+            )
             if strike is not None:
                 if observer is not None:
                     observer.fault_started(planned, strike)
                 # One more cell while the fault is in force: the kernel must serve it or
                 # say the quorum is lost, never leave it hanging.
                 await self._workload.cell(planned.number)
-                await anyio.sleep(max(0.0, struck_at + strike.lasts_s - time.time()))
+                await healed.wait()
             watching.cancel_scope.cancel()
         if strike is None:
             return None, struck_at, False
-        await nemesis.heal(self._kernel, strike)
         return strike, struck_at, noticed.is_set() or strike.noticed
+
+    async def _heal_when_due(
+        self, nemesis: Nemesis, strike: Strike, struck_at: float, healed: anyio.Event
+    ) -> None:
+        """Heal ``strike`` once it lasted its time, whether or not its cells ended: a
+        frozen executor's cell waits for it (suspicion is not proof) until it thaws."""
+        await anyio.sleep(max(0.0, struck_at + strike.lasts_s - time.time()))
+        with anyio.CancelScope(shield=True):
+            await nemesis.heal(self._kernel, strike)
+        healed.set()
 
     async def _check(self, recovered: float | None) -> list[Violation]:
         """Every check on the history and, if it serves cells, on the kernel."""
@@ -233,6 +245,7 @@ class _Run:
         nemesis: Nemesis,
         watching: anyio.abc.TaskGroup,
         noticed: anyio.Event,
+        healed: anyio.Event,
     ) -> tuple[Strike | None, float]:
         """Start a slow cell, strike ``strike_after_s`` into it; return once the cell ended.
 
@@ -263,6 +276,7 @@ class _Run:
                 log.warning("chaos fault %d not struck: %s", planned.number, exc)
             else:
                 watching.start_soon(self._watch, strike.victims, noticed)
+                watching.start_soon(self._heal_when_due, nemesis, strike, struck_at, healed)
         return strike, struck_at
 
     async def _watch(self, victims: tuple[int, ...], noticed: anyio.Event) -> None:

@@ -261,7 +261,9 @@ class Replacer:
         if len(live) * 2 <= len(self._members):
             # Without a majority of the membership no change can commit.
             raise KernelError(f"kernel {self._kernel_id}: only replicas {live} are alive")
-        self._front.mark_dead(dead, "it is being replaced")
+        if self._processes[dead].returncode is None:
+            # Left out, not given up: a cell it runs is lost only once it is stopped.
+            self._front.suspect(dead, "it is being replaced")
         try:
             return await self._take_place(dead, live, target, after)
         except BaseException:
@@ -296,7 +298,6 @@ class Replacer:
         self.failures.pop(dead, None)
         for listener in self._listeners:
             listener.replica_replaced(dead, node, host)
-        self._front.remove_replica(dead)
         self._front.activate_replica(node)
         old = self._processes.pop(dead)
         self._members.pop(dead, None)
@@ -304,7 +305,10 @@ class Replacer:
         self._members[node] = address
         log.info("kernel %s: replica %d replaced by %d", self._kernel_id, dead, node)
         events().replica_moved("replacement" if target is None else "migration")
+        # Stopped before the front gives up what it ran: a cell it was running is
+        # reported lost only once it can no longer finish it.
         await self._stop_removed(dead, old)
+        self._front.remove_replica(dead)
         return node
 
     def _readmit(self, dead: int) -> None:

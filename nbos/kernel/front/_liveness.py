@@ -154,12 +154,14 @@ class Liveness:
         ``suspicion``: only suspected (see the module docstring); else it is used again
         only when revived (restarted in place).
         """
+        proven = not suspicion and replica in self._unresponsive
         if suspicion:
             self._unresponsive.add(replica)
         else:
             self._unresponsive.discard(replica)
         up = self._upstreams.get(replica)
-        if up is None or not up.mark_dead():
+        # Suspected before, proven now: what it kept (a cell in flight) ends now.
+        if up is None or not (up.mark_dead() or proven):
             return
         level = logging.INFO if self.closing else logging.WARNING
         log.log(level, "kernel %s: replica %d is dead (%s)", self._kernel_id, replica, reason)

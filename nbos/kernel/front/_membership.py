@@ -77,8 +77,12 @@ class Membership:
             tg.start_soon(self._liveness.watch, up)
 
     def replica_died(self, replica: int, reason: str) -> None:
-        """End the requests that died with ``replica``, and wake the survivors."""
-        self._relay.end_requests_of(replica)
+        """End the requests that died with ``replica``, and wake the survivors.
+
+        One only suspected keeps its requests: a frozen executor's cell is not lost
+        while it may still finish it (it ends when the replica does, or answers).
+        """
+        self._relay.end_requests_of(replica, its_own=not self._liveness.unresponsive(replica))
         if self._tg is not None and not self._liveness.closing:
             # An idle kernel's Raft group may be quiesced: the survivors must time their
             # leader again now (it may be the dead one), not when the next cell comes.
@@ -110,9 +114,9 @@ class Membership:
         up = self._upstreams.get(replica)
         if up is None or self._tg is None:
             return
-        was_alive = up.alive
+        watched = up.alive or self._liveness.unresponsive(replica)
         self._liveness.mark_dead(replica, reason, suspicion=True)
-        if not was_alive:
+        if not watched:
             # Its watcher ended when it was declared dead: ping it again.
             self._tg.start_soon(self._liveness.watch, up)
 

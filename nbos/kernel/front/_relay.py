@@ -133,12 +133,12 @@ class Relay:
         """Whether a request is in flight."""
         return bool(self._pending)
 
-    def end_requests_of(self, replica: int) -> None:
-        """``replica`` died: its requests end as lost, and so do those that need a
-        majority once there is none."""
+    def end_requests_of(self, replica: int, *, its_own: bool = True) -> None:
+        """``replica`` died: its requests end as lost (unless not ``its_own``), and so do
+        those that need a majority once there is none."""
         quorum = self._liveness.has_quorum
         for pending in list(self._pending.values()):
-            if pending.target == replica or (pending.needs_quorum and not quorum):
+            if (its_own and pending.target == replica) or (pending.needs_quorum and not quorum):
                 pending.got_lost()
 
     async def control_request(
