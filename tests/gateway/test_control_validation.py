@@ -8,16 +8,21 @@ exited, shutting every kernel down and saving an empty state.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from nbos.gateway.control_api import (
     MAX_REQUEST_BYTES,
     ControlError,
+    ControlReply,
     ControlRequest,
     DigestRequest,
     KernelInfo,
@@ -27,7 +32,9 @@ from nbos.gateway.control_api import (
     SignalReplica,
     StartKernel,
     WatchKernel,
+    serve_control,
 )
+from nbos.transport.ports import free_loopback_ports
 from tests.gateway._http import stop
 from tests.gateway._service import ask, ask_raw, control_gateway, run_cell, status_when
 
@@ -115,3 +122,35 @@ async def test_bad_fields_get_control_error_and_the_gateway_and_its_kernels_go_o
     assert await run_cell(target, "print(x + 2)") == {"status": "ok", "stdout": "42\n"}
     watched = await ask(address, WatchKernel(target.kernel_id, wait_s=0.0))
     assert isinstance(watched, KernelInfo) and watched.kernel_id == target.kernel_id
+
+
+async def test_a_request_failing_with_any_exception_is_answered_and_the_endpoint_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The handler stands for a bug of the gateway's: an exception no nbos error, as anyio's
+    ``ValueError`` for a NaN deadline was. It fails its request only."""
+
+    async def handle(request: ControlRequest) -> ControlReply:
+        if isinstance(request, WatchKernel):
+            raise ValueError("deadline must not be NaN")
+        return KernelList([])
+
+    (port,) = free_loopback_ports(1)
+    socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    socket.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_control, socket, handle)
+            with caplog.at_level(logging.ERROR, "nbos.gateway.control_api"):
+                failed = await ask_raw(
+                    f"127.0.0.1:{port}", msgspec.msgpack.encode(WatchKernel("k"))
+                )
+            listed = await ask_raw(f"127.0.0.1:{port}", msgspec.msgpack.encode(ListKernels()))
+            tg.cancel_scope.cancel()
+    finally:
+        socket.close(0)
+    assert isinstance(failed, ControlError) and failed.kind == "failed", failed
+    assert "ValueError: deadline must not be NaN" in failed.message
+    assert listed == KernelList([])
+    (record,) = [r for r in caplog.records if r.name == "nbos.gateway.control_api"]
+    assert record.exc_info is not None and "WatchKernel" in record.getMessage()
