@@ -24,13 +24,22 @@ is answered with ``ControlError(kind="unknown")``. The last three are the fault
 injection and checks of ``nbos chaos --gateway``: whoever reaches the control address
 may already shut any kernel down, and these add no more than that (signals go only to
 the kernels' own replica processes).
+
+Every field of every request is bounded by the struct itself (the ``Annotated`` types
+below): NaN, infinities, negative or absurd numbers, overlong strings and oversized
+maps do not decode, and are answered with ``ControlError(kind="malformed")`` naming
+the field. A request that fails for any other reason, an unexpected error included, is
+answered with ``ControlError(kind="failed")`` and logged; no request ends the endpoint
+or touches another request. A message over :data:`MAX_REQUEST_BYTES` is dropped by
+ZeroMQ with its connection, unanswered.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 import anyio
 import msgspec
@@ -47,6 +56,36 @@ log = logging.getLogger(__name__)
 HostState = Literal["joining", "up", "suspected"]
 ControlErrorKind = Literal["malformed", "failed", "unknown"]
 
+#: A request message above this is dropped by ZeroMQ (with its connection) before it is
+#: read: the largest valid one, a start with its connection, is a few hundred bytes.
+MAX_REQUEST_BYTES = 64 * 1024
+
+# The bounds of the requests' fields. They refuse nonsense (NaN, infinities, negatives,
+# sizes no cluster has), not big clusters or patient clients.
+#: Kernel ids are UUIDs (36 characters).
+KernelIdField = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+#: GPUs per cell: more than any host holds is refused by placement, beyond this by decoding.
+Gpus = Annotated[int, msgspec.Meta(ge=0, le=1024)]
+#: A week: the longest wait, timeout or lease a request may ask for.
+MAX_SECONDS = 7 * 24 * 3600.0
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
+#: Raft node ids start at 1 and grow by one per replacement, never reused.
+Node = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+#: Signal numbers of this platform (``signal.valid_signals``); 0, a mere probe, is none.
+SignalNumber = Annotated[int, msgspec.Meta(ge=1, le=int(max(signal.valid_signals())))]
+#: A cell index (the front's ``last_exec_index``).
+CellIndex = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+#: What a restarted kernel's front takes over from the connection info it replaces: its
+#: ``key`` and its ports (see :func:`nbos.jupyter.host.reused_connection`).
+Connection = Annotated[
+    dict[
+        Annotated[str, msgspec.Meta(min_length=1, max_length=64)],
+        Annotated[str, msgspec.Meta(max_length=256)] | Annotated[int, msgspec.Meta(ge=1, le=65535)],
+    ],
+    msgspec.Meta(max_length=16),
+]
+
 
 class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, tag_field="t"):
     pass
@@ -62,9 +101,9 @@ class StartKernel(_Msg):
     it lives until shut down.
     """
 
-    gpus: int = 0
-    connection: dict[str, str | int] | None = None
-    lease_s: float | None = None
+    gpus: Gpus = 0
+    connection: Connection | None = None
+    lease_s: PositiveSeconds | None = None
 
 
 class ListKernels(_Msg):
@@ -72,7 +111,7 @@ class ListKernels(_Msg):
 
 
 class ShutdownKernel(_Msg):
-    kernel_id: str
+    kernel_id: KernelIdField
 
 
 class StatusRequest(_Msg):
@@ -85,35 +124,35 @@ class WatchKernel(_Msg):
     A pending watch holds the kernel's lease (:class:`StartKernel`).
     """
 
-    kernel_id: str
-    wait_s: float = 1.0
+    kernel_id: KernelIdField
+    wait_s: Seconds = 1.0
 
 
 class SignalReplica(_Msg):
     """Send signal number ``signal`` (``SIGKILL``, ``SIGSTOP``, ``SIGCONT`` ...) to the
     process of replica ``node``, through its host's agent."""
 
-    kernel_id: str
-    node: int
-    signal: int
+    kernel_id: KernelIdField
+    node: Node
+    signal: SignalNumber
 
 
 class RestartReplica(_Msg):
     """Start dead replica ``node`` again on its host, from its durable Raft log; answered
     once it serves (within ``timeout_s``)."""
 
-    kernel_id: str
-    node: int
-    timeout_s: float = 60.0
+    kernel_id: KernelIdField
+    node: Node
+    timeout_s: PositiveSeconds = 60.0
 
 
 class DigestRequest(_Msg):
     """Each live replica's namespace digest once it applied cell ``after`` (``None``:
     the last cell the front settled), each replica given ``timeout_s``."""
 
-    kernel_id: str
-    after: int | None = None
-    timeout_s: float = 30.0
+    kernel_id: KernelIdField
+    after: CellIndex | None = None
+    timeout_s: PositiveSeconds = 30.0
 
 
 class KernelDigests(_Msg):
@@ -211,37 +250,51 @@ _requests = msgspec.msgpack.Decoder(ControlRequest)
 _replies = msgspec.msgpack.Decoder(ControlReply)
 _encoder = msgspec.msgpack.Encoder()
 
-#: ``handle(request)``: the gateway's answer; an ``NbosError`` becomes a ``ControlError``.
+#: ``handle(request)``: the gateway's answer. It may raise: an ``NbosError`` becomes a
+#: ``ControlError`` with its message, any other exception one with its traceback logged.
 Handler = Callable[[ControlRequest], Awaitable[ControlReply]]
 
 
 async def serve_control(socket: zmq.asyncio.Socket, handle: Handler) -> None:
     """Answer requests on ``socket`` (a bound ``ROUTER``), each in its own task, forever.
 
-    A kernel start takes seconds; status requests meanwhile are answered at once.
+    A kernel start takes seconds; status requests meanwhile are answered at once. A
+    request that fails, whatever the reason, is answered and ends nothing but itself;
+    only a cancellation of the endpoint ends it.
     """
 
     async def answer(route: list[bytes], body: bytes) -> None:
-        reply: ControlReply
+        reply = await _reply_to(body, handle)
         try:
-            request = _requests.decode(body)
-        except msgspec.DecodeError as exc:
-            log.warning("control: malformed request: %s", exc)
-            reply = ControlError("malformed", str(exc))
-        else:
-            try:
-                reply = await handle(request)
-            except UnknownKernelError as exc:
-                reply = ControlError("unknown", str(exc))
-            except NbosError as exc:
-                log.warning("control: %s failed: %s", type(request).__name__, exc)
-                reply = ControlError("failed", str(exc))
-        await socket.send_multipart([*route, _encoder.encode(reply)])
+            await socket.send_multipart([*route, _encoder.encode(reply)])
+        except zmq.ZMQError as exc:  # the socket is closing: the gateway is leaving
+            log.warning("control: reply not sent: %s", exc)
 
     async with anyio.create_task_group() as tg:
         while True:
             *route, body = await socket.recv_multipart()
             tg.start_soon(answer, route, body)
+
+
+async def _reply_to(body: bytes, handle: Handler) -> ControlReply:
+    """The reply to one request message ``body``: ``handle``'s, or a :class:`ControlError`."""
+    try:
+        request = _requests.decode(body)
+    # msgspec lets a string that is not UTF-8 raise UnicodeDecodeError (msgspec#714).
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        log.warning("control: malformed request: %s", exc)
+        return ControlError("malformed", str(exc))
+    name = type(request).__name__
+    try:
+        return await handle(request)
+    except UnknownKernelError as exc:
+        return ControlError("unknown", str(exc))
+    except NbosError as exc:
+        log.warning("control: %s failed: %s", name, exc)
+        return ControlError("failed", str(exc))
+    except Exception as exc:  # a bug: this request fails, the gateway and its kernels go on
+        log.exception("control: %s failed unexpectedly", name)
+        return ControlError("failed", f"{name} failed unexpectedly: {type(exc).__name__}: {exc}")
 
 
 async def call(address: str, request: ControlRequest, timeout: float = 120.0) -> ControlReply:

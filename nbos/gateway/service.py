@@ -71,6 +71,7 @@ from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import StateFile
 from nbos.gateway.control_api import (
+    MAX_REQUEST_BYTES,
     ClusterStatus,
     ControlReply,
     ControlRequest,
@@ -267,8 +268,6 @@ class GatewayService:
     async def _answer(self, request: ControlRequest) -> ControlReply:
         match request:
             case StartKernel(gpus=gpus, connection=connection, lease_s=lease_s):
-                if lease_s is not None and not 0 < lease_s < float("inf"):
-                    raise ConfigError("lease_s", lease_s, "positive seconds, or none")
                 kernel = await self.kernel_manager.start_kernel(gpus=gpus, connection=connection)
                 if lease_s is not None:
                     self.leases.grant(kernel.kernel_id, lease_s)
@@ -276,7 +275,7 @@ class GatewayService:
             case WatchKernel(kernel_id=kernel_id, wait_s=wait_s):
                 kernel = self.kernel_manager.kernel(kernel_id)
                 with self.leases.watched(kernel_id):
-                    with anyio.move_on_after(min(max(wait_s, 0.0), _MAX_WATCH_S)):
+                    with anyio.move_on_after(min(wait_s, _MAX_WATCH_S)):
                         await kernel.closed.wait()
                 return self.kernel_info(self.kernel_manager.kernel(kernel_id))
             case ListKernels():
@@ -456,6 +455,7 @@ async def _local_agents(
 def _bind_control(control: str, stack: AsyncExitStack) -> zmq.asyncio.Socket:
     socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     stack.callback(socket.close, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # before bind: listeners copy it
     try:
         socket.bind(control)
     except zmq.ZMQError as exc:

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
+import zmq
+import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from nbos.core.config import ClusterSettings, GatewaySettings, Settings
@@ -42,8 +45,45 @@ def start_gateway(
         )
 
 
+def control_gateway(tmp: Path, gpus_per_host: int = 1) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """``nbos gateway`` with 3 local agents of ``gpus_per_host`` virtual GPUs, heartbeats a
+    loaded machine does not miss and its state in ``tmp/run``: its process, control address
+    and log (``tmp/gateway.log``)."""
+    control, agents = free_loopback_ports(2)
+    env = {
+        "NBOS_GATEWAY__ADDRESS": f"127.0.0.1:{control}",
+        "NBOS_GATEWAY__AGENT_ADDRESS": f"127.0.0.1:{agents}",
+        "NBOS_GATEWAY__HEARTBEAT_S": "0.2",
+        "NBOS_GATEWAY__MISSED_HEARTBEATS": "25",
+        "NBOS_CLUSTER__HOSTS": "3",
+        "NBOS_CLUSTER__GPUS_PER_HOST": str(gpus_per_host),
+        "NBOS_CLUSTER__DATA_DIR": str(tmp / "run"),
+    }
+    log = tmp / "gateway.log"
+    return start_gateway(env, log), f"127.0.0.1:{control}", log
+
+
 async def ask(address: str, request: ControlRequest) -> ControlReply:
     return await call(address, request, timeout=DEADLINE)
+
+
+_replies = msgspec.msgpack.Decoder(ControlReply)
+
+
+async def ask_raw(address: str, body: bytes, timeout: float = DEADLINE) -> ControlReply | None:
+    """Send the bytes ``body`` as one control request, as any client could; the reply, or
+    ``None`` if none came within ``timeout`` seconds."""
+    socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://{address}")
+    try:
+        await socket.send(body)
+        if not await socket.poll(int(timeout * 1000)):
+            return None
+        reply: ControlReply = _replies.decode(await socket.recv())
+        return reply
+    finally:
+        socket.close()
 
 
 async def status_when(

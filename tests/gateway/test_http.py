@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -71,9 +72,21 @@ async def test_tokens_bad_requests_and_unknown_names_get_the_answers_jupyter_exp
 
     kernels = f"{url}/api/kernels"
     assert (await call(kernels, "POST", {"name": "python3"}, token=TOKEN))[0] == 404
-    for body in (b"{", b"[1]", b'{"name": 5}', b'{"env": {"KERNEL_X": 3}}', b'{"env": []}'):
+    too_many = {f"VAR_{i}": "" for i in range(257)}
+    for body in (
+        b"{",
+        b"[1]",
+        b'{"name": 5}',
+        b'{"env": {"KERNEL_X": 3}}',
+        b'{"env": []}',
+        b'{"name": "\xff"}',  # not UTF-8
+        b'{"env": {"KERNEL_X": "\xed\xa0\x80"}}',  # not UTF-8 (a surrogate)
+        json.dumps({"name": "n" * 65}).encode(),
+        json.dumps({"env": {"V" * 257: ""}}).encode(),
+        json.dumps({"env": too_many}).encode(),
+    ):
         code, answer = await call(kernels, "POST", raw=body, token=TOKEN)
-        assert code == 400, (body, answer)
+        assert code == 400 and answer["message"], (body, answer)
     assert await huge_body_status(url, 2 << 20) == 400
     unknown = f"{kernels}/{uuid.uuid4()}"
     assert (await call(unknown, token=TOKEN))[0] == 404

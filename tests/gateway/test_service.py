@@ -23,28 +23,16 @@ from nbos.gateway.control_api import (
     SignalReplica,
     StartKernel,
 )
-from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, ROOT, alive
-from tests.gateway._service import ask, run_cell, start_gateway, status_when
+from tests.gateway._service import ask, control_gateway, run_cell, status_when
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    control, agents = free_loopback_ports(2)
-    env = {
-        "NBOS_GATEWAY__ADDRESS": f"127.0.0.1:{control}",
-        "NBOS_GATEWAY__AGENT_ADDRESS": f"127.0.0.1:{agents}",
-        "NBOS_GATEWAY__HEARTBEAT_S": "0.2",
-        "NBOS_GATEWAY__MISSED_HEARTBEATS": "25",
-        "NBOS_CLUSTER__HOSTS": "3",
-        "NBOS_CLUSTER__GPUS_PER_HOST": "1",
-        "NBOS_CLUSTER__DATA_DIR": str(tmp_path / "run"),
-    }
-    log = tmp_path / "gateway.log"
-    process = start_gateway(env, log)
-    yield process, f"127.0.0.1:{control}", log
+    process, address, log = control_gateway(tmp_path)
+    yield process, address, log
     if process.poll() is None:
         process.kill()
         process.wait()

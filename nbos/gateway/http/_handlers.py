@@ -10,7 +10,7 @@ import hmac
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from tornado import web
@@ -23,11 +23,20 @@ from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_
 log = logging.getLogger(__name__)
 
 
+#: A kernelspec name (``nbos``, ``nbos-gpu-N``): a longer one is no spec of ours.
+_SpecName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+#: The environment a start asks for: at most so many variables, their names so long
+#: (only ``KERNEL_*`` strings reach the kernel, see ``_kernels``).
+_Env = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=256)], Any], msgspec.Meta(max_length=256)
+]
+
+
 class _StartRequest(msgspec.Struct):
     """``POST /api/kernels``: other fields (``path``) are Jupyter Server's own business."""
 
-    name: str = DEFAULT_SPEC
-    env: dict[str, Any] = msgspec.field(default_factory=dict)
+    name: _SpecName = DEFAULT_SPEC
+    env: _Env = msgspec.field(default_factory=dict)
 
 
 class _Empty(msgspec.Struct):
@@ -48,10 +57,8 @@ class ApiHandler(web.RequestHandler):
         check_token(self, self.token)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
-        exc = kwargs.get("exc_info", (None, None, None))[1]
-        message = exc.log_message if isinstance(exc, web.HTTPError) and exc.log_message else ""
         self.set_header("Content-Type", "application/json")
-        self.finish(msgspec.json.encode({"message": message, "reason": self._reason}))
+        self.finish(msgspec.json.encode(error_body(self, kwargs)))
 
     def reply(self, body: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -62,13 +69,28 @@ class ApiHandler(web.RequestHandler):
         """The request body decoded as ``kind``; 400 if it is not one (empty: the defaults)."""
         try:
             return msgspec.json.decode(self.request.body or b"{}", type=kind)
-        except msgspec.DecodeError as exc:
+        # msgspec lets a string that is not UTF-8 raise UnicodeDecodeError (msgspec#714).
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             log.warning("%s %s: malformed body: %s", self.request.method, self.request.path, exc)
             raise web.HTTPError(400, f"malformed body: {exc}") from exc
 
     def kernel(self, kernel_id: str) -> ApiKernel:
         with api_errors():
             return self.kernels.get(kernel_id)
+
+
+def error_body(handler: web.RequestHandler, write_error_kwargs: dict[str, Any]) -> dict[str, str]:
+    """An error's JSON answer. An exception that is no ``HTTPError`` is a bug of the
+    gateway's (tornado logged its traceback and answers 500): its type and message are told,
+    and the server goes on with its other requests."""
+    exc = write_error_kwargs.get("exc_info", (None, None, None))[1]
+    if isinstance(exc, web.HTTPError):
+        message = exc.log_message or ""
+    elif exc is not None:
+        message = f"the gateway failed this request: {type(exc).__name__}: {exc}"
+    else:
+        message = ""
+    return {"message": message, "reason": handler._reason}
 
 
 def check_token(handler: web.RequestHandler, token: str) -> None:

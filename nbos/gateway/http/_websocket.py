@@ -12,11 +12,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from tornado import web, websocket
+from tornado import websocket
 
 from nbos.core.errors import DecodeError
 from nbos.gateway.http._channels import ChannelBridge
-from nbos.gateway.http._handlers import api_errors, check_token
+from nbos.gateway.http._handlers import api_errors, check_token, error_body
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._wsproto import V1_PROTOCOL, WireMsg, decode, encode
 
@@ -92,6 +92,4 @@ class KernelChannels(websocket.WebSocketHandler):
         """Token auth only: no cookies here."""
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
-        exc = kwargs.get("exc_info", (None, None, None))[1]
-        message = exc.log_message if isinstance(exc, web.HTTPError) and exc.log_message else ""
-        self.finish({"message": message, "reason": self._reason})
+        self.finish(error_body(self, kwargs))

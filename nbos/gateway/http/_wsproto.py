@@ -83,7 +83,8 @@ def decode(frame: str | bytes, protocol: str) -> WireMsg:
 def _from_json(data: bytes, buffers: tuple[bytes, ...]) -> WireMsg:
     try:
         msg = _json_msg.decode(data)
-    except msgspec.DecodeError as exc:
+    # msgspec lets a string that is not UTF-8 raise UnicodeDecodeError (msgspec#714).
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise DecodeError(f"not a Jupyter message: {exc}") from exc
     parts = (
         msgspec.json.encode(msg.header),

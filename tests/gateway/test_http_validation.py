@@ -1,0 +1,57 @@
+"""Bad input to the Kernel Gateway API that needs no kernel: a handler's bug is a JSON 500
+and the server goes on; a WebSocket frame whose JSON is not UTF-8 is no message."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from tornado import httpserver, netutil, web
+
+from nbos.core.errors import DecodeError
+from nbos.gateway.http._handlers import ApiHandler, ApiRoot
+from nbos.gateway.http._wsproto import _frame_legacy, decode
+from tests.gateway._http import call
+
+pytestmark = pytest.mark.anyio
+
+
+class _Buggy(ApiHandler):
+    """A handler with a bug of the gateway's: an exception no HTTP or nbos error."""
+
+    async def post(self) -> None:
+        raise ValueError("deadline must not be NaN")
+
+
+async def test_a_handler_that_raises_answers_a_json_500_with_a_log_line_and_the_server_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = {"kernels": None, "token": ""}
+    app = web.Application([(r"/api/?", ApiRoot, settings), (r"/api/buggy", _Buggy, settings)])
+    server = httpserver.HTTPServer(app)
+    sockets = netutil.bind_sockets(0, "127.0.0.1")
+    server.add_sockets(sockets)
+    url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}/api"
+    try:
+        with caplog.at_level(logging.ERROR):
+            code, answer = await call(f"{url}/buggy", "POST", {})
+        assert code == 500
+        assert answer["reason"] == "Internal Server Error"
+        assert "ValueError: deadline must not be NaN" in answer["message"]
+        assert any(
+            r.exc_info is not None and "/api/buggy" in r.getMessage() for r in caplog.records
+        )
+        assert (await call(url))[0] == 200
+    finally:
+        server.stop()
+        await server.close_all_connections()
+
+
+@pytest.mark.parametrize(
+    "json", [b'{"header": {"\xff": 1}}', b'{"header": {}, "channel": "\xed\xa0\x80"}']
+)
+def test_a_legacy_binary_frame_whose_json_is_not_utf8_is_no_message(json: bytes) -> None:
+    # msgspec raises UnicodeDecodeError there, no DecodeError (msgspec#714): it closed the
+    # client's WebSocket instead of dropping the frame.
+    with pytest.raises(DecodeError, match="not a Jupyter message"):
+        decode(_frame_legacy([json, b"buffer"]), "")
