@@ -51,14 +51,17 @@ class Kernel:
         restart: Callable[[int], Awaitable[ProcessHandle]] | None = None,
         *,
         replacer: Replacer | None = None,
+        retire: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         # ``processes`` is shared with the cluster, which stops what it holds at the end.
+        # ``retire`` records the shutdown before anything stops (the gateway's state).
         self.kernel_id = kernel_id
         self.front = front
         self._processes = processes
         self._scope = scope
         self._restart = restart
         self._replacer = replacer
+        self._retire = retire
         self._cells: CellClient | None = None
         self.closed = anyio.Event()
 
@@ -176,9 +179,15 @@ class Kernel:
         return handle
 
     async def shutdown(self) -> None:
-        """Stop every replica and the front; idempotent."""
+        """Stop every replica and the front; idempotent.
+
+        Raises :class:`~nbos.core.errors.StateWriteError` when the gateway could not
+        record the shutdown: the kernel then runs on, as its record says.
+        """
         if self.closed.is_set():
             return
+        if self._retire is not None:
+            await self._retire()
         if self._cells is not None:
             self._cells.close()
             self._cells = None
