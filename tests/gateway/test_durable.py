@@ -303,17 +303,16 @@ async def test_a_start_on_a_full_disk_fails_and_leaves_nothing_running(
         gateway.clean_up()
 
 
-async def test_a_restart_stops_unacknowledged_starts_and_adopts_what_no_state_names(
+async def test_a_restart_stops_the_replicas_of_a_start_never_acknowledged(
     gateway: Gateway,
 ) -> None:
     gateway.start()
     await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
     unacknowledged = await ask(gateway.address, StartKernel())
-    orphan = await ask(gateway.address, StartKernel())
-    assert isinstance(unacknowledged, KernelInfo) and isinstance(orphan, KernelInfo)
-    assert await run_cell(orphan, "y = 41") == {"status": "ok", "stdout": ""}
+    other = await ask(gateway.address, StartKernel())
+    assert isinstance(unacknowledged, KernelInfo) and isinstance(other, KernelInfo)
     never = [r.pid for r in unacknowledged.replicas if r.pid is not None]
-    kept = [r.pid for r in orphan.replicas if r.pid is not None]
+    kept = [r.pid for r in other.replicas if r.pid is not None]
     assert len(never) == len(kept) == 3
 
     # A gateway killed between a start's two writes: the file names the start, not the
@@ -331,18 +330,34 @@ async def test_a_restart_stops_unacknowledged_starts_and_adopts_what_no_state_na
     assert gateway.said("never acknowledged")
     listed = await ask(gateway.address, ListKernels())
     assert isinstance(listed, KernelList)
-    assert [k.kernel_id for k in listed.kernels] == [orphan.kernel_id]
+    assert [k.kernel_id for k in listed.kernels] == [other.kernel_id]
     assert all(alive(p) for p in kept)
 
-    # A gateway whose state is lost: the replicas it finds are adopted, not stopped.
-    gateway.kill()
-    path.unlink()
+
+async def test_a_gateway_that_lost_its_state_adopts_the_replicas_it_finds(
+    gateway: Gateway,
+) -> None:
     gateway.start()
-    adopted = await status_when(gateway.address, lambda s: len(s.kernels) == 1)
+    await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    orphan = await ask(gateway.address, StartKernel(gpus=1))
+    assert isinstance(orphan, KernelInfo), orphan
+    assert await run_cell(orphan, "y = 41") == {"status": "ok", "stdout": ""}
+    kept = [r.pid for r in orphan.replicas if r.pid is not None]
+    assert len(kept) == 3
+
+    # The state file is gone (deleted, a new disk): the replicas are adopted, not stopped.
+    gateway.kill()
+    (gateway.run_dir / "gateway" / "state.json").unlink()
+    gateway.start()
+    # It answers once it settled what it found.
+    adopted = await status_when(gateway.address, lambda s: True)
+    assert [k.kernel_id for k in adopted.kernels] == [orphan.kernel_id], gateway.said("replica")
     [kernel] = adopted.kernels
-    assert kernel.kernel_id == orphan.kernel_id, gateway.said("replica")
+    assert kernel.connection["key"] != orphan.connection["key"]  # a new front: clients reconnect
+    assert gateway.said("adopted")
     assert sorted(r.pid for r in kernel.replicas if r.pid is not None) == sorted(kept)
     assert all(alive(p) for p in kept)
     assert await run_cell(kernel, "print(y + 1)") == {"status": "ok", "stdout": "42\n"}
     # And on disk, in the new state (the gateway answers once it wrote it).
-    assert [k["kernel_id"] for k in _state(gateway)["kernels"]] == [orphan.kernel_id]
+    [record] = _state(gateway)["kernels"]
+    assert (record["kernel_id"], record["gpus"]) == (orphan.kernel_id, 1)
