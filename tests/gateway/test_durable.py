@@ -41,6 +41,7 @@ from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas
 from tests.gateway._full_disk import fill, free_pages, pages_for, small_tmpfs
+from tests.gateway._http import call
 from tests.gateway._service import ask, run_cell, start_gateway, status_when
 
 # Two gateway starts and a kernel's start, each a Python start: slow on a busy machine.
@@ -257,6 +258,11 @@ async def test_a_start_on_a_full_disk_fails_and_leaves_nothing_running(
 ) -> None:
     # The gateway's own directory on a small file system of its own: the agents' state
     # (replica records, Raft logs) is elsewhere, as on a gateway machine of its own.
+    (http,) = free_loopback_ports(1)
+    gateway.env |= {
+        "NBOS_GATEWAY__HTTP_ADDRESS": f"127.0.0.1:{http}",
+        "NBOS_GATEWAY__AUTH_TOKEN": "secret",
+    }
     with small_tmpfs(gateway.run_dir / "gateway"):
         gateway.start()
         await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
@@ -270,6 +276,10 @@ async def test_a_start_on_a_full_disk_fails_and_leaves_nothing_running(
         refused = await ask(gateway.address, StartKernel())
         assert isinstance(refused, ControlError), refused
         assert refused.kind == "failed" and "ENOSPC" in refused.message, refused
+        # The Kernel Gateway API's answer: 507 Insufficient Storage, and why.
+        url = f"http://127.0.0.1:{http}/api/kernels"
+        code, body = await call(url, "POST", {"name": "nbos"}, token="secret")
+        assert code == 507 and "ENOSPC" in body["message"], (code, body)
         assert _started(gateway, first.kernel_id) == []
 
         # Room for the record of the start, not for the kernel's: its replicas started,
