@@ -4,7 +4,10 @@ Processes start through :class:`~nbos.backends.LocalProcessBackend` (own session
 and process group, one log file each under ``STATE/logs``). Every replica has a
 record file under ``STATE/replicas`` holding its PID, the kernel's start time of
 that PID (``/proc/PID/stat``, clock ticks since boot) and the boot id, written
-when it starts and again when it ends. An agent that starts over reads them:
+when it starts and again when it ends, and the spec it was started with (its owner too,
+which every listing reports: the gateway decides on replicas of no kernel it knows by
+it), with mode ``0600`` (the spec holds the kernel's keys). An agent that starts over
+reads them:
 
 * a record whose process is still there, with the same start time on the same
   boot, is **adopted**: watched through a pidfd and signalled as before. It is
