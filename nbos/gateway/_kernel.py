@@ -62,6 +62,7 @@ class Kernel:
         self._restart = restart
         self._replacer = replacer
         self._retire = retire
+        self._retired = False
         self._cells: CellClient | None = None
         self.closed = anyio.Event()
 
@@ -172,6 +173,15 @@ class Kernel:
             raise KernelError(f"kernel {self.kernel_id} cannot replace replicas")
         return await self._replacer.replace(node, timeout=timeout, target=target)
 
+    async def retire(self) -> None:
+        """Record, where the gateway keeps its kernels, that this kernel is shut down: what
+        :meth:`shutdown` does first. For a caller that must know before it lets go of the
+        kernel; raises :class:`~nbos.core.errors.StateWriteError` (nothing changed then)."""
+        if self._retire is None or self._retired or self.closed.is_set():
+            return
+        await self._retire()
+        self._retired = True
+
     def _process(self, node: int) -> ProcessHandle:
         handle = self._processes.get(node)
         if handle is None:
@@ -186,8 +196,7 @@ class Kernel:
         """
         if self.closed.is_set():
             return
-        if self._retire is not None:
-            await self._retire()
+        await self.retire()
         if self._cells is not None:
             self._cells.close()
             self._cells = None

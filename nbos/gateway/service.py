@@ -61,7 +61,7 @@ from prometheus_client import CollectorRegistry
 
 from nbos.agent import address_ip, tcp_address
 from nbos.core.config import AgentSettings, GatewaySettings, Settings
-from nbos.core.errors import ConfigError, TransportError
+from nbos.core.errors import ConfigError, StateWriteError, TransportError
 from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.gateway._agent_backend import AgentBackend
 from nbos.gateway._autoscale import LiveAutoscaler
@@ -316,12 +316,19 @@ class GatewayService:
         while True:
             await anyio.sleep(self.leases.check_interval())
             for kernel_id in self.leases.expired():
-                self.leases.forget(kernel_id)
                 kernel = next(
                     (k for k in self.kernel_manager.kernels if k.kernel_id == kernel_id), None
                 )
                 if kernel is not None:
                     log.warning("kernel %s: its owner stopped watching it: shut down", kernel_id)
+                    try:
+                        await kernel.retire()
+                    except StateWriteError as exc:
+                        # Its lease stays run out: the next check tries again.
+                        log.warning("kernel %s runs on: %s", kernel_id, exc)
+                        continue
+                self.leases.forget(kernel_id)
+                if kernel is not None:
                     await kernel.shutdown()
 
     def idle_for(self) -> float:
