@@ -187,6 +187,8 @@ class KernelManager:
         self._connections: dict[tuple[KernelId, int], Mapping[str, Any]] = {}
         self._state = state
         self._state_id = state.state_id if state is not None else ""
+        # The last generation tried (a failed write leaves a gap), and the last written.
+        self._generation = self._written = state.generation if state is not None else 0
         self._state_lock = anyio.Lock()
         self._retrying = False
         self._tracked: dict[KernelId, _Tracked] = {}
@@ -462,7 +464,9 @@ class KernelManager:
             return
         with anyio.CancelScope(shield=True):
             async with self._state_lock:
+                self._generation += 1
                 await anyio.to_thread.run_sync(self._state.save, self._snapshot())
+                self._written = self._generation
 
     def _snapshot(self) -> GatewayState:
         running = [
@@ -471,7 +475,12 @@ class KernelManager:
             if k not in self._starting and k not in self._ending
         ]
         starting = [StartRecord(kernel_id=k, hosts=list(h)) for k, h in self._starting.items()]
-        return GatewayState(state_id=self._state_id, kernels=running, starting=starting)
+        return GatewayState(
+            state_id=self._state_id,
+            generation=self._generation,
+            kernels=running,
+            starting=starting,
+        )
 
     async def _retire(self, kernel_id: KernelId) -> None:
         """Record that ``kernel_id`` is shut down, before its replicas stop: a record left
@@ -708,7 +717,8 @@ class KernelManager:
     def _owner(self, kernel_id: str, node: int, raft: str, gpus: int) -> ReplicaOwner | None:
         if self._state is None:
             return None
-        return ReplicaOwner(self._state_id, kernel_id, node, raft, gpus)
+        # A file of this generation or later that does not name the replica dropped it.
+        return ReplicaOwner(self._state_id, self._written, kernel_id, node, raft, gpus)
 
     def _launch_of(self, kernel: KernelRecord, replica: ReplicaRecord) -> _Launch:
         spec = ProcessSpec(argv=list(replica.argv), env=dict(replica.env), label=replica.label)

@@ -19,15 +19,19 @@ Not kept: which cell index comes next (the replicas' logs say, see
 their reservations), hosts (agents that speak to a gateway that does not know
 them are asked to register).
 
-Also kept: the **state id**, made when the file is first written, which tags every
-replica the gateway starts (the agents keep it, ``ReplicaOwner``): a replica of no
-kernel of this file that carries its id was dropped from it (its kernel shut down,
-the replica replaced, or its start never acknowledged: proof to stop it), one that
-carries another id, or none, belongs to a state this gateway lost or never had, and
-is adopted (:mod:`nbos.gateway._strays`). And the kernels **starting**: a start is
-recorded (kernel id and hosts) before any of its replicas starts, and becomes a
-kernel record once everything of it runs, the write its answer waits for. A
-gateway restarted after a crash mid-start finds it there and stops its replicas.
+Also kept: the **state id**, made when the file is first written, and its
+**generation**, one more at every write; both tag every replica the gateway starts
+(the agents keep them, ``ReplicaOwner``). A replica of no kernel of this file that
+carries its id and a generation the file has reached was dropped from it (its kernel
+shut down, the replica replaced, or its start never acknowledged: proof to stop it);
+one that carries another id belongs to a state this gateway lost or never had, and one
+of a later generation than the file's was started after the file was written (the file
+is an older copy): those are adopted, or left running (:mod:`nbos.gateway._strays`).
+
+And the kernels **starting**: a start is recorded (kernel id and hosts) before any of
+its replicas starts, and becomes a kernel record once everything of it runs, the write
+its answer waits for. A gateway restarted after a crash mid-start finds it there and
+stops its replicas.
 
 A write goes to a temporary file in the same directory, is fsynced, renamed over
 the state file and the directory fsynced: a crash leaves the old or the new
@@ -118,22 +122,25 @@ class GatewayState(_Record, frozen=True):
 
     version: int = STATE_VERSION
     state_id: str = msgspec.field(default_factory=new_state_id)
+    #: One more at every write: what a replica started after the file was written has more.
+    generation: int = 0
     kernels: list[KernelRecord] = []
     starting: list[StartRecord] = []
 
 
 class StateFile:
-    """``path``, read and replaced whole; ``state_id`` is the id of the state it holds
-    (its last :meth:`load`'s; a fresh one before)."""
+    """``path``, read and replaced whole; ``state_id`` and ``generation`` are the state's
+    it holds (its last :meth:`load`'s; a fresh id and 0 before)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.state_id = new_state_id()
+        self.generation = 0
 
     def load(self) -> GatewayState:
         """The state last written; an empty one, of a new state id, if there is no file."""
         state = self._read()
-        self.state_id = state.state_id
+        self.state_id, self.generation = state.state_id, state.generation
         return state
 
     def _read(self) -> GatewayState:

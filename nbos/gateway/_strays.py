@@ -3,21 +3,23 @@
 Once a gateway with a state file took back the kernels it names, the live hosts may
 still run replicas that no kernel of it holds (a *stray*). Each replica carries its
 owner (:class:`~nbos.core.wire.agent.ReplicaOwner`): the id of the gateway state that
-started it, its kernel, node and Raft address. That decides, on proof only:
+started it and the generation that state's file had then, its kernel, node and Raft
+address. That decides, on proof only:
 
-* a replica of this state (its id is this file's), or of a kernel this gateway runs,
-  was dropped from the record: its kernel was shut down, the replica replaced, or its
-  start never acknowledged (the file names such starts, the log says so). It is
-  **stopped**;
+* a replica of this state whose generation the file has reached (the file was written
+  after the replica started and does not name it), or whose start the file names as
+  never acknowledged, was dropped from the record: its kernel was shut down, the
+  replica replaced, or its start never acknowledged. It is **stopped**;
 * a replica of another state (the state file was lost, deleted or replaced: a new
-  state id) belongs to a kernel this gateway never had a record of. Its kernel is
-  **adopted**: rebuilt from what the agents report of its replicas (their specs and
-  connection files), taken back as :meth:`~nbos.gateway.KernelManager.restore` takes
-  back a recorded one, with a front of fresh ports and key (its clients must
-  connect again: the log names the kernel);
-* a replica without an owner (started by an older gateway or agent), or a group of
-  fewer than a majority of its kernel's members, cannot be adopted and is not proof
-  of anything: it is **left running** and logged.
+  state id), or of a later generation than the file (the file is an older copy), belongs
+  to a kernel this file has no record of. Its kernel is **adopted**: rebuilt from what
+  the agents report of its replicas (their specs and connection files), taken back as
+  :meth:`~nbos.gateway.KernelManager.restore` takes back a recorded one, with a front of
+  fresh ports and key (its clients must connect again: the log names the kernel);
+* a replica of such a kind whose kernel the gateway runs (the record names the kernel,
+  not the replica), one without an owner (started by an older gateway or agent), and a
+  group of fewer than a majority of its kernel's members cannot be adopted and are not
+  proof of anything: they are **left running** and logged.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ import logging
 import secrets
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
 
 from nbos.gateway._agent_backend import AgentBackend, Stray
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager
-from nbos.gateway._state import FrontRecord, KernelRecord, ReplicaRecord, StartRecord
+from nbos.gateway._state import FrontRecord, GatewayState, KernelRecord, ReplicaRecord
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +41,36 @@ log = logging.getLogger(__name__)
 async def settle_strays(
     backend: AgentBackend,
     kernels: KernelManager,
-    starting: Sequence[StartRecord],
+    loaded: GatewayState,
     timeout: float,
 ) -> list[Kernel]:
     """Stop, adopt or leave the strays of ``backend``'s live hosts (see the module);
-    ``starting`` are the starts the state file names. Returns the kernels adopted."""
-    unacknowledged = {s.kernel_id for s in starting}
+    ``loaded`` is the state file as the gateway found it. Returns the kernels adopted."""
+    unacknowledged = {s.kernel_id for s in loaded.starting}
     running = {k.kernel_id for k in kernels.kernels}
     groups: dict[str, list[Stray]] = defaultdict(list)
     for stray in await backend.strays():
         owner = stray.info.owner
-        if owner is not None and (owner.state == kernels.state_id or owner.kernel_id in running):
-            why = (
-                "whose start was never acknowledged"
-                if owner.kernel_id in unacknowledged
-                else "that its record no longer names"
-            )
-            _say(stray, f"of kernel {owner.kernel_id}, {why}: stopping it")
+        if owner is None:
+            _say(stray, "that no state names (started by an older nbos): left running")
+        elif owner.state == loaded.state_id and owner.kernel_id in unacknowledged:
+            what = f"of kernel {owner.kernel_id}, whose start was never acknowledged"
+            _say(stray, f"{what}: stopping it")
             backend.stop_stray(stray)
-        elif owner is not None and stray.info.spec is not None and stray.connection:
-            groups[owner.kernel_id].append(stray)
+        elif owner.state == loaded.state_id and owner.generation <= loaded.generation:
+            _say(stray, f"of kernel {owner.kernel_id}, that its record dropped: stopping it")
+            backend.stop_stray(stray)
+        elif owner.kernel_id in running:
+            _say(
+                stray, f"of kernel {owner.kernel_id}, which its record does not name: left running"
+            )
+        elif stray.info.spec is None or not stray.connection:
+            _say(
+                stray,
+                f"of kernel {owner.kernel_id}, whose spec or connection is unknown: left running",
+            )
         else:
-            _say(stray, "that no state names and that cannot be adopted: left running")
+            groups[owner.kernel_id].append(stray)
     records = []
     for kernel_id, group in groups.items():
         record = _adoptable(kernel_id, group, kernels.options.front_ip)

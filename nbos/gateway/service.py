@@ -229,10 +229,7 @@ class GatewayService:
                 log.info("gateway: %d of %d kernels taken back", len(restored), len(kept))
             if loaded is not None:
                 await settle_strays(
-                    backend,
-                    kernel_manager,
-                    loaded.starting,
-                    conf.heartbeat_s * conf.missed_heartbeats,
+                    backend, kernel_manager, loaded, conf.heartbeat_s * conf.missed_heartbeats
                 )
             socket = _bind_control(control, stack)
             live = None

@@ -344,7 +344,7 @@ async def test_a_restart_stops_the_replicas_of_a_start_never_acknowledged(
     assert all(alive(p) for p in kept)
 
 
-async def test_a_gateway_that_lost_its_state_adopts_the_replicas_it_finds(
+async def test_a_gateway_that_lost_its_state_or_has_an_older_copy_adopts_what_it_finds(
     gateway: Gateway,
 ) -> None:
     gateway.start()
@@ -371,3 +371,20 @@ async def test_a_gateway_that_lost_its_state_adopts_the_replicas_it_finds(
     # And on disk, in the new state (the gateway answers once it wrote it).
     [record] = _state(gateway)["kernels"]
     assert (record["kernel_id"], record["gpus"]) == (orphan.kernel_id, 1)
+
+    # An older copy of the state file put back (a backup): the kernel started after it
+    # was written is not dropped from it, only unknown to it: adopted too.
+    path = gateway.run_dir / "gateway" / "state.json"
+    copy = path.read_bytes()
+    later = await ask(gateway.address, StartKernel())
+    assert isinstance(later, KernelInfo), later
+    assert await run_cell(later, "z = 1") == {"status": "ok", "stdout": ""}
+    gateway.kill()
+    path.write_bytes(copy)
+    gateway.start()
+    status = await status_when(gateway.address, lambda s: True)
+    assert sorted(k.kernel_id for k in status.kernels) == sorted(
+        [orphan.kernel_id, later.kernel_id]
+    ), gateway.said("replica")
+    [again] = [k for k in status.kernels if k.kernel_id == later.kernel_id]
+    assert await run_cell(again, "print(z + 1)") == {"status": "ok", "stdout": "2\n"}

@@ -88,6 +88,14 @@ def test_the_state_id_is_kept_by_the_file_and_new_without_one(tmp_path: Path) ->
     assert StateFile(path).load().state_id != first.state_id
 
 
+def test_the_file_says_its_generation(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    StateFile(path).save(GatewayState(generation=7))
+    file = StateFile(path)
+    assert file.generation == 0
+    assert file.load().generation == file.generation == 7
+
+
 def test_a_write_to_a_full_disk_fails_typed_and_keeps_the_old_file(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "disk", "64k") as disk:
         path = disk / "state.json"

@@ -163,14 +163,17 @@ class GpuInfo(Message):
 
 class ReplicaOwner(Message):
     """Whose a replica is, kept by its agent and reported with it: the gateway state that
-    started it (its state id, see ``nbos.gateway._state``), and its place in its kernel
-    (kernel id, node id, Raft address, the kernel's GPUs per cell).
+    started it (its state id, see ``nbos.gateway._state``) and that state's generation
+    then (the file's last write), and its place in its kernel (kernel id, node id, Raft
+    address, the kernel's GPUs per cell).
 
     A gateway that finds a replica of no kernel it knows decides by it: one of its own
-    state was dropped from its record (stopped), one of another state is adopted.
+    state that a later generation of the file no longer names was dropped from it
+    (stopped); one of another state, or newer than the file (an older copy), is adopted.
     """
 
     state: str
+    generation: int
     kernel_id: str
     node: int
     raft: str
