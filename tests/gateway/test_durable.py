@@ -313,17 +313,20 @@ async def test_a_start_on_a_full_disk_fails_and_leaves_nothing_running(
         gateway.clean_up()
 
 
-async def test_a_restart_stops_the_replicas_of_a_start_never_acknowledged(
+async def test_a_restart_stops_the_replicas_its_record_dropped_or_never_acknowledged(
     gateway: Gateway,
 ) -> None:
     gateway.start()
     await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
     unacknowledged = await ask(gateway.address, StartKernel())
+    dropped = await ask(gateway.address, StartKernel())
     other = await ask(gateway.address, StartKernel())
     assert isinstance(unacknowledged, KernelInfo) and isinstance(other, KernelInfo)
+    assert isinstance(dropped, KernelInfo)
     never = [r.pid for r in unacknowledged.replicas if r.pid is not None]
+    gone = [r.pid for r in dropped.replicas if r.pid is not None]
     kept = [r.pid for r in other.replicas if r.pid is not None]
-    assert len(never) == len(kept) == 3
+    assert len(never) == len(gone) == len(kept) == 3
 
     # A gateway killed between a start's two writes: the file names the start, not the
     # kernel (the record of a crash mid-start).
@@ -334,10 +337,12 @@ async def test_a_restart_stops_the_replicas_of_a_start_never_acknowledged(
     state["kernels"].remove(record)
     hosts = [r["host"] for r in record["replicas"]]
     state["starting"] = [{"kernel_id": unacknowledged.kernel_id, "hosts": hosts}]
+    # And one whose shutdown was recorded, its replicas not stopped yet at the kill.
+    state["kernels"] = [k for k in state["kernels"] if k["kernel_id"] != dropped.kernel_id]
     path.write_text(json.dumps(state))
     gateway.start()
-    await _ended(never)
-    assert gateway.said("never acknowledged")
+    await _ended(never + gone)
+    assert gateway.said("never acknowledged") and gateway.said("its record dropped")
     listed = await ask(gateway.address, ListKernels())
     assert isinstance(listed, KernelList)
     assert [k.kernel_id for k in listed.kernels] == [other.kernel_id]
