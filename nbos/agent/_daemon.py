@@ -341,7 +341,7 @@ class AgentDaemon:
     async def _replica_request(self, message: ReplicaRequest) -> None:
         rid = message.request_id
         if isinstance(message, ReplicaListRequest):
-            await self._send(ReplicaList(rid, self.replicas.infos()))
+            await self._send(ReplicaList(rid, self.replicas.infos(with_specs=message.with_specs)))
             return
         if isinstance(message, PortsRequest):
             await self._ports(message)

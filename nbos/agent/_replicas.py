@@ -4,7 +4,10 @@ Processes start through :class:`~nbos.backends.LocalProcessBackend` (own session
 and process group, one log file each under ``STATE/logs``). Every replica has a
 record file under ``STATE/replicas`` holding its PID, the kernel's start time of
 that PID (``/proc/PID/stat``, clock ticks since boot) and the boot id, written
-when it starts and again when it ends. An agent that starts over reads them:
+when it starts and again when it ends, and the spec it was started with (its owner too,
+which every listing reports: the gateway decides on replicas of no kernel it knows by
+it), with mode ``0600`` (the spec holds the kernel's keys). An agent that starts over
+reads them:
 
 * a record whose process is still there, with the same start time on the same
   boot, is **adopted**: watched through a pidfd and signalled as before. It is
@@ -94,6 +97,9 @@ class ReplicaRecord(msgspec.Struct, forbid_unknown_fields=True):
     workdir: str = ""
     #: The replica's container id (runtime docker); ``pid`` is then its init's PID.
     container: str = ""
+    #: What it was started with, which a gateway that adopts it rebuilds its kernel from
+    #: (``None`` in a record of an older agent).
+    spec: ReplicaSpec | None = None
 
 
 @attrs.frozen
@@ -169,7 +175,7 @@ class _Replica:
     stopping: anyio.Event | None = None
     ended: anyio.Event = attrs.Factory(anyio.Event)
 
-    def info(self) -> ReplicaInfo:
+    def info(self, *, with_spec: bool = False) -> ReplicaInfo:
         r = self.record
         return ReplicaInfo(
             replica_id=r.replica_id,
@@ -181,6 +187,8 @@ class _Replica:
             running=not r.ended,
             exit_code=r.exit_code,
             signal=r.signal,
+            owner=r.spec.owner if r.spec is not None else None,
+            spec=r.spec if with_spec else None,
         )
 
 
@@ -264,9 +272,10 @@ class ReplicaService:
 
     # --- queries -----------------------------------------------------------------
 
-    def infos(self) -> list[ReplicaInfo]:
-        """Every replica held: running ones and ended ones not yet acknowledged."""
-        return [r.info() for r in self._replicas.values()]
+    def infos(self, *, with_specs: bool = False) -> list[ReplicaInfo]:
+        """Every replica held: running ones and ended ones not yet acknowledged
+        (``with_specs``: each with the spec it was started with)."""
+        return [r.info(with_spec=with_specs) for r in self._replicas.values()]
 
     def info(self, replica_id: str) -> ReplicaInfo:
         return self._get(replica_id).info()
@@ -341,6 +350,7 @@ class ReplicaService:
             time.time(),
             workdir=spec.workdir,
             container=container,
+            spec=spec,
         )
         replica = self._replicas[replica_id] = _Replica(record, _Child(handle), adopted=False)
         await self._save(record)
@@ -528,7 +538,10 @@ class ReplicaService:
 
 def _write_atomically(path: Path, record: ReplicaRecord) -> None:
     scratch = path.with_suffix(".tmp")
-    with scratch.open("wb") as f:
+    # The spec holds secrets (the kernel's CURVE keys): the owner's only.
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(msgspec.json.encode(record))
         f.flush()
         os.fsync(f.fileno())

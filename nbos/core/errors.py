@@ -7,6 +7,7 @@ facts a caller needs as attributes, not only in the message text.
 
 from __future__ import annotations
 
+import errno as _errno
 from collections.abc import Sequence
 from typing import Any
 
@@ -232,6 +233,27 @@ class PolicyContractError(PlacementError):
     """A placement policy answered with hosts it may not choose (too few, repeated,
     unknown, excluded, unschedulable, or without the idle GPUs a target needs): a bug
     in the policy, not a full cluster."""
+
+
+# --- durable state -------------------------------------------------------------
+
+
+class StateWriteError(NbosError):
+    """The gateway's state could not be written to disk (``ENOSPC``, ``EIO`` ...): what it
+    was to record is not acknowledged. Names the file and the ``errno``."""
+
+    def __init__(self, path: str, cause: OSError) -> None:
+        self.path = path
+        self.errno = cause.errno
+        name = errno_name(cause.errno)
+        super().__init__(f"gateway state not written to {path}: {name} ({cause.strerror or cause})")
+
+
+def errno_name(code: int | None) -> str:
+    """``ENOSPC`` for 28; ``errno N`` for a number without a name, ``no errno`` for none."""
+    if code is None:
+        return "no errno"
+    return _errno.errorcode.get(code, f"errno {code}")
 
 
 # --- backends ------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.ids import HostId
+from nbos.core.wire.agent import ReplicaOwner
 
 
 class ReplicaLauncher(Protocol):
@@ -31,10 +32,18 @@ class ReplicaLauncher(Protocol):
         ...
 
     async def start_replica(
-        self, host: HostId, spec: ProcessSpec, *, workdir: str, connection_key: str
+        self,
+        host: HostId,
+        spec: ProcessSpec,
+        *,
+        workdir: str,
+        connection_key: str,
+        owner: ReplicaOwner | None = None,
     ) -> ProcessHandle:
         """Start ``spec`` on ``host`` with a working directory ``workdir`` (kept across
-        restarts) holding a connection file seeded with the host's address and the key."""
+        restarts) holding a connection file seeded with the host's address and the key.
+        ``owner``: whose replica it is, kept with it where replicas outlive the gateway
+        (an :class:`AdoptingLauncher`'s), for a later gateway to decide on it by."""
         ...
 
     async def connection_info(self, handle: ProcessHandle, timeout: float) -> Mapping[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import attrs
 
 from nbos.backends import HandleBase, check_start
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
@@ -43,6 +44,7 @@ from nbos.core.wire.agent import (
     ReplicaInfo,
     ReplicaList,
     ReplicaListRequest,
+    ReplicaOwner,
     ReplicaReply,
     ReplicaRequest,
     ReplicaSignal,
@@ -54,6 +56,17 @@ from nbos.core.wire.agent import (
 from nbos.gateway._directory import HostDirectory, RegisteredHost
 
 log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Stray:
+    """A running replica that no handle of the gateway names: its host, what its agent
+    reports of it (with its spec), and its connection info (empty if unknown)."""
+
+    host: HostId
+    info: ReplicaInfo
+    connection: dict[str, str | int]
+
 
 #: The exit status of a process asked to stop while its host could not be reached: it
 #: may still run there, cut off, and is stopped when the host is back.
@@ -195,12 +208,21 @@ class AgentBackend:
         return [f"tcp://{reply.ip}:{p}" for p in reply.ports]
 
     async def start_replica(
-        self, host: HostId, spec: ProcessSpec, *, workdir: str, connection_key: str
+        self,
+        host: HostId,
+        spec: ProcessSpec,
+        *,
+        workdir: str,
+        connection_key: str,
+        owner: ReplicaOwner | None = None,
     ) -> AgentProcessHandle:
         """Start a Jupyter kernel replica: ``{workdir}`` in its argv names a directory on
-        ``host``, holding a connection file seeded with ``host``'s address and the key."""
+        ``host``, holding a connection file seeded with ``host``'s address and the key;
+        its agent keeps ``owner`` and the spec (:meth:`strays` reports them)."""
         check_start(self.name, self._closed, host, self.hosts(), spec)
-        wire = ReplicaSpec(list(spec.argv), dict(spec.env), spec.label, workdir, connection_key)
+        wire = ReplicaSpec(
+            list(spec.argv), dict(spec.env), spec.label, workdir, connection_key, owner
+        )
         return await self._start(host, wire)
 
     async def connection_info(self, handle: ProcessHandle, timeout: float) -> Mapping[str, Any]:
@@ -256,28 +278,39 @@ class AgentBackend:
                 handle.pid = info.pid
         return handle
 
-    async def stop_strays(self) -> None:
-        """Stop replicas that live hosts run but no handle names.
-
-        After a restart they are an earlier gateway's that it did not keep: a kernel
-        or a replacement it was starting when it died.
-        """
+    async def strays(self) -> list[Stray]:
+        """The running replicas of live hosts that no handle names, each with its spec
+        and connection info: after a restart, an earlier gateway's that this one did not
+        take back from its state (:mod:`nbos.gateway._strays` decides what becomes of them)."""
+        found: list[Stray] = []
         for host in self.hosts():
             try:
-                reply = await self._directory.call(host, ReplicaListRequest)
+                reply = await self._directory.call(
+                    host, lambda rid: ReplicaListRequest(rid, with_specs=True)
+                )
             except HostUnreachableError:
                 continue
             if not isinstance(reply, ReplicaList):
                 continue
             for info in reply.replicas:
                 if info.running and info.replica_id not in self._handles:
-                    log.warning(
-                        "host %s runs replica %s (%s) of no kernel: stopping it",
-                        host,
-                        info.replica_id,
-                        info.label,
-                    )
-                    self._tg.start_soon(self._stop_retired, host, info.replica_id)
+                    found.append(Stray(host, info, await self._stray_connection(host, info)))
+        return found
+
+    def stop_stray(self, stray: Stray) -> None:
+        """Stop ``stray`` (in the background)."""
+        self._tg.start_soon(self._stop_retired, stray.host, stray.info.replica_id)
+
+    async def _stray_connection(self, host: HostId, info: ReplicaInfo) -> dict[str, str | int]:
+        if info.spec is None or not info.spec.connection_key:
+            return {}
+        try:
+            reply = await self._directory.call(
+                host, lambda rid: ReplicaConnectionRequest(rid, info.replica_id)
+            )
+        except HostUnreachableError:
+            return {}
+        return reply.info if isinstance(reply, ReplicaConnection) else {}
 
     # --- HostListener ------------------------------------------------------------
 

@@ -51,14 +51,18 @@ class Kernel:
         restart: Callable[[int], Awaitable[ProcessHandle]] | None = None,
         *,
         replacer: Replacer | None = None,
+        retire: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         # ``processes`` is shared with the cluster, which stops what it holds at the end.
+        # ``retire`` records the shutdown before anything stops (the gateway's state).
         self.kernel_id = kernel_id
         self.front = front
         self._processes = processes
         self._scope = scope
         self._restart = restart
         self._replacer = replacer
+        self._retire = retire
+        self._retired = False
         self._cells: CellClient | None = None
         self.closed = anyio.Event()
 
@@ -169,6 +173,15 @@ class Kernel:
             raise KernelError(f"kernel {self.kernel_id} cannot replace replicas")
         return await self._replacer.replace(node, timeout=timeout, target=target)
 
+    async def retire(self) -> None:
+        """Record, where the gateway keeps its kernels, that this kernel is shut down: what
+        :meth:`shutdown` does first. For a caller that must know before it lets go of the
+        kernel; raises :class:`~nbos.core.errors.StateWriteError` (nothing changed then)."""
+        if self._retire is None or self._retired or self.closed.is_set():
+            return
+        await self._retire()
+        self._retired = True
+
     def _process(self, node: int) -> ProcessHandle:
         handle = self._processes.get(node)
         if handle is None:
@@ -176,9 +189,14 @@ class Kernel:
         return handle
 
     async def shutdown(self) -> None:
-        """Stop every replica and the front; idempotent."""
+        """Stop every replica and the front; idempotent.
+
+        Raises :class:`~nbos.core.errors.StateWriteError` when the gateway could not
+        record the shutdown: the kernel then runs on, as its record says.
+        """
         if self.closed.is_set():
             return
+        await self.retire()
         if self._cells is not None:
             self._cells.close()
             self._cells = None

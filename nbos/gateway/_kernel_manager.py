@@ -19,6 +19,17 @@ kernels it names back after a restart: the replicas kept running on their hosts 
 launcher adopts them), each front binds its old ports with its old key, and the cells
 go on from the replicas' log. The embedded cluster keeps no state file.
 
+What is acknowledged is on disk first. A start is recorded as *starting* (its kernel id
+and hosts) before any replica of it starts, and as a kernel once its replicas and front
+run; :meth:`KernelManager.start_kernel` returns only after that second write, and a
+write that fails (:class:`~nbos.core.errors.StateWriteError`: ``ENOSPC``, ``EIO``) fails
+the start: what it started is stopped and its GPUs released, the other kernels run on.
+A shutdown asked of the gateway (:meth:`Kernel.shutdown`) is recorded before the
+replicas are stopped, so that no record outlives them to bring the kernel back; a write
+that fails refuses the shutdown and the kernel runs on. Other writes (a replica
+restarted or replaced, a kernel lost) that fail are logged and retried: the gateway's
+memory is the truth, and the next write that succeeds catches the file up.
+
 With :attr:`KernelOptions.curve` (``nbos gateway`` with keys) every kernel gets a
 CURVE key pair of its own at its start (:func:`~nbos.transport.keys.kernel_keys_env`),
 in the environment of each of its replicas (replacements and restarts too, and in
@@ -32,6 +43,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -42,9 +54,10 @@ import msgspec
 from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
-from nbos.core.errors import ConfigError, NbosError, UnknownKernelError
+from nbos.core.errors import ConfigError, NbosError, StateWriteError, UnknownKernelError
 from nbos.core.ids import HostId, KernelId, new_kernel_id
 from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
+from nbos.core.wire.agent import ReplicaOwner
 from nbos.gateway._executor_choice import GpuChooser
 from nbos.gateway._kernel import Kernel, stop_processes
 from nbos.gateway._replacement import Replacer, Spawn, Spawned
@@ -55,6 +68,7 @@ from nbos.gateway._state import (
     GatewayState,
     KernelRecord,
     ReplicaRecord,
+    StartRecord,
     StateFile,
 )
 from nbos.kernel.front import (
@@ -69,6 +83,8 @@ from nbos.transport.keys import kernel_keys_env
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
+# How long after a state write failed the gateway tries again (a full disk may be freed).
+_RETRY_WRITE_S = 5.0
 
 
 class KernelGpus(Protocol):
@@ -121,10 +137,11 @@ class _Launch:
     spec: ProcessSpec
     workdir: str
     key: str
+    owner: ReplicaOwner | None
 
     async def start(self, launcher: ReplicaLauncher) -> ProcessHandle:
         return await launcher.start_replica(
-            self.host, self.spec, workdir=self.workdir, connection_key=self.key
+            self.host, self.spec, workdir=self.workdir, connection_key=self.key, owner=self.owner
         )
 
 
@@ -171,8 +188,16 @@ class KernelManager:
         # Each replica's connection info, as its connection file says.
         self._connections: dict[tuple[KernelId, int], Mapping[str, Any]] = {}
         self._state = state
+        self._state_id = state.state_id if state is not None else ""
+        # The last generation tried (a failed write leaves a gap), and the last written.
+        self._generation = self._written = state.generation if state is not None else 0
         self._state_lock = anyio.Lock()
+        self._retrying = False
         self._tracked: dict[KernelId, _Tracked] = {}
+        # Starts not acknowledged yet, and their hosts: recorded as starting.
+        self._starting: dict[KernelId, list[HostId]] = {}
+        # Kernels whose shutdown is being recorded: in no record any more.
+        self._ending: set[KernelId] = set()
 
     @classmethod
     @asynccontextmanager
@@ -223,7 +248,16 @@ class KernelManager:
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for kernel in list(self._kernels.values()):
-                    tg.start_soon(kernel.shutdown)
+                    tg.start_soon(self._shutdown_or_keep, kernel)
+
+    async def _shutdown_or_keep(self, kernel: Kernel) -> None:
+        try:
+            await kernel.shutdown()
+        except StateWriteError as exc:
+            failed = exc
+        else:
+            return
+        log.error("kernel %s left running, its record kept: %s", kernel.kernel_id, failed)
 
     async def start_kernel(
         self,
@@ -241,7 +275,9 @@ class KernelManager:
         ``key`` and ports (``shell_port`` ...) of a kernel it replaces (a restart).
         ``env`` goes into the environment of every replica process of the kernel
         (replacements too). Raises
-        :class:`~nbos.core.errors.PlacementError` when the policy cannot place it.
+        :class:`~nbos.core.errors.PlacementError` when the policy cannot place it, and
+        :class:`~nbos.core.errors.StateWriteError` when the gateway's state holding it
+        could not be written (nothing of it is left running then).
         """
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
             raise ConfigError("gpus", gpus, "a non-negative number of GPUs per cell")
@@ -254,9 +290,11 @@ class KernelManager:
         if self.options.curve:
             env |= kernel_keys_env()
         try:
+            self._starting[kernel_id] = list(placed.values())
+            await self._write_state()  # no replica starts that a restart could not stop
             members = {n: await self._member(h) for n, h in placed.items()}
             for node, host in placed.items():
-                launches[node] = self._launch(kernel_id, node, host, members, env)
+                launches[node] = self._launch(kernel_id, node, host, members, env, gpus=gpus)
                 handles[node] = await launches[node].start(self.launcher)
             endpoints = [
                 ReplicaEndpoint(node, await self._connection(kernel_id, node, handles[node]))
@@ -275,14 +313,32 @@ class KernelManager:
             replacing = _Replacing(members, chooser, gpus, placed, self._persist_soon, env)
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         except BaseException:
+            self._starting.pop(kernel_id, None)
             with anyio.CancelScope(shield=True):
                 for handle in handles.values():
                     await handle.terminate(grace=1.0)
                 await self.gpus.kernel_gone(kernel_id)
             raise
         self._kernels[kernel_id] = kernel
-        await self._persist()
+        await self._acknowledge(kernel)
         return kernel
+
+    async def _acknowledge(self, kernel: Kernel) -> None:
+        """Record ``kernel`` as running, or stop it and raise :class:`StateWriteError`."""
+        hosts = self._starting.pop(kernel.kernel_id)
+        try:
+            await self._write_state()
+        except StateWriteError as exc:
+            failed = exc
+        else:
+            return
+        log.error("kernel %s not started: %s", kernel.kernel_id, failed)
+        # Still a start on disk: its shutdown records nothing, and a restart stops it.
+        self._starting[kernel.kernel_id] = hosts
+        with anyio.CancelScope(shield=True):
+            await kernel.shutdown()
+        self._starting.pop(kernel.kernel_id, None)
+        raise failed
 
     async def _serve(
         self,
@@ -314,6 +370,12 @@ class KernelManager:
         await self._persist()
         return [k for r in records if (k := self._kernels.get(KernelId(r.kernel_id)))]
 
+    @property
+    def state_id(self) -> str:
+        """The id of the gateway state this manager writes (empty without one): the owner
+        its replicas carry."""
+        return self._state_id
+
     async def _restore_one(self, record: KernelRecord, timeout: float) -> None:
         assert isinstance(self.launcher, AdoptingLauncher)  # checked by the constructor
         kernel_id = KernelId(record.kernel_id)
@@ -324,7 +386,7 @@ class KernelManager:
                 for replica in record.replicas:
                     tg.start_soon(self._adopt, handles, replica, timeout)
             placed = {r.node: HostId(r.host) for r in record.replicas}
-            launches = {r.node: _launch_of(r) for r in record.replicas}
+            launches = {r.node: self._launch_of(record, r) for r in record.replicas}
             members = {r.node: r.raft for r in record.replicas}
             for r in record.replicas:
                 self._connections[(kernel_id, r.node)] = r.connection
@@ -379,16 +441,60 @@ class KernelManager:
             self._tg.start_soon(self._persist)
 
     async def _persist(self) -> None:
-        """Write every running kernel to the state file (if any), as they are now."""
+        """Write the state file (if any) as the kernels are now; a failure is logged and
+        the write tried again later (what was to be written is not an answer's)."""
+        try:
+            await self._write_state()
+        except StateWriteError as exc:
+            failed = exc
+        else:
+            return
+        log.error("%s; tried again in %g s", failed, _RETRY_WRITE_S)
+        if not self._retrying:
+            self._retrying = True
+            self._tg.start_soon(self._persist_later)
+
+    async def _persist_later(self) -> None:
+        await anyio.sleep(_RETRY_WRITE_S)
+        self._retrying = False
+        await self._persist()
+
+    async def _write_state(self) -> None:
+        """Write the state file (if any) as the kernels are now, or raise
+        :class:`StateWriteError` (the file then is as it was)."""
         if self._state is None:
             return
         with anyio.CancelScope(shield=True):
             async with self._state_lock:
-                state = GatewayState(kernels=[self._record(k, t) for k, t in self._tracked.items()])
-                try:
-                    await anyio.to_thread.run_sync(self._state.save, state)
-                except OSError:
-                    log.exception("gateway state not saved to %s", self._state.path)
+                self._generation += 1
+                await anyio.to_thread.run_sync(self._state.save, self._snapshot())
+                self._written = self._generation
+
+    def _snapshot(self) -> GatewayState:
+        running = [
+            self._record(k, t)
+            for k, t in self._tracked.items()
+            if k not in self._starting and k not in self._ending
+        ]
+        starting = [StartRecord(kernel_id=k, hosts=list(h)) for k, h in self._starting.items()]
+        return GatewayState(
+            state_id=self._state_id,
+            generation=self._generation,
+            kernels=running,
+            starting=starting,
+        )
+
+    async def _retire(self, kernel_id: KernelId) -> None:
+        """Record that ``kernel_id`` is shut down, before its replicas stop: a record left
+        behind would bring it back. Raises :class:`StateWriteError` (it runs on then)."""
+        if self._state is None or kernel_id in self._starting:
+            return  # a start is stopped by a restart anyway
+        self._ending.add(kernel_id)
+        try:
+            await self._write_state()
+        except StateWriteError:
+            self._ending.discard(kernel_id)
+            raise
 
     def _record(self, kernel_id: KernelId, tracked: _Tracked) -> KernelRecord:
         assert isinstance(self.launcher, AdoptingLauncher)
@@ -462,7 +568,13 @@ class KernelManager:
 
                     async def spawn(node: int, host: HostId, peers: Mapping[int, str]) -> Spawned:
                         launches[node] = self._launch(
-                            kernel_id, node, host, peers, replacing.env, join=True
+                            kernel_id,
+                            node,
+                            host,
+                            peers,
+                            replacing.env,
+                            gpus=replacing.gpus,
+                            join=True,
                         )
                         handle = await launches[node].start(launcher)
                         tg.start_soon(watcher.watch, node, handle)
@@ -482,6 +594,7 @@ class KernelManager:
                         scope,
                         restart if options.durable else None,
                         replacer=replacer,
+                        retire=partial(self._retire, kernel_id),
                     )
 
                     watcher = ReplicaWatch(
@@ -515,6 +628,7 @@ class KernelManager:
             del self._connections[key]
         if self._tracked.pop(kernel_id, None) is not None:
             await self._persist()
+        self._ending.discard(kernel_id)
         await self.gpus.kernel_gone(kernel_id)
 
     def _replacer(
@@ -552,9 +666,11 @@ class KernelManager:
         members: Mapping[int, str],
         env: Mapping[str, str],
         *,
+        gpus: int,
         join: bool = False,
     ) -> _Launch:
-        """Replica ``node`` of ``kernel_id`` on ``host``; ``join``: a replacement's."""
+        """Replica ``node`` of ``kernel_id`` (``gpus`` per cell) on ``host``; ``join``: a
+        replacement's."""
         options = self.options
         argv = [
             PYTHON_TOKEN,
@@ -584,7 +700,19 @@ class KernelManager:
         if self.launcher.virtual_gpus(host):
             argv.append("--ReplicaApp.virtual_gpus=True")
         spec = ProcessSpec(argv=argv, env=env, label=f"{kernel_id[:8]}-replica-{node}")
-        return _Launch(host, spec, f"{kernel_id}/replica-{node}", secrets.token_hex(32))
+        owner = self._owner(kernel_id, node, members[node], gpus)
+        return _Launch(host, spec, f"{kernel_id}/replica-{node}", secrets.token_hex(32), owner)
+
+    def _owner(self, kernel_id: str, node: int, raft: str, gpus: int) -> ReplicaOwner | None:
+        if self._state is None:
+            return None
+        # A file of this generation or later that does not name the replica dropped it.
+        return ReplicaOwner(self._state_id, self._written, kernel_id, node, raft, gpus)
+
+    def _launch_of(self, kernel: KernelRecord, replica: ReplicaRecord) -> _Launch:
+        spec = ProcessSpec(argv=list(replica.argv), env=dict(replica.env), label=replica.label)
+        owner = self._owner(kernel.kernel_id, replica.node, replica.raft, kernel.gpus)
+        return _Launch(HostId(replica.host), spec, replica.workdir, replica.key, owner)
 
 
 @attrs.frozen
@@ -609,11 +737,6 @@ class _Replacing:
 
 
 _PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
-
-
-def _launch_of(replica: ReplicaRecord) -> _Launch:
-    spec = ProcessSpec(argv=list(replica.argv), env=dict(replica.env), label=replica.label)
-    return _Launch(HostId(replica.host), spec, replica.workdir, replica.key)
 
 
 def _identity(front: FrontRecord) -> FrontIdentity:

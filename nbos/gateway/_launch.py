@@ -36,6 +36,7 @@ from nbos.backends.workdir import (
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.errors import BackendError
 from nbos.core.ids import HostId
+from nbos.core.wire.agent import ReplicaOwner
 from nbos.transport.ports import LOOPBACK, free_loopback_ports
 
 _POLL_S = 0.05
@@ -72,8 +73,15 @@ class LocalLauncher:
         return [f"tcp://{LOOPBACK}:{p}" for p in ports]
 
     async def start_replica(
-        self, host: HostId, spec: ProcessSpec, *, workdir: str, connection_key: str
+        self,
+        host: HostId,
+        spec: ProcessSpec,
+        *,
+        workdir: str,
+        connection_key: str,
+        owner: ReplicaOwner | None = None,
     ) -> ProcessHandle:
+        # ``owner`` is for replicas that outlive the gateway; these end with it.
         path = workdir_path(self._root, workdir)
         try:
             await anyio.to_thread.run_sync(

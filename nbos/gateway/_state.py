@@ -19,24 +19,45 @@ Not kept: which cell index comes next (the replicas' logs say, see
 their reservations), hosts (agents that speak to a gateway that does not know
 them are asked to register).
 
+Also kept: the **state id**, made when the file is first written, and its
+**generation**, one more at every write; both tag every replica the gateway starts
+(the agents keep them, ``ReplicaOwner``). A replica of no kernel of this file that
+carries its id and a generation the file has reached was dropped from it (its kernel
+shut down, the replica replaced, or its start never acknowledged: proof to stop it);
+one that carries another id belongs to a state this gateway lost or never had, and one
+of a later generation than the file's was started after the file was written (the file
+is an older copy): those are adopted, or left running (:mod:`nbos.gateway._strays`).
+
+And the kernels **starting**: a start is recorded (kernel id and hosts) before any of
+its replicas starts, and becomes a kernel record once everything of it runs, the write
+its answer waits for. A gateway restarted after a crash mid-start finds it there and
+stops its replicas.
+
 A write goes to a temporary file in the same directory, is fsynced, renamed over
 the state file and the directory fsynced: a crash leaves the old or the new
-state, never a torn one. The file is JSON decoded strictly; one that does not
-decode is refused with a :class:`~nbos.core.errors.ConfigError` naming it
-rather than silently starting empty (which would orphan running kernels).
+state, never a torn one; a write that fails (``ENOSPC``, ``EIO``) removes the
+temporary file, leaves the state file as it was and raises
+:class:`~nbos.core.errors.StateWriteError`. The file is JSON decoded strictly; one
+that does not decode is refused with a :class:`~nbos.core.errors.ConfigError`
+naming it rather than silently starting empty (which would orphan running kernels).
+Version 1 (no state id, no starts) still loads; it gets a fresh state id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
 from pathlib import Path
 
 import msgspec
 
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, StateWriteError
 
 #: Bumped when a record changes incompatibly; another version is refused.
-STATE_VERSION = 1
+STATE_VERSION = 2
+#: The versions this gateway reads (version 1: no state id, no starts).
+_READABLE = (1, STATE_VERSION)
 
 
 class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -84,41 +105,75 @@ class KernelRecord(_Record, frozen=True):
     replicas: list[ReplicaRecord]
 
 
+class StartRecord(_Record, frozen=True):
+    """A kernel start not yet acknowledged: its replicas, on ``hosts``, are to be stopped
+    should the gateway restart before it is (their agents know them by kernel id)."""
+
+    kernel_id: str
+    hosts: list[str]
+
+
+def new_state_id() -> str:
+    return uuid.uuid4().hex
+
+
 class GatewayState(_Record, frozen=True):
     """The whole state file."""
 
     version: int = STATE_VERSION
+    state_id: str = msgspec.field(default_factory=new_state_id)
+    #: One more at every write: what a replica started after the file was written has more.
+    generation: int = 0
     kernels: list[KernelRecord] = []
+    starting: list[StartRecord] = []
 
 
 class StateFile:
-    """``path``, read and replaced whole."""
+    """``path``, read and replaced whole; ``state_id`` and ``generation`` are the state's
+    it holds (its last :meth:`load`'s; a fresh id and 0 before)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.state_id = new_state_id()
+        self.generation = 0
 
     def load(self) -> GatewayState:
-        """The state last written; an empty one if there is no file yet."""
+        """The state last written; an empty one, of a new state id, if there is no file."""
+        state = self._read()
+        self.state_id, self.generation = state.state_id, state.generation
+        return state
+
+    def _read(self) -> GatewayState:
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            return GatewayState()
+            return GatewayState(state_id=self.state_id)
         except OSError as exc:
             raise ConfigError(str(self.path), None, f"a readable state file ({exc})") from exc
         try:
             state = msgspec.json.decode(data, type=GatewayState)
         except msgspec.DecodeError as exc:
             raise ConfigError(str(self.path), None, f"a gateway state file ({exc})") from exc
-        if state.version != STATE_VERSION:
+        if state.version not in _READABLE:
             raise ConfigError(
                 str(self.path), state.version, f"a gateway state file of version {STATE_VERSION}"
             )
-        return state
+        return msgspec.structs.replace(state, version=STATE_VERSION)
 
     def save(self, state: GatewayState) -> None:
-        """Replace the file by ``state`` atomically and durably."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Replace the file by ``state`` atomically and durably; on
+        :class:`StateWriteError` the file is as it was."""
         tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            self._write(tmp, state)
+        except OSError as exc:
+            # A full disk keeps no half-written copy: its space is the next write's.
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise StateWriteError(str(self.path), exc) from exc
+
+    def _write(self, tmp: Path, state: GatewayState) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         # It holds secrets (connection keys, kernels' CURVE keys): the owner's only.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)  # a leftover temporary file keeps its mode through O_CREAT

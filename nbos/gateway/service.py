@@ -32,7 +32,9 @@ started again on the same settings after a crash or ``kill -9`` takes them back
 are asked to register, local agents still running from the previous run (each
 has a record ``DATA_DIR/agents/HOST.pid``, and runs in a session of its own, so
 it outlives the gateway) are used instead of new ones, and each kernel's
-replicas are adopted, its front bound on its old ports with its old key. Without
+replicas are adopted, its front bound on its old ports with its old key. Replicas
+of no kernel it took back are stopped when its state says they were dropped, and
+adopted when it never had their record (:mod:`nbos.gateway._strays`). Without
 a data dir the gateway runs in a temporary directory and keeps nothing.
 """
 
@@ -59,7 +61,7 @@ from prometheus_client import CollectorRegistry
 
 from nbos.agent import address_ip, tcp_address
 from nbos.core.config import AgentSettings, GatewaySettings, Settings
-from nbos.core.errors import ConfigError, TransportError
+from nbos.core.errors import ConfigError, StateWriteError, TransportError
 from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.gateway._agent_backend import AgentBackend
 from nbos.gateway._autoscale import LiveAutoscaler
@@ -70,6 +72,7 @@ from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import StateFile
+from nbos.gateway._strays import settle_strays
 from nbos.gateway.control_api import (
     MAX_REQUEST_BYTES,
     ClusterStatus,
@@ -174,7 +177,8 @@ class GatewayService:
             )
             # Read first: a state file that does not decode stops the start, before
             # anything runs that would be orphaned.
-            kept = state.load().kernels if state is not None else []
+            loaded = state.load() if state is not None else None
+            kept = loaded.kernels if loaded is not None else []
             transport = await stack.enter_async_context(
                 await ZmqTransport.open(
                     "gateway", agents_at, curve=keys.gateway_curve() if keys else None
@@ -224,8 +228,10 @@ class GatewayService:
                     kept, conf.heartbeat_s * conf.missed_heartbeats
                 )
                 log.info("gateway: %d of %d kernels taken back", len(restored), len(kept))
-            if state is not None:
-                await backend.stop_strays()
+            if loaded is not None:
+                await settle_strays(
+                    backend, kernel_manager, loaded, conf.heartbeat_s * conf.missed_heartbeats
+                )
             socket = _bind_control(control, stack)
             live = None
             if provider is not None:
@@ -307,12 +313,19 @@ class GatewayService:
             interval = self.leases.check_interval()
             await anyio.sleep(interval)
             for kernel_id in self.leases.expired(interval):
-                self.leases.forget(kernel_id)
                 kernel = next(
                     (k for k in self.kernel_manager.kernels if k.kernel_id == kernel_id), None
                 )
                 if kernel is not None:
                     log.warning("kernel %s: its owner stopped watching it: shut down", kernel_id)
+                    try:
+                        await kernel.retire()
+                    except StateWriteError as exc:
+                        # Its lease stays run out: the next check tries again.
+                        log.warning("kernel %s runs on: %s", kernel_id, exc)
+                        continue
+                self.leases.forget(kernel_id)
+                if kernel is not None:
                     await kernel.shutdown()
 
     def idle_for(self) -> float:

@@ -14,7 +14,9 @@ keys of their kernel's, which must survive the restart (a replacement after it j
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -28,10 +30,18 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from nbos.agent import ProcessIdentity
-from nbos.gateway.control_api import KernelInfo, KernelList, ListKernels, StartKernel
+from nbos.gateway.control_api import (
+    ControlError,
+    KernelInfo,
+    KernelList,
+    ListKernels,
+    StartKernel,
+)
 from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas
+from tests.gateway._full_disk import fill, free_pages, pages_for, small_tmpfs
+from tests.gateway._http import call
 from tests.gateway._service import ask, run_cell, start_gateway, status_when
 
 # Two gateway starts and a kernel's start, each a Python start: slow on a busy machine.
@@ -217,3 +227,169 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
     gateway.process.send_signal(signal.SIGTERM)
     assert gateway.process.wait(timeout=DEADLINE) == 0, gateway.log.read_text()
     assert not [p for p in agents + replicas if alive(p)]
+
+
+# --- acknowledged only once on disk ------------------------------------------------
+
+
+def _started(gateway: Gateway, but: str) -> list[int]:
+    """PIDs of the replicas the gateway's log says it started, but those of kernel ``but``."""
+    found = re.findall(r"started '(\w+)-replica-\d+' on \S+ as \w+ \(pid (\d+)\)", _log(gateway))
+    return [int(pid) for label, pid in found if not but.startswith(label)]
+
+
+def _log(gateway: Gateway) -> str:
+    return gateway.log.read_text()
+
+
+async def _ended(pids: list[int]) -> None:
+    with anyio.fail_after(DEADLINE):
+        while any(alive(p) for p in pids):  # noqa: ASYNC110 (other processes' state)
+            await anyio.sleep(0.1)
+
+
+def _state(gateway: Gateway) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((gateway.run_dir / "gateway" / "state.json").read_text())
+    return data
+
+
+async def test_a_start_on_a_full_disk_fails_and_leaves_nothing_running(
+    gateway: Gateway,
+) -> None:
+    # The gateway's own directory on a small file system of its own: the agents' state
+    # (replica records, Raft logs) is elsewhere, as on a gateway machine of its own.
+    (http,) = free_loopback_ports(1)
+    gateway.env |= {
+        "NBOS_GATEWAY__HTTP_ADDRESS": f"127.0.0.1:{http}",
+        "NBOS_GATEWAY__AUTH_TOKEN": "secret",
+    }
+    with small_tmpfs(gateway.run_dir / "gateway"):
+        gateway.start()
+        await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+        first = await ask(gateway.address, StartKernel())
+        assert isinstance(first, KernelInfo), first
+        assert await run_cell(first, "x = 41") == {"status": "ok", "stdout": ""}
+        recorded_first = json.dumps(_state(gateway)["kernels"])
+
+        # A full disk: the start is refused before any of its replicas starts.
+        filler = fill(gateway.run_dir / "gateway")
+        refused = await ask(gateway.address, StartKernel())
+        assert isinstance(refused, ControlError), refused
+        assert refused.kind == "failed" and "ENOSPC" in refused.message, refused
+        # The Kernel Gateway API's answer: 507 Insufficient Storage, and why.
+        url = f"http://127.0.0.1:{http}/api/kernels"
+        code, body = await call(url, "POST", {"name": "nbos"}, token="secret")
+        assert code == 507 and "ENOSPC" in body["message"], (code, body)
+        assert _started(gateway, first.kernel_id) == []
+
+        # Room for the record of the start, not for the kernel's: its replicas started,
+        # and are stopped before the answer.
+        size = (gateway.run_dir / "gateway" / "state.json").stat().st_size
+        room = pages_for(size + 512)
+        assert pages_for(2 * size - 512) > room, size  # a second kernel's record is larger
+        free_pages(filler, room)
+        refused = await ask(gateway.address, StartKernel())
+        assert isinstance(refused, ControlError), refused
+        assert "ENOSPC" in refused.message, refused
+        started = _started(gateway, first.kernel_id)
+        assert len(started) == 3, _log(gateway)
+        await _ended(started)
+
+        # The kernel that was there runs on, its record as it was.
+        assert await run_cell(first, "print(x + 1)") == {"status": "ok", "stdout": "42\n"}
+        listed = await ask(gateway.address, ListKernels())
+        assert isinstance(listed, KernelList)
+        assert [k.kernel_id for k in listed.kernels] == [first.kernel_id]
+        assert json.dumps(_state(gateway)["kernels"]) == recorded_first
+
+        # Space again: a start succeeds and is on disk when it is answered.
+        filler.unlink()
+        again = await ask(gateway.address, StartKernel())
+        assert isinstance(again, KernelInfo), again
+        state = _state(gateway)
+        assert {k["kernel_id"] for k in state["kernels"]} == {first.kernel_id, again.kernel_id}
+        assert state["starting"] == []
+        gateway.kill()
+        gateway.clean_up()
+
+
+async def test_a_restart_stops_the_replicas_its_record_dropped_or_never_acknowledged(
+    gateway: Gateway,
+) -> None:
+    gateway.start()
+    await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    unacknowledged = await ask(gateway.address, StartKernel())
+    dropped = await ask(gateway.address, StartKernel())
+    other = await ask(gateway.address, StartKernel())
+    assert isinstance(unacknowledged, KernelInfo) and isinstance(other, KernelInfo)
+    assert isinstance(dropped, KernelInfo)
+    never = [r.pid for r in unacknowledged.replicas if r.pid is not None]
+    gone = [r.pid for r in dropped.replicas if r.pid is not None]
+    kept = [r.pid for r in other.replicas if r.pid is not None]
+    assert len(never) == len(gone) == len(kept) == 3
+
+    # A gateway killed between a start's two writes: the file names the start, not the
+    # kernel (the record of a crash mid-start).
+    gateway.kill()
+    path = gateway.run_dir / "gateway" / "state.json"
+    state = _state(gateway)
+    [record] = [k for k in state["kernels"] if k["kernel_id"] == unacknowledged.kernel_id]
+    state["kernels"].remove(record)
+    hosts = [r["host"] for r in record["replicas"]]
+    state["starting"] = [{"kernel_id": unacknowledged.kernel_id, "hosts": hosts}]
+    # And one whose shutdown was recorded, its replicas not stopped yet at the kill.
+    state["kernels"] = [k for k in state["kernels"] if k["kernel_id"] != dropped.kernel_id]
+    path.write_text(json.dumps(state))
+    gateway.start()
+    await _ended(never + gone)
+    assert gateway.said("never acknowledged") and gateway.said("its record dropped")
+    listed = await ask(gateway.address, ListKernels())
+    assert isinstance(listed, KernelList)
+    assert [k.kernel_id for k in listed.kernels] == [other.kernel_id]
+    assert all(alive(p) for p in kept)
+
+
+async def test_a_gateway_that_lost_its_state_or_has_an_older_copy_adopts_what_it_finds(
+    gateway: Gateway,
+) -> None:
+    gateway.start()
+    await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    orphan = await ask(gateway.address, StartKernel(gpus=1))
+    assert isinstance(orphan, KernelInfo), orphan
+    assert await run_cell(orphan, "y = 41") == {"status": "ok", "stdout": ""}
+    kept = [r.pid for r in orphan.replicas if r.pid is not None]
+    assert len(kept) == 3
+
+    # The state file is gone (deleted, a new disk): the replicas are adopted, not stopped.
+    gateway.kill()
+    (gateway.run_dir / "gateway" / "state.json").unlink()
+    gateway.start()
+    # It answers once it settled what it found.
+    adopted = await status_when(gateway.address, lambda s: True)
+    assert [k.kernel_id for k in adopted.kernels] == [orphan.kernel_id], gateway.said("replica")
+    [kernel] = adopted.kernels
+    assert kernel.connection["key"] != orphan.connection["key"]  # a new front: clients reconnect
+    assert gateway.said("adopted")
+    assert sorted(r.pid for r in kernel.replicas if r.pid is not None) == sorted(kept)
+    assert all(alive(p) for p in kept)
+    assert await run_cell(kernel, "print(y + 1)") == {"status": "ok", "stdout": "42\n"}
+    # And on disk, in the new state (the gateway answers once it wrote it).
+    [record] = _state(gateway)["kernels"]
+    assert (record["kernel_id"], record["gpus"]) == (orphan.kernel_id, 1)
+
+    # An older copy of the state file put back (a backup): the kernel started after it
+    # was written is not dropped from it, only unknown to it: adopted too.
+    path = gateway.run_dir / "gateway" / "state.json"
+    copy = path.read_bytes()
+    later = await ask(gateway.address, StartKernel())
+    assert isinstance(later, KernelInfo), later
+    assert await run_cell(later, "z = 1") == {"status": "ok", "stdout": ""}
+    gateway.kill()
+    path.write_bytes(copy)
+    gateway.start()
+    status = await status_when(gateway.address, lambda s: True)
+    assert sorted(k.kernel_id for k in status.kernels) == sorted(
+        [orphan.kernel_id, later.kernel_id]
+    ), gateway.said("replica")
+    [again] = [k for k in status.kernels if k.kernel_id == later.kernel_id]
+    assert await run_cell(again, "print(z + 1)") == {"status": "ok", "stdout": "2\n"}

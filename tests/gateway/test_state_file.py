@@ -1,12 +1,25 @@
-"""The gateway's state file: what an older gateway wrote still loads."""
+"""The gateway's state file: what an older gateway wrote still loads; a write that the
+disk refuses raises :class:`StateWriteError` and leaves the file as it was."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import msgspec
+import pytest
 
-from nbos.gateway._state import FrontRecord, GatewayState, KernelRecord, ReplicaRecord, StateFile
+from nbos.core.errors import StateWriteError
+from nbos.gateway._state import (
+    STATE_VERSION,
+    FrontRecord,
+    GatewayState,
+    KernelRecord,
+    ReplicaRecord,
+    StartRecord,
+    StateFile,
+)
+from tests.gateway._full_disk import fill, small_tmpfs
 
 FRONT = FrontRecord(
     ip="127.0.0.1",
@@ -54,3 +67,49 @@ def test_a_new_record_names_no_forwarder(tmp_path: Path) -> None:
     StateFile(path).save(state)
     assert b"forward" not in path.read_bytes()
     assert StateFile(path).load() == state
+
+
+def test_a_version_1_file_loads_with_a_state_id_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_bytes(b'{"version": 1, "kernels": []}')
+    file = StateFile(path)
+    state = file.load()
+    assert state.version == STATE_VERSION
+    assert state.state_id and file.state_id == state.state_id
+    assert state.starting == []
+
+
+def test_the_state_id_is_kept_by_the_file_and_new_without_one(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    first = StateFile(path).load()  # no file yet: a new state
+    StateFile(path).save(first)
+    assert StateFile(path).load().state_id == first.state_id
+    path.unlink()
+    assert StateFile(path).load().state_id != first.state_id
+
+
+def test_the_file_says_its_generation(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    StateFile(path).save(GatewayState(generation=7))
+    file = StateFile(path)
+    assert file.generation == 0
+    assert file.load().generation == file.generation == 7
+
+
+def test_a_write_to_a_full_disk_fails_typed_and_keeps_the_old_file(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "disk", "64k") as disk:
+        path = disk / "state.json"
+        file = StateFile(path)
+        old = GatewayState(state_id=file.state_id)
+        file.save(old)
+        fill(disk)
+        big = msgspec.structs.replace(
+            old, starting=[StartRecord(kernel_id=f"k{i}", hosts=["h"] * 50) for i in range(200)]
+        )
+        with pytest.raises(StateWriteError) as failed:
+            file.save(big)
+        assert failed.value.errno == errno.ENOSPC
+        assert "ENOSPC" in str(failed.value) and str(path) in str(failed.value)
+        assert file.load() == old
+        # No half-written copy keeps the space the next write needs.
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "state.json"]

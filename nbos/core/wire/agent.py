@@ -161,6 +161,25 @@ class GpuInfo(Message):
     memory_total_mib: int
 
 
+class ReplicaOwner(Message):
+    """Whose a replica is, kept by its agent and reported with it: the gateway state that
+    started it (its state id, see ``nbos.gateway._state``) and that state's generation
+    then (the file's last write), and its place in its kernel (kernel id, node id, Raft
+    address, the kernel's GPUs per cell).
+
+    A gateway that finds a replica of no kernel it knows decides by it: one of its own
+    state that a later generation of the file no longer names was dropped from it
+    (stopped); one of another state, or newer than the file (an older copy), is adopted.
+    """
+
+    state: str
+    generation: int
+    kernel_id: str
+    node: int
+    raft: str
+    gpus: int = 0
+
+
 class ReplicaSpec(Message):
     """A replica process to start: argv, extra environment, a label for logs.
 
@@ -179,6 +198,7 @@ class ReplicaSpec(Message):
     label: str = ""
     workdir: str = ""
     connection_key: str = ""
+    owner: ReplicaOwner | None = None
 
 
 class ReplicaInfo(Message):
@@ -188,7 +208,9 @@ class ReplicaInfo(Message):
     0 where the agent cannot see one. ``started_at`` is Unix time. Once it ended,
     ``running`` is false and ``exit_code`` (normal exit) or ``signal`` (killed by a
     signal) says how, where known: an adopted local process is not the agent's child,
-    so its status is lost and both stay ``None``.
+    so its status is lost and both stay ``None``. ``owner`` is its spec's (``None`` for a
+    replica started without one, or by an older agent); ``spec``, the whole spec it was
+    started with, only in a :class:`ReplicaList` asked ``with_specs``.
     """
 
     replica_id: str
@@ -200,6 +222,8 @@ class ReplicaInfo(Message):
     running: bool = True
     exit_code: int | None = None
     signal: int | None = None
+    owner: ReplicaOwner | None = None
+    spec: ReplicaSpec | None = None
 
 
 class AgentHello(Message):
@@ -263,9 +287,11 @@ class ReplicaStop(Message):
 
 
 class ReplicaListRequest(Message):
-    """Ask for every replica the agent holds."""
+    """Ask for every replica the agent holds; ``with_specs``: each with its whole spec
+    (environment and keys included), which a gateway adopting replicas needs."""
 
     request_id: int
+    with_specs: bool = False
 
 
 class ReplicaConnectionRequest(Message):
@@ -369,6 +395,7 @@ AgentMessage = (
     | AgentReport
     | GpuInfo
     | ReplicaSpec
+    | ReplicaOwner
     | ReplicaInfo
 )
 

@@ -1,11 +1,13 @@
 """The REST side of the Kernel Gateway API (tornado handlers), and the token check.
 
-Errors answer as Jupyter Server's do: a status and ``{"message": ..., "reason": ...}``.
+Errors answer as Jupyter Server's do: a status and ``{"message": ..., "reason": ...}``;
+a kernel start the gateway could not record answers 507 (a full disk) or 503.
 Every handler, the WebSocket's too, checks the token first (:class:`ApiHandler`).
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 from collections.abc import Iterator
@@ -16,7 +18,13 @@ import msgspec
 from tornado import web
 
 from nbos._version import __version__
-from nbos.core.errors import ConfigError, NbosError, PlacementError, UnknownKernelError
+from nbos.core.errors import (
+    ConfigError,
+    NbosError,
+    PlacementError,
+    StateWriteError,
+    UnknownKernelError,
+)
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_model
 
@@ -121,6 +129,11 @@ def api_errors() -> Iterator[None]:
     except PlacementError as exc:
         log.warning("no room for a kernel: %s", exc)
         raise web.HTTPError(503, str(exc)) from exc
+    except StateWriteError as exc:
+        # Logged by the gateway. A full disk is 507 Insufficient Storage; EIO and the
+        # like are the gateway's trouble, not the request's: 503.
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise web.HTTPError(507 if full else 503, str(exc)) from exc
     except NbosError as exc:
         log.exception("kernel request failed")
         raise web.HTTPError(500, str(exc)) from exc

@@ -139,6 +139,7 @@ class ApiKernels:
         async with api.lock:
             if api.ending:  # deleted while this waited for the lock
                 raise UnknownKernelError(KernelId(api.kernel_id))
+            await api.kernel.retire()
             api.execution_state = "restarting"
             old = api.kernel
             await old.shutdown()
@@ -273,6 +274,7 @@ class ApiKernels:
                 api.execution_state = str(msg["content"].get("execution_state", "idle"))
 
     async def _forget(self, api: ApiKernel) -> None:
+        await api.kernel.retire()  # a shutdown the gateway could not record is refused
         api.ending = True
         api.changed()
         self._kernels.pop(api.kernel_id, None)
