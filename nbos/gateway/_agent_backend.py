@@ -62,6 +62,9 @@ _STOP_SLACK_S = 10.0
 # A start may pull nothing but still create and start a container (runtime docker),
 # seconds on a loaded engine: more than the usual answer's time.
 _START_TIMEOUT_S = 30.0
+# A stop nobody answered is asked again after this long, doubled up to the most.
+_STOP_RETRY_S = 1.0
+_STOP_RETRY_MAX_S = 30.0
 
 
 class AgentProcessHandle(HandleBase):
@@ -96,11 +99,13 @@ class AgentProcessHandle(HandleBase):
     async def terminate(self, grace: float = 5.0) -> int:
         """``ReplicaStop`` on the agent: SIGTERM, SIGKILL after ``grace``; the exit status."""
         if self._returncode is None:
-            await self._backend._request(
+            reply = await self._backend._request(
                 self,
                 lambda rid: ReplicaStop(rid, self.replica_id, grace),
                 timeout=grace + _STOP_SLACK_S,
             )
+            if reply is None:  # no answer: it may run on, so it is asked again until it ends
+                self._backend._stop_soon(self._host, self.replica_id)
         return await self.wait()
 
     def _end(self, status: int) -> None:
@@ -283,10 +288,11 @@ class AgentBackend:
                 host, lambda rid: ReplicaStart(rid, replica_id, spec), timeout=_START_TIMEOUT_S
             )
         except BaseException:
-            # The agent may have started it before we gave up: it must not live on.
+            # The agent may have started it before we gave up (or start it yet, from a
+            # request it holds): it was never acknowledged to anyone, so it must not live on.
             self._handles.pop(replica_id, None)
             self._lost[replica_id] = host
-            self._tg.start_soon(self._stop_lost, host, replica_id)
+            self._stop_soon(host, replica_id)
             raise
         if not isinstance(reply, ReplicaState):
             self._handles.pop(replica_id, None)
@@ -339,15 +345,32 @@ class AgentBackend:
         except BackendError as exc:
             log.warning("could not stop replica %s: %s", handle.replica_id, exc)
 
+    def _stop_soon(self, host: HostId, replica_id: str) -> None:
+        if not self._closed:
+            self._tg.start_soon(self._stop_lost, host, replica_id)
+
     async def _stop_lost(self, host: HostId, replica_id: str) -> None:
-        try:
-            await self._directory.call(
-                host,
-                lambda rid: ReplicaStop(rid, replica_id, 1.0),
-                timeout=1.0 + _STOP_SLACK_S,
-            )
-        except HostUnreachableError as exc:
-            log.info("replica %s on %s not stopped yet: %s", replica_id, host, exc)
+        """Stop a replica that must not run, asking again until its host answers (the agent
+        stops a replica it is still starting once started) or leaves the cluster."""
+        delay = _STOP_RETRY_S
+        while True:
+            try:
+                await self._directory.call(
+                    host,
+                    lambda rid: ReplicaStop(rid, replica_id, 1.0),
+                    timeout=1.0 + _STOP_SLACK_S,
+                )
+            except HostUnreachableError as exc:
+                if all(h.host_id != host for h in self._directory.hosts()):
+                    log.warning("replica %s not stopped: host %s left (%s)", replica_id, host, exc)
+                    return
+                log.info(
+                    "replica %s on %s not stopped yet (%s): asking again", replica_id, host, exc
+                )
+                await anyio.sleep(delay)
+                delay = min(2 * delay, _STOP_RETRY_MAX_S)
+            else:
+                return
 
 
 def _describe(reply: ReplicaReply) -> str:

@@ -20,10 +20,13 @@ request                    reply
 =========================  ==========================
 
 A request naming a kernel that does not run (or that ended during a ``WatchKernel``)
-is answered with ``ControlError(kind="unknown")``. The last three are the fault
-injection and checks of ``nbos chaos --gateway``: whoever reaches the control address
-may already shut any kernel down, and these add no more than that (signals go only to
-the kernels' own replica processes).
+is answered with ``ControlError(kind="unknown")``; a ``StartKernel`` the gateway takes no
+room for now (``[gateway] max_starting`` starts under way, or no host with room) with
+``ControlError(kind="overloaded")`` at once, whose ``retry_after_s`` says when to ask again.
+
+The last three requests are the fault injection and checks of ``nbos chaos --gateway``:
+whoever reaches the control address may already shut any kernel down, and these add no
+more than that (signals go only to the kernels' own replica processes).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from nbos.core.errors import NbosError, TransportError, UnknownKernelError
+from nbos.core.errors import NbosError, OverloadedError, TransportError, UnknownKernelError
 from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,7 @@ log = logging.getLogger(__name__)
 #: ``joining``: registered, its GPUs not yet reported to the scheduler (nothing is placed
 #: there yet); ``up``: schedulable; ``suspected``: silent past the missed-heartbeat limit.
 HostState = Literal["joining", "up", "suspected"]
-ControlErrorKind = Literal["malformed", "failed", "unknown"]
+ControlErrorKind = Literal["malformed", "failed", "unknown", "overloaded"]
 
 
 class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, tag_field="t"):
@@ -189,9 +192,14 @@ class Usage(_Msg):
         return cls(ledger.since, ledger.now(), ledger.cells(), ledger.hosts(), ledger.totals())
 
 
-class ControlError(_Msg):
+class ControlError(_Msg, omit_defaults=True):
+    """A request refused or failed; ``retry_after_s``: ask again after that long (only
+    with ``overloaded``, and left out of the message otherwise, so that clients from
+    before it decode every other error)."""
+
     kind: ControlErrorKind
     message: str
+    retry_after_s: float | None = None
 
 
 ControlRequest = (
@@ -233,6 +241,8 @@ async def serve_control(socket: zmq.asyncio.Socket, handle: Handler) -> None:
                 reply = await handle(request)
             except UnknownKernelError as exc:
                 reply = ControlError("unknown", str(exc))
+            except OverloadedError as exc:  # logged where it was refused
+                reply = ControlError("overloaded", str(exc), exc.retry_after_s)
             except NbosError as exc:
                 log.warning("control: %s failed: %s", type(request).__name__, exc)
                 reply = ControlError("failed", str(exc))

@@ -1,6 +1,7 @@
 """The REST side of the Kernel Gateway API (tornado handlers), and the token check.
 
 Errors answer as Jupyter Server's do: a status and ``{"message": ..., "reason": ...}``.
+A start the gateway has no room for now is a 503 with ``Retry-After`` (whole seconds).
 Every handler, the WebSocket's too, checks the token first (:class:`ApiHandler`).
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,7 +18,13 @@ import msgspec
 from tornado import web
 
 from nbos._version import __version__
-from nbos.core.errors import ConfigError, NbosError, PlacementError, UnknownKernelError
+from nbos.core.errors import (
+    ConfigError,
+    NbosError,
+    OverloadedError,
+    PlacementError,
+    UnknownKernelError,
+)
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_model
 
@@ -50,6 +58,8 @@ class ApiHandler(web.RequestHandler):
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
         message = exc.log_message if isinstance(exc, web.HTTPError) and exc.log_message else ""
+        if isinstance(exc, web.HTTPError) and isinstance(exc.__cause__, OverloadedError):
+            self.set_header("Retry-After", str(math.ceil(exc.__cause__.retry_after_s)))
         self.set_header("Content-Type", "application/json")
         self.finish(msgspec.json.encode({"message": message, "reason": self._reason}))
 
@@ -96,6 +106,8 @@ def api_errors() -> Iterator[None]:
         raise web.HTTPError(404, str(exc)) from exc
     except ConfigError as exc:
         raise web.HTTPError(400, str(exc)) from exc
+    except OverloadedError as exc:  # logged where it was refused
+        raise web.HTTPError(503, str(exc)) from exc
     except PlacementError as exc:
         log.warning("no room for a kernel: %s", exc)
         raise web.HTTPError(503, str(exc)) from exc
