@@ -32,7 +32,7 @@ TOKEN = "admission-secret"
 HTTP_FLOOD = 40
 CONTROL_FLOOD = 6
 #: Clients of the HTTP flood that ask again after ``Retry-After`` until they get a kernel.
-PATIENT = 3
+PATIENT = 2
 
 
 def replicas_of(root: Path) -> dict[int, str]:
