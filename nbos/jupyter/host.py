@@ -164,7 +164,7 @@ class _Host:
         await self.shutdown()
 
 
-async def _start(address: str, request: StartKernel) -> ControlReply:
+async def start_kernel(address: str, request: StartKernel) -> ControlReply:
     """The gateway's answer to ``request``, asked again after the time it says while it is
     overloaded, for up to ``START_TIMEOUT_S`` in all."""
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -205,7 +205,7 @@ async def serve(
         raise ConfigError("gateway.orphan_grace_s", grace_s, "positive seconds")
     connection = reused_connection(connection_file) if reuse else None
     request = StartKernel(gpus, connection=connection, lease_s=grace_s)
-    reply = await _start(address, request)
+    reply = await start_kernel(address, request)
     if not isinstance(reply, KernelInfo):
         raise KernelError(f"the gateway at {address} did not start a kernel: {reply}")
     host = _Host(address, reply, grace_s)

@@ -11,15 +11,21 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+import zmq
+import zmq.asyncio
 
+from nbos.core.errors import OverloadedError
 from nbos.gateway.control_api import (
     ControlError,
     ControlReply,
+    ControlRequest,
     KernelInfo,
     KernelList,
     ShutdownKernel,
     StartKernel,
+    serve_control,
 )
+from nbos.jupyter.host import start_kernel
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
 from tests.gateway._http import KernelSocket, call, start_http_gateway, stdout, stop
@@ -146,3 +152,34 @@ async def test_a_flood_of_starts_is_refused_at_once_and_hurts_no_kernel(
         while replicas_of(tmp_path):  # noqa: ASYNC110
             await anyio.sleep(0.2)
     assert "Traceback" not in log.read_text()
+
+
+async def test_the_kernelspecs_kernel_host_asks_again_after_retry_after() -> None:
+    """The control endpoint answers an overloaded start with ``ControlError(overloaded,
+    retry_after_s)``; the kernel host of the ``nbos`` kernelspec waits that long (and up to
+    half again) and asks again, and gets its kernel."""
+    asked: list[float] = []
+
+    async def handle(request: ControlRequest) -> ControlReply:
+        asked.append(anyio.current_time())
+        if len(asked) == 1:
+            raise OverloadedError("2 kernels are starting, the most at once", 1.0)
+        return KernelInfo("k1", {}, [])
+
+    (port,) = free_loopback_ports(1)
+    socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    socket.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_control, socket, handle)
+            refused = await ask(f"127.0.0.1:{port}", StartKernel())
+            assert isinstance(refused, ControlError), refused
+            assert (refused.kind, refused.retry_after_s) == ("overloaded", 1.0)
+            asked.clear()
+            with anyio.fail_after(DEADLINE):
+                reply = await start_kernel(f"127.0.0.1:{port}", StartKernel())
+            assert isinstance(reply, KernelInfo) and reply.kernel_id == "k1"
+            assert len(asked) == 2 and asked[1] - asked[0] >= 1.0
+            tg.cancel_scope.cancel()
+    finally:
+        socket.close(0)
