@@ -9,6 +9,7 @@ from nbos.core.errors import (
     DecodeError,
     KernelError,
     NbosError,
+    OverloadedError,
     PlacementError,
     UnknownKernelError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "KernelError",
     "LocalCluster",
     "NbosError",
+    "OverloadedError",
     "PlacementError",
     "UnknownKernelError",
     "__version__",

@@ -15,6 +15,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -59,6 +60,20 @@ EVICT_TIMEOUT_S = 30.0
 
 #: How many reservations the agent remembers as already evicted for, so retries skip it.
 _EVICTED_MEMORY = 4096
+
+
+def available_memory_mib(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The memory this machine has available for new processes, in MiB (``MemAvailable``);
+    ``None`` where there is no such file or line (not Linux)."""
+    try:
+        with meminfo.open() as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == "MemAvailable":
+                    return int(rest.split()[0]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def reservation_message(alloc: Allocation) -> GpuReservation:
@@ -195,6 +210,7 @@ class HostAgent:
             reservations=[reservation_message(a) for a in self._pool.reservations()],
             resident=sorted(self._pool.resident().items()),
             request_id=request_id,
+            memory_available_mib=available_memory_mib(),
         )
 
     # --- actions -------------------------------------------------------------------

@@ -371,7 +371,14 @@ class ReplicaService:
         return replica.info()
 
     async def stop(self, replica_id: str, grace: float) -> ReplicaInfo:
-        """SIGTERM (and SIGCONT), SIGKILL after ``grace`` s; returns once it ended."""
+        """SIGTERM (and SIGCONT), SIGKILL after ``grace`` s; returns once it ended.
+
+        A replica still being started is stopped once started: the gateway stops a start
+        it gave up on, and that start must not outlive the stop.
+        """
+        starting = self._starting.get(replica_id)
+        if starting is not None:
+            await starting.wait()
         replica = self._get(replica_id)
         if replica.stopping is None:
             replica.stopping = anyio.Event()

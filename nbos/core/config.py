@@ -30,7 +30,13 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class ClusterSettings(_Section, frozen=True):
-    """The embedded cluster: virtual hosts and their (virtual or real) GPUs."""
+    """The embedded cluster: virtual hosts and their (virtual or real) GPUs.
+
+    What one host takes, in every cluster (``docs/deploy.md``): no new replica goes to a
+    host that holds ``max_replicas_per_host`` (0: no limit), or whose agent reports less
+    than ``min_free_memory_mib`` of available memory (0: no floor). A kernel that finds
+    no room is refused at once, as overloaded.
+    """
 
     hosts: int = 3
     gpus_per_host: int = 8
@@ -38,6 +44,8 @@ class ClusterSettings(_Section, frozen=True):
     replicas_per_kernel: int = 3
     placement_policy: str = "least-loaded"
     data_dir: str = ""
+    max_replicas_per_host: Annotated[int, msgspec.Meta(ge=0)] = 64
+    min_free_memory_mib: Annotated[int, msgspec.Meta(ge=0)] = 256
 
 
 class RaftSettings(_Section, frozen=True):
@@ -109,6 +117,10 @@ class GatewaySettings(_Section, frozen=True):
     ``http_certfile`` and ``http_keyfile`` (PEM) serve it over TLS;
     ``cull_idle_timeout`` shuts down a kernel that no client is connected to after
     that many idle seconds (0: never).
+
+    Admission (``docs/deploy.md``): at most ``max_starting`` kernel starts run at once
+    (control API, HTTP API and kernelspec alike); one more is refused at once, as
+    overloaded, with the seconds after which to ask again.
     """
 
     address: str = "127.0.0.1:7070"
@@ -136,6 +148,7 @@ class GatewaySettings(_Section, frozen=True):
     http_certfile: str = ""
     http_keyfile: str = ""
     cull_idle_timeout: float = 0.0
+    max_starting: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
 
 
 class AgentSettings(_Section, frozen=True):

@@ -229,6 +229,22 @@ class PlacementError(NbosError):
     """No placement satisfies the request."""
 
 
+class OverloadedError(PlacementError):
+    """The cluster takes no more kernels now: as many starts as ``[gateway] max_starting``
+    are under way, or no host has room for the replicas (``[cluster]
+    max_replicas_per_host``, ``min_free_memory_mib``). Refused at once, hurting nothing
+    that runs; ask again after ``retry_after_s`` seconds (HTTP: 503 with ``Retry-After``;
+    control API: ``ControlError(kind="overloaded")``).
+
+    A :class:`PlacementError`, so that who caught a full cluster still catches it.
+    """
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        super().__init__(f"{reason}: ask again in {retry_after_s:g} s")
+
+
 class PolicyContractError(PlacementError):
     """A placement policy answered with hosts it may not choose (too few, repeated,
     unknown, excluded, unschedulable, or without the idle GPUs a target needs): a bug

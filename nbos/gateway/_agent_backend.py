@@ -362,7 +362,8 @@ class AgentBackend:
                 host, lambda rid: ReplicaStart(rid, replica_id, spec), timeout=_START_TIMEOUT_S
             )
         except BaseException:
-            # The agent may have started it before we gave up: it must not live on.
+            # The agent may have started it before we gave up (or start it yet, from a
+            # request it holds): it was never acknowledged to anyone, so it must not live on.
             self._handles.pop(replica_id, None)
             self._tg.start_soon(self._stop_retired, host, replica_id)
             raise

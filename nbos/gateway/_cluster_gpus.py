@@ -37,6 +37,7 @@ from nbos.gateway._scheduler import GpuScheduler
 from nbos.gpu import GpuPool, Inventory, discover_gpus
 from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import KernelFront
+from nbos.scaling import HostLimits
 from nbos.transport import MemoryNetwork
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class ClusterGpus:
                     # long never hides a dead one.
                     rpc_timeout=EVICT_TIMEOUT_S + 5.0,
                     replicas_per_kernel=settings.replicas_per_kernel,
+                    limits=HostLimits.of(settings),
                 ) as scheduler,
                 anyio.create_task_group() as tg,
             ):

@@ -65,7 +65,7 @@ from nbos.core.wire.agent import (
 from nbos.gateway._host_liveness import SilenceDetector
 from nbos.gateway._rpc import RequestChannel
 from nbos.gateway._scheduler import GpuScheduler
-from nbos.scaling import ClusterDecisions
+from nbos.scaling import ClusterDecisions, HostLimits
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink
 from nbos.transport.keys import KeyDirectory, check_host_name
@@ -153,12 +153,14 @@ class HostDirectory:
         heartbeat_interval: float = 1.0,
         missed_heartbeats: int = 5,
         rpc_timeout: float = 5.0,
+        limits: HostLimits | None = None,
     ) -> AsyncIterator[HostDirectory]:
         """Serve registrations on ``transport`` (peer id ``gateway``) until the block exits.
 
         ``keys``: admit only hosts with a public key there, over CURVE (the
         transport must have been opened with ``keys.gateway_curve()``); ``None``:
         admit any host, over plain TCP. ``heartbeat_interval`` is the agents'.
+        ``limits``: what one host takes (the scheduler's placement keeps to them).
         """
         if transport.local != GATEWAY_PEER:
             raise ConfigError("peer", transport.local, f"the gateway's peer id {GATEWAY_PEER!r}")
@@ -184,6 +186,7 @@ class HostDirectory:
                 host_timeout=heartbeat_interval * missed_heartbeats,
                 replicas_per_kernel=replicas_per_kernel,
                 registered=True,
+                limits=limits,
             ) as scheduler,
             anyio.create_task_group() as tg,
         ):

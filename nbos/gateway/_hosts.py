@@ -47,6 +47,8 @@ class HostRecord:
     #: Idle devices still holding a kernel's tensors, as ``(device, kernel)``.
     resident: tuple[tuple[int, str], ...] = ()
     suspected: bool = False
+    #: The host's available memory as its agent last reported it (``None``: not said).
+    memory_available_mib: int | None = None
 
     def update(self, peer: PeerId, status: AgentStatus) -> bool:
         """Take a status report; ``True`` if it comes from a new agent incarnation."""
@@ -55,6 +57,7 @@ class HostRecord:
         self.devices = tuple(status.devices)
         self.reported = {r.reservation_id: r for r in status.reservations if r.state in _LIVE}
         self.resident = tuple(status.resident)
+        self.memory_available_mib = status.memory_available_mib
         return restarted
 
     def busy(self, own: Iterable[Grant]) -> set[int]:
@@ -141,6 +144,7 @@ class Hosts:
         if host is not None:
             busy = len(host.busy(self.on(host_id).values()))
             self.model.set_gpus(host_id, len(host.devices), busy)
+            self.model.set_free_memory(host_id, host.memory_available_mib)
 
     # --- grants ------------------------------------------------------------------------
 

@@ -54,10 +54,18 @@ import msgspec
 from nbos.backends.workdir import PYTHON_TOKEN, WORKDIR_TOKEN
 from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
-from nbos.core.errors import ConfigError, NbosError, StateWriteError, UnknownKernelError
+from nbos.core.errors import (
+    ConfigError,
+    NbosError,
+    PlacementError,
+    PolicyContractError,
+    StateWriteError,
+    UnknownKernelError,
+)
 from nbos.core.ids import HostId, KernelId, new_kernel_id
 from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
 from nbos.core.wire.agent import ReplicaOwner
+from nbos.gateway._admission import StartAdmission
 from nbos.gateway._executor_choice import GpuChooser
 from nbos.gateway._kernel import Kernel, stop_processes
 from nbos.gateway._replacement import Replacer, Spawn, Spawned
@@ -198,6 +206,8 @@ class KernelManager:
         self._starting: dict[KernelId, list[HostId]] = {}
         # Kernels whose shutdown is being recorded: in no record any more.
         self._ending: set[KernelId] = set()
+        #: How many starts run at once (``[gateway] max_starting``); restores are not starts.
+        self.admission = StartAdmission(options.settings.gateway.max_starting)
 
     @classmethod
     @asynccontextmanager
@@ -274,16 +284,38 @@ class KernelManager:
         replaces the GPU-aware executor choice. ``connection`` gives the front the
         ``key`` and ports (``shell_port`` ...) of a kernel it replaces (a restart).
         ``env`` goes into the environment of every replica process of the kernel
-        (replacements too). Raises
-        :class:`~nbos.core.errors.PlacementError` when the policy cannot place it, and
+        (replacements too).
+
+        Raises :class:`~nbos.core.errors.OverloadedError` at once, starting nothing, when
+        ``[gateway] max_starting`` starts run already or no host has room for the
+        replicas (the placement failed), :class:`~nbos.core.errors.PolicyContractError`
+        for a policy that broke its contract, and
         :class:`~nbos.core.errors.StateWriteError` when the gateway's state holding it
         could not be written (nothing of it is left running then).
         """
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
             raise ConfigError("gpus", gpus, "a non-negative number of GPUs per cell")
+        with self.admission.slot():
+            return await self._start_kernel(chooser, gpus, connection, env)
+
+    async def _start_kernel(
+        self,
+        chooser: ExecutorChooser | None,
+        gpus: int,
+        connection: Mapping[str, Any] | None,
+        env: Mapping[str, str] | None,
+    ) -> Kernel:
         kernel_id = new_kernel_id()
         scheduler = self.gpus.scheduler
-        placed = dict(enumerate(scheduler.place(kernel_id, gpus), start=1))
+        try:
+            placed = dict(enumerate(scheduler.place(kernel_id, gpus), start=1))
+        except PolicyContractError:
+            raise
+        except PlacementError as exc:
+            # A full cluster now; hosts free up, or the autoscaler adds some.
+            full = scheduler.model.full_hosts()
+            why = f"{exc}; hosts at their limits: {', '.join(full)}" if full else str(exc)
+            raise self.admission.refuse(f"no room for the kernel's replicas ({why})") from exc
         handles: dict[int, ProcessHandle] = {}
         launches: dict[int, _Launch] = {}
         env = dict(env or {})

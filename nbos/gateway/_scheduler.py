@@ -63,6 +63,7 @@ from nbos.scaling import (
     ClusterDecisions,
     ClusterModel,
     Execute,
+    HostLimits,
     MigrationPlan,
     Wait,
     check_cell_gpus,
@@ -123,6 +124,7 @@ class GpuScheduler:
         poll_interval: float,
         replicas_per_kernel: int,
         registered: bool = False,
+        limits: HostLimits | None = None,
     ) -> None:
         self._decisions = (
             policy
@@ -131,7 +133,7 @@ class GpuScheduler:
         )
         self._poll = poll_interval
         #: The cluster as the decisions see it: the simulator's model, kept from reports.
-        self.model = ClusterModel(replicas_per_kernel)
+        self.model = ClusterModel(replicas_per_kernel, limits)
         self._hosts = Hosts(self.model)
         self._liveness = HostLiveness(self._hosts, host_timeout, self._notify)
         rpc = RequestChannel[AgentRequest, AgentReply](
@@ -166,6 +168,7 @@ class GpuScheduler:
         poll_interval: float = 1.0,
         replicas_per_kernel: int = 3,
         registered: bool = False,
+        limits: HostLimits | None = None,
     ) -> AsyncIterator[GpuScheduler]:
         """Run the scheduler on ``transport`` (the gateway's endpoint) until the block exits.
 
@@ -176,7 +179,8 @@ class GpuScheduler:
         announce themselves; the scheduler learns the hosts from them. With
         ``registered``, a host counts only once :meth:`admit` named it (the host
         directory, which connects to agents with their keys, does that), and the
-        scheduler never adds peers to the transport itself.
+        scheduler never adds peers to the transport itself. ``limits``: what one host
+        takes (:class:`~nbos.scaling.HostLimits`; none by default).
         """
         for key, value in (
             ("rpc_timeout", rpc_timeout),
@@ -202,6 +206,7 @@ class GpuScheduler:
             poll_interval=poll_interval,
             replicas_per_kernel=replicas_per_kernel,
             registered=registered,
+            limits=limits,
         )
         async with anyio.create_task_group() as tg:
             scheduler._tg = tg

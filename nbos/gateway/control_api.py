@@ -20,10 +20,13 @@ request                    reply
 =========================  ==========================
 
 A request naming a kernel that does not run (or that ended during a ``WatchKernel``)
-is answered with ``ControlError(kind="unknown")``. The last three are the fault
-injection and checks of ``nbos chaos --gateway``: whoever reaches the control address
-may already shut any kernel down, and these add no more than that (signals go only to
-the kernels' own replica processes).
+is answered with ``ControlError(kind="unknown")``; a ``StartKernel`` the gateway takes no
+room for now (``[gateway] max_starting`` starts under way, or no host with room) with
+``ControlError(kind="overloaded")`` at once, whose ``retry_after_s`` says when to ask again.
+
+The last three requests are the fault injection and checks of ``nbos chaos --gateway``:
+whoever reaches the control address may already shut any kernel down, and these add no
+more than that (signals go only to the kernels' own replica processes).
 
 Every field of every request is bounded by the struct itself (the ``Annotated`` types
 below): NaN, infinities, negative or absurd numbers, overlong strings and oversized
@@ -46,7 +49,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from nbos.core.errors import NbosError, TransportError, UnknownKernelError
+from nbos.core.errors import NbosError, OverloadedError, TransportError, UnknownKernelError
 from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ log = logging.getLogger(__name__)
 #: ``joining``: registered, its GPUs not yet reported to the scheduler (nothing is placed
 #: there yet); ``up``: schedulable; ``suspected``: silent past the missed-heartbeat limit.
 HostState = Literal["joining", "up", "suspected"]
-ControlErrorKind = Literal["malformed", "failed", "unknown"]
+ControlErrorKind = Literal["malformed", "failed", "unknown", "overloaded"]
 
 #: A request message above this is dropped by ZeroMQ (with its connection) before it is
 #: read: the largest valid one, a start with its connection, is a few hundred bytes.
@@ -228,9 +231,14 @@ class Usage(_Msg):
         return cls(ledger.since, ledger.now(), ledger.cells(), ledger.hosts(), ledger.totals())
 
 
-class ControlError(_Msg):
+class ControlError(_Msg, omit_defaults=True):
+    """A request refused or failed; ``retry_after_s``: ask again after that long (only
+    with ``overloaded``, and left out of the message otherwise, so that clients from
+    before it decode every other error)."""
+
     kind: ControlErrorKind
     message: str
+    retry_after_s: float | None = None
 
 
 ControlRequest = (
@@ -289,6 +297,8 @@ async def _reply_to(body: bytes, handle: Handler) -> ControlReply:
         return await handle(request)
     except UnknownKernelError as exc:
         return ControlError("unknown", str(exc))
+    except OverloadedError as exc:  # logged where it was refused
+        return ControlError("overloaded", str(exc), exc.retry_after_s)
     except NbosError as exc:
         log.warning("control: %s failed: %s", name, exc)
         return ControlError("failed", str(exc))

@@ -106,7 +106,7 @@ from nbos.metrics.prometheus import (
     PrometheusEvents,
     serve_metrics,
 )
-from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions
+from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions, HostLimits
 from nbos.transport import ZmqTransport
 from nbos.transport.keys import KeyDirectory
 
@@ -162,6 +162,7 @@ class GatewayService:
         keys = KeyDirectory(conf.keys) if conf.keys else None
         begun = anyio.current_time()
         scaling = _autoscaler_config(settings)
+        limits = HostLimits.of(settings.cluster)
         decisions = ClusterDecisions.load(
             settings.cluster.placement_policy,
             settings.cluster.replicas_per_kernel,
@@ -192,6 +193,7 @@ class GatewayService:
                     replicas_per_kernel=settings.cluster.replicas_per_kernel,
                     heartbeat_interval=conf.heartbeat_s,
                     missed_heartbeats=conf.missed_heartbeats,
+                    limits=limits,
                 )
             )
             tg = await stack.enter_async_context(anyio.create_task_group())

@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from nbos.core.config import Settings
 from nbos.core.errors import ConfigError, KernelError, NbosError, TransportError
 from nbos.gateway.control_api import (
     ControlError,
+    ControlReply,
     KernelInfo,
     ShutdownKernel,
     StartKernel,
@@ -162,6 +164,22 @@ class _Host:
         await self.shutdown()
 
 
+async def start_kernel(address: str, request: StartKernel) -> ControlReply:
+    """The gateway's answer to ``request``, asked again after the time it says while it is
+    overloaded, for up to ``START_TIMEOUT_S`` in all."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        reply = await call(address, request, timeout=max(deadline - time.monotonic(), 1.0))
+        if not isinstance(reply, ControlError) or reply.retry_after_s is None:
+            return reply
+        # Spread out: the kernels refused together do not all come back together.
+        wait = reply.retry_after_s * random.uniform(1.0, 1.5)
+        if time.monotonic() + wait >= deadline:
+            return reply
+        log.info("%s; asking again in %.1f s", reply.message, wait)
+        await anyio.sleep(wait)
+
+
 def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -187,7 +205,7 @@ async def serve(
         raise ConfigError("gateway.orphan_grace_s", grace_s, "positive seconds")
     connection = reused_connection(connection_file) if reuse else None
     request = StartKernel(gpus, connection=connection, lease_s=grace_s)
-    reply = await call(address, request, timeout=START_TIMEOUT_S)
+    reply = await start_kernel(address, request)
     if not isinstance(reply, KernelInfo):
         raise KernelError(f"the gateway at {address} did not start a kernel: {reply}")
     host = _Host(address, reply, grace_s)

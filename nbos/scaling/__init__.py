@@ -21,6 +21,7 @@ from nbos.scaling.autoscaler import (
 from nbos.scaling.decisions import CellDecision, ClusterDecisions, ScaleStep
 from nbos.scaling.executor import Execute, Wait, check_cell_gpus
 from nbos.scaling.ledger import Ledger, Totals
+from nbos.scaling.limits import HostLimits
 from nbos.scaling.migration import MigrationPlan, plan_migration
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.policies import BinPackingPolicy, LeastLoadedPolicy, RandomPolicy
@@ -40,6 +41,7 @@ __all__ = [
     "ClusterModel",
     "Execute",
     "Hold",
+    "HostLimits",
     "LeastLoadedPolicy",
     "Ledger",
     "MigrationPlan",

@@ -2,9 +2,11 @@
 
 :class:`ClusterModel` is the one model of a cluster, the gateway's scheduler's and
 the simulator's. It holds every host's GPUs (total, committed, and held for a
-migration), its subscriptions and replicas, whether it is schedulable (not being
-drained) and whether it is suspected (silent), each placed kernel's hosts, and the smoothed
-demand-to-busy ratio. Each change costs O(1) (a move
+migration), its subscriptions and replicas, its free memory (where known), whether it is
+schedulable (not being drained) and whether it is suspected (silent), each placed kernel's
+hosts, and the smoothed demand-to-busy ratio. A host that is drained, suspected or full
+(at its :class:`~nbos.scaling.limits.HostLimits`) takes no new replica: the view shows it
+unschedulable. Each change costs O(1) (a move
 O(replicas)); :meth:`ClusterModel.view` rebuilds the
 :class:`~nbos.core.placement.ClusterView` that policies take only after a change,
 reusing the :class:`~nbos.core.placement.HostView` of every host that did not
@@ -35,6 +37,7 @@ from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView
 from nbos.scaling._index import HostIndex, IndexedView
 from nbos.scaling.autoscaler import smoothed_demand_ratio
+from nbos.scaling.limits import HostLimits
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +52,39 @@ class _Host:
     kernels: set[KernelId] = attrs.Factory(set)
     schedulable: bool = True
     suspected: bool = False
+    #: Available memory as its agent last reported it (``None``: not known).
+    free_memory_mib: int | None = None
 
     @property
     def idle(self) -> int:
         return self.total - min(self.total, self.committed + self.held)
 
-    def view(self, host_id: HostId) -> HostView:
+    def takes_replicas(self, limits: HostLimits) -> bool:
+        """Whether a new replica may go here: not drained, not suspected, not full."""
+        return (
+            self.schedulable
+            and not self.suspected
+            and not limits.full(len(self.kernels), self.free_memory_mib)
+        )
+
+    def view(self, host_id: HostId, limits: HostLimits) -> HostView:
         return HostView(
             host_id,
             self.total,
             self.total - self.idle,
             self.subscribed,
             len(self.kernels),
-            self.schedulable and not self.suspected,
+            self.takes_replicas(limits),
         )
 
 
 class ClusterModel:
-    """Hosts, placements, commitments and the demand ratio of one cluster."""
+    """Hosts, placements, commitments and the demand ratio of one cluster; ``limits``:
+    what one host takes."""
 
-    def __init__(self, replicas_per_kernel: int = 3) -> None:
+    def __init__(self, replicas_per_kernel: int = 3, limits: HostLimits | None = None) -> None:
         self._replicas_per_kernel = replicas_per_kernel
+        self.limits = limits or HostLimits()
         self._hosts: dict[HostId, _Host] = {}
         # What placements and holds name on hosts not in the cluster, until they join.
         self._aside: dict[HostId, _Host] = {}
@@ -158,8 +173,13 @@ class ClusterModel:
 
     @property
     def schedulable_hosts(self) -> int:
-        """Hosts that take new replicas: schedulable and not suspected."""
+        """Hosts that take new replicas: schedulable, not suspected and not full."""
         return sum(self._idle_schedulable.values())
+
+    def full_hosts(self) -> list[HostId]:
+        """Hosts at their limits (``limits``), in the order they were added."""
+        limits = self.limits
+        return [h for h, s in self._hosts.items() if limits.full(len(s.kernels), s.free_memory_mib)]
 
     @property
     def demand_to_busy_ratio(self) -> float:
@@ -201,6 +221,11 @@ class ClusterModel:
         """Drain the host (no new replicas) or take it back into service."""
         self._get(host_id)
         self._update(host_id, lambda h: setattr(h, "schedulable", schedulable))
+
+    def set_free_memory(self, host_id: HostId, mib: int | None) -> None:
+        """The host's available memory as its agent reported it (``None``: not known)."""
+        if self._get(host_id).free_memory_mib != mib:
+            self._update(host_id, lambda h: setattr(h, "free_memory_mib", mib))
 
     def set_suspected(self, host_id: HostId, suspected: bool) -> None:
         """Whether the host is suspected (its agent fell silent): a suspected host is no
@@ -326,7 +351,7 @@ class ClusterModel:
     def _count(self, host_id: HostId, sign: int) -> None:
         host = self._get(host_id)
         self._idle_all[host.idle] += sign
-        if host.schedulable and not host.suspected:
+        if host.takes_replicas(self.limits):
             self._idle_schedulable[host.idle] += sign
 
     def _changed(self, host_id: HostId) -> None:
@@ -342,7 +367,7 @@ class ClusterModel:
         self._view = None
 
     def _host_view(self, host_id: HostId) -> HostView:
-        return self._hosts[host_id].view(host_id)
+        return self._hosts[host_id].view(host_id, self.limits)
 
 
 def _bad(message: str) -> ScalingError:

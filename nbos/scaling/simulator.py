@@ -61,6 +61,7 @@ from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, Scale
 from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.executor import Execute, Wait
 from nbos.scaling.ledger import Ledger
+from nbos.scaling.limits import HostLimits
 from nbos.scaling.migration import MigrationPlan
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.results import Run, Sample, SimResult, sim_result
@@ -120,6 +121,8 @@ class SimConfig:
     #: The run stops taking work this long after the trace ends: cells not started then
     #: are reported as never run (running ones finish).
     overrun_limit: float = attrs.field(default=6 * 3600.0, validator=_check_config)
+    #: What one host takes (replicas; a simulated host's free memory is not known).
+    host_limits: HostLimits = attrs.field(factory=HostLimits)
 
 
 def simulate(
@@ -202,7 +205,11 @@ class _Simulation:
         self._cfg = config
         self.decisions = decisions
         self._progress = progress
-        self.model = model if model is not None else ClusterModel(config.replicas_per_kernel)
+        self.model = (
+            model
+            if model is not None
+            else ClusterModel(config.replicas_per_kernel, config.host_limits)
+        )
         if self.model.hosts:
             message = "the simulation's cluster model must start empty"
             log.warning("%s", message)

@@ -79,3 +79,37 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     broken.write_text("[cluster\n")
     with pytest.raises(ConfigError, match="valid TOML"):
         Settings.load(broken, env={})
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ("[gateway]\nmax_starting = 0", "gateway.max_starting"),
+        ("[gateway]\nmax_starting = -3", "gateway.max_starting"),
+        ("[gateway]\nmax_starting = 2.5", "gateway.max_starting"),
+        ("[gateway]\nmax_starting = 100000", "gateway.max_starting"),
+        ("[cluster]\nmax_replicas_per_host = -1", "cluster.max_replicas_per_host"),
+        ("[cluster]\nmin_free_memory_mib = -1", "cluster.min_free_memory_mib"),
+        ("[cluster]\nmin_free_memory_mb = 100", "cluster.min_free_memory_mb"),
+    ],
+)
+def test_bad_admission_settings_are_refused_by_name(tmp_path: Path, line: str, key: str) -> None:
+    path = tmp_path / "nbos.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError) as err:
+        Settings.load(path, env={})
+    assert err.value.key == key
+
+
+def test_admission_settings_are_read() -> None:
+    env = {
+        "NBOS_GATEWAY__MAX_STARTING": "2",
+        "NBOS_CLUSTER__MAX_REPLICAS_PER_HOST": "0",
+        "NBOS_CLUSTER__MIN_FREE_MEMORY_MIB": "1024",
+    }
+    settings = Settings.load(env=env)
+    assert settings.gateway.max_starting == 2
+    assert (settings.cluster.max_replicas_per_host, settings.cluster.min_free_memory_mib) == (
+        0,
+        1024,
+    )

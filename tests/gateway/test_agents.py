@@ -225,3 +225,26 @@ async def test_agents_in_their_own_namespaces_run_replicas_bound_to_their_addres
         assert r["ip"] == net.address(r["host"])
         assert r["raft"].startswith(f"tcp://{net.address(r['host'])}:")
         assert (r["status"], r["stdout"]) == ("ok", f"{r['host']}\n")
+
+
+async def test_a_stop_its_host_did_not_answer_is_asked_again_until_the_replica_ended(
+    tmp_path: Path, keys: Path, agents: list[AgentProcess]
+) -> None:
+    """A stop nobody answered leaves a process that may run on with no kernel: it is asked
+    again until the host answers. Here the agent is frozen through the stop and then dies,
+    so the stop it never read dies with it; its successor takes the replica back and is
+    asked again."""
+    # The host is never suspected here: a busy agent, not a silent one.
+    async with gateway_side(keys, missed=100_000) as gw:
+        agents.append(start_agent("h1", gw.address, tmp_path, keys=keys))
+        await gw.directory.wait_for_hosts(1, timeout=DEADLINE)
+        handle = await gw.backend.start(H1, ProcessSpec(SLEEPER))
+        assert handle.pid is not None
+        agents[0].kill(signal.SIGSTOP)
+        with anyio.fail_after(DEADLINE):
+            await handle.terminate(grace=0.1)  # unanswered: given up after its timeout
+        assert alive(handle.pid)
+        agents[0].kill()  # still frozen: the stops queued for it are never read
+        agents[0].wait()
+        agents.append(start_agent("h1", gw.address, tmp_path, keys=keys))
+        await _poll(lambda: handle.pid is not None and not alive(handle.pid))

@@ -138,6 +138,9 @@ class AgentStatus(Message):
 
     ``reservations`` are the live ones (pre-committed and committed); ``resident``
     lists idle devices still holding a kernel's tensors as ``(device, kernel)``.
+    ``memory_available_mib``: the host's memory available for new processes (Linux's
+    ``MemAvailable``; ``None`` where not known): placement keeps new replicas off a host
+    short of it.
     """
 
     host_id: str
@@ -147,6 +150,7 @@ class AgentStatus(Message):
     reservations: list[GpuReservation] = []
     resident: list[tuple[int, str]] = []
     request_id: int | None = None
+    memory_available_mib: int | None = None
 
 
 # --- registration (agent <-> gateway) -----------------------------------------------

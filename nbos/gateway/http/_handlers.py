@@ -1,7 +1,8 @@
 """The REST side of the Kernel Gateway API (tornado handlers), and the token check.
 
 Errors answer as Jupyter Server's do: a status and ``{"message": ..., "reason": ...}``;
-a kernel start the gateway could not record answers 507 (a full disk) or 503.
+a kernel start the gateway could not record answers 507 (a full disk) or 503, and one it
+has no room for now a 503 with ``Retry-After`` (whole seconds).
 Every handler, the WebSocket's too, checks the token first (:class:`ApiHandler`).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import errno
 import hmac
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -21,6 +23,7 @@ from nbos._version import __version__
 from nbos.core.errors import (
     ConfigError,
     NbosError,
+    OverloadedError,
     PlacementError,
     StateWriteError,
     UnknownKernelError,
@@ -65,6 +68,9 @@ class ApiHandler(web.RequestHandler):
         check_token(self, self.token)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, web.HTTPError) and isinstance(exc.__cause__, OverloadedError):
+            self.set_header("Retry-After", str(math.ceil(exc.__cause__.retry_after_s)))
         self.set_header("Content-Type", "application/json")
         self.finish(msgspec.json.encode(error_body(self, kwargs)))
 
@@ -126,6 +132,8 @@ def api_errors() -> Iterator[None]:
         raise web.HTTPError(404, str(exc)) from exc
     except ConfigError as exc:
         raise web.HTTPError(400, str(exc)) from exc
+    except OverloadedError as exc:  # logged where it was refused
+        raise web.HTTPError(503, str(exc)) from exc
     except PlacementError as exc:
         log.warning("no room for a kernel: %s", exc)
         raise web.HTTPError(503, str(exc)) from exc

@@ -139,6 +139,8 @@ class ApiKernels:
         async with api.lock:
             if api.ending:  # deleted while this waited for the lock
                 raise UnknownKernelError(KernelId(api.kernel_id))
+            # Refused before the old kernel goes: an overloaded gateway keeps it running.
+            self.kernel_manager.admission.check()
             await api.kernel.retire()
             api.execution_state = "restarting"
             old = api.kernel

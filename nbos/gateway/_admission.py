@@ -1,0 +1,77 @@
+"""Admission of kernel starts: how many run at once, and when a refused client asks again.
+
+A start costs the hosts three Python processes booting at once; a flood of them starved
+the agents (whose silence then looked like failure) and hurt kernels that already ran.
+So at most ``[gateway] max_starting`` starts run at once, and one more is refused at once
+with :class:`~nbos.core.errors.OverloadedError`, never queued: a queue would hold the
+client's connection as long as the flood lasts. The client is told to ask again after
+about the time a start takes now (smoothed over the starts that ended), when a slot is
+likely free.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from nbos.core.errors import ConfigError, OverloadedError
+
+log = logging.getLogger(__name__)
+
+#: What a start is taken to last before one ended (a warm start on a quiet machine: ~2 s).
+_FIRST_ESTIMATE_S = 5.0
+#: How much each ended start moves the estimate.
+_WEIGHT = 0.3
+#: ``Retry-After`` stays within these (whole seconds, as HTTP says it).
+_MIN_RETRY_S = 1.0
+_MAX_RETRY_S = 60.0
+
+
+class StartAdmission:
+    """At most ``limit`` kernel starts at once; :meth:`slot` refuses one more at once."""
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigError("gateway.max_starting", limit, "at least 1")
+        self.limit = limit
+        self._running = 0
+        self._estimate_s = _FIRST_ESTIMATE_S
+
+    @property
+    def running(self) -> int:
+        """Starts under way now."""
+        return self._running
+
+    def retry_after_s(self) -> float:
+        """Whole seconds after which a refused client should ask again."""
+        return min(max(math.ceil(self._estimate_s), _MIN_RETRY_S), _MAX_RETRY_S)
+
+    def refuse(self, reason: str) -> OverloadedError:
+        """The error refusing a start for ``reason`` (logged here, the one place)."""
+        error = OverloadedError(reason, self.retry_after_s())
+        log.info("kernel start refused: %s", error)
+        return error
+
+    def check(self) -> None:
+        """:class:`OverloadedError` if a start now would be refused."""
+        if self._running >= self.limit:
+            raise self.refuse(f"{self._running} kernels are starting, the most at once")
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one start's place for the block; :class:`OverloadedError` if none is free."""
+        self.check()
+        self._running += 1
+        began = time.monotonic()
+        ended = False
+        try:
+            yield
+            ended = True
+        finally:
+            self._running -= 1
+            if ended:
+                took = time.monotonic() - began
+                self._estimate_s += _WEIGHT * (took - self._estimate_s)
