@@ -221,6 +221,11 @@ class Replacer:
         """Whether replica ``node`` is being replaced right now."""
         return self._replacing == node
 
+    @property
+    def in_progress(self) -> bool:
+        """Whether a replacement (or a migration) is under way."""
+        return self._replacing is not None
+
     def close(self) -> None:
         """The kernel shuts down: stop replacements under way and start no more."""
         self._closed = True
