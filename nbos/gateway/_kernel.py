@@ -77,14 +77,14 @@ class Kernel:
         front = self.front
         voters = front.voters
         alive = set(front.alive)
-        replacing = self._replacer is not None and self._replacer.in_progress
         return KernelFacts(
             members=len(voters),
             alive=sum(node in alive for node in voters),
             unanswering=sum(node not in alive and not self._exited(node) for node in voters),
             cell=front.cell,
             started=front.started,
-            recovering=self._recoveries > 0 or replacing,
+            recovering=self._recoveries > 0,
+            replacing=self._replacer is not None and self._replacer.recovering,
             closed=self.closed.is_set() or front.is_closing,
         )
 

@@ -9,11 +9,13 @@ from :func:`kernel_state` over :class:`KernelFacts`. The first rule that holds d
 state           when
 ==============  ===========================================================================
 ``dead``        it was shut down (or is being shut down); or fewer than a majority of its
-                replicas are alive or unanswering, and no restart, replacement or restore
-                is under way: nothing brings it back by itself
-``recovering``  a replica is being restarted in place, replaced or restored; or no majority
-                is alive, but enough unanswering replicas (not known to have exited) would
-                make one once they answer: suspicion is not proof
+                replicas are alive or unanswering, and none is being restarted in place
+                or restored: nothing brings it back by itself (a replacement cannot: it
+                joins through a majority)
+``recovering``  a replica is being restarted in place or restored; or no majority is
+                alive, but enough unanswering replicas (not known to have exited) would
+                make one once they answer (suspicion is not proof); or a dead replica is
+                being replaced while a majority runs the kernel
 ``starting``    its front has not yet heard every replica of its start
 ``waiting``     a cell waits to start (for GPUs, for a migration)
 ``busy``        a cell runs
@@ -23,7 +25,7 @@ state           when
 
 A kernel without a majority of live replicas runs no cell: it is ``dead`` or
 ``recovering``, never ``idle``. A cell sent to it is refused at once (:func:`refusal`):
-:class:`~nbos.core.errors.KernelDeadError` from a dead kernel,
+:class:`~nbos.core.errors.KernelDeadError` from a dead kernel (the cell ran nowhere),
 :class:`~nbos.core.errors.QuorumLostError` from one that is recovering.
 """
 
@@ -57,7 +59,8 @@ class KernelFacts:
     ``unanswering``: those neither alive nor known to have exited (frozen, slow, or on a
     host that is silent: they may answer again); ``cell``: whether a cell is in progress,
     and whether it runs or waits to start; ``started``: the front heard every replica of
-    its start; ``recovering``: a replica is being restarted in place, replaced or restored;
+    its start; ``recovering``: a replica is being restarted in place or restored;
+    ``replacing``: a dead replica is being replaced (not a live one moved: a migration);
     ``closed``: the kernel was shut down, or is being.
     """
 
@@ -67,6 +70,7 @@ class KernelFacts:
     cell: CellActivity = "none"
     started: bool = True
     recovering: bool = False
+    replacing: bool = False
     closed: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -92,6 +96,8 @@ def kernel_state(facts: KernelFacts) -> KernelState:
         return "starting"
     if not majority(facts.alive, facts.members):
         return "recovering" if majority(facts.alive + facts.unanswering, facts.members) else "dead"
+    if facts.replacing:
+        return "recovering"
     if facts.cell == "waiting":
         return "waiting"
     if facts.cell == "running":
@@ -132,13 +138,12 @@ def refusal(kernel_id: str, facts: KernelFacts, account: str) -> QuorumLostError
         return KernelDeadError(f"kernel {kernel_id} is shut down")
     if state == "dead":
         return KernelDeadError(
-            f"kernel {kernel_id} is dead: {account}, and no restart, replacement or restore "
-            "of one is under way"
+            f"kernel {kernel_id} is dead: {account}, and none is being restarted or restored"
         )
     if facts.recovering:
         return QuorumLostError(
-            f"kernel {kernel_id} is recovering: {account}; a replica is being restarted, "
-            "replaced or restored: cells run again once a majority is back"
+            f"kernel {kernel_id} is recovering: {account}; a replica is being restarted or "
+            "restored: cells run again once a majority is back"
         )
     if facts.unanswering:
         return QuorumLostError(

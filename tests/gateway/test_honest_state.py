@@ -12,15 +12,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
-from jupyter_client.blocking import BlockingKernelClient
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.cluster import LocalCluster
 from nbos.core.config import GatewaySettings
 from nbos.core.executor_chooser import CellPlan, ChoiceRequest
+from nbos.gateway import Kernel, KernelState
 from nbos.gateway.control_api import KernelInfo, KernelList, ListKernels
 from nbos.gateway.http import serve_http
 from nbos.transport.ports import free_loopback_ports
@@ -36,6 +38,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 #: once takes on a loaded machine, far less than forever (the old answer to a request that
 #: no replica was left to serve).
 ANSWERED_WITHIN_S = 30.0
+
+
+def state_of(kernel: Kernel) -> KernelState:
+    """The kernel's state now (a call, so that no earlier check of it is taken as still true)."""
+    return kernel.state
 
 
 async def until(check: Callable[[], bool]) -> None:
@@ -81,7 +88,7 @@ async def test_degraded_runs_cells_dead_refuses_them_at_once_and_a_restart_recov
 
             # One replica killed, none replacing it: degraded, and cells still run.
             await kernel.kill_replica(first)
-            assert kernel.state == "degraded"
+            assert state_of(kernel) == "degraded"
             await shown_as(kernels, kernel_id, "idle", "degraded")
             assert (await model_of(kernels, kernel_id))["nbos"]["replicas_alive"] == 2
             reply, outputs = await ws.run("print(x + 1)")
@@ -90,7 +97,7 @@ async def test_degraded_runs_cells_dead_refuses_them_at_once_and_a_restart_recov
 
             # A majority gone, and nothing bringing it back: dead, and a cell says so at once.
             await kernel.kill_replica(second)
-            assert kernel.state == "dead"
+            assert state_of(kernel) == "dead"
             await shown_as(kernels, kernel_id, "dead", "dead")
             reply, outputs = await ws.run("print(x)", timeout=ANSWERED_WITHIN_S)
             assert reply["content"]["ename"] == "KernelDeadError", reply
@@ -102,19 +109,41 @@ async def test_degraded_runs_cells_dead_refuses_them_at_once_and_a_restart_recov
             # A replica restarted in place: recovering while it comes back, then degraded.
             async with anyio.create_task_group() as tg:
                 tg.start_soon(kernel.restart_replica, second)
-                await until(lambda: kernel.state == "recovering")
+                await until(lambda: state_of(kernel) == "recovering")
                 model = await model_of(kernels, kernel_id)
                 # Recovering: shown busy to Jupyter (not idle, and a culler leaves it).
                 assert (model["execution_state"], model["nbos"]["state"]) == (
                     "busy",
                     "recovering",
                 )
-            assert kernel.state == "degraded"
+            assert state_of(kernel) == "degraded"
             reply, outputs = await ws.run("print(x)")
             assert reply["content"]["status"] == "ok", reply
             await shown_as(kernels, kernel_id, "idle", "degraded")
         finally:
             ws.close()
+
+
+async def test_a_dead_replica_being_replaced_is_recovering_then_the_kernel_is_idle(
+    tmp_path: Path,
+) -> None:
+    async with LocalCluster(3, run_dir=tmp_path, replace_after_s=0.5) as cluster:
+        kernel = await cluster.start_kernel()
+        assert (await kernel.execute("x = 1")).status == "ok"
+        victim = kernel.replicas[0].node
+        await kernel.signal_replica(victim, signal.SIGKILL)
+        seen: list[str] = []
+
+        def replaced() -> bool:
+            if not seen or seen[-1] != state_of(kernel):
+                seen.append(state_of(kernel))
+            return victim not in {r.node for r in kernel.replicas} and seen[-1] == "idle"
+
+        await until(replaced)
+        # Degraded once the front knew (unless the replacement began first), recovering while
+        # the new replica joined, idle once it had.
+        assert "recovering" in seen, seen
+        assert (await kernel.execute("print(x)")).stdout == "1\n"
 
 
 class HeldChooser:
@@ -139,7 +168,7 @@ async def test_a_cell_waiting_to_start_then_running_shows_as_waiting_then_busy(
     chooser = HeldChooser()
     async with LocalCluster(3, run_dir=tmp_path, replace_dead_replicas=False) as cluster:
         kernel = await cluster.start_kernel(chooser=chooser)
-        assert kernel.state == "idle"
+        assert state_of(kernel) == "idle"
         running, done = tmp_path / "running", tmp_path / "done"
 
         async def cell() -> None:
@@ -152,12 +181,12 @@ async def test_a_cell_waiting_to_start_then_running_shows_as_waiting_then_busy(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(cell)
-            await until(lambda: kernel.state == "waiting")
+            await until(lambda: state_of(kernel) == "waiting")
             chooser.go.set()
             await until(running.exists)
-            assert kernel.state == "busy"
+            assert state_of(kernel) == "busy"
             done.touch()
-        await until(lambda: kernel.state == "idle")
+        await until(lambda: state_of(kernel) == "idle")
 
 
 async def test_unanswering_replicas_are_recovering_until_proven_dead(tmp_path: Path) -> None:
@@ -171,13 +200,13 @@ async def test_unanswering_replicas_are_recovering_until_proven_dead(tmp_path: P
         for node in frozen:
             await kernel.signal_replica(node, signal.SIGSTOP)
         await until(lambda: len(kernel.front.alive) == 1)
-        assert kernel.state == "recovering"
+        assert state_of(kernel) == "recovering"
         refused = await kernel.execute("1", timeout=ANSWERED_WITHIN_S)
         assert refused.error is not None and refused.error[0] == "QuorumLostError", refused.reply
         assert "do not answer" in refused.error[1]
         for node in frozen:
             await kernel.kill_replica(node)  # proof: their exits
-        assert kernel.state == "dead"
+        assert state_of(kernel) == "dead"
 
 
 @pytest.fixture
@@ -212,7 +241,7 @@ def refused_by_the_front(connection: Mapping[str, Any]) -> dict[str, Any]:
     each reply, and the cell's IOPub messages (by type), each waited for at most
     :data:`ANSWERED_WITHIN_S` (blocking: run it in a thread)."""
     client = BlockingKernelClient()
-    client.load_connection_info(dict(connection))
+    client.load_connection_info(cast("KernelConnectionInfo", dict(connection)))
     client.start_channels()
     try:
         # IOPub is a SUB socket, which misses what is published before it joined: until

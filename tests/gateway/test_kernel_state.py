@@ -32,15 +32,22 @@ CELLS: tuple[CellActivity, ...] = get_args(CellActivity)
 
 def small_kernels() -> Iterator[KernelFacts]:
     """Every valid combination of facts of kernels of up to 5 replicas."""
+    flags = list(itertools.product((False, True), repeat=4))
     for members in range(6):
         for alive in range(members + 1):
             for unanswering in range(members - alive + 1):
-                for cell, started, recovering, closed in itertools.product(
-                    CELLS, (False, True), (False, True), (False, True)
-                ):
-                    yield KernelFacts(
-                        members, alive, unanswering, cell, started, recovering, closed
-                    )
+                for cell in CELLS:
+                    for started, recovering, replacing, closed in flags:
+                        yield KernelFacts(
+                            members,
+                            alive,
+                            unanswering,
+                            cell,
+                            started=started,
+                            recovering=recovering,
+                            replacing=replacing,
+                            closed=closed,
+                        )
 
 
 @st.composite
@@ -55,6 +62,7 @@ def facts(draw: st.DrawFn) -> KernelFacts:
         draw(st.booleans()),
         draw(st.booleans()),
         draw(st.booleans()),
+        draw(st.booleans()),
     )
 
 
@@ -62,11 +70,13 @@ def check(f: KernelFacts) -> None:
     """Everything a state promises, for the facts ``f``."""
     state = kernel_state(f)
     assert state in KERNEL_STATES
-    can_run = f.started and not f.closed and not f.recovering and majority(f.alive, f.members)
+    can_run = f.started and not f.closed and majority(f.alive, f.members)
     # Never idle (nor busy, waiting, degraded) for a kernel that cannot run a cell; and a
-    # kernel that can is one of those.
-    assert (state in RUNS_CELLS) == can_run, f
-    if can_run:
+    # kernel that can, and mends nothing, is one of those.
+    if state in RUNS_CELLS:
+        assert can_run, f
+    if can_run and not (f.recovering or f.replacing):
+        assert state in RUNS_CELLS, f
         expected = {"waiting": "waiting", "running": "busy"}.get(f.cell)
         if expected is None:
             expected = "idle" if f.alive == f.members else "degraded"
@@ -79,9 +89,11 @@ def check(f: KernelFacts) -> None:
         assert state == "starting", f
     elif not majority(f.alive, f.members):
         # Suspicion is not proof: dead only when the replicas that may answer again are
-        # no majority either.
+        # no majority either. A replacement cannot help: it joins through a majority.
         could_come_back = majority(f.alive + f.unanswering, f.members)
         assert state == ("recovering" if could_come_back else "dead"), f
+    elif f.replacing:
+        assert state == "recovering", f
 
 
 def test_every_state_of_small_kernels_keeps_its_promise() -> None:
@@ -129,6 +141,8 @@ def test_the_states_of_a_three_replica_kernel() -> None:
     assert state(0, 3) == "recovering"
     assert state(1, recovering=True) == "recovering"  # a restart in place under way
     assert state(2, recovering=True, cell="running") == "recovering"
+    assert state(2, replacing=True, cell="running") == "recovering"
+    assert state(1, replacing=True) == "dead"  # no majority to join through
     assert state(3, started=False) == "starting"
     assert state(3, closed=True) == "dead"
     assert state(0, recovering=True, closed=True) == "dead"
