@@ -86,7 +86,8 @@ class KillFollower:
 class KillTwo:
     """``kill -9`` two of the three replicas at once (the executor among them or not).
 
-    Without a majority the client must get ``QuorumLostError`` at once; both are then
+    Without a majority the client must get ``QuorumLostError`` (or, from the kernel dead
+    until they are restarted, ``KernelDeadError``) at once; both are then
     restarted from their durable logs (no replacement can join without a majority),
     and the kernel must serve again with every acknowledged cell and no lost one.
     """

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 #: not known yet (applied at most once); unknown: any other answer, or none.
 Outcome = Literal["ok", "lost", "indeterminate", "unknown"]
 
-#: The errors by which the kernel says a cell did not happen.
-LOST_ERRORS = frozenset({"CellLostError"})
+#: The errors by which the kernel says a cell did not happen (a dead kernel refuses a cell
+#: before it goes anywhere).
+LOST_ERRORS = frozenset({"CellLostError", "KernelDeadError"})
 #: The errors by which the kernel says a cell has no outcome yet: a cell in flight when the
 #: majority went is settled once a majority is back, and its executor's ``Done`` may have
 #: committed first (``docs/kernel.md``, Recovery).

@@ -1,4 +1,5 @@
-"""``nbos status``: the gateway's hosts, GPUs by state, kernels and replicas, as tables."""
+"""``nbos status``: the gateway's hosts, GPUs by state, kernels (and their states) and
+replicas, as tables."""
 
 from __future__ import annotations
 
@@ -46,12 +47,25 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def render(status: ClusterStatus) -> str:
-    """The status as two plain-text tables."""
+    """The status as three plain-text tables: hosts, kernels, replicas."""
     hosts = table(
         ["HOST", "ADDRESS", "STATE", "GPUS", "IDLE", "PRE-COMMITTED", "COMMITTED", "RESIDENT"],
         [
             [h.host_id, h.address, h.state, h.gpus, h.idle, h.precommitted, h.committed, h.resident]
             for h in status.hosts
+        ],
+    )
+    kernels = table(
+        ["KERNEL", "STATE", "ALIVE", "LAST CELL", "RUNNING ON"],
+        [
+            [
+                k.kernel_id,
+                k.state or "-",
+                f"{sum(r.alive for r in k.replicas)}/{len(k.replicas)}",
+                k.last_exec_index,
+                "-" if k.running_on is None else k.running_on,
+            ]
+            for k in status.kernels
         ],
     )
     replicas = table(
@@ -62,7 +76,7 @@ def render(status: ClusterStatus) -> str:
             for r in k.replicas
         ],
     )
-    return f"{hosts}\n\n{len(status.kernels)} kernels\n{replicas}"
+    return f"{hosts}\n\n{len(status.kernels)} kernels\n{kernels}\n\n{replicas}"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -186,6 +186,13 @@ class QuorumLostError(KernelError):
     """Fewer than a majority of a kernel's replicas are alive."""
 
 
+class KernelDeadError(QuorumLostError):
+    """The kernel cannot run a cell and nothing is bringing it back: it was shut down, or
+    fewer than a majority of its replicas are alive or unanswering (not known to have
+    exited) and no restart, replacement or restore is under way. A request it answers
+    with this error was not run anywhere."""
+
+
 class ReplacementError(KernelError):
     """The cluster gave up replacing a dead replica of a kernel, after every retry."""
 

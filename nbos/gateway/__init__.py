@@ -2,7 +2,8 @@
 
 * :class:`KernelManager` starts, restores, replaces and shuts down replicated kernels
   (each a :class:`Kernel` handle) over a :class:`ReplicaLauncher`; the embedded
-  :class:`~nbos.cluster.LocalCluster` and the ``nbos gateway`` daemon both run it;
+  :class:`~nbos.cluster.LocalCluster` and the ``nbos gateway`` daemon both run it; a
+  kernel's :class:`KernelState` is decided in one place (``Kernel.state``);
 * :class:`GpuScheduler` places kernels' replicas and grants GPUs to cells through
   the host agents (:mod:`nbos.agent`); see ``docs/placement.md``.
 * :class:`HostDirectory` registers ``nbos agent`` daemons (CURVE), watches their
@@ -23,11 +24,13 @@ from nbos.gateway._directory import HostDirectory, HostListener, RegisteredHost
 from nbos.gateway._hosts import Grant, HostRecord
 from nbos.gateway._kernel import Kernel, ReplicaInfo
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
+from nbos.gateway._kernel_state import KERNEL_STATES, KernelState
 from nbos.gateway._launch import LocalLauncher
 from nbos.gateway._scheduler import CellLease, GpuScheduler, WaitCallback
 
 __all__ = [
     "HOST_LOST_STATUS",
+    "KERNEL_STATES",
     "UNKNOWN_STATUS",
     "AdoptingLauncher",
     "AgentBackend",
@@ -43,6 +46,7 @@ __all__ = [
     "Kernel",
     "KernelManager",
     "KernelOptions",
+    "KernelState",
     "LocalLauncher",
     "RegisteredHost",
     "ReplicaInfo",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -15,6 +16,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError, ReplacementError
 from nbos.core.ids import HostId, KernelId
+from nbos.gateway._kernel_state import KernelFacts, KernelState, kernel_state, refusal
 from nbos.gateway._replacement import Replacer
 from nbos.kernel.client import CellClient, ExecuteResult
 from nbos.kernel.front import KernelFront
@@ -64,11 +66,51 @@ class Kernel:
         self._retire = retire
         self._retired = False
         self._cells: CellClient | None = None
+        self._recoveries = 0
         self.closed = anyio.Event()
+        # A request the front cannot serve is told whether the kernel is dead or recovering.
+        front.unavailable = lambda account: refusal(kernel_id, self.facts, account)
 
     @property
     def connection_info(self) -> KernelConnectionInfo:
         return self.front.connection_info
+
+    @property
+    def facts(self) -> KernelFacts:
+        """What the gateway knows of the kernel now (what its :attr:`state` is made of)."""
+        front = self.front
+        voters = front.voters
+        alive = set(front.alive)
+        return KernelFacts(
+            members=len(voters),
+            alive=sum(node in alive for node in voters),
+            unanswering=sum(node not in alive and not self._exited(node) for node in voters),
+            cell=front.cell,
+            started=front.started,
+            recovering=self._recoveries > 0,
+            replacing=self._replacer is not None and self._replacer.recovering,
+            closed=self.closed.is_set() or front.is_closing,
+        )
+
+    @property
+    def state(self) -> KernelState:
+        """The kernel's state (:mod:`nbos.gateway._kernel_state`)."""
+        return kernel_state(self.facts)
+
+    @contextmanager
+    def recovery(self) -> Iterator[None]:
+        """The kernel is ``recovering`` while the block runs: a replica is brought back
+        (restarted in place, restored from its disk)."""
+        self._recoveries += 1
+        try:
+            yield
+        finally:
+            self._recoveries -= 1
+
+    def _exited(self, node: int) -> bool:
+        """Whether replica ``node``'s process is known to have ended (or is gone)."""
+        handle = self._processes.get(node)
+        return handle is None or handle.returncode is not None
 
     @property
     def replicas(self) -> tuple[ReplicaInfo, ...]:
@@ -152,8 +194,9 @@ class Kernel:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is being replaced")
         if self._process(node).returncode is None:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is still running")
-        self._processes[node] = await self._restart(node)
-        await self.front.revive(node, timeout=timeout)
+        with self.recovery():
+            self._processes[node] = await self._restart(node)
+            await self.front.revive(node, timeout=timeout)
 
     async def replace_replica(
         self, node: int, *, timeout: float = 60.0, target: HostId | None = None

@@ -139,6 +139,8 @@ class Replacer:
         self._replacing: int | None = None
         # Replicas the policy is about to replace (see replace_while).
         self._pending: set[int] = set()
+        #: The replica being replaced was dead (not a live one moved: a migration).
+        self._replacing_dead = False
         self._next_node = itertools.count(max(members, default=0) + 1)
         #: Dead replicas the policy gave up on, with why.
         self.failures: dict[int, ReplacementError] = {}
@@ -170,6 +172,7 @@ class Replacer:
                 with anyio.fail_after(timeout), anyio.CancelScope() as scope:
                     self._scopes.add(scope)
                     self._replacing = dead
+                    self._replacing_dead = dead not in self._front.alive
                     try:
                         return await self._replace(dead, target, after)
                     finally:
@@ -247,6 +250,11 @@ class Replacer:
     def replacing(self, node: int) -> bool:
         """Whether replica ``node`` is being replaced right now."""
         return self._replacing == node
+
+    @property
+    def recovering(self) -> bool:
+        """Whether a dead replica is being replaced (a migration moves a live one)."""
+        return self._replacing is not None and self._replacing_dead
 
     def close(self) -> None:
         """The kernel shuts down: stop replacements under way and start no more."""

@@ -50,6 +50,7 @@ import zmq
 import zmq.asyncio
 
 from nbos.core.errors import NbosError, OverloadedError, TransportError, UnknownKernelError
+from nbos.gateway._kernel_state import KernelState
 from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,9 @@ class KernelInfo(_Msg):
     """A kernel: its front's connection info (what a Jupyter client loads) and replicas.
 
     ``running_on``: the replica running a cell now; ``last_executor``: the one that ran
-    the last cell; ``last_exec_index``: the index of the last cell the front settled.
+    the last cell; ``last_exec_index``: the index of the last cell the front settled;
+    ``state``: the kernel's state (``docs/kernel.md``, Kernel states; ``None`` from a
+    gateway older than states).
     """
 
     kernel_id: str
@@ -188,6 +191,7 @@ class KernelInfo(_Msg):
     running_on: int | None = None
     last_executor: int | None = None
     last_exec_index: int = 0
+    state: KernelState | None = None
 
 
 class KernelList(_Msg):

@@ -47,6 +47,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -70,6 +71,7 @@ from nbos.gateway._directory import HostDirectory
 from nbos.gateway._hosts import HostRecord
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
+from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import StateFile
 from nbos.gateway._strays import settle_strays
@@ -355,13 +357,15 @@ class GatewayService:
             running_on=front.running_on,
             last_executor=front.last_executor,
             last_exec_index=front.last_exec_index,
+            state=kernel.state,
         )
 
     def _replica_ip(self, kernel: Kernel, node: int) -> str:
         return str(self.kernel_manager.replica_connection(kernel.kernel_id, node).get("ip", ""))
 
     def metrics_sample(self) -> ClusterSample:
-        """The gauges of ``/metrics``: GPUs by state per host, kernels, live replicas."""
+        """The gauges of ``/metrics``: GPUs by state per host, kernels by state, live
+        replicas."""
         gpus = {
             h.host_id: {
                 "idle": h.idle,
@@ -373,7 +377,8 @@ class GatewayService:
         }
         kernels = self.kernel_manager.kernels
         alive = sum(r.alive for k in kernels for r in k.replicas)
-        return ClusterSample(gpus, len(kernels), alive)
+        by_state = Counter(k.state for k in kernels)
+        return ClusterSample(gpus, {s: by_state[s] for s in KERNEL_STATES}, alive)
 
     def max_host_gpus(self) -> int:
         """The GPU count of the largest host that is up (the kernelspecs offered)."""

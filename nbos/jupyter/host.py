@@ -11,8 +11,9 @@ key that ``CONNECTION_FILE`` holds, so clients with open channels go on working.
 
 It lives as long as the kernel does, watching it on the gateway (which holds the
 kernel's lease meanwhile): it exits 0 once the kernel was shut down (by a client,
-or by SIGTERM or SIGHUP to this process), 3 when fewer than a quorum of replicas
-are alive (it shuts the kernel down first), and 4 when the gateway stayed
+or by SIGTERM or SIGHUP to this process), 3 when the gateway reports the kernel
+``dead`` (fewer than a quorum of replicas alive, and nothing bringing them back: it shuts
+the kernel down first; one ``recovering`` is waited for), and 4 when the gateway stayed
 unreachable for ``[gateway] orphan_grace_s``; so a process poll tells Jupyter
 whether the kernel lives. Once its Jupyter client process (``JPY_PARENT_PID``)
 is gone it shuts the kernel down after ``orphan_grace_s``; if this process is
@@ -52,8 +53,8 @@ from nbos.jupyter.local_gateway import gateway_address
 
 log = logging.getLogger(__name__)
 
-#: Exit status of a host whose kernel lost its quorum of replicas.
-QUORUM_LOST = 3
+#: Exit status of a host whose kernel is dead.
+KERNEL_DEAD = 3
 #: Exit status of a host that could not reach its gateway for ``orphan_grace_s``.
 GATEWAY_LOST = 4
 START_TIMEOUT_S = 120.0
@@ -94,10 +95,6 @@ def reused_connection(connection_file: Path) -> dict[str, str | int]:
     return {**kept, "key": data["key"]}
 
 
-def has_quorum(kernel: KernelInfo) -> bool:
-    return sum(r.alive for r in kernel.replicas) * 2 > len(kernel.replicas)
-
-
 class _Host:
     """One kernel on the gateway at ``address``, watched until it ends."""
 
@@ -114,7 +111,7 @@ class _Host:
             log.warning("kernel %s: shutdown not confirmed: %s", self.kernel_id, exc)
 
     async def watch(self) -> None:
-        """Return once the kernel ended, or its quorum or gateway was lost."""
+        """Return once the kernel ended or is dead, or the gateway was lost."""
         unreachable_since: float | None = None
         while True:
             try:
@@ -134,10 +131,10 @@ class _Host:
                 if reply.kind != "unknown":
                     log.error("kernel %s: the gateway refused: %s", self.kernel_id, reply.message)
                 return  # it was shut down
-            if isinstance(reply, KernelInfo) and not has_quorum(reply):
-                log.error("kernel %s lost its quorum: %s", self.kernel_id, reply.replicas)
+            if isinstance(reply, KernelInfo) and reply.state == "dead":
+                log.error("kernel %s is dead: %s", self.kernel_id, reply.replicas)
                 await self.shutdown()
-                self.status = QUORUM_LOST
+                self.status = KERNEL_DEAD
                 return
 
     async def until_signalled(self) -> None:

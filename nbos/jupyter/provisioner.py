@@ -7,7 +7,7 @@ kernel host process (:mod:`nbos.jupyter.host`) like a local kernel; the host
 starts the kernel on the gateway and writes the kernel front's connection info,
 which the provisioner answers with; the kernel manager then rewrites its
 connection file with it. ``poll()`` reports the kernel alive while the host
-lives, and the host lives while the kernel does, with a quorum of replicas.
+lives, and the host lives while the kernel does (until the gateway reports it dead).
 
 A restart starts the host again with ``--reuse-connection``: the new kernel's
 front takes the old one's ports and key. Signals: ``SIGINT`` becomes an

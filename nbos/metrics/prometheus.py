@@ -2,7 +2,7 @@
 
 :class:`PrometheusEvents` is the :class:`~nbos.metrics.Events` sink that counts
 into a private registry; :class:`ClusterCollector` reads the gauges (GPUs by state
-per host, kernels, live replicas) from the gateway when scraped, so they are never
+per host, kernels by state, live replicas) from the gateway when scraped, so they are never
 stale. :func:`serve_metrics` answers ``GET /metrics`` on the event loop itself:
 every read of the gateway's state happens on the loop that changes it.
 """
@@ -82,10 +82,11 @@ class PrometheusEvents:
 
 @attrs.frozen
 class ClusterSample:
-    """The gauges at one moment: GPUs by state per host, kernels, live replicas."""
+    """The gauges at one moment: GPUs by state per host, kernels by state (every state,
+    0 included), live replicas."""
 
     gpus: Mapping[str, Mapping[str, int]]
-    kernels: int
+    kernels: Mapping[str, int]
     replicas_alive: int
 
 
@@ -102,7 +103,17 @@ class ClusterCollector(Collector):
             for state, count in sorted(states.items()):
                 gpus.add_metric([host, state], count)
         yield gpus
-        yield GaugeMetricFamily("nbos_kernels", "Kernels of the gateway.", value=sample.kernels)
+        yield GaugeMetricFamily(
+            "nbos_kernels", "Kernels of the gateway.", value=sum(sample.kernels.values())
+        )
+        kernels = GaugeMetricFamily(
+            "nbos_kernels_by_state",
+            "Kernels by state (starting, idle, busy, waiting, degraded, recovering, dead).",
+            labels=["state"],
+        )
+        for state, count in sample.kernels.items():
+            kernels.add_metric([state], count)
+        yield kernels
         yield GaugeMetricFamily(
             "nbos_replicas_alive", "Replica processes alive.", value=sample.replicas_alive
         )

@@ -215,16 +215,18 @@ async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> N
         assert result.stdout == "7 8 4\n", result.reply
 
 
-async def test_without_a_majority_cells_fail_at_once_with_quorum_lost(kernel: Kernel) -> None:
+async def test_without_a_majority_cells_fail_at_once_as_the_kernel_is_dead(kernel: Kernel) -> None:
     first = await kernel.execute("x = 1")
     for victim in [r.node for r in kernel.replicas if r.node != first.executor]:
         await kernel.kill_replica(victim)
+    # Nothing restarts or replaces them here: the kernel is dead, and says why.
     with anyio.fail_after(20):
         result = await kernel.execute("x = 2")
-    assert result.error is not None and result.error[0] == "QuorumLostError"
+    assert result.error is not None and result.error[0] == "KernelDeadError"
+    assert f"only replicas [{first.executor}] of [1, 2, 3] are alive" in result.error[1]
     # An error output too: a notebook shows outputs, not the reply.
     errors = [o["content"]["ename"] for o in result.outputs if o["msg_type"] == "error"]
-    assert errors == ["QuorumLostError"]
+    assert errors == ["KernelDeadError"]
 
 
 SEED_AND_DRAW = (

@@ -5,11 +5,16 @@ An :class:`ApiKernel` is what Jupyter Server sees: an id, a kernelspec name,
 kernel of the gateway (3 replicas and a front); a restart shuts that kernel down and
 starts a fresh one (a fresh namespace, as a restarted Jupyter kernel has), which the
 clients' channels follow. The API id is the first nbos kernel's id; the current one
-is in the model's ``nbos.kernel_id``.
+is in the model's ``nbos.kernel_id``, its state (``docs/kernel.md``, Kernel states) in
+``nbos.state``.
 
 Activity is read the way Jupyter Server reads it: every IOPub message is activity,
-and ``status`` messages set ``execution_state``, except those answering requests
-that tools send on their own (``kernel_info_request`` and the like).
+and ``status`` messages say whether the kernel is busy, except those answering requests
+that tools send on their own (``kernel_info_request`` and the like). The model's
+``execution_state`` keeps Jupyter's own words: that activity where the nbos state leaves
+it open (``idle``, ``degraded``), ``dead`` for a dead kernel, ``busy`` for one that runs
+or waits to run a cell or is recovering
+(:func:`~nbos.gateway._kernel_state.jupyter_state`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from nbos.core.errors import ConfigError, KernelError, UnknownKernelError
 from nbos.core.ids import KernelId
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager
+from nbos.gateway._kernel_state import JupyterState, KernelState, jupyter_state
 from nbos.gateway.http._channels import ChannelBridge, Sink
 from nbos.kernel.jupyter_requests import channel_url, control_request, session_for
 
@@ -58,7 +64,8 @@ class ApiKernel:
         self.env = dict(env)
         self.kernel = kernel
         self.generation = 0
-        self.execution_state = "idle"
+        #: What the kernel's IOPub last said (``idle``, ``busy``), or ``restarting``.
+        self.activity = "idle"
         self.last_activity = _now()
         #: Open WebSockets (what Jupyter Server calls connections).
         self.sinks: dict[Sink, ChannelBridge] = {}
@@ -72,14 +79,30 @@ class ApiKernel:
     def connection_info(self) -> Mapping[str, Any]:
         return self.kernel.connection_info
 
+    @property
+    def state(self) -> KernelState:
+        """The nbos kernel's state; ``starting`` while the API restarts it."""
+        return "starting" if self.activity == "restarting" else self.kernel.state
+
+    @property
+    def execution_state(self) -> JupyterState:
+        """The kernel's state in Jupyter's words (what Jupyter Server and its culler read)."""
+        return jupyter_state(self.state, self.activity)
+
     def model(self) -> dict[str, Any]:
+        state = self.state
         return {
             "id": self.kernel_id,
             "name": self.name,
             "last_activity": self.last_activity.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            "execution_state": self.execution_state,
+            "execution_state": jupyter_state(state, self.activity),
             "connections": len(self.sinks),
-            "nbos": {"kernel_id": self.kernel.kernel_id, "gpus": self.gpus},
+            "nbos": {
+                "kernel_id": self.kernel.kernel_id,
+                "gpus": self.gpus,
+                "state": state,
+                "replicas_alive": len(self.kernel.front.alive),
+            },
         }
 
     def touch(self) -> None:
@@ -142,7 +165,7 @@ class ApiKernels:
             # Refused before the old kernel goes: an overloaded gateway keeps it running.
             self.kernel_manager.admission.check()
             await api.kernel.retire()
-            api.execution_state = "restarting"
+            api.activity = "restarting"
             old = api.kernel
             await old.shutdown()
             try:
@@ -152,7 +175,7 @@ class ApiKernels:
                     await self._forget(api)
                 raise
             api.generation += 1
-            api.execution_state = "idle"
+            api.activity = "idle"
             api.touch()
             api.changed()
             log.info("kernel %s restarted: nbos kernel %s", api.kernel_id, api.kernel.kernel_id)
@@ -215,7 +238,8 @@ class ApiKernels:
     # --- background ---------------------------------------------------------------
 
     async def cull_idle(self, timeout: float) -> None:
-        """Shut down kernels with no client that were idle for ``timeout`` seconds."""
+        """Shut down kernels with no client that were idle for ``timeout`` seconds (not
+        one that runs, waits to run a cell or recovers: it shows ``busy``)."""
         every = min(max(timeout / 2, 0.5), 60.0)
         while True:
             await anyio.sleep(every)
@@ -237,7 +261,7 @@ class ApiKernels:
                 tg.cancel_scope.cancel()
             if api.generation != generation or api.ending:
                 continue
-            if api.execution_state == "restarting":
+            if api.activity == "restarting":
                 await api.wait_changed(generation)
                 continue
             # A client's shutdown_request, or the kernel lost its quorum.
@@ -273,7 +297,7 @@ class ApiKernels:
                 continue
             api.touch()
             if msg["msg_type"] == "status" and api.kernel is kernel:
-                api.execution_state = str(msg["content"].get("execution_state", "idle"))
+                api.activity = str(msg["content"].get("execution_state", "idle"))
 
     async def _forget(self, api: ApiKernel) -> None:
         await api.kernel.retire()  # a shutdown the gateway could not record is refused

@@ -72,10 +72,19 @@ class CellRefused(Exception):
 class Cells:
     """Exec indices, claims and settles of one kernel's cells, as its front sees them."""
 
-    def __init__(self, kernel_id: str, replicas: ReplicaView, ask: Ask) -> None:
+    def __init__(
+        self,
+        kernel_id: str,
+        replicas: ReplicaView,
+        ask: Ask,
+        unavailable: Callable[[str], QuorumLostError] = QuorumLostError,
+    ) -> None:
+        # ``unavailable(account)``: the error of a cell refused for want of a majority,
+        # given the account of the replicas (``only replicas [2] of [1, 2, 3] are alive``).
         self._kernel_id = kernel_id
         self._replicas = replicas
         self._ask = ask
+        self._unavailable = unavailable
         self._next_index = 1
         self._settled_index = 0
         #: Indices whose settle found no majority.
@@ -148,12 +157,20 @@ class Cells:
         failure = KernelError(f"no replica could claim the cell in {CLAIM_ATTEMPTS} attempts")
         raise CellRefused(failure)
 
-    def _quorum_lost(self) -> CellRefused:
+    def refusal(self) -> QuorumLostError:
+        """What a request is told that the kernel cannot serve: no majority is alive."""
         replicas = self._replicas
-        lost = QuorumLostError(
+        return self._unavailable(
             f"only replicas {list(replicas.alive)} of {list(replicas.members)} are alive"
-            if not replicas.has_quorum
-            else f"cells {sorted(self._unsettled)} could not be settled: no majority answered"
+        )
+
+    def _quorum_lost(self) -> CellRefused:
+        lost = (
+            self.refusal()
+            if not self._replicas.has_quorum
+            else QuorumLostError(
+                f"cells {sorted(self._unsettled)} could not be settled: no majority answered"
+            )
         )
         log.warning("kernel %s: %s", self._kernel_id, lost)
         return CellRefused(lost)

@@ -105,6 +105,7 @@ class ControlWorker:
         if target is None or target not in alive:
             target = alive[0] if alive else None
         if target is None:
+            await self._clients.reply_error(idents, msg, "control", self._cells.refusal())
             return
         pending = await self._relay.roundtrip(target, "control", msg, idents, grace=IDLE_GRACE_S)
         content = {"status": "ok"} if pending.reply is None else pending.reply["content"]

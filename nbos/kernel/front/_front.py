@@ -33,6 +33,7 @@ terms of :mod:`nbos.kernel.protocol`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import anyio
 import anyio.abc
@@ -41,7 +42,7 @@ import zmq.asyncio
 from anyio.streams.memory import MemoryObjectSendStream
 from jupyter_client.connect import KernelConnectionInfo
 
-from nbos.core.errors import KernelError, TransportError
+from nbos.core.errors import KernelError, QuorumLostError, TransportError
 from nbos.core.executor_chooser import ExecutorChooser
 from nbos.kernel.front._cells import Cells
 from nbos.kernel.front._chooser import LastExecutorChooser
@@ -53,6 +54,10 @@ from nbos.kernel.front._relay import Relay
 from nbos.kernel.front._shell import ShellWorker
 from nbos.kernel.front._shell_idle import ShellIdle
 from nbos.kernel.front._upstream import ReplicaEndpoint, Upstream
+
+#: A kernel's cell in progress: none, one that waits to start (for GPUs, for a
+#: migration), or one that runs.
+CellActivity = Literal["none", "waiting", "running"]
 
 
 class KernelFront:
@@ -95,11 +100,28 @@ class KernelFront:
             kernel_id, upstreams, heartbeat or HeartbeatPolicy(), lambda: self._relay.busy
         )
         self._idle = ShellIdle(self._clients)
-        self._relay = Relay(kernel_id, upstreams, self._clients, self._liveness, self._idle)
+        #: What a request is told that the kernel cannot serve for want of a majority of
+        #: live replicas, given the front's account of them (``only replicas [2] of [1, 2,
+        #: 3] are alive``): whoever runs the kernel knows whether it is dead or recovering.
+        self.unavailable: Callable[[str], QuorumLostError] = QuorumLostError
+        self._relay = Relay(
+            kernel_id,
+            upstreams,
+            self._clients,
+            self._liveness,
+            self._idle,
+            refusal=self._refusal,
+        )
         #: Send a control request of the front's own to a replica; its reply or ``None``
         #: (:meth:`Relay.control_request <nbos.kernel.front._relay.Relay.control_request>`).
         self.control_request = self._relay.control_request
-        self._cells = Cells(kernel_id, self._liveness, self._relay.control_request)
+        self._cells = Cells(
+            kernel_id,
+            self._liveness,
+            self._relay.control_request,
+            self._unavailable,
+        )
+        self._shell: ShellWorker | None = None
         self._membership = Membership(
             kernel_id,
             ctx=self._ctx,
@@ -147,9 +169,29 @@ class KernelFront:
         return self._liveness.alive
 
     @property
+    def voters(self) -> tuple[int, ...]:
+        """Node ids of the replicas a majority is counted of (a replacement still being
+        added aside), dead ones too, ascending."""
+        return self._liveness.voters
+
+    @property
     def has_quorum(self) -> bool:
         """Whether a majority of the kernel's replicas is alive (its log can commit)."""
         return self._liveness.has_quorum
+
+    @property
+    def started(self) -> bool:
+        """Whether the front serves clients: it heard every replica of its start, and
+        has not ended."""
+        return self._shell is not None
+
+    @property
+    def cell(self) -> CellActivity:
+        """The cell in progress: none, one that waits to start, or one that runs."""
+        cell = self._shell.cell if self._shell is not None else None
+        if cell is None:
+            return "none"
+        return "waiting" if cell.waiting else "running"
 
     @property
     def refused(self) -> int:
@@ -254,8 +296,10 @@ class KernelFront:
                 tg.start_soon(shell.serve, shell_rx)
                 tg.start_soon(control.serve, control_rx)
                 self._membership.watch(tg)
+                self._shell = shell
                 task_status.started()
         finally:
+            self._shell = None
             self._close()
 
     async def add_replica(
@@ -276,6 +320,14 @@ class KernelFront:
     def remove_replica(self, replica: int) -> None:
         """Forget ``replica`` for good (it was replaced): requests there end as lost."""
         self._membership.remove(replica)
+
+    # Looked up at each call: the cells are made after the relay, and whoever runs the
+    # kernel sets ``unavailable`` after the front is made.
+    def _refusal(self) -> QuorumLostError:
+        return self._cells.refusal()
+
+    def _unavailable(self, account: str) -> QuorumLostError:
+        return self.unavailable(account)
 
     def _close(self) -> None:
         self._membership.close()

@@ -116,9 +116,14 @@ class Liveness:
         return tuple(sorted(self._upstreams))
 
     @property
+    def voters(self) -> tuple[int, ...]:
+        """Node ids of the replicas that count towards a majority (standby ones aside)."""
+        return tuple(sorted(r for r in self._upstreams if r not in self._standby))
+
+    @property
     def has_quorum(self) -> bool:
         """Whether a majority of the kernel's replicas is alive (its log can commit)."""
-        return len(self.alive) * 2 > len(self._upstreams) - len(self._standby)
+        return len(self.alive) * 2 > len(self.voters)
 
     def standby(self, replica: int) -> None:
         """``replica`` is being added: not counted until :meth:`activate`."""

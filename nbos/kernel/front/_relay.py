@@ -18,7 +18,7 @@ import anyio
 import attrs
 import zmq.asyncio
 
-from nbos.core.errors import AuthenticationError, DecodeError, KernelError
+from nbos.core.errors import AuthenticationError, DecodeError, KernelError, NbosError
 from nbos.kernel import protocol
 from nbos.kernel.front import _requests, _wire
 from nbos.kernel.front._clients import ClientChannels, Incoming
@@ -106,7 +106,8 @@ class Relay:
     """Kernel ``kernel_id``'s requests in flight to the replicas of ``upstreams`` (the
     front's map, read here only), and the readers of those replicas' sockets.
 
-    ``idle`` is told when everything of the shell request in flight is out.
+    ``idle`` is told when everything of the shell request in flight is out;
+    ``refusal()`` is the error of a request that no live replica is left to serve.
     """
 
     def __init__(
@@ -116,12 +117,15 @@ class Relay:
         clients: ClientChannels,
         liveness: Liveness,
         idle: ShellIdle,
+        *,
+        refusal: Callable[[], NbosError],
     ) -> None:
         self._kernel_id = kernel_id
         self._upstreams = upstreams
         self._clients = clients
         self._liveness = liveness
         self._idle = idle
+        self._refusal = refusal
         self._pending: dict[str, Pending] = {}
         #: Shell requests that finished, and the replica that handled each.
         self._finished: OrderedDict[str, int] = OrderedDict()
@@ -177,7 +181,8 @@ class Relay:
         first: int | None,
     ) -> None:
         """Relay a client's request to a live replica (``first`` first, if it lives: the
-        last executor) and its reply back."""
+        last executor) and its reply back; an error reply at once if none is left (a
+        client must not wait for a reply nobody will send)."""
 
         async def relay(reply: _wire.Msg) -> bool:
             await self._clients.send(sock, reply, idents)
@@ -199,7 +204,13 @@ class Relay:
                 log.warning("kernel %s: %s", self._kernel_id, failure)
                 await self._clients.reply_error(idents, msg, channel, failure)
                 return
-        log.warning("kernel %s: no live replica for %s", self._kernel_id, msg["msg_type"])
+        refused = (
+            self._refusal()
+            if not self._liveness.alive
+            else KernelError(f"no live replica answered {msg['msg_type']}")
+        )
+        log.warning("kernel %s: %s refused: %s", self._kernel_id, msg["msg_type"], refused)
+        await self._clients.reply_error(idents, msg, channel, refused)
 
     async def roundtrip(
         self,

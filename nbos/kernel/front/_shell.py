@@ -45,6 +45,13 @@ class RunningCell:
     interrupted: bool = False
     #: Set while the chooser picks the cell's executor (it may wait for GPUs).
     choosing: anyio.CancelScope | None = None
+    #: Why the cell waits to start, shown to clients; ``None`` until it is taken.
+    wait: WaitStatus | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the cell waits to start (for GPUs, a migration), not yet running."""
+        return self.wait is not None and self.wait.waiting
 
 
 class ShellWorker:
@@ -119,7 +126,7 @@ class ShellWorker:
             self.cell = None
 
     async def _execute_cell(self, idents: list[bytes], msg: _wire.Msg, cell: RunningCell) -> str:
-        wait = self._wait_status(msg)
+        wait = cell.wait = self._wait_status(msg)
 
         async def choose(index: int) -> CellPlan:
             try:

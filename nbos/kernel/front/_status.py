@@ -32,6 +32,11 @@ class WaitStatus:
         #: When the current wait began; ``None`` while the cell does not wait.
         self._since: float | None = None
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the cell waits now (a reason was shown, and the wait has not ended)."""
+        return self._since is not None
+
     async def waits(self, text: str) -> None:
         """Show ``text`` (why the cell waits) in place of the previous status."""
         now = self._clock()
