@@ -163,13 +163,9 @@ def check_appends(kernel: str, acknowledged: Sequence[int], held: Sequence[int])
     twice = sorted(a for a, n in counts.items() if n > 1 and a not in acknowledged)
     found = []
     if missing:
-        found.append(
-            Violation(
-                "kernel-state",
-                f"kernel {kernel} holds acknowledged appends {missing} "
-                f"{[counts[a] for a in missing]} times, not once",
-            )
-        )
+        times = ", ".join(f"{a} {counts[a]}x" for a in missing)
+        detail = f"kernel {kernel} holds acknowledged appends {times}, not once each"
+        found.append(Violation("kernel-state", detail))
     if twice:
         found.append(Violation("kernel-state", f"kernel {kernel} holds appends {twice} twice"))
     return found
