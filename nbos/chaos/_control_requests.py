@@ -129,9 +129,10 @@ class MalformedRequests:
         requests = malformed_requests(kernel.kernel_id)
         rng.shuffle(requests)
         found: list[Violation] = []
-        refused = 0
+        refused = sent = 0
         for label, body in requests:
             reply = await _send_raw(address, body)
+            sent += 1
             if isinstance(reply, ControlError):
                 refused += 1
                 continue
@@ -141,7 +142,9 @@ class MalformedRequests:
             if not await _answers(address):
                 found.append(Violation("gateway-down", f"no answer to a status after {label}"))
                 break
-        target = f"{refused} of {len(requests)} malformed requests refused"
+        target = f"{refused} of {sent} malformed requests refused"
+        if sent < len(requests):
+            target += f", {len(requests) - sent} not sent (the gateway stopped answering)"
         return Strike(target, (), found=tuple(found), checked=("control-input",))
 
     async def heal(self, kernel: ChaosKernel, strike: Strike) -> None:
