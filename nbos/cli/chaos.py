@@ -180,14 +180,7 @@ def _target(args: argparse.Namespace) -> _Target:
     if args.bystanders is not None and args.bystanders < 0:
         raise ConfigError("--bystanders", args.bystanders, "0 or more")
     local = LocalGateway.find(address) if address is not None else None
-    if address is not None:
-        offers |= {"gateway-control"}
-    if local is not None:
-        offers |= {"local-gateway"}
-    if data_dir is not None:
-        offers |= {"gateway-data-dir"}
-    if os.geteuid() == 0:
-        offers |= {"root"}
+    offers |= _control_plane_offers(address, local, data_dir)
     every = (
         *default_nemeses(),
         PartitionHost(network),
@@ -207,16 +200,29 @@ def _target(args: argparse.Namespace) -> _Target:
         check_supported(chosen, offers, where)
     else:
         chosen = tuple(n for n in every if n.needs <= offers)
-        if address is not None:
+        if address is not None:  # say why a gateway's nemesis is left out
             for n in every:
                 if not n.needs <= offers:
-                    missing = sorted(n.needs - offers)
-                    print(
-                        f"skipped: {NemesisUnsupportedError(n.name, missing, where)}",
-                        file=sys.stderr,
-                    )
+                    skipped = NemesisUnsupportedError(n.name, sorted(n.needs - offers), where)
+                    print(f"skipped: {skipped}", file=sys.stderr)
     bystanders = args.bystanders if args.bystanders is not None else int(address is not None)
     return _Target(address, offers, chosen, bystanders)
+
+
+def _control_plane_offers(
+    address: str | None, local: LocalGateway | None, data_dir: Path | None
+) -> frozenset[Capability]:
+    """What the control-plane nemeses need that this run has."""
+    offers: set[Capability] = set()
+    if address is not None:
+        offers.add("gateway-control")
+    if local is not None:
+        offers.add("local-gateway")
+    if data_dir is not None:
+        offers.add("gateway-data-dir")
+    if os.geteuid() == 0:
+        offers.add("root")
+    return frozenset(offers)
 
 
 def _cluster_data_dir(processes: DeployedCluster) -> Path:
