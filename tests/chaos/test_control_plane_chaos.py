@@ -45,6 +45,7 @@ from nbos.chaos._target import Capability
 from nbos.gateway.control_api import KernelList, ListKernels, SignalReplica
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
+from tests.chaos.test_chaos_cli import run_cli
 from tests.gateway._service import ask, start_gateway, status_when
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
@@ -333,3 +334,23 @@ async def test_a_kernel_whose_replicas_all_died_fails_no_healthy_kernel_dead(
     assert [v.kind for v in dead] == ["kernel-dead"], dead
     assert doomed.kernel_id in dead[0].detail
     assert alive == []
+
+
+def test_nbos_chaos_against_a_gateway_reports_each_nemesis_in_text_and_json(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    anyio.run(status_when, gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    report = tmp_path / "report.json"
+    argv = ["--gateway", gateway.address, "--nemesis", "freeze-gateway", "--max-faults", "1"]
+    argv += ["--duration", "600", "--run-dir", str(tmp_path), "--json", str(report)]
+
+    done = run_cli(*argv, timeout=600)
+
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-5000:]}"
+    lines = done.stdout.splitlines()
+    assert lines[2].split()[:2] == ["1", "freeze-gateway"], done.stdout
+    assert lines[6].split()[:3] == ["freeze-gateway", "1", "0"], done.stdout
+    data = json.loads(report.read_text())
+    assert data["ok"] is True and data["faults"][0]["nemesis"] == "freeze-gateway"
+    [nemesis] = data["nemeses"]
+    assert nemesis["injected"] == 1 and "no-healthy-kernel-dead" in nemesis["checked"]
