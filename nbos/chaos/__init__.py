@@ -30,7 +30,12 @@ from nbos.chaos._checks import (
     check_runs,
 )
 from nbos.chaos._control_plane import CpuHog, FreezeAgent, FreezeGateway
-from nbos.chaos._control_requests import MalformedRequests, StartFlood, malformed_requests
+from nbos.chaos._control_requests import (
+    HttpApi,
+    MalformedRequests,
+    StartFlood,
+    malformed_requests,
+)
 from nbos.chaos._deployment_faults import (
     CommandNetwork,
     GatewayProcesses,
@@ -83,6 +88,7 @@ __all__ = [
     "FreezeReplica",
     "GatewayKernel",
     "GatewayProcesses",
+    "HttpApi",
     "KernelView",
     "KillAgent",
     "KillExecutor",

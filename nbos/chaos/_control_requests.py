@@ -1,5 +1,5 @@
-"""Nemeses that speak to the gateway's control port: a flood of kernel starts, and
-malformed requests.
+"""Nemeses that speak to the gateway's control port (and its HTTP API): a flood of
+kernel starts, and malformed requests.
 
 Both act on the gateway as any client may: what they send is what whoever reaches the
 control address can send. The flood must hurt no kernel that exists, and every kernel
@@ -9,9 +9,12 @@ nothing, the gateway going on (``control-input``).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 
 import anyio
@@ -54,13 +57,60 @@ def _check_starts(instance: StartFlood, attribute: object, value: int) -> None:
 
 
 @attrs.frozen
+class HttpApi:
+    """The gateway's Jupyter Kernel Gateway API: ``http://HOST:PORT`` and its token."""
+
+    url: str
+    token: str = ""
+
+    def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(f"{self.url}{path}", data=body, method=method)
+        request.add_header("Content-Type", "application/json")
+        if self.token:
+            request.add_header("Authorization", f"token {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=_START_TIMEOUT_S) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    async def status_of_start(self) -> int:
+        """``POST /api/kernels``: the HTTP status (0: no answer)."""
+        try:
+            status, _ = await anyio.to_thread.run_sync(self._request, "POST", "/api/kernels", b"{}")
+        except OSError:
+            return 0
+        return status
+
+    async def kernel_ids(self) -> list[str] | None:
+        """``GET /api/kernels``: the API's kernels; ``None`` if it did not answer."""
+        try:
+            status, body = await anyio.to_thread.run_sync(self._request, "GET", "/api/kernels")
+        except OSError:
+            return None
+        return [k["id"] for k in json.loads(body)] if status == 200 else None
+
+    async def delete(self, kernel_id: str) -> None:
+        try:
+            status, body = await anyio.to_thread.run_sync(
+                self._request, "DELETE", f"/api/kernels/{kernel_id}"
+            )
+        except OSError as exc:
+            status, body = 0, str(exc).encode()
+        if status != 204:
+            log.warning("chaos: API kernel %s not deleted: %d %r", kernel_id, status, body[:200])
+
+
+@attrs.frozen
 class StartFlood:
-    """``starts`` concurrent ``StartKernel`` requests mid-cell; then every kernel the flood
-    created (acknowledged or not) is shut down. The gateway may refuse starts, but the
-    kernels that exist must not suffer (``no-healthy-kernel-dead``)."""
+    """``starts`` concurrent kernel starts mid-cell: ``StartKernel`` requests, and with
+    ``http`` every other one a ``POST /api/kernels`` instead; then every kernel the flood
+    created (acknowledged or not) is shut down. The gateway may refuse starts (HTTP 429
+    or 503), but the kernels that exist must not suffer (``no-healthy-kernel-dead``)."""
 
     address: str | None = None
     starts: int = attrs.field(default=24, validator=_check_starts)
+    http: HttpApi | None = None
 
     @property
     def name(self) -> str:
@@ -73,25 +123,41 @@ class StartFlood:
     async def strike(self, kernel: ChaosKernel, rng: random.Random) -> Strike:
         address = _given(self.address, self, kernel)
         before = await _kernel_ids(address)
-        if before is None:
+        api_before = await self.http.kernel_ids() if self.http is not None else []
+        if before is None or api_before is None:
             raise KernelError(f"the gateway at {address} does not list its kernels")
         replies: list[ControlReply | None] = []
+        statuses: list[int] = []
 
-        async def start() -> None:
+        async def start(over_http: bool) -> None:
+            if over_http:
+                assert self.http is not None
+                statuses.append(await self.http.status_of_start())
+                return
             try:
                 replies.append(await call(address, StartKernel(), timeout=_START_TIMEOUT_S))
             except TransportError:
                 replies.append(None)
 
         async with anyio.create_task_group() as tg:
-            for _ in range(self.starts):
-                tg.start_soon(start)
-        started = sum(isinstance(r, KernelInfo) for r in replies)
-        refused = sum(isinstance(r, ControlError) for r in replies)
-        target = (
-            f"{self.starts} starts: {started} started, {refused} refused, "
-            f"{len(replies) - started - refused} unanswered"
-        )
+            for number in range(self.starts):
+                tg.start_soon(start, self.http is not None and number % 2 == 1)
+        target = f"{self.starts} starts: {_replies_told(replies)}"
+        if self.http is not None:
+            target = (
+                f"{self.starts} starts: {len(replies)} StartKernel, {_replies_told(replies)}; "
+                f"{len(statuses)} POST /api/kernels, {_statuses_told(statuses)}"
+            )
+        return await self._shut_down_new(address, before, api_before, target)
+
+    async def _shut_down_new(
+        self, address: str, before: Sequence[str], api_before: Sequence[str], target: str
+    ) -> Strike:
+        """Shut down every kernel listed now and not before; the strike, or ``gateway-down``."""
+        if self.http is not None:
+            api_after = await self.http.kernel_ids() or []
+            for kernel_id in [k for k in api_after if k not in api_before]:
+                await self.http.delete(kernel_id)
         after = await _kernel_ids(address)
         if after is None:
             down = Violation("gateway-down", "no kernel list after the flood")
@@ -99,10 +165,24 @@ class StartFlood:
         created = [k for k in after if k not in before]
         for kernel_id in created:
             await _shut_down(address, kernel_id)
-        return Strike(f"{target}; {len(created)} shut down", ())
+        return Strike(f"{target}; {len(created)} more shut down", ())
 
     async def heal(self, kernel: ChaosKernel, strike: Strike) -> None:
         """Nothing to do: the strike shut down what it started."""
+
+
+def _replies_told(replies: Sequence[ControlReply | None]) -> str:
+    started = sum(isinstance(r, KernelInfo) for r in replies)
+    refused = sum(isinstance(r, ControlError) for r in replies)
+    unanswered = len(replies) - started - refused
+    return f"{started} started, {refused} refused, {unanswered} unanswered"
+
+
+def _statuses_told(statuses: Sequence[int]) -> str:
+    counts: dict[int, int] = {}
+    for status in statuses:
+        counts[status] = counts.get(status, 0) + 1
+    return ", ".join(f"{n}x {s or 'no answer'}" for s, n in sorted(counts.items()))
 
 
 @attrs.frozen

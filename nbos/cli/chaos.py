@@ -27,6 +27,7 @@ from nbos.chaos import (
     FreezeAgent,
     FreezeGateway,
     GatewayKernel,
+    HttpApi,
     KillAgent,
     KillGateway,
     LocalGateway,
@@ -101,6 +102,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="DIR",
         help="with --gateway: its [cluster] data_dir on this machine (adds fill-disk, as root)",
     )
+    p.add_argument(
+        "--http",
+        metavar="URL",
+        help="with a gateway: its Jupyter Kernel Gateway API (http://HOST:PORT); start-flood "
+        "sends every other start there as POST /api/kernels",
+    )
+    p.add_argument("--http-token", metavar="TOKEN", help="the --http API's auth_token")
     p.add_argument(
         "--bystanders",
         type=int,
@@ -177,6 +185,11 @@ def _target(args: argparse.Namespace) -> _Target:
         raise ConfigError("--hosts", args.hosts, "the embedded cluster (no --gateway, --cluster)")
     if address is None and data_dir is not None:
         raise ConfigError("--data-dir", str(data_dir), "a gateway (--gateway)")
+    if args.http is not None and address is None:
+        raise ConfigError("--http", args.http, "a gateway (--gateway, --cluster)")
+    if args.http_token is not None and args.http is None:
+        raise ConfigError("--http-token", "...", "given with --http")
+    http = HttpApi(args.http, args.http_token or "") if args.http is not None else None
     if args.bystanders is not None and args.bystanders < 0:
         raise ConfigError("--bystanders", args.bystanders, "0 or more")
     local = LocalGateway.find(address) if address is not None else None
@@ -190,7 +203,7 @@ def _target(args: argparse.Namespace) -> _Target:
         FreezeAgent(local),
         CpuHog(),
         FillDisk(data_dir, address),
-        StartFlood(address),
+        StartFlood(address, http=http),
         MalformedRequests(address),
     )
     where = "embedded cluster" if address is None else f"gateway at {address}"

@@ -33,6 +33,7 @@ from nbos.chaos import (
     FreezeAgent,
     FreezeGateway,
     GatewayKernel,
+    HttpApi,
     LocalGateway,
     MalformedRequests,
     Nemesis,
@@ -55,6 +56,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 HEARTBEAT_S = 1.0
 MISSED_HEARTBEATS = 5
 HOLD = (8.0, 8.0)
+TOKEN = "chaos-token"
 OFFERS: frozenset[Capability] = frozenset(
     {"replica-processes", "gateway-control", "local-gateway", "gateway-data-dir", "root"}
 )
@@ -63,6 +65,7 @@ OFFERS: frozenset[Capability] = frozenset(
 @attrs.frozen
 class Gateway:
     address: str
+    http: str
     data_dir: Path
     log: Path
     process: subprocess.Popen[bytes]
@@ -71,7 +74,7 @@ class Gateway:
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
     """``nbos gateway`` with 3 local agents and a data directory, up; stopped at the end."""
-    control, agents = free_loopback_ports(2)
+    control, agents, http = free_loopback_ports(3)
     address = f"127.0.0.1:{control}"
     data_dir = tmp_path / "data"
     env = {
@@ -82,10 +85,12 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
         "NBOS_CLUSTER__HOSTS": "3",
         "NBOS_CLUSTER__GPUS_PER_HOST": "1",
         "NBOS_CLUSTER__DATA_DIR": str(data_dir),
+        "NBOS_GATEWAY__HTTP_ADDRESS": f"127.0.0.1:{http}",
+        "NBOS_GATEWAY__AUTH_TOKEN": TOKEN,
     }
     log = tmp_path / "gateway.log"
     process = start_gateway(env, log)
-    yield Gateway(address, data_dir, log, process)
+    yield Gateway(address, f"http://127.0.0.1:{http}", data_dir, log, process)
     process.send_signal(signal.SIGCONT)  # if a failed test left it stopped
     process.send_signal(signal.SIGTERM)
     try:
@@ -295,9 +300,13 @@ def _mounted(path: Path) -> bool:
 
 
 async def test_start_flood_shuts_down_what_it_started(gateway: Gateway, tmp_path: Path) -> None:
-    report = await _chaos(gateway, StartFlood(gateway.address, starts=6), tmp_path)
+    api = HttpApi(gateway.http, TOKEN)
+    report = await _chaos(gateway, StartFlood(gateway.address, starts=6, http=api), tmp_path)
     _assert_listed(report, "start-flood")
-    assert report.faults[0].target.startswith("6 starts: "), report.table()
+    target = report.faults[0].target
+    assert target.startswith("6 starts: 3 StartKernel, "), report.table()
+    assert "; 3 POST /api/kernels, " in target, report.table()
+    assert await api.kernel_ids() == []  # the API's kernels of the flood were deleted
     assert report.ok, report.table() + gateway.log.read_text()[-5000:]
 
 
