@@ -25,6 +25,56 @@ class Violation:
         return f"{self.kind}: {self.detail}"
 
 
+#: The invariants a report shows, each with what it promises and the violation kinds
+#: that break it.
+INVARIANTS: dict[str, tuple[str, frozenset[str]]] = {
+    "defined-outcome": (
+        "every cell ends ok, lost or of no known outcome; execution_count only grows",
+        frozenset({"outcome", "execution-count"}),
+    ),
+    "exactly-once": (
+        "no acknowledged cell lost or run twice, no lost cell applied",
+        frozenset(
+            {
+                "exactly-once",
+                "lost-applied",
+                "ran-after-lost",
+                "ran-twice",
+                "torn-cell",
+                "order",
+                "phantom",
+                "unreadable",
+            }
+        ),
+    ),
+    "replicas-agree": (
+        "back to full strength, every live replica holds the same namespace",
+        frozenset({"diverged", "unsettled", "degraded"}),
+    ),
+    "recovers": ("a cell is ok again within recovery_s", frozenset({"no-recovery"})),
+    "no-healthy-kernel-dead": (
+        "every kernel started and not shut down is listed, runs a cell and holds every "
+        "acknowledged append",
+        frozenset({"kernel-dead", "kernel-state"}),
+    ),
+    "control-input": (
+        "a malformed control request is refused with ControlError; the gateway goes on",
+        frozenset({"control-input", "gateway-down"}),
+    ),
+    "durable-start": (
+        "a kernel start is acknowledged only once the gateway's state holding it is on disk",
+        frozenset({"not-durable"}),
+    ),
+}
+
+
+def invariant_of(violation: Violation) -> str:
+    """The name of the invariant ``violation`` breaks (``other`` for a kind of none)."""
+    return next(
+        (name for name, (_, kinds) in INVARIANTS.items() if violation.kind in kinds), "other"
+    )
+
+
 def check_outcomes(history: Sequence[CellRecord]) -> list[Violation]:
     """Every cell got a defined answer (ok, lost, or no outcome yet for want of a majority):
     the kernel never leaves a client guessing."""
@@ -102,4 +152,20 @@ def check_digests(digests: Mapping[int, str], alive: Sequence[int], after: int) 
     if len(set(digests.values())) > 1:
         groups = ", ".join(f"{node}={d[:12]}" for node, d in sorted(digests.items()))
         found.append(Violation("diverged", f"namespace digests after cell {after}: {groups}"))
+    return found
+
+
+def check_appends(kernel: str, acknowledged: Sequence[int], held: Sequence[int]) -> list[Violation]:
+    """Kernel ``kernel`` holds every append it acknowledged exactly once (``held``: its
+    list as read back; an unacknowledged append may be there at most once)."""
+    counts = Counter(held)
+    missing = [a for a in acknowledged if counts[a] != 1]
+    twice = sorted(a for a, n in counts.items() if n > 1 and a not in acknowledged)
+    found = []
+    if missing:
+        times = ", ".join(f"{a} {counts[a]}x" for a in missing)
+        detail = f"kernel {kernel} holds acknowledged appends {times}, not once each"
+        found.append(Violation("kernel-state", detail))
+    if twice:
+        found.append(Violation("kernel-state", f"kernel {kernel} holds appends {twice} twice"))
     return found

@@ -17,6 +17,7 @@ from typing import Protocol
 import anyio
 import attrs
 
+from nbos.chaos._checks import Violation
 from nbos.chaos._target import Capability, ChaosKernel, KernelView
 from nbos.core.errors import KernelError
 
@@ -36,6 +37,10 @@ class Strike:
     ``replies_lost``: the fault ended the process the client talks to (the gateway, and
     the kernel's front in it), so a cell in flight then gets no answer; such a cell is
     held to at most once, as one of no known outcome.
+    ``found``: promises the nemesis itself saw broken while striking (a malformed request
+    the gateway did not refuse), reported with the fault's other violations;
+    ``checked``: the invariants those were checked against (``INVARIANTS`` names).
+    ``pids``: processes of this machine the strike stopped or started, for its heal.
     """
 
     target: str
@@ -44,6 +49,9 @@ class Strike:
     noticed: bool = False
     host: str | None = None
     replies_lost: bool = False
+    found: tuple[Violation, ...] = ()
+    checked: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
 
 
 class Nemesis(Protocol):

@@ -21,8 +21,12 @@ from nbos.chaos._checks import (
     check_outcomes,
     check_runs,
 )
+from nbos.chaos._control_plane import CpuHog, FreezeAgent, FreezeGateway
+from nbos.chaos._control_requests import MalformedRequests, StartFlood
 from nbos.chaos._deployment_faults import KillAgent, KillGateway, PartitionHost
 from nbos.chaos._freeze import FreezeReplica
+from nbos.chaos._full_disk import FillDisk
+from nbos.chaos._healthy import Bystander, listed
 from nbos.chaos._kills import KillExecutor, KillFollower, KillTwo
 from nbos.chaos._nemesis import Nemesis, Strike, until
 from nbos.chaos._report import ChaosReport, FaultReport
@@ -61,9 +65,21 @@ def default_nemeses() -> tuple[Nemesis, ...]:
 
 
 def known_nemeses() -> tuple[Nemesis, ...]:
-    """:func:`default_nemeses` and those of a gateway deployment, with nothing to carry
-    them out yet (see :mod:`nbos.chaos._deployment_faults`)."""
-    return (*default_nemeses(), PartitionHost(), KillGateway(), KillAgent())
+    """:func:`default_nemeses` and those of a gateway deployment and its control plane,
+    with nothing to carry them out yet (see :mod:`nbos.chaos._deployment_faults`,
+    :mod:`nbos.chaos._control_plane`)."""
+    return (
+        *default_nemeses(),
+        PartitionHost(),
+        KillGateway(),
+        KillAgent(),
+        FreezeGateway(),
+        FreezeAgent(),
+        CpuHog(),
+        FillDisk(),
+        StartFlood(),
+        MalformedRequests(),
+    )
 
 
 def check_supported(
@@ -92,6 +108,7 @@ async def run_chaos(
     cell_timeout_s: float = 45.0,
     observer: Observer | None = None,
     run_dir: Path | None = None,
+    bystanders: Sequence[Kernel | ChaosKernel] = (),
 ) -> ChaosReport:
     """Run the workload on ``kernel`` under faults: a kernel of the embedded cluster, or
     any :class:`ChaosKernel` (:class:`GatewayKernel`: one of a gateway by address).
@@ -104,8 +121,11 @@ async def run_chaos(
     ``cell_timeout_s`` seconds to answer. The report lists every violation found.
     ``run_dir``: where the replicas record which cells ran, a directory they can write at
     that path (default: a new one on this machine, right for hosts on this machine).
+    ``bystanders``: other kernels of the same cluster, which no fault may kill or rob of
+    their state; after every fault each must still be listed, run a cell and hold every
+    append it acknowledged (``no-healthy-kernel-dead``).
     """
-    target = EmbeddedKernel(kernel) if isinstance(kernel, Kernel) else kernel
+    target = _chaos_kernel(kernel)
     chosen = tuple(nemeses) if nemeses is not None else default_nemeses()
     check_supported(chosen, target.offers, target.where)
     for key, value in (
@@ -119,12 +139,16 @@ async def run_chaos(
     with tempfile.TemporaryDirectory(prefix="nbos-chaos-", dir=run_dir) as tmp:
         workload = Workload(target, Path(tmp) / "ran", cell_timeout_s=cell_timeout_s)
         await workload.setup()
+        others = [Bystander(_chaos_kernel(k)) for k in bystanders]
+        for other in others:
+            await other.setup(cell_timeout_s)
         nemesis_by_name = {n.name: n for n in chosen}
         run = _Run(
             target,
             len((await target.view()).alive),
             workload,
             nemesis_by_name,
+            others,
             recovery_s=recovery_s,
             cell_timeout_s=cell_timeout_s,
         )
@@ -155,6 +179,7 @@ class _Run:
         strength: int,
         workload: Workload,
         nemeses: dict[str, Nemesis],
+        bystanders: list[Bystander],
         *,
         recovery_s: float,
         cell_timeout_s: float,
@@ -162,6 +187,7 @@ class _Run:
         self._kernel = kernel
         self._workload = workload
         self._nemeses = nemeses
+        self._bystanders = bystanders
         self._recovery_s = recovery_s
         self._cell_timeout_s = cell_timeout_s
         self._strength = strength
@@ -176,7 +202,11 @@ class _Run:
         if strike is not None and strike.replies_lost:
             self._workload.unanswered_as_indeterminate(first)
         recovered = await self._recovered(planned.number, first, struck_at)
-        new = [v for v in await self._check(recovered) if v not in self._seen]
+        found, checked, whole = await self._check(recovered)
+        if strike is not None:
+            found += strike.found
+            checked += strike.checked
+        new = [v for v in found if v not in self._seen]
         self._seen.update(new)
         window = self._workload.history[first - planned.cells_before :]
         lost = sum(r.outcome == "lost" for r in window)
@@ -186,9 +216,11 @@ class _Run:
             nemesis=planned.nemesis,
             target=strike.target if strike is not None else "not struck",
             detected=noticed or failed > 0,
-            recovered_s=recovered,
+            recovered_s=recovered if whole else None,
             cells_lost=lost,
             violations=tuple(new),
+            checked=tuple(dict.fromkeys(checked)),
+            struck=strike is not None,
         )
 
     async def _inject(
@@ -206,12 +238,18 @@ class _Run:
                 planned, nemesis, watching, noticed, healed
             )
             if strike is not None:
-                if observer is not None:
-                    observer.fault_started(planned, strike)
-                # One more cell while the fault is in force: the kernel must serve it or
-                # say the quorum is lost, never leave it hanging.
-                await self._workload.cell(planned.number)
-                await healed.wait()
+                try:
+                    if observer is not None:
+                        observer.fault_started(planned, strike)
+                    # One more cell while the fault is in force: the kernel must serve it or
+                    # say the quorum is lost, never leave it hanging.
+                    await self._workload.cell(planned.number)
+                    await healed.wait()
+                except BaseException:  # a fault is never left in force (a stopped gateway)
+                    if not healed.is_set():
+                        with anyio.CancelScope(shield=True):
+                            await nemesis.heal(self._kernel, strike)
+                    raise
             watching.cancel_scope.cancel()
         if strike is None:
             return None, struck_at, False
@@ -227,17 +265,26 @@ class _Run:
             await nemesis.heal(self._kernel, strike)
         healed.set()
 
-    async def _check(self, recovered: float | None) -> list[Violation]:
-        """Every check on the history and, if it serves cells, on the kernel."""
+    async def _check(self, recovered: float | None) -> tuple[list[Violation], list[str], bool]:
+        """Every check on the history and, if it serves cells, on the kernel; and on the
+        other kernels. The violations, the invariants checked, and whether the kernel
+        under test is there to go on with (listed and serving cells)."""
         found = check_outcomes(self._workload.history)
         found += check_execution_counts(self._workload.execution_counts)
-        if recovered is None:
+        checked = ["defined-outcome", "recovers", "no-healthy-kernel-dead"]
+        gone = await listed(self._kernel)
+        if gone:
+            found += gone
+        elif recovered is None:
             # The kernel serves no cell: reading its state would only time out as well.
             found.append(Violation("no-recovery", f"no cell ok {self._recovery_s} s after"))
-            return found
-        found += await self._full_strength()
-        found += await self._kernel_checks()
-        return found
+        else:
+            found += await self._full_strength()
+            found += await self._kernel_checks()
+            checked += ["exactly-once", "replicas-agree"]
+        for other in self._bystanders:
+            found += await other.probe(cell_timeout=self._cell_timeout_s, within=self._recovery_s)
+        return found, checked, not gone and recovered is not None
 
     async def _strike_mid_cell(
         self,
@@ -335,6 +382,10 @@ class _Run:
         digests = await self._kernel.digests(after=after, timeout=self._cell_timeout_s)
         found += check_digests(digests, view.alive, after)
         return found
+
+
+def _chaos_kernel(kernel: Kernel | ChaosKernel) -> ChaosKernel:
+    return EmbeddedKernel(kernel) if isinstance(kernel, Kernel) else kernel
 
 
 def _first_ok(records: Sequence[CellRecord], after: float) -> CellRecord | None:

@@ -39,8 +39,21 @@ log = logging.getLogger(__name__)
 #: ``replica-processes``: signals to a kernel's replica processes, and restarts;
 #: ``gateway-processes``: the gateway and the host agents, to ``kill -9`` and start again
 #: (a cluster that ``nbos cluster up`` started);
-#: ``partition``: a way to cut a host off the network and heal it (commands of the user's).
-Capability = Literal["replica-processes", "gateway-processes", "partition"]
+#: ``partition``: a way to cut a host off the network and heal it (commands of the user's);
+#: ``gateway-control``: the gateway's control address, to send it requests of its own;
+#: ``local-gateway``: the gateway and its agents run on this machine, each in a process of
+#: its own (found by its listening port), to stop, continue and load;
+#: ``gateway-data-dir``: the gateway's ``[cluster] data_dir`` on this machine;
+#: ``root``: this process runs as root (to mount a file system).
+Capability = Literal[
+    "replica-processes",
+    "gateway-processes",
+    "partition",
+    "gateway-control",
+    "local-gateway",
+    "gateway-data-dir",
+    "root",
+]
 
 #: What the embedded :class:`~nbos.cluster.LocalCluster` offers.
 EMBEDDED: frozenset[Capability] = frozenset({"replica-processes"})
@@ -183,12 +196,17 @@ class GatewayKernel:
         return self._info
 
     async def view(self) -> KernelView:
-        """The gateway's view; while the gateway does not answer (killed, restarting),
-        asked again until it does."""
+        """The gateway's view; while the gateway does not answer (killed, restarting,
+        stopped), asked again for up to the request timeout, then :class:`KernelError`."""
+        deadline = anyio.current_time() + self._timeout
         while True:
             try:
                 status = await self._ask(StatusRequest(), timeout=5.0)
-            except TransportError:
+            except TransportError as exc:
+                if anyio.current_time() >= deadline:
+                    raise KernelError(
+                        f"the gateway at {self.address} did not answer for {self._timeout:g} s"
+                    ) from exc
                 await anyio.sleep(_POLL_S)
                 continue
             mine = [k for k in getattr(status, "kernels", []) if k.kernel_id == self.kernel_id]

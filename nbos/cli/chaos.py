@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,15 +20,23 @@ from nbos.chaos import (
     ChaosKernel,
     ChaosReport,
     CommandNetwork,
+    CpuHog,
     EmbeddedKernel,
     FaultReport,
+    FillDisk,
+    FreezeAgent,
+    FreezeGateway,
     GatewayKernel,
+    HttpApi,
     KillAgent,
     KillGateway,
+    LocalGateway,
+    MalformedRequests,
     Nemesis,
     Observer,
     PartitionHost,
     PlannedFault,
+    StartFlood,
     Strike,
     check_supported,
     default_nemeses,
@@ -37,7 +46,7 @@ from nbos.chaos import (
 from nbos.cli._progress import progress_bar
 from nbos.cluster import LocalCluster
 from nbos.core.config import Settings
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, NemesisUnsupportedError
 from nbos.deploy import DeployedCluster
 
 if TYPE_CHECKING:
@@ -54,8 +63,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Start a kernel on the embedded local cluster (or on a gateway: --gateway, "
             "--cluster), run a checked workload on it while a seeded schedule of faults "
             "(kill -9, SIGSTOP/SIGCONT, two kills at once; with a gateway, killing it or "
-            "an agent, cutting a host off) strikes, and print one line per fault. Exits 1 "
-            "if any check failed. See docs/chaos.md."
+            "an agent, cutting a host off, stopping it or an agent, a CPU hog, a full disk, "
+            "a flood of starts, malformed requests) strikes, and print one line per fault "
+            "and one per nemesis with the invariants checked. Exits 1 if any check "
+            "failed. See docs/chaos.md."
         ),
     )
     p.add_argument(
@@ -86,6 +97,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--heal-command", metavar="CMD", help="the shell command that undoes --partition-command"
     )
     p.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="with --gateway: its [cluster] data_dir on this machine (adds fill-disk, as root)",
+    )
+    p.add_argument(
+        "--http",
+        metavar="URL",
+        help="with a gateway: its Jupyter Kernel Gateway API (http://HOST:PORT); start-flood "
+        "sends every other start there as POST /api/kernels",
+    )
+    p.add_argument("--http-token", metavar="TOKEN", help="the --http API's auth_token")
+    p.add_argument(
+        "--bystanders",
+        type=int,
+        metavar="N",
+        help="kernels started beside the one under test, each checked after every fault to "
+        "be listed, run a cell and keep its state (default: 1 with a gateway, else 0)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="also write the report as JSON to FILE (each fault, each nemesis, invariants)",
+    )
+    p.add_argument(
         "--run-dir",
         type=Path,
         metavar="DIR",
@@ -110,6 +147,7 @@ class _Target:
     address: str | None
     offers: frozenset[Capability]
     nemeses: tuple[Nemesis, ...]
+    bystanders: int
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     hosts = args.hosts or settings.cluster.hosts
     report = anyio.run(_chaos, target, hosts, settings, args)
     print(report.table())
+    if args.json is not None:
+        args.json.write_text(report.json() + "\n")
     return 0 if report.ok else 1
 
 
@@ -126,10 +166,14 @@ def _target(args: argparse.Namespace) -> _Target:
     address: str | None = args.gateway
     offers = EMBEDDED
     processes = network = None
+    data_dir: Path | None = args.data_dir
     if args.cluster is not None:
         processes = DeployedCluster(args.cluster)
         address = processes.address
         offers |= {"gateway-processes"}
+        if data_dir is not None:
+            raise ConfigError("--data-dir", str(data_dir), "--gateway (a cluster file names it)")
+        data_dir = _cluster_data_dir(processes)
     if (args.partition_command is None) != (args.heal_command is None):
         raise ConfigError("--heal-command", args.heal_command, "given with --partition-command")
     if args.partition_command is not None:
@@ -139,11 +183,28 @@ def _target(args: argparse.Namespace) -> _Target:
         offers |= {"partition"}
     if address is not None and args.hosts is not None:
         raise ConfigError("--hosts", args.hosts, "the embedded cluster (no --gateway, --cluster)")
+    if address is None and data_dir is not None:
+        raise ConfigError("--data-dir", str(data_dir), "a gateway (--gateway)")
+    if args.http is not None and address is None:
+        raise ConfigError("--http", args.http, "a gateway (--gateway, --cluster)")
+    if args.http_token is not None and args.http is None:
+        raise ConfigError("--http-token", "...", "given with --http")
+    http = HttpApi(args.http, args.http_token or "") if args.http is not None else None
+    if args.bystanders is not None and args.bystanders < 0:
+        raise ConfigError("--bystanders", args.bystanders, "0 or more")
+    local = LocalGateway.find(address) if address is not None else None
+    offers |= _control_plane_offers(address, local, data_dir)
     every = (
         *default_nemeses(),
         PartitionHost(network),
         KillGateway(processes),
         KillAgent(processes),
+        FreezeGateway(local),
+        FreezeAgent(local),
+        CpuHog(),
+        FillDisk(data_dir, address),
+        StartFlood(address, http=http),
+        MalformedRequests(address),
     )
     where = "embedded cluster" if address is None else f"gateway at {address}"
     if args.nemesis:
@@ -152,13 +213,42 @@ def _target(args: argparse.Namespace) -> _Target:
         check_supported(chosen, offers, where)
     else:
         chosen = tuple(n for n in every if n.needs <= offers)
-    return _Target(address, offers, chosen)
+        if address is not None:  # say why a gateway's nemesis is left out
+            for n in every:
+                if not n.needs <= offers:
+                    skipped = NemesisUnsupportedError(n.name, sorted(n.needs - offers), where)
+                    print(f"skipped: {skipped}", file=sys.stderr)
+    bystanders = args.bystanders if args.bystanders is not None else int(address is not None)
+    return _Target(address, offers, chosen, bystanders)
+
+
+def _control_plane_offers(
+    address: str | None, local: LocalGateway | None, data_dir: Path | None
+) -> frozenset[Capability]:
+    """What the control-plane nemeses need that this run has."""
+    offers: set[Capability] = set()
+    if address is not None:
+        offers.add("gateway-control")
+    if local is not None:
+        offers.add("local-gateway")
+    if data_dir is not None:
+        offers.add("gateway-data-dir")
+    if os.geteuid() == 0:
+        offers.add("root")
+    return frozenset(offers)
+
+
+def _cluster_data_dir(processes: DeployedCluster) -> Path:
+    """The ``[cluster] data_dir`` a cluster file gives its gateway."""
+    cluster = processes.cluster
+    settings = cluster.file.gateway_settings(cluster.base, cluster.run_dir)
+    return Path(str(settings["cluster"]["data_dir"]))
 
 
 async def _chaos(
     target: _Target, hosts: int, settings: Settings, args: argparse.Namespace
 ) -> ChaosReport:
-    async with _kernel(target, hosts, settings) as kernel:
+    async with _kernels(target, hosts, settings) as (kernel, bystanders):
         view = await kernel.view()
         placed = ", ".join(f"replica {n} on {h}" for n, h in sorted(view.hosts.items()))
         print(f"kernel {kernel.kernel_id}: {placed}; seed {args.seed}", file=sys.stderr)
@@ -171,18 +261,27 @@ async def _chaos(
                 nemeses=target.nemeses,
                 observer=observer,
                 run_dir=args.run_dir,
+                bystanders=bystanders,
             )
 
 
 @contextlib.asynccontextmanager
-async def _kernel(target: _Target, hosts: int, settings: Settings) -> AsyncIterator[ChaosKernel]:
-    """A new kernel on the gateway named, else on an embedded cluster of ``hosts``."""
-    if target.address is not None:
-        async with GatewayKernel.start(target.address, target.offers) as kernel:
-            yield kernel
-        return
-    async with LocalCluster(hosts=hosts, settings=settings) as cluster:
-        yield EmbeddedKernel(await cluster.start_kernel())
+async def _kernels(
+    target: _Target, hosts: int, settings: Settings
+) -> AsyncIterator[tuple[ChaosKernel, list[ChaosKernel]]]:
+    """A new kernel on the gateway named, else on an embedded cluster of ``hosts``; and
+    ``target.bystanders`` more beside it."""
+    async with contextlib.AsyncExitStack() as stack:
+        kernels: list[ChaosKernel] = []
+        if target.address is not None:
+            for _ in range(1 + target.bystanders):
+                start = GatewayKernel.start(target.address, target.offers)
+                kernels.append(await stack.enter_async_context(start))
+        else:
+            cluster = await stack.enter_async_context(LocalCluster(hosts=hosts, settings=settings))
+            for _ in range(1 + target.bystanders):
+                kernels.append(EmbeddedKernel(await cluster.start_kernel()))
+        yield kernels[0], kernels[1:]
 
 
 @contextlib.contextmanager

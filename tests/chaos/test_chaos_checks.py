@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nbos.chaos import (
+    INVARIANTS,
     CellRecord,
     ChaosReport,
     FaultReport,
@@ -15,6 +18,7 @@ from nbos.chaos import (
     Observed,
     Outcome,
     Violation,
+    check_appends,
     check_digests,
     check_effects,
     check_execution_counts,
@@ -130,6 +134,52 @@ def test_the_report_lists_faults_and_violations() -> None:
     assert ChaosReport(seed=7, faults=faults[:1], cells=3, cells_ok=3).ok
 
 
+def test_the_report_shows_each_nemesis_with_its_injections_and_invariants() -> None:
+    gone = Violation("kernel-dead", "kernel k2 is no longer listed by the gateway")
+    bad = Violation("control-input", "WatchKernel wait_s=NaN was answered nothing")
+    checked = ("defined-outcome", "recovers", "no-healthy-kernel-dead", "exactly-once")
+    faults = (
+        FaultReport(1, "freeze-gateway", "the gateway", True, 1.0, 0, (), checked),
+        FaultReport(2, "malformed-requests", "29 of 30", True, 0.5, 0, (gone, bad),
+                    (*checked, "control-input")),
+        FaultReport(3, "freeze-gateway", "not struck", False, 0.2, 0, (), checked, False),
+    )  # fmt: skip
+    report = ChaosReport(seed=3, faults=faults, cells=9, cells_ok=9)
+    freeze, malformed = report.by_nemesis()
+    assert (freeze.nemesis, freeze.injected, freeze.violations) == ("freeze-gateway", 1, {})
+    assert freeze.checked == ("defined-outcome", "exactly-once", "recovers",
+                              "no-healthy-kernel-dead")  # fmt: skip
+    assert malformed.violations == {"no-healthy-kernel-dead": 1, "control-input": 1}
+    assert "control-input" in malformed.checked
+    lines = report.table().splitlines()
+    assert lines[5] == ""
+    assert lines[6].split() == ["nemesis", "injected", "violations", "invariants", "checked"]
+    assert lines[8].split()[:3] == ["freeze-gateway", "1", "0"]
+    assert lines[9].startswith("malformed-requests  1         1 no-healthy-kernel-dead, 1 "
+                               "control-input")  # fmt: skip
+    assert lines[-1] == "seed 3: 3 faults, 9/9 cells ok, 0 lost, 2 violations"
+    data = json.loads(report.json())
+    assert data["ok"] is False
+    assert data["nemeses"][1] == {
+        "nemesis": "malformed-requests",
+        "injected": 1,
+        "checked": list(malformed.checked),
+        "violations": {"no-healthy-kernel-dead": 1, "control-input": 1},
+    }
+    assert data["faults"][1]["violations"][0] == {
+        "kind": "kernel-dead", "invariant": "no-healthy-kernel-dead", "detail": gone.detail
+    }  # fmt: skip
+    assert set(data["invariants"]) == set(INVARIANTS)
+
+
+def test_a_kernel_must_hold_each_acknowledged_append_once() -> None:
+    assert check_appends("k", [1, 2, 3], [1, 2, 3, 4]) == []  # 4: unacknowledged, once
+    assert kinds(check_appends("k", [1, 2, 3], [1, 3])) == ["kernel-state"]
+    assert kinds(check_appends("k", [1, 2], [1, 2, 2])) == ["kernel-state"]
+    assert kinds(check_appends("k", [1], [1, 4, 4])) == ["kernel-state"]
+    assert "appends 2 0x, 3 2x" in check_appends("k", [1, 2, 3], [1, 3, 3])[0].detail
+
+
 def test_a_seed_replays_the_same_schedule() -> None:
     names = [n.name for n in default_nemeses()]
 
@@ -147,7 +197,21 @@ def test_nemeses_that_need_a_gateway_are_refused_on_the_embedded_cluster() -> No
     with pytest.raises(NemesisUnsupportedError, match=r"kill-gateway.*gateway"):
         check_supported([KillExecutor(), KillGateway()])
     refused = {n.name for n in known_nemeses()} - {n.name for n in default_nemeses()}
-    assert refused == {"partition-host", "kill-gateway", "kill-agent"}
+    assert refused == {
+        "partition-host",
+        "kill-gateway",
+        "kill-agent",
+        "freeze-gateway",
+        "freeze-agent",
+        "cpu-hog",
+        "fill-disk",
+        "start-flood",
+        "malformed-requests",
+    }
+    for nemesis in known_nemeses():
+        if nemesis.name in refused:
+            with pytest.raises(NemesisUnsupportedError):
+                check_supported([nemesis])
     with pytest.raises(ConfigError):
         check_supported([KillFollower(), KillFollower()])  # one name twice
     with pytest.raises(ConfigError):

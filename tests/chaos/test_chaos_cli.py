@@ -50,6 +50,29 @@ def test_a_nemesis_that_needs_a_gateway_is_refused() -> None:
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--nemesis", "freeze-gateway"], "needs local-gateway, which the gateway at"),
+        (["--nemesis", "cpu-hog"], "needs local-gateway, which the gateway at"),
+        (["--nemesis", "fill-disk"], "needs gateway-data-dir, which the gateway at"),
+        (["--bystanders", "-1"], "'--bystanders': -1"),
+    ],
+)
+def test_a_control_plane_nemesis_without_what_it_needs_is_refused(
+    argv: list[str], said: str
+) -> None:
+    # Nothing listens on port 9 of this machine: no gateway process to stop or load.
+    result = run_cli("--gateway", "127.0.0.1:9", *argv, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_data_dir_needs_a_gateway() -> None:
+    result = run_cli("--data-dir", "/tmp", "--nemesis", "kill-follower", timeout=60)
+    assert result.returncode == 1 and "'--data-dir'" in result.stderr, result.stderr
+
+
 def test_an_unknown_nemesis_is_a_usage_error() -> None:
     result = run_cli("--nemesis", "kill-everything", timeout=60)
     assert result.returncode == 2 and "invalid choice" in result.stderr
