@@ -171,6 +171,8 @@ class KernelManager:
         self._state = state
         self._state_lock = anyio.Lock()
         self._tracked: dict[KernelId, _Tracked] = {}
+        # Set once the manager lets its kernels go on running without it (see serve).
+        self._detached = False
 
     @classmethod
     @asynccontextmanager
@@ -182,17 +184,32 @@ class KernelManager:
         *,
         state: StateFile | None = None,
     ) -> AsyncIterator[KernelManager]:
-        """Run kernels until the block exits, which shuts every kernel down.
+        """Run kernels until the block exits.
 
         ``state``: keep the kernels there (the launcher must be an
         :class:`~nbos.gateway.AdoptingLauncher`); :meth:`restore` takes them back.
+        Leaving the block, however it is left (an exception, a cancellation), shuts
+        every kernel down only without a state file. With one, the kernels run on and
+        the file is left as it is, for the next manager's :meth:`restore`: shutting
+        them down is then explicit (:meth:`shutdown_kernels`).
         """
         async with anyio.create_task_group() as tg:
             gateway = cls(gpus, launcher, options, tg, state)
             try:
                 yield gateway
             finally:
-                await gateway.shutdown_kernels()
+                if state is None:
+                    await gateway.shutdown_kernels()
+                else:
+                    gateway._detach()
+
+    def _detach(self) -> None:
+        """Stop serving the kernels and leave their replicas, GPUs and record alone."""
+        assert self._state is not None  # only a manager with a state file can be taken back
+        if self.kernels:
+            log.info("%d kernels left running, kept in %s", len(self.kernels), self._state.path)
+        self._detached = True
+        self._tg.cancel_scope.cancel()
 
     @property
     def scheduler(self) -> GpuScheduler:
@@ -378,7 +395,7 @@ class KernelManager:
 
     async def _persist(self) -> None:
         """Write every running kernel to the state file (if any), as they are now."""
-        if self._state is None:
+        if self._state is None or self._detached:
             return
         with anyio.CancelScope(shield=True):
             async with self._state_lock:
@@ -522,6 +539,8 @@ class KernelManager:
 
     async def _kernel_ended(self, kernel_id: KernelId, front: KernelFront) -> None:
         front.closing()
+        if self._detached:
+            return  # it runs on: its GPUs and its record stay as the agents and file hold them
         for key in [k for k in self._connections if k[0] == kernel_id]:
             del self._connections[key]
         if self._tracked.pop(kernel_id, None) is not None:

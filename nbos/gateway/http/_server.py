@@ -119,7 +119,7 @@ async def serve_http(
                 yield api
             finally:
                 server.stop()
-                await kernels.close()
+                kernels.close()
                 with anyio.CancelScope(shield=True):
                     await server.close_all_connections()
                 tg.cancel_scope.cancel()
