@@ -171,8 +171,10 @@ class KernelManager:
         self._state = state
         self._state_lock = anyio.Lock()
         self._tracked: dict[KernelId, _Tracked] = {}
-        # Set once the manager lets its kernels go on running without it (see serve).
-        self._detached = False
+        # The kernels the manager let go on running without it as it exited (see serve).
+        self._left_running: set[KernelId] = set()
+        # Set once a kernel's task ended: its record is off the state file then.
+        self._ends: dict[KernelId, anyio.Event] = {}
 
     @classmethod
     @asynccontextmanager
@@ -206,9 +208,9 @@ class KernelManager:
     def _detach(self) -> None:
         """Stop serving the kernels and leave their replicas, GPUs and record alone."""
         assert self._state is not None  # only a manager with a state file can be taken back
-        if self.kernels:
+        self._left_running = {k.kernel_id for k in self.kernels}
+        if self._left_running:
             log.info("%d kernels left running, kept in %s", len(self.kernels), self._state.path)
-        self._detached = True
         self._tg.cancel_scope.cancel()
 
     @property
@@ -233,12 +235,17 @@ class KernelManager:
         return self._connections.get((KernelId(kernel_id), node), {})
 
     async def shutdown_kernels(self) -> None:
+        """Shut every kernel down; returns once none is in the state file any more."""
+        # Those whose task runs for sure (a start cancelled early may never run its task).
+        ends = [self._ends[k] for k in self._kernels if k in self._ends]
         # All at once: each waits up to its grace for its replicas, and 50 kernels
         # one after another took a gateway's SIGTERM over a minute.
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for kernel in list(self._kernels.values()):
                     tg.start_soon(kernel.shutdown)
+            for ended in ends:
+                await ended.wait()
 
     async def start_kernel(
         self,
@@ -309,6 +316,7 @@ class KernelManager:
     ) -> Kernel:
         """Run a kernel whose replicas and front exist: its GPUs, its task, the kernel."""
         self.gpus.add_kernel(kernel_id, front, replacing.hosts)
+        self._ends[kernel_id] = anyio.Event()
         kernel: Kernel = await self._tg.start(
             self._run_kernel, kernel_id, front, handles, launches, replacing
         )
@@ -395,7 +403,7 @@ class KernelManager:
 
     async def _persist(self) -> None:
         """Write every running kernel to the state file (if any), as they are now."""
-        if self._state is None or self._detached:
+        if self._state is None:
             return
         with anyio.CancelScope(shield=True):
             async with self._state_lock:
@@ -538,14 +546,17 @@ class KernelManager:
             await self._kernel_ended(kernel_id, front)
 
     async def _kernel_ended(self, kernel_id: KernelId, front: KernelFront) -> None:
-        front.closing()
-        if self._detached:
-            return  # it runs on: its GPUs and its record stay as the agents and file hold them
-        for key in [k for k in self._connections if k[0] == kernel_id]:
-            del self._connections[key]
-        if self._tracked.pop(kernel_id, None) is not None:
-            await self._persist()
-        await self.gpus.kernel_gone(kernel_id)
+        try:
+            front.closing()
+            if kernel_id in self._left_running:
+                return  # it runs on: its GPUs and record stay as the agents and file hold them
+            for key in [k for k in self._connections if k[0] == kernel_id]:
+                del self._connections[key]
+            if self._tracked.pop(kernel_id, None) is not None:
+                await self._persist()
+            await self.gpus.kernel_gone(kernel_id)
+        finally:
+            self._ends.pop(kernel_id).set()
 
     def _replacer(
         self,
