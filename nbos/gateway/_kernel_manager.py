@@ -17,7 +17,10 @@ data dir), the gateway rewrites it whenever its kernels change (a kernel started
 down or lost, a replica restarted or replaced), and :meth:`KernelManager.restore` takes the
 kernels it names back after a restart: the replicas kept running on their hosts (the
 launcher adopts them), each front binds its old ports with its old key, and the cells
-go on from the replicas' log. The embedded cluster keeps no state file.
+go on from the replicas' log. The embedded cluster keeps no state file. With a state
+file, leaving :meth:`KernelManager.serve` (however: a signal, a crash) leaves every kernel
+running and the file as it is; only :meth:`KernelManager.shutdown_kernels` (or one
+kernel's shutdown) takes kernels off it.
 
 With :attr:`KernelOptions.curve` (``nbos gateway`` with keys) every kernel gets a
 CURVE key pair of its own at its start (:func:`~nbos.transport.keys.kernel_keys_env`),
