@@ -110,7 +110,7 @@ async def main() -> None:
         )
         ours: list[float] = []
         plain: list[float] = []
-        async with GatewayService.serve(conf) as service:
+        async with GatewayService.serve(conf, shutdown_kernels_on_exit=True) as service:
             for i in range(KERNELS):
                 await anyio.sleep(GAP_S)
                 ours.append(await nbos_start(service))

@@ -17,11 +17,13 @@ The daemon reads every message once and hands it on:
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import anyio
@@ -425,6 +427,27 @@ class AgentDaemon:
         log.info("agent of host %s stopped", self.config.host_id)
 
 
+@contextmanager
+def _state_dir_lock(state_dir: Path) -> Iterator[None]:
+    """``STATE/agent.lock``, held while the agent runs: two agents on one state directory
+    would race over its replica records and adopt each other's replicas."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError("state_dir", str(state_dir), f"a writable directory ({exc})") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                "state_dir", str(state_dir), "a state directory no running agent uses"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it (and with the process, however it ends)
+
+
 def _discover(config: AgentConfig) -> Inventory:
     if config.virtual_gpus is not None:
         return discover_gpus(config.virtual_gpus, config.virtual_memory_mib, mode="virtual")
@@ -432,8 +455,12 @@ def _discover(config: AgentConfig) -> Inventory:
 
 
 async def run_until_signalled(config: AgentConfig) -> None:
-    """Serve ``config`` in the foreground until SIGINT or SIGTERM."""
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    """Serve ``config`` in the foreground until SIGINT or SIGTERM; another agent that runs
+    on the same state directory is refused (:class:`ConfigError`) before anything starts."""
+    with (
+        _state_dir_lock(config.state_dir),
+        anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+    ):
         async with AgentDaemon.serve(config):
             async for signum in signals:
                 log.info("agent of host %s: %s, stopping", config.host_id, signal.strsignal(signum))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,17 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "gateway",
         help="run the cluster's gateway: hosts, GPU scheduler, every kernel, control API",
-        description="Run the gateway in the foreground until SIGINT or SIGTERM, which shut it "
-        "down cleanly (kernels, replicas and local agents with it). Settings: [gateway] "
+        description="Run the gateway in the foreground until SIGINT or SIGTERM. Without a "
+        "[cluster] data_dir its exit shuts its kernels, replicas and local agents down; with "
+        "one, any exit (a signal, a crash) leaves them running and its state file as it is, "
+        "for its next start to take back, unless --shutdown-kernels-on-exit; the control "
+        "request ShutdownCluster (nbos cluster down) shuts every kernel down and then the "
+        "gateway. Settings: [gateway] "
         "(address, agent_address, keys, heartbeat_s, missed_heartbeats, local_agents, "
         "http_address, auth_token, http_certfile, http_keyfile, cull_idle_timeout), "
         "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
-        "With a data_dir the gateway keeps its kernels there: started again after a crash "
-        "or kill -9, it takes them back (agents and replicas run on). With [gateway] "
+        "With a data_dir the gateway keeps its kernels there: started again after a stop, a "
+        "crash or kill -9, it takes them back (agents and replicas run on). With [gateway] "
         "idle_exit_s it also exits once it has had no kernel for that long. "
         "See docs/deploy.md and docs/jupyter.md.",
     )
@@ -38,6 +43,12 @@ def register(subparsers: Any) -> None:
         help="serve the Jupyter Kernel Gateway API (jupyter server --gateway-url) there; "
         "sets [gateway] http_address",
     )
+    parser.add_argument(
+        "--shutdown-kernels-on-exit",
+        action="store_true",
+        help="shut every kernel, replica and local agent down when the gateway exits, as a "
+        "gateway without a data_dir does (default with a data_dir: leave them running)",
+    )
     parser.set_defaults(func=gateway_command)
 
 
@@ -50,5 +61,12 @@ def gateway_command(args: argparse.Namespace) -> int:
         gateway = msgspec.structs.replace(settings.gateway, http_address=args.http)
         settings = msgspec.structs.replace(settings, gateway=gateway)
     runtime_file = Path(args.runtime_file) if args.runtime_file else None
-    anyio.run(run_until_signalled, settings, runtime_file)
+    anyio.run(
+        partial(
+            run_until_signalled,
+            settings,
+            runtime_file,
+            shutdown_kernels_on_exit=args.shutdown_kernels_on_exit,
+        )
+    )
     return 0

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
 async def _embedded(trace: Trace, settings: Settings, config: ReplayConfig) -> SimResult:
     from nbos.gateway.service import GatewayService
 
-    async with GatewayService.serve(settings) as service:
+    # A gateway of its own, for this replay: nothing it started outlives it.
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         return await replay(trace, service.control_address, config)
 
 

@@ -171,6 +171,8 @@ def _check_host(key: str, host: HostTable) -> None:
         check_host_name(host.name)
     except ConfigError:
         raise ConfigError(f"{key}.name", host.name, "letters, digits, '_', '.', '-'") from None
+    if host.name == "gateway":  # `nbos cluster restart gateway` names the gateway
+        raise ConfigError(f"{key}.name", host.name, "a name other than 'gateway'")
     if not host.address or ":" in host.address:
         raise ConfigError(f"{key}.address", host.address, "the IPv4 address or name peers reach")
     tcp_address(f"{host.address}:{host.agent_port}", f"{key}.address")

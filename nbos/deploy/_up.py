@@ -1,14 +1,24 @@
-"""``nbos cluster up|down``: start a cluster file's gateway and agents, and stop them.
+"""``nbos cluster up|restart|down``: a cluster file's gateway and agents.
 
 ``up`` makes the CURVE keys (``nbos keys``: pairs that exist are kept), starts
 the gateway as a local process, then every host's agent: a local process, a
 remote command over SSH (its keys written there first) or a container on the
 host's Docker engine (its keys put into the container before it starts). Each
 process is recorded in ``RUN_DIR/cluster.json`` as soon as it runs (PID and
-start time; remote PID; container id), so ``down`` stops exactly those, and a
-failed ``up`` stops what it started. ``up`` returns once the gateway reports
-every host ``up``. The agents run with ``--stop-replicas-on-exit``: ``down``
-leaves no replica behind.
+start time; remote PID; container id), so that ``down`` stops exactly those, and a
+failed ``up`` stops what it started. ``up`` on a cluster that runs, in whole or in
+part, keeps each recorded process that still runs and starts only the others (a
+gateway started again takes its kernels back from its data dir). It returns once
+the gateway reports every host ``up``.
+
+``restart gateway`` stops the gateway with SIGTERM, which with its data dir leaves
+every kernel running, and starts it again; ``restart HOST`` kills that host's agent
+alone (its replicas run on) and starts it again, and the new agent adopts them.
+
+``down`` asks the gateway to shut every kernel down (``ShutdownCluster``: the
+gateway exits once they are), then stops the agents. They run with
+``--stop-replicas-on-exit``: no replica is left behind, even of a gateway that no
+longer ran.
 """
 
 from __future__ import annotations
@@ -34,7 +44,13 @@ from nbos.core.config import Settings
 from nbos.core.errors import BackendError, ConfigError, NbosError
 from nbos.core.ids import HostId
 from nbos.deploy._file import ClusterFile, HostTable, StartKind, load_cluster_file
-from nbos.gateway.control_api import ClusterStatus, StatusRequest, call
+from nbos.gateway.control_api import (
+    ClusterStatus,
+    KernelList,
+    ShutdownCluster,
+    StatusRequest,
+    call,
+)
 from nbos.transport.keys import GATEWAY_KEY, HOSTS_DIR, generate_keys
 
 if TYPE_CHECKING:  # the backends' extras (asyncssh, aiodocker) are needed only where used
@@ -49,6 +65,10 @@ RECORD = "cluster.json"
 SSH_DIR = ".nbos/agent"
 DOCKER_DIR = "/var/lib/nbos/agent"
 _STOP_GRACE_S = 30.0
+#: How long shutting every kernel down may take (each has its replicas' grace, all at once).
+_SHUTDOWN_TIMEOUT_S = 120.0
+#: How long a gateway that nobody recorded has to answer before up starts its own.
+_STRANGER_TIMEOUT_S = 2.0
 #: How long a gateway started again (chaos) may take to answer: it takes its kernels back.
 _ANSWER_TIMEOUT_S = 120.0
 _POLL_S = 0.3
@@ -111,33 +131,77 @@ class Cluster:
 
 
 async def cluster_up(path: str | os.PathLike[str], timeout: float) -> ClusterStatus:
-    """Start the cluster of the file at ``path``; its status once every host is up."""
+    """Start what of the cluster at ``path`` does not run (all of it the first time);
+    its status once every host is up. What an earlier ``up`` started and still runs is
+    kept: a cluster is never started twice over the same state."""
     cluster = Cluster(path)
-    if _running(cluster.record().gateway):
-        raise ConfigError(str(cluster.path), "up", f"a cluster that is down ({RECORD} names one)")
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
     generate_keys(cluster.keys, [h.name for h in cluster.file.hosts])
-    deployment = Deployment()
+    deployment = cluster.record()
+    fresh = Deployment()  # what this call starts, stopped again if it fails
     try:
-        deployment.gateway = _start_gateway(cluster)
-        cluster.save(deployment)
+        if _running(deployment.gateway):
+            assert deployment.gateway is not None
+            log.info("gateway runs already (pid %d): kept", deployment.gateway.pid)
+        else:
+            await _refuse_unrecorded_gateway(cluster)
+            deployment.gateway = fresh.gateway = _start_gateway(cluster)
+            cluster.save(deployment)
         for host in cluster.file.hosts:
-            deployment.agents.append(await _start_agent(cluster, host))
+            recorded = _recorded_agent(deployment, host.name)
+            if recorded is not None and await _agent_runs(cluster, host, recorded):
+                log.info("agent of %s runs already: kept", host.name)
+                continue
+            if recorded is not None:  # ended: what is left of it (a container) goes
+                await _stop_agent(cluster, host, recorded)
+                deployment.agents.remove(recorded)
+            started = await _start_agent(cluster, host)
+            deployment.agents.append(started)
+            fresh.agents.append(started)
             cluster.save(deployment)
         return await _wait_up(cluster, deployment, timeout)
     except BaseException:
         log.warning("cluster up failed: stopping what it started")
         with anyio.CancelScope(shield=True):
-            await _stop(cluster, deployment)
+            await _stop(cluster, deployment, fresh)
         raise
 
 
+async def cluster_restart(
+    path: str | os.PathLike[str], target: str, timeout: float
+) -> ClusterStatus:
+    """Restart the gateway (``target`` ``"gateway"``) or the agent of host ``target``;
+    the status once every host is up again. Kernels run on through either."""
+    cluster = Cluster(path)
+    deployment = cluster.record()
+    if target == "gateway":
+        if deployment.gateway is not None:
+            # SIGTERM: with its data dir the gateway leaves its kernels running.
+            await _stop_local(deployment.gateway)
+        deployment.gateway = _start_gateway(cluster)
+    else:
+        host = _host_table(cluster, target)
+        recorded = _recorded_agent(deployment, target)
+        if recorded is not None:
+            # Alone and at once: a stop would take the replicas with it.
+            await _kill_agent(host, recorded)
+        started = await _start_agent(cluster, host)
+        deployment.agents = [started if a is recorded else a for a in deployment.agents]
+        if recorded is None:
+            deployment.agents.append(started)
+    cluster.save(deployment)
+    return await _wait_up(cluster, deployment, timeout)
+
+
 async def cluster_down(path: str | os.PathLike[str]) -> list[str]:
-    """Stop what ``up`` started for the file at ``path`` (gateway first); what was stopped."""
+    """Shut every kernel of the cluster at ``path`` down, then stop what ``up`` started
+    (gateway first); the names of what was stopped."""
     cluster = Cluster(path)
     deployment = cluster.record()
     names = ["gateway"] * (deployment.gateway is not None) + [a.host for a in deployment.agents]
-    await _stop(cluster, deployment)
+    if deployment.gateway is not None:
+        await _shut_down_kernels(cluster, deployment.gateway)
+    await _stop(cluster, deployment, deployment)
     return names
 
 
@@ -164,32 +228,38 @@ class DeployedCluster:
         await _wait_answers(self.address, deployment.gateway, self.cluster.run_dir)
 
     async def kill_agent(self, host: str) -> None:
-        agent = self._agent(self.cluster.record(), host)
-        if agent.start == "local":
-            await _kill_local(agent, group=False)
-        elif agent.start == "ssh":
-            await _kill_ssh(self._host(host), agent.pid)
-        else:  # the container's main process: its replicas would go with it
-            raise BackendError(f"the agent of {host} runs in a container: not killed alone")
+        agent = _recorded_agent(self.cluster.record(), host)
+        if agent is None:
+            raise BackendError(f"no agent of {host} was started by cluster up")
+        await _kill_agent(_host_table(self.cluster, host), agent)
         log.warning("agent of %s killed (chaos)", host)
 
     async def start_agent(self, host: str) -> None:
         deployment = self.cluster.record()
-        started = await _start_agent(self.cluster, self._host(host))
+        started = await _start_agent(self.cluster, _host_table(self.cluster, host))
         deployment.agents = [a for a in deployment.agents if a.host != host] + [started]
         self.cluster.save(deployment)
 
-    def _agent(self, deployment: Deployment, host: str) -> Started:
-        agent = next((a for a in deployment.agents if a.host == host), None)
-        if agent is None:
-            raise BackendError(f"no agent of {host} was started by cluster up")
-        return agent
 
-    def _host(self, host: str) -> HostTable:
-        table = next((h for h in self.cluster.file.hosts if h.name == host), None)
-        if table is None:
-            raise BackendError(f"host {host} is not in {self.cluster.path}")
-        return table
+def _recorded_agent(deployment: Deployment, host: str) -> Started | None:
+    return next((a for a in deployment.agents if a.host == host), None)
+
+
+def _host_table(cluster: Cluster, host: str) -> HostTable:
+    table = next((h for h in cluster.file.hosts if h.name == host), None)
+    if table is None:
+        raise BackendError(f"host {host} is not in {cluster.path}")
+    return table
+
+
+async def _kill_agent(host: HostTable, agent: Started) -> None:
+    """``kill -9`` the agent alone: its replicas run on, for the next agent to adopt."""
+    if agent.start == "local":
+        await _kill_local(agent, group=False)
+    elif agent.start == "ssh":
+        await _kill_ssh(host, agent.pid)
+    else:  # the container's main process: its replicas would go with it
+        raise BackendError(f"the agent of {host.name} runs in a container: not killed alone")
 
 
 async def _kill_local(process: Started, *, group: bool = True) -> None:
@@ -364,31 +434,98 @@ async def _wait_up(cluster: Cluster, deployment: Deployment, timeout: float) -> 
 # --- stopping --------------------------------------------------------------------
 
 
-async def _stop(cluster: Cluster, deployment: Deployment) -> None:
-    """Stop the gateway, then the agents (all at once); forget each once it is stopped."""
-    if deployment.gateway is not None:
-        await _stop_local(deployment.gateway)
-        deployment.gateway = None
-        cluster.save(deployment)
+async def _stop(cluster: Cluster, record: Deployment, stopping: Deployment) -> None:
+    """Stop the gateway and the agents of ``stopping`` (the agents all at once), each
+    taken out of ``record`` (saved) once it is stopped."""
+    if stopping.gateway is not None:
+        await _stop_local(stopping.gateway)
+        record.gateway = None
+        cluster.save(record)
     hosts = {h.name: h for h in cluster.file.hosts}
 
-    async def stop_agent(agent: Started) -> None:
+    async def stop(agent: Started) -> None:
         host = hosts.get(agent.host)
-        if agent.start == "local":
-            await _stop_local(agent)
-        elif host is None:
+        if host is None and agent.start != "local":
             log.warning("agent of %s: no longer in the file; left as it is", agent.host)
             return
-        elif agent.start == "ssh":
-            await _stop_ssh(host, agent.pid)
-        else:
-            await _stop_docker(cluster, host, agent.container)
-        deployment.agents.remove(agent)
-        cluster.save(deployment)
+        await _stop_agent(cluster, host, agent)
+        record.agents.remove(agent)
+        cluster.save(record)
 
     async with anyio.create_task_group() as tg:
-        for agent in list(deployment.agents):
-            tg.start_soon(stop_agent, agent)
+        for agent in list(stopping.agents):
+            tg.start_soon(stop, agent)
+
+
+async def _stop_agent(cluster: Cluster, host: HostTable | None, agent: Started) -> None:
+    """SIGTERM the agent (it stops its replicas); a container is removed."""
+    if agent.start == "local":
+        await _stop_local(agent)
+    elif agent.start == "ssh":
+        assert host is not None  # its SSH table says how to reach it
+        await _stop_ssh(host, agent.pid)
+    else:
+        assert host is not None
+        await _stop_docker(cluster, host, agent.container)
+
+
+async def _agent_runs(cluster: Cluster, host: HostTable, agent: Started) -> bool:
+    """Whether the agent ``up`` recorded for ``host`` still runs there."""
+    if agent.start == "local":
+        return _running(agent)
+    if agent.start == "ssh":
+        backend = _ssh_backend(host)
+        try:
+            probe = f"kill -0 {agent.pid} 2>/dev/null && echo running; true"
+            return bool(await backend.run(HostId(host.name), probe))
+        finally:
+            await backend.detach()
+    docker = _docker_backend(cluster, host)
+    try:
+        handle = await docker.adopt(HostId(host.name), agent.container)
+        return handle is not None and await handle.host_pid() != 0
+    finally:
+        await docker.detach()
+
+
+async def _refuse_unrecorded_gateway(cluster: Cluster) -> None:
+    """A gateway that answers at the file's address but that ``up`` did not start (or
+    whose record was lost) would hold the ports: say so rather than start another."""
+    address = cluster.file.gateway.address
+    try:
+        await call(address, StatusRequest(), timeout=_STRANGER_TIMEOUT_S)
+    except NbosError:
+        return  # nobody answers: the address is free for the gateway up starts
+    raise ConfigError(
+        str(cluster.path),
+        "up",
+        f"no gateway at {address} but the one {RECORD} names (one that it does not "
+        "name answers there: stop it first)",
+    )
+
+
+async def _shut_down_kernels(cluster: Cluster, gateway: Started) -> None:
+    """``ShutdownCluster``: every kernel shut down, then the gateway exits by itself."""
+    if not _running(gateway):
+        log.warning(
+            "the gateway does not run: its kernels are not shut down (their replicas stop "
+            "with the agents; its state in %s still names them)",
+            cluster.run_dir / "gateway",
+        )
+        return
+    address = cluster.file.gateway.address
+    try:
+        reply = await call(address, ShutdownCluster(), timeout=_SHUTDOWN_TIMEOUT_S)
+    except NbosError as exc:
+        log.warning("the gateway did not shut its kernels down: %s", exc)
+        return
+    if not isinstance(reply, KernelList):
+        log.warning("the gateway did not shut its kernels down: %s", reply)
+        return
+    log.info("every kernel shut down; waiting for the gateway to exit")
+    with anyio.move_on_after(_STOP_GRACE_S):
+        while _running(gateway):  # noqa: ASYNC110 (not our child: polled)
+            await anyio.sleep(_POLL_S)
 
 
 async def _stop_local(process: Started) -> None:

@@ -17,7 +17,10 @@ data dir), the gateway rewrites it whenever its kernels change (a kernel started
 down or lost, a replica restarted or replaced), and :meth:`KernelManager.restore` takes the
 kernels it names back after a restart: the replicas kept running on their hosts (the
 launcher adopts them), each front binds its old ports with its old key, and the cells
-go on from the replicas' log. The embedded cluster keeps no state file.
+go on from the replicas' log. The embedded cluster keeps no state file. With a state
+file, leaving :meth:`KernelManager.serve` (however: a signal, a crash) leaves every kernel
+running and the file as it is; only :meth:`KernelManager.shutdown_kernels` (or one
+kernel's shutdown) takes kernels off it.
 
 What is acknowledged is on disk first. A start is recorded as *starting* (its kernel id
 and hosts) before any replica of it starts, and as a kernel once its replicas and front
@@ -208,6 +211,10 @@ class KernelManager:
         self._ending: set[KernelId] = set()
         #: How many starts run at once (``[gateway] max_starting``); restores are not starts.
         self.admission = StartAdmission(options.settings.gateway.max_starting)
+        # The kernels the manager let go on running without it as it exited (see serve).
+        self._left_running: set[KernelId] = set()
+        # Set once a kernel's task ended: its record is off the state file then.
+        self._ends: dict[KernelId, anyio.Event] = {}
 
     @classmethod
     @asynccontextmanager
@@ -219,17 +226,32 @@ class KernelManager:
         *,
         state: StateFile | None = None,
     ) -> AsyncIterator[KernelManager]:
-        """Run kernels until the block exits, which shuts every kernel down.
+        """Run kernels until the block exits.
 
         ``state``: keep the kernels there (the launcher must be an
         :class:`~nbos.gateway.AdoptingLauncher`); :meth:`restore` takes them back.
+        Leaving the block, however it is left (an exception, a cancellation), shuts
+        every kernel down only without a state file. With one, the kernels run on and
+        the file is left as it is, for the next manager's :meth:`restore`: shutting
+        them down is then explicit (:meth:`shutdown_kernels`).
         """
         async with anyio.create_task_group() as tg:
             gateway = cls(gpus, launcher, options, tg, state)
             try:
                 yield gateway
             finally:
-                await gateway.shutdown_kernels()
+                if state is None:
+                    await gateway.shutdown_kernels()
+                else:
+                    gateway._detach()
+
+    def _detach(self) -> None:
+        """Stop serving the kernels and leave their replicas, GPUs and record alone."""
+        assert self._state is not None  # only a manager with a state file can be taken back
+        self._left_running = {k.kernel_id for k in self.kernels}
+        if self._left_running:
+            log.info("%d kernels left running, kept in %s", len(self.kernels), self._state.path)
+        self._tg.cancel_scope.cancel()
 
     @property
     def scheduler(self) -> GpuScheduler:
@@ -253,19 +275,25 @@ class KernelManager:
         return self._connections.get((KernelId(kernel_id), node), {})
 
     async def shutdown_kernels(self) -> None:
+        """Shut every kernel down; returns once none whose shutdown was recorded is in the
+        state file any more (one whose shutdown could not be recorded runs on)."""
+        # Those whose task runs for sure (a start cancelled early may never run its task).
+        ends = {k: self._ends[k] for k in self._kernels if k in self._ends}
         # All at once: each waits up to its grace for its replicas, and 50 kernels
         # one after another took a gateway's SIGTERM over a minute.
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for kernel in list(self._kernels.values()):
-                    tg.start_soon(self._shutdown_or_keep, kernel)
+                    tg.start_soon(self._shutdown_or_keep, kernel, ends.get(kernel.kernel_id))
 
-    async def _shutdown_or_keep(self, kernel: Kernel) -> None:
+    async def _shutdown_or_keep(self, kernel: Kernel, ended: anyio.Event | None) -> None:
         try:
             await kernel.shutdown()
         except StateWriteError as exc:
             failed = exc
         else:
+            if ended is not None:
+                await ended.wait()
             return
         log.error("kernel %s left running, its record kept: %s", kernel.kernel_id, failed)
 
@@ -382,6 +410,7 @@ class KernelManager:
     ) -> Kernel:
         """Run a kernel whose replicas and front exist: its GPUs, its task, the kernel."""
         self.gpus.add_kernel(kernel_id, front, replacing.hosts)
+        self._ends[kernel_id] = anyio.Event()
         kernel: Kernel = await self._tg.start(
             self._run_kernel, kernel_id, front, handles, launches, replacing
         )
@@ -655,13 +684,18 @@ class KernelManager:
             await self._kernel_ended(kernel_id, front)
 
     async def _kernel_ended(self, kernel_id: KernelId, front: KernelFront) -> None:
-        front.closing()
-        for key in [k for k in self._connections if k[0] == kernel_id]:
-            del self._connections[key]
-        if self._tracked.pop(kernel_id, None) is not None:
-            await self._persist()
-        self._ending.discard(kernel_id)
-        await self.gpus.kernel_gone(kernel_id)
+        try:
+            front.closing()
+            if kernel_id in self._left_running:
+                return  # it runs on: its GPUs and record stay as the agents and file hold them
+            for key in [k for k in self._connections if k[0] == kernel_id]:
+                del self._connections[key]
+            if self._tracked.pop(kernel_id, None) is not None:
+                await self._persist()
+            self._ending.discard(kernel_id)
+            await self.gpus.kernel_gone(kernel_id)
+        finally:
+            self._ends.pop(kernel_id).set()
 
     def _replacer(
         self,

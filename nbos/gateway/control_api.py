@@ -17,7 +17,13 @@ request                    reply
 ``SignalReplica(id, ...)``  ``KernelInfo``
 ``RestartReplica(id, ...)`` ``KernelInfo``
 ``DigestRequest(id, ...)``  ``KernelDigests``
+``ShutdownCluster()``      ``KernelList`` (empty)
 =========================  ==========================
+
+Nothing else shuts kernels down: a gateway with a data dir that exits (SIGTERM, a
+crash) leaves them running for its next start. ``ShutdownCluster`` shuts every kernel
+down, then the gateway exits, stopping the replicas and local agents it runs
+(``nbos cluster down`` sends it).
 
 A request naming a kernel that does not run (or that ended during a ``WatchKernel``)
 is answered with ``ControlError(kind="unknown")``; a ``StartKernel`` the gateway takes no
@@ -116,6 +122,10 @@ class ListKernels(_Msg):
 
 class ShutdownKernel(_Msg):
     kernel_id: KernelIdField
+
+
+class ShutdownCluster(_Msg):
+    """Shut every kernel down (answered once they are), then stop the gateway."""
 
 
 class StatusRequest(_Msg):
@@ -255,6 +265,7 @@ ControlRequest = (
     | SignalReplica
     | RestartReplica
     | DigestRequest
+    | ShutdownCluster
 )
 ControlReply = KernelInfo | KernelList | ClusterStatus | Usage | KernelDigests | ControlError
 

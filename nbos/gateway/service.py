@@ -22,8 +22,14 @@ With ``idle_exit_s``, :func:`run_until_signalled` also ends once the gateway has
 no kernel and no request for that long; with a runtime file
 (:mod:`nbos.gateway.runtime`) it announces itself there.
 
-Leaving it (SIGINT or SIGTERM for the command) shuts every kernel down, stops
-the replicas still running and the providers' agents, in that order.
+Leaving it (SIGINT or SIGTERM for the command, an unexpected exception, the end of
+the block) depends on the data dir. Without one it shuts every kernel down, stops
+the replicas still running and the providers' agents (local agents included), in
+that order. With one nothing is stopped and the state file is not written: kernels,
+replicas and agents run on, for the gateway started next on the same data dir to take
+back. Shutting them down is explicit: :class:`~nbos.gateway.control_api.ShutdownCluster`
+(every kernel shut down, then the gateway exits as one without a data dir does) or
+``shutdown_kernels_on_exit`` (``nbos gateway --shutdown-kernels-on-exit``).
 
 With a ``[cluster] data_dir`` the gateway is durable: its kernels are kept in
 ``DATA_DIR/gateway/state.json`` (:mod:`nbos.gateway._state`), and a gateway
@@ -48,13 +54,14 @@ import signal
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 
 import anyio
 import anyio.abc
+import attrs
 import msgspec
 import zmq
 import zmq.asyncio
@@ -73,7 +80,7 @@ from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
-from nbos.gateway._state import StateFile
+from nbos.gateway._state import GatewayState, StateFile
 from nbos.gateway._strays import settle_strays
 from nbos.gateway.control_api import (
     MAX_REQUEST_BYTES,
@@ -89,6 +96,7 @@ from nbos.gateway.control_api import (
     ListKernels,
     ReplicaStatus,
     RestartReplica,
+    ShutdownCluster,
     ShutdownKernel,
     SignalReplica,
     StartKernel,
@@ -118,6 +126,8 @@ log = logging.getLogger(__name__)
 _AGENTS_TIMEOUT_S = 120.0
 # A watch is answered after at most this long, so a lost client frees its slot.
 _MAX_WATCH_S = 30.0
+# Replies sent just before the gateway exits (ShutdownCluster's) still get out.
+_REPLY_LINGER_MS = 1000
 # The autoscaler keys of [gateway], which only autoscale = true puts to use.
 _AUTOSCALE_KEYS = (
     "min_hosts",
@@ -132,6 +142,24 @@ _AUTOSCALE_KEYS = (
 )
 
 
+@attrs.define
+class _Exit:
+    """What leaving the gateway stops: everything (``shut_down``), or nothing, for the
+    gateway started next on the same data dir to take back."""
+
+    shut_down: bool
+    stack: AsyncExitStack
+
+    def stop_on_exit(self, stop: Callable[[], Awaitable[None]]) -> None:
+        """Run ``stop`` on the way out (in the stack's order) if shutting down."""
+        self.stack.push_async_callback(self._stop, stop)
+
+    async def _stop(self, stop: Callable[[], Awaitable[None]]) -> None:
+        if self.shut_down:
+            with anyio.CancelScope(shield=True):
+                await stop()
+
+
 class GatewayService:
     """One running ``nbos gateway``; build it with :meth:`serve`."""
 
@@ -140,11 +168,16 @@ class GatewayService:
         directory: HostDirectory,
         kernel_manager: KernelManager,
         control_address: str,
+        exit_plan: _Exit,
         autoscaler: LiveAutoscaler | None = None,
     ) -> None:
         self.directory = directory
         self.kernel_manager = kernel_manager
         self.control_address = control_address
+        self._exit = exit_plan
+        #: Set by :class:`ShutdownCluster` once every kernel is shut down: the gateway
+        #: is to exit (:func:`run_until_signalled` does).
+        self.stop_requested = anyio.Event()
         self.leases = KernelLeases()
         self._in_flight = 0
         self._last_activity = time.monotonic()
@@ -155,8 +188,15 @@ class GatewayService:
 
     @classmethod
     @asynccontextmanager
-    async def serve(cls, settings: Settings) -> AsyncIterator[GatewayService]:
-        """Run the gateway on ``settings`` until the block exits."""
+    async def serve(
+        cls, settings: Settings, *, shutdown_kernels_on_exit: bool = False
+    ) -> AsyncIterator[GatewayService]:
+        """Run the gateway on ``settings`` until the block exits.
+
+        How the exit goes is in the module docstring: with a ``[cluster] data_dir``
+        everything runs on unless ``shutdown_kernels_on_exit`` (or a
+        :class:`ShutdownCluster` request) asked for every kernel to be shut down.
+        """
         conf = settings.gateway
         control = tcp_address(conf.address, "gateway.address")
         agents_at = tcp_address(conf.agent_address, "gateway.agent_address")
@@ -178,10 +218,10 @@ class GatewayService:
             state = (
                 StateFile(run_dir / "gateway" / "state.json") if settings.cluster.data_dir else None
             )
+            exit_plan = _Exit(state is None or shutdown_kernels_on_exit, stack)
             # Read first: a state file that does not decode stops the start, before
             # anything runs that would be orphaned.
             loaded = state.load() if state is not None else None
-            kept = loaded.kernels if loaded is not None else []
             transport = await stack.enter_async_context(
                 await ZmqTransport.open(
                     "gateway", agents_at, curve=keys.gateway_curve() if keys else None
@@ -210,10 +250,10 @@ class GatewayService:
                 settings=str(_agent_settings_file(settings.agent, run_dir)),
             )
             if provider is not None:
-                stack.push_async_callback(_shielded_close, provider)
+                exit_plan.stop_on_exit(provider.aclose)
             if conf.local_agents:
-                await _local_agents(settings.cluster.hosts, agent, provider, directory, stack)
-            stack.push_async_callback(backend.aclose)
+                await _local_agents(settings.cluster.hosts, agent, provider, directory, exit_plan)
+            exit_plan.stop_on_exit(backend.aclose)
             options = KernelOptions(
                 settings=settings,
                 store=_store(settings, run_dir),
@@ -226,16 +266,10 @@ class GatewayService:
                     ClusterGpus(None, directory.scheduler), backend, options, state=state
                 )
             )
-            if kept:
-                # A host silent for this long would be given up anyway.
-                restored = await kernel_manager.restore(
-                    kept, conf.heartbeat_s * conf.missed_heartbeats
-                )
-                log.info("gateway: %d of %d kernels taken back", len(restored), len(kept))
+            # Before the manager's own exit, which with a state file leaves kernels running.
+            exit_plan.stop_on_exit(kernel_manager.shutdown_kernels)
             if loaded is not None:
-                await settle_strays(
-                    backend, kernel_manager, loaded, conf.heartbeat_s * conf.missed_heartbeats
-                )
+                await _take_back(loaded, kernel_manager, backend, conf)
             socket = _bind_control(control, stack)
             live = None
             if provider is not None:
@@ -248,7 +282,7 @@ class GatewayService:
                     host_timeout=conf.host_start_timeout_s,
                 )
                 _run_autoscaler(live, tg, stack)
-            service = cls(directory, kernel_manager, control, live)
+            service = cls(directory, kernel_manager, control, exit_plan, live)
             tg.start_soon(serve_control, socket, service.handle)
             tg.start_soon(service.expire_leases)
             if conf.metrics_address:
@@ -293,6 +327,9 @@ class GatewayService:
             case ShutdownKernel(kernel_id=kernel_id):
                 await self.kernel_manager.kernel(kernel_id).shutdown()
                 return KernelList([self.kernel_info(k) for k in self.kernel_manager.kernels])
+            case ShutdownCluster():
+                await self.shut_down()
+                return KernelList([self.kernel_info(k) for k in self.kernel_manager.kernels])
             case StatusRequest():
                 kernels = [self.kernel_info(k) for k in self.kernel_manager.kernels]
                 return ClusterStatus(self.host_status(), kernels)
@@ -310,6 +347,13 @@ class GatewayService:
                 kernel = self.kernel_manager.kernel(kernel_id)
                 after = kernel.front.last_exec_index if after is None else after
                 return KernelDigests(after, await kernel.digests(after=after, timeout=timeout_s))
+
+    async def shut_down(self) -> None:
+        """Shut every kernel down, and have the gateway exit, stopping all it runs."""
+        log.info("gateway: asked to shut the cluster down: every kernel, then the gateway")
+        self._exit.shut_down = True
+        await self.kernel_manager.shutdown_kernels()
+        self.stop_requested.set()
 
     async def expire_leases(self) -> None:
         """Shut down, forever, the kernels whose lease ran out (their owner died)."""
@@ -410,6 +454,21 @@ class GatewayService:
         return out
 
 
+async def _take_back(
+    loaded: GatewayState,
+    kernel_manager: KernelManager,
+    backend: AgentBackend,
+    conf: GatewaySettings,
+) -> None:
+    """The kernels of the state file, then the replicas no record names (``settle_strays``)."""
+    # A host silent for this long would be suspected anyway.
+    wait_s = conf.heartbeat_s * conf.missed_heartbeats
+    if loaded.kernels:
+        restored = await kernel_manager.restore(loaded.kernels, wait_s)
+        log.info("gateway: %d of %d kernels taken back", len(restored), len(loaded.kernels))
+    await settle_strays(backend, kernel_manager, loaded, wait_s)
+
+
 def _signal_number(value: int) -> signal.Signals:
     try:
         return signal.Signals(value)
@@ -459,14 +518,15 @@ async def _local_agents(
     agent: AgentCommand,
     provider: HostProvider | None,
     directory: HostDirectory,
-    stack: AsyncExitStack,
+    exit_plan: _Exit,
 ) -> None:
     """``hosts`` agents on this machine, through the ``local`` provider (the autoscaler's,
-    if that is the one it uses), registered before this returns."""
+    if that is the one it uses), registered before this returns; those an earlier
+    gateway on the same data dir left running are used again."""
     local = provider if isinstance(provider, LocalHostProvider) else None
     if local is None:
         local = LocalHostProvider()
-        stack.push_async_callback(_shielded_close, local)
+        exit_plan.stop_on_exit(local.aclose)
     for _ in range(hosts):
         await local.add_host(agent)
     await directory.wait_for_hosts(hosts, _AGENTS_TIMEOUT_S)
@@ -474,7 +534,7 @@ async def _local_agents(
 
 def _bind_control(control: str, stack: AsyncExitStack) -> zmq.asyncio.Socket:
     socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-    stack.callback(socket.close, 0)
+    stack.callback(socket.close, _REPLY_LINGER_MS)
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # before bind: listeners copy it
     try:
         socket.bind(control)
@@ -493,11 +553,6 @@ def _run_autoscaler(live: LiveAutoscaler, tg: anyio.abc.TaskGroup, stack: AsyncE
 async def _run_in(scope: anyio.CancelScope, live: LiveAutoscaler) -> None:
     with scope:
         await live.run()
-
-
-async def _shielded_close(provider: HostProvider) -> None:
-    with anyio.CancelScope(shield=True):
-        await provider.aclose()
 
 
 def _autoscaler_config(settings: Settings) -> AutoscalerConfig | None:
@@ -534,17 +589,27 @@ def _autoscaler_config(settings: Settings) -> AutoscalerConfig | None:
         raise ConfigError(key, exc.value, exc.expected) from exc
 
 
-async def run_until_signalled(settings: Settings, runtime_file: Path | None = None) -> None:
-    """Serve ``settings`` in the foreground until SIGINT or SIGTERM, or until idle for
-    ``[gateway] idle_exit_s``; announced in ``runtime_file`` meanwhile, if given."""
+async def run_until_signalled(
+    settings: Settings,
+    runtime_file: Path | None = None,
+    *,
+    shutdown_kernels_on_exit: bool = False,
+) -> None:
+    """Serve ``settings`` in the foreground until SIGINT or SIGTERM, a
+    :class:`ShutdownCluster` request, or until idle for ``[gateway] idle_exit_s``;
+    announced in ``runtime_file`` meanwhile, if given. The exit leaves kernels running
+    where :meth:`GatewayService.serve` says."""
     runtime = RuntimeFile(runtime_file) if runtime_file is not None else None
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with GatewayService.serve(settings) as service:
+        async with GatewayService.serve(
+            settings, shutdown_kernels_on_exit=shutdown_kernels_on_exit
+        ) as service:
             try:
                 if runtime is not None:
                     runtime.write(service.control_address.removeprefix("tcp://"))
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_until_signalled, signals, tg.cancel_scope)
+                    tg.start_soon(_until_set, service.stop_requested, tg.cancel_scope)
                     if settings.gateway.idle_exit_s > 0:
                         await _until_idle(service, settings.gateway.idle_exit_s, runtime)
                         tg.cancel_scope.cancel()
@@ -558,6 +623,11 @@ async def _until_signalled(signals: AsyncIterator[int], scope: anyio.CancelScope
         log.info("gateway: %s, stopping", signal.strsignal(signum))
         scope.cancel()
         return
+
+
+async def _until_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 async def _until_idle(service: GatewayService, idle_s: float, runtime: RuntimeFile | None) -> None:

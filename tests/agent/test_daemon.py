@@ -237,6 +237,26 @@ async def test_sigterm_leaves_replicas_running_unless_asked_to_stop_them(
     await _poll(lambda: not alive(replica.pid))
 
 
+async def test_a_second_agent_on_the_same_state_directory_is_refused(
+    tmp_path: Path, gateway: FakeGateway, agents: list[AgentProcess]
+) -> None:
+    agents.append(start_agent("h1", gateway.address, tmp_path))
+    await gateway.welcome("h1")
+    replica = await _start(gateway, "r1")
+    # As a second `nbos cluster up` once started one: it must not race the first.
+    agents.append(start_agent("h1", gateway.address, tmp_path))
+    assert agents[1].wait() != 0
+    assert "a state directory no running agent uses" in agents[1].log_text()
+    assert agents[0].process.poll() is None and alive(replica.pid)
+    # Killed, the first one lets go of it: an agent started then takes its replica back.
+    agents[0].kill()
+    agents[0].wait()
+    seen = len(gateway.received)
+    agents.append(start_agent("h1", gateway.address, tmp_path))
+    hello = await gateway.welcome("h1", after=seen)
+    assert [r.replica_id for r in hello.replicas if r.running] == ["r1"]
+
+
 async def test_bad_messages_get_typed_errors_and_the_agent_lives_on(
     tmp_path: Path, gateway: FakeGateway, agents: list[AgentProcess]
 ) -> None:

@@ -75,7 +75,7 @@ async def test_a_kernel_starts_on_warm_replicas_survives_a_kill_and_the_pools_re
     settings = msgspec.structs.replace(
         local_settings(tmp_path), agent=AgentSettings(warm_replicas=1)
     )
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         warm = await pools_full(agents=3, size=1)
         kernel = await service.kernel_manager.start_kernel()
         pids = {r.pid for r in kernel.replicas}

@@ -36,7 +36,7 @@ async def test_the_docker_provider_adds_an_agent_container_that_runs_a_kernel(
             "virtual_gpus": True,
         },
     )
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         await service.directory.scheduler.wait_for_host(HostId("docker-1"), 240)
         kernel = await service.kernel_manager.start_kernel(gpus=1)
         assert [r.host for r in kernel.replicas] == ["docker-1"]

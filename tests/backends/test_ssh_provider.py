@@ -37,7 +37,7 @@ async def test_the_ssh_provider_starts_a_standby_hosts_agent_that_runs_a_kernel(
             "virtual_gpus": True,
         },
     )
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         await service.directory.scheduler.wait_for_host(HostId("standby-1"), 240)
         kernel = await service.kernel_manager.start_kernel(gpus=1)
         assert [r.host for r in kernel.replicas] == ["standby-1"]

@@ -72,6 +72,7 @@ def test_defaults_and_the_gateway_settings_they_make(tmp_path: Path) -> None:
         (MINIMAL + 'start = "docker"\n[hosts.docker]\nengine = "x"\n', "hosts[0].docker.engine"),
         (MINIMAL + MINIMAL, "hosts[1].name"),
         (MINIMAL.replace('"a"', '"../a"'), "hosts[0].name"),
+        (MINIMAL.replace('"a"', '"gateway"'), "hosts[0].name"),
         (MINIMAL.replace("127.0.0.1", "0.0.0.0"), "hosts[0].address"),
         ('[gateway]\naddress = "7070"\n' + MINIMAL, "gateway.address"),
         ('[gateway]\nmetrics_address = "*:9100"\n' + MINIMAL, "gateway.metrics_address"),

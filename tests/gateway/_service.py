@@ -30,10 +30,21 @@ from tests.agent._daemons import DEADLINE, ROOT
 
 
 def start_gateway(
-    env: Mapping[str, str], log: Path, where: Callable[[Sequence[str]], list[str]] = list
+    env: Mapping[str, str],
+    log: Path,
+    where: Callable[[Sequence[str]], list[str]] = list,
+    *,
+    keep_kernels: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """``python -m nbos gateway`` with ``NBOS_*`` settings ``env``, its output in ``log``."""
+    """``python -m nbos gateway`` with ``NBOS_*`` settings ``env``, its output in ``log``.
+
+    Its exit (SIGTERM) shuts its kernels, replicas and local agents down, so that a test
+    leaves none, unless ``keep_kernels``: then a gateway with a data dir leaves them
+    running for its next start.
+    """
     argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", "gateway"]
+    if not keep_kernels:
+        argv.append("--shutdown-kernels-on-exit")
     with log.open("ab") as out:
         return subprocess.Popen(
             where(argv),

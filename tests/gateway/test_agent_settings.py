@@ -27,7 +27,7 @@ async def test_local_agents_run_replicas_with_the_gateways_agent_settings(
     settings = msgspec.structs.replace(
         local_settings(tmp_path), agent=AgentSettings(python=str(python))
     )
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         kernel = await service.kernel_manager.start_kernel()
         assert (await kernel.execute("x = 1")).status == "ok"
         pids = {r.pid for r in kernel.replicas}

@@ -31,7 +31,7 @@ async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_
     tmp_path: Path,
 ) -> None:
     settings = autoscaled_settings(tmp_path)
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         scheduler = service.directory.scheduler
         ledger = scheduler.ledger
         gateway = service.kernel_manager
@@ -82,13 +82,16 @@ async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_
 
 async def test_autoscaler_keys_without_autoscale_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"gateway\.max_hosts"):
-        async with GatewayService.serve(local_settings(tmp_path, max_hosts=9)):
+        async with GatewayService.serve(
+            local_settings(tmp_path, max_hosts=9), shutdown_kernels_on_exit=True
+        ):
             pass
     with pytest.raises(
         PluginError, match=r"'no-such-provider' of entry point group 'nbos\.host_providers'"
     ):
         async with GatewayService.serve(
-            local_settings(tmp_path, autoscale=True, host_provider="no-such-provider")
+            local_settings(tmp_path, autoscale=True, host_provider="no-such-provider"),
+            shutdown_kernels_on_exit=True,
         ):
             pass
 
@@ -116,7 +119,7 @@ async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
     settings = msgspec.structs.replace(
         settings, cluster=msgspec.structs.replace(settings.cluster, replicas_per_kernel=1)
     )
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         # Below the floor of one host: the autoscaler asks the provider for one.
         await service.directory.scheduler.wait_for_host(HostId("vm-1"), 2 * DEADLINE)
         kernel = await service.kernel_manager.start_kernel(gpus=1)

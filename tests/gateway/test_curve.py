@@ -61,7 +61,7 @@ async def test_replicas_admit_only_their_kernels_keys_and_survive_a_replacement(
 ) -> None:
     generate_keys(tmp_path / "keys", ["host-1", "host-2", "host-3"])
     settings = local_settings(tmp_path, keys=str(tmp_path / "keys"))
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         kernel = await service.kernel_manager.start_kernel()
         assert (await kernel.execute("x = 41")).status == "ok"
 

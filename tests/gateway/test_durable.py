@@ -9,6 +9,10 @@ of every cell acknowledged before the kill. Replicas that died while the gateway
 was down are replaced; a kernel left without a majority is given up, its last
 replica stopped. The gateway has keys, so each kernel's replicas speak CURVE with
 keys of their kernel's, which must survive the restart (a replacement after it joins).
+
+A gateway with a data dir that is stopped (SIGTERM) or dies of an exception stops
+nothing either and leaves its state file as it was: its next start takes the kernels
+back. Only ``ShutdownCluster`` shuts them down.
 """
 
 from __future__ import annotations
@@ -35,14 +39,16 @@ from nbos.gateway.control_api import (
     KernelInfo,
     KernelList,
     ListKernels,
+    ShutdownCluster,
     StartKernel,
 )
+from nbos.gateway.service import GatewayService
 from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas
 from tests.gateway._full_disk import fill, free_pages, pages_for, small_tmpfs
 from tests.gateway._http import call
-from tests.gateway._service import ask, run_cell, start_gateway, status_when
+from tests.gateway._service import ask, local_settings, run_cell, start_gateway, status_when
 
 # Two gateway starts and a kernel's start, each a Python start: slow on a busy machine.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(360)]
@@ -76,7 +82,15 @@ class Gateway:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.process = start_gateway(self.env, self.log)
+        self.process = start_gateway(self.env, self.log, keep_kernels=True)
+
+    def state(self) -> bytes:
+        return (self.run_dir / "gateway" / "state.json").read_bytes()
+
+    def wait_exit(self) -> None:
+        """Until the gateway process ended by itself; it must end well."""
+        assert self.process is not None
+        assert self.process.wait(timeout=2 * DEADLINE) == 0, self.log.read_text()[-5000:]
 
     def kill(self) -> None:
         """SIGKILL the gateway's own process, nothing else."""
@@ -91,26 +105,36 @@ class Gateway:
 
     def agents(self) -> list[int]:
         """PIDs of the local agents recorded in the data dir that still run."""
-        pids = []
-        for record in sorted((self.run_dir / "agents").glob("*.pid")):
-            identity = msgspec.json.decode(record.read_bytes(), type=ProcessIdentity)
-            pidfd = identity.open()
-            if pidfd is not None:
-                os.close(pidfd)
-                pids.append(identity.pid)
-        return pids
+        return local_agents(self.run_dir)
 
     def clean_up(self) -> None:
         """End whatever a failed test left: the gateway, its agents, their replicas."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        for pid in self.agents():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for state_dir in (self.run_dir / "agents").glob("host-*"):
-            if state_dir.is_dir():
-                end_replicas(state_dir)
+        end_local_agents(self.run_dir)
+
+
+def local_agents(run_dir: Path) -> list[int]:
+    """PIDs of the local agents recorded in ``run_dir`` (a gateway's) that still run."""
+    pids = []
+    for record in sorted((run_dir / "agents").glob("*.pid")):
+        identity = msgspec.json.decode(record.read_bytes(), type=ProcessIdentity)
+        pidfd = identity.open()
+        if pidfd is not None:
+            os.close(pidfd)
+            pids.append(identity.pid)
+    return pids
+
+
+def end_local_agents(run_dir: Path) -> None:
+    """SIGKILL the local agents of a gateway's ``run_dir`` and their replicas."""
+    for pid in local_agents(run_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for state_dir in (run_dir / "agents").glob("host-*"):
+        if state_dir.is_dir():
+            end_replicas(state_dir)
 
 
 @pytest.fixture
@@ -222,11 +246,86 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
         while alive(last):  # noqa: ASYNC110 (another process's state)
             await anyio.sleep(0.1)
 
+    # Shutting the cluster down is explicit: every kernel, then the gateway and its agents.
+    replicas = [r.pid for r in [*started.replicas, *again.replicas] if r.pid is not None]
+    assert await ask(gateway.address, ShutdownCluster()) == KernelList([])
+    gateway.wait_exit()
+    assert not [p for p in agents + replicas if alive(p)]
+    assert b'"kernels":[]' in gateway.state()
+
+
+async def test_a_gateway_stopped_by_sigterm_leaves_its_kernels_running_for_its_next_start(
+    gateway: Gateway,
+) -> None:
+    gateway.start()
+    await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    started = await ask(gateway.address, StartKernel())
+    assert isinstance(started, KernelInfo), started
+    assert await run_cell(started, "x = 41") == {"status": "ok", "stdout": ""}
     replicas = [r.pid for r in started.replicas if r.pid is not None]
+    agents = gateway.agents()
+    assert len(replicas) == 3 and len(agents) == 3
+    saved = gateway.state()
+    assert started.kernel_id.encode() in saved
+
     assert gateway.process is not None
     gateway.process.send_signal(signal.SIGTERM)
-    assert gateway.process.wait(timeout=DEADLINE) == 0, gateway.log.read_text()
+    gateway.wait_exit()
+    # Nothing was stopped, and the state file was not written on the way out.
+    assert [p for p in agents + replicas if not alive(p)] == []
+    assert gateway.state() == saved
+
+    gateway.start()
+    status = await status_when(
+        gateway.address,
+        lambda s: any(k.kernel_id == started.kernel_id for k in s.kernels),
+    )
+    [kernel] = status.kernels
+    assert kernel.connection == started.connection
+    assert [r.pid for r in kernel.replicas] == replicas
+    assert await run_cell(kernel, "print(x)") == {"status": "ok", "stdout": "41\n"}
+    assert gateway.agents() == agents
+
+    assert await ask(gateway.address, ShutdownCluster()) == KernelList([])
+    gateway.wait_exit()
     assert not [p for p in agents + replicas if alive(p)]
+
+
+class _Bug(Exception):
+    """What no part of the gateway expects."""
+
+
+async def test_a_gateway_that_dies_of_an_exception_leaves_its_kernels_and_its_state(
+    tmp_path: Path,
+) -> None:
+    settings = local_settings(tmp_path)
+    run_dir = tmp_path / "run"
+    state = run_dir / "gateway" / "state.json"
+    died = False
+    try:
+        try:
+            async with GatewayService.serve(settings) as service:
+                kernel = await service.kernel_manager.start_kernel()
+                assert (await kernel.execute("x = 41")).status == "ok"
+                replicas = [r.pid for r in kernel.replicas if r.pid is not None]
+                saved = state.read_bytes()
+                assert kernel.kernel_id.encode() in saved
+                raise _Bug("a bug in the gateway")
+        except* _Bug:
+            died = True
+        assert died
+        assert state.read_bytes() == saved
+        agents = local_agents(run_dir)
+        assert len(agents) == 3
+        assert [p for p in agents + replicas if not alive(p)] == []
+
+        async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
+            again = service.kernel_manager.kernel(kernel.kernel_id)
+            result = await again.execute("print(x)")
+            assert result.status == "ok" and result.stdout == "41\n"
+        assert not [p for p in agents + replicas if alive(p)]
+    finally:
+        end_local_agents(run_dir)
 
 
 # --- acknowledged only once on disk ------------------------------------------------

@@ -27,7 +27,9 @@ def agent_logs(root: Path) -> str:
 async def test_an_agent_has_the_resident_kernel_move_its_tensors_off_before_another_kernel_runs(
     tmp_path: Path,
 ) -> None:
-    async with GatewayService.serve(local_settings(tmp_path)) as service:
+    async with GatewayService.serve(
+        local_settings(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
         scheduler = service.directory.scheduler
         a = await service.kernel_manager.start_kernel(gpus=2)
         b = await service.kernel_manager.start_kernel(gpus=2)

@@ -40,7 +40,9 @@ async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_account
 ) -> None:
     path = tmp_path / "trace.json"
     path.write_bytes(dump_json(TRACE))
-    async with GatewayService.serve(local_settings(tmp_path)) as service:
+    async with GatewayService.serve(
+        local_settings(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
         shown = await anyio.run_process(
             [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", str(SPEEDUP),
              "--gateway", service.control_address, "--simulate"],
@@ -88,7 +90,7 @@ async def test_a_replayed_burst_scales_the_cluster_out_then_back_in(tmp_path: Pa
     path = tmp_path / "burst.json"
     path.write_bytes(dump_json(BURST))
     settings = autoscaled_settings(tmp_path)
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         shown = await anyio.run_process(
             [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", str(BURST_SPEEDUP),
              "--gateway", service.control_address],

@@ -37,7 +37,7 @@ async def test_a_kernelspec_for_a_cluster_file_starts_its_kernels_on_that_gatewa
     # Nothing else may name a gateway: the kernel must find it through the file alone.
     monkeypatch.delenv("NBOS_GATEWAY__ADDRESS", raising=False)
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    async with GatewayService.serve(settings) as service:
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         km = AsyncKernelManager(kernel_name="nbos")
         await km.start_kernel()
         client = km.client()

@@ -196,10 +196,11 @@ class ApiKernels:
             await self._forget(api)
             log.info("kernel %s shut down", api.kernel_id)
 
-    async def close(self) -> None:
-        with anyio.CancelScope(shield=True):
-            for api in list(self._kernels.values()):
-                await self._forget(api)
+    def close(self) -> None:
+        """Close every client's channels; the kernels are the kernel manager's to stop or
+        to leave running (a gateway with a data dir leaves them for its next start)."""
+        for api in list(self._kernels.values()):
+            self._let_go(api)
 
     # --- clients ----------------------------------------------------------------
 
@@ -301,6 +302,10 @@ class ApiKernels:
 
     async def _forget(self, api: ApiKernel) -> None:
         await api.kernel.retire()  # a shutdown the gateway could not record is refused
+        self._let_go(api)
+        await api.kernel.shutdown()
+
+    def _let_go(self, api: ApiKernel) -> None:
         api.ending = True
         api.changed()
         self._kernels.pop(api.kernel_id, None)
@@ -310,7 +315,6 @@ class ApiKernels:
         for sink in list(api.sinks):
             sink.close()
         api.sinks.clear()
-        await api.kernel.shutdown()
 
 
 def _kernel_env(env: Mapping[str, Any]) -> dict[str, str]:

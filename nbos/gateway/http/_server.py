@@ -72,7 +72,8 @@ async def serve_http(
     """Serve the Kernel Gateway API at ``conf.http_address`` until the block exits.
 
     ``max_gpus`` tells the GPU count of the cluster's largest host (the kernelspecs
-    offered). Leaving shuts down the kernels started through the API.
+    offered). Leaving closes the clients' channels; the kernels started through the API
+    are the kernel manager's to shut down or leave running, as all its kernels.
     """
     host, port = http_address(conf.http_address)
     if conf.cull_idle_timeout < 0:
@@ -119,7 +120,7 @@ async def serve_http(
                 yield api
             finally:
                 server.stop()
-                await kernels.close()
+                kernels.close()
                 with anyio.CancelScope(shield=True):
                     await server.close_all_connections()
                 tg.cancel_scope.cancel()
