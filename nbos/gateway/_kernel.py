@@ -61,6 +61,12 @@ class Kernel:
         self._replacer = replacer
         self._cells: CellClient | None = None
         self.closed = anyio.Event()
+        #: Whether the kernel lost its majority and its dead replicas are being restarted
+        #: in place from their disks.
+        self.recovering = False
+        #: Why the kernel cannot come back (a majority's disks lost their Raft state);
+        #: ``None`` while it can.
+        self.lost: str | None = None
 
     @property
     def connection_info(self) -> KernelConnectionInfo:
@@ -148,7 +154,7 @@ class Kernel:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is being replaced")
         if self._process(node).returncode is None:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is still running")
-        self._processes[node] = await self._restart(node)
+        await self._restart(node)  # which puts the new process in the kernel's processes
         await self.front.revive(node, timeout=timeout)
 
     async def replace_replica(
