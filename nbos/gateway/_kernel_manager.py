@@ -106,8 +106,11 @@ class KernelOptions:
     or a Redis URL); ``durable`` keeps Raft logs on the hosts' disks;
     ``replace_after_s`` replaces a replica whose process ended, or that the front
     declared dead, and that was not restarted within that many seconds (``None``: never
-    by itself); ``fence_dead_replicas`` kills a replica declared dead whose process still
-    runs (``False``: it runs on, as on a host nobody can reach to kill it); ``curve``
+    by itself); a kernel that lost its majority (no replacement can commit then) restarts
+    its dead replicas in place from their disks instead, when ``durable`` and unless
+    ``replace_after_s`` is ``None``; ``fence_dead_replicas`` kills a replica declared
+    dead whose process still runs (``False``: it runs on, as on a host nobody can reach
+    to kill it); ``curve``
     gives each kernel a CURVE key pair of its own for its replicas' Raft
     links (only where the links to the agents, which carry it, are CURVE too).
     """
@@ -337,9 +340,10 @@ class KernelManager:
         """Take back the kernels of ``records``, run by this gateway before it restarted.
 
         Their replicas' hosts get ``timeout`` seconds to register. A replica that ended
-        meanwhile (all of them, after a restart of the whole cluster) is restarted in
-        place from its Raft state on its host's disk; one whose host did not come is
-        replaced as any dead one (after ``replace_after_s``) once the kernel is back.
+        meanwhile, or whose host did not come, is replaced as any dead one (after
+        ``replace_after_s``) once the kernel is back, unless that left no majority
+        running (after a restart of the whole cluster, none): then the kernel's ended
+        replicas are restarted in place from their Raft state on their hosts' disks.
         A kernel whose majority is not back in time is kept (in the state file too, and
         in :attr:`recovering`) and taken back in the background once its hosts are. A
         kernel a majority of whose replicas lost their Raft state (their disks), or whose
@@ -405,7 +409,12 @@ class KernelManager:
         its replicas that ended); ``None`` once it is back, else why not."""
         kernel_id = KernelId(record.kernel_id)
         launches = {r.node: _launch_of(r) for r in record.replicas}
+        running = [n for n, h in handles.items() if h.returncode is None]
+        # With a majority running the kernel comes back at once, and its dead replicas
+        # take the way of any dead one (replaced): only a kernel without waits for them.
         for node, launch in launches.items():
+            if 2 * len(running) > len(launches):
+                break
             if handles[node].returncode is not None and launch.durable:
                 try:
                     handles[node] = await self._again(launch, handles[node])
@@ -554,7 +563,8 @@ class KernelManager:
             front.mark_dead(node, f"process exited with status {status}")
             await gpus.replica_gone(kernel_id, launches[node].host)
             replace = partial(self._replace_dead, replacer)
-            if not (options.durable and self._brings_back(tg, kernel, handles, launches, replace)):
+            heals = options.durable and options.replace_after_s is not None
+            if not (heals and self._brings_back(tg, kernel, handles, launches, replace)):
                 await replace(node, handle)
 
         async def fence(node: int) -> None:

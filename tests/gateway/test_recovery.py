@@ -88,7 +88,7 @@ async def _sees_the_list(gateway: Gateway, kernel: KernelInfo) -> None:
     assert [(r.node, r.host) for r in back.replicas] == [(r.node, r.host) for r in kernel.replicas]
     with anyio.fail_after(4 * DEADLINE):
         # Refused at once (QuorumLostError) until a majority answers again.
-        while (reply := await run_cell(back, "print(L)"))["status"] != "ok":
+        while (reply := await run_cell(back, "print(L)"))["status"] != "ok":  # noqa: ASYNC110
             await anyio.sleep(0.5)
     assert reply == {"status": "ok", "stdout": ACKNOWLEDGED}
     said = gateway.said("is lost")
