@@ -161,24 +161,14 @@ async def test_a_whole_cluster_killed_and_started_again_comes_back_from_its_disk
     await _sees_the_list(gateway, kernel)
 
 
-async def test_a_cluster_whose_disks_are_gone_says_its_kernel_is_lost(gateway: Gateway) -> None:
-    kernel = await _kernel_with_a_list(gateway)
-    agents = gateway.agents()
-    gateway.kill()
-    _kill(agents)
-    _kill_replicas(kernel)
-    await _gone(agents + [r.pid for r in kernel.replicas if r.pid is not None])
-    raft_dirs = sorted((gateway.run_dir / "agents").glob(f"host-*/work/{kernel.kernel_id}/*/raft"))
-    assert len(raft_dirs) == 3
-    for raft_dir in raft_dirs:
-        shutil.rmtree(raft_dir)
-    gateway.start()
+async def _said_lost(gateway: Gateway, kernel: KernelInfo) -> None:
+    """The gateway said the kernel is lost, naming the disks, and serves no namespace."""
     with anyio.fail_after(4 * DEADLINE):
         while not (said := gateway.said(f"kernel {kernel.kernel_id} is lost")):  # noqa: ASYNC110
             await anyio.sleep(0.2)
     assert "disk" in said[0], said
     # Not served as if healthy: not listed (a client's cell finds no kernel), or with no
-    # live replica; and never with an empty namespace.
+    # live replica and its cells refused; never with an empty namespace.
     listed = await ask(gateway.address, ListKernels())
     assert isinstance(listed, KernelList)
     for info in listed.kernels:
@@ -186,3 +176,32 @@ async def test_a_cluster_whose_disks_are_gone_says_its_kernel_is_lost(gateway: G
             assert not any(r.alive for r in info.replicas), info
             reply = await run_cell(info, "print(L)")
             assert reply["status"] == "error", reply
+
+
+def _raft_dirs(gateway: Gateway, kernel: KernelInfo) -> list[Path]:
+    found = sorted((gateway.run_dir / "agents").glob(f"host-*/work/{kernel.kernel_id}/*/raft"))
+    assert len(found) == 3
+    return found
+
+
+async def test_replicas_killed_after_their_disks_were_wiped_leave_their_kernel_lost(
+    gateway: Gateway,
+) -> None:
+    kernel = await _kernel_with_a_list(gateway)
+    for raft_dir in _raft_dirs(gateway, kernel):
+        shutil.rmtree(raft_dir)  # the replicas run on, on files no longer on the disk
+    _kill_replicas(kernel)
+    await _said_lost(gateway, kernel)
+
+
+async def test_a_cluster_whose_disks_are_gone_says_its_kernel_is_lost(gateway: Gateway) -> None:
+    kernel = await _kernel_with_a_list(gateway)
+    agents = gateway.agents()
+    gateway.kill()
+    _kill(agents)
+    _kill_replicas(kernel)
+    await _gone(agents + [r.pid for r in kernel.replicas if r.pid is not None])
+    for raft_dir in _raft_dirs(gateway, kernel):
+        shutil.rmtree(raft_dir)
+    gateway.start()
+    await _said_lost(gateway, kernel)
