@@ -718,6 +718,8 @@ class KernelManager:
                     backoff = min(2 * backoff, most)
         finally:
             kernel.recovering = False
+        if front.is_closing:
+            return
         log.info("kernel %s is back: replicas %s alive", kernel.kernel_id, list(front.alive))
         async with anyio.create_task_group() as tg:
             for node in {r.node for r in kernel.replicas if not r.alive}:
@@ -737,7 +739,8 @@ class KernelManager:
             why = str(exc)
         else:
             return
-        if handles[node].returncode != RAFT_STATE_GONE_STATUS:
+        ended = handles.get(node)  # None: replaced meanwhile
+        if ended is None or ended.returncode != RAFT_STATE_GONE_STATUS:
             log.info("kernel %s: replica %d not back yet: %s", kernel.kernel_id, node, why)
             return
         gone[node] = launch.host
