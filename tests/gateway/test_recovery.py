@@ -161,6 +161,31 @@ async def test_a_whole_cluster_killed_and_started_again_comes_back_from_its_disk
     await _sees_the_list(gateway, kernel)
 
 
+async def test_a_kernel_whose_hosts_come_back_late_waits_for_them(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    kernel = await _kernel_with_a_list(gateway)
+    commands = _agent_commands(gateway)
+    agents = gateway.agents()
+    gateway.kill()
+    _kill(agents)
+    _kill_replicas(kernel)
+    await _gone(agents + [r.pid for r in kernel.replicas if r.pid is not None])
+    # Started again with one local agent: host-2 and host-3 stay away past their timeout.
+    gateway.env["NBOS_CLUSTER__HOSTS"] = "1"
+    gateway.start()
+    with anyio.fail_after(4 * DEADLINE):
+        while not gateway.said(f"kernel {kernel.kernel_id} is not back yet"):  # noqa: ASYNC110
+            await anyio.sleep(0.2)
+    # Kept, not lost: in the state file for a later start too.
+    assert kernel.kernel_id in (gateway.run_dir / "gateway" / "state.json").read_text()
+    started = _start_agents(commands[1:], tmp_path / "agents.log")
+    try:
+        await _sees_the_list(gateway, kernel)
+    finally:
+        _kill([p for p in started if alive(p)])
+
+
 async def _said_lost(gateway: Gateway, kernel: KernelInfo) -> None:
     """The gateway said the kernel is lost, naming the disks, and serves no namespace."""
     with anyio.fail_after(4 * DEADLINE):
