@@ -210,8 +210,11 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
     assert sorted(r.node for r in again.replicas if r.alive) == [2, 3, 4]
     assert await run_cell(again, "print(y + 1)") == {"status": "ok", "stdout": "42\n"}
     [back] = [k for k in status.kernels if k.kernel_id == doomed.kernel_id]
-    assert [(r.node, r.host) for r in back.replicas] == [(r.node, r.host) for r in doomed.replicas]
-    assert back.replicas[2].pid == doomed.replicas[2].pid  # the survivor was kept
+    before = {(r.node, r.host) for r in doomed.replicas}
+    # The survivor was kept, and another came back in place (then the third may have
+    # been replaced, had its old port been taken meanwhile).
+    assert {r.node: r.pid for r in back.replicas}[3] == doomed.replicas[2].pid
+    assert len(before & {(r.node, r.host) for r in back.replicas}) >= 2, back.replicas
     with anyio.fail_after(3 * DEADLINE):
         # Refused at once (QuorumLostError) until a majority answers again.
         while (reply := await run_cell(back, "print(z)"))["status"] != "ok":  # noqa: ASYNC110

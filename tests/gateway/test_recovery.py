@@ -85,7 +85,10 @@ async def _sees_the_list(gateway: Gateway, kernel: KernelInfo) -> None:
     """The kernel comes back on its replicas, in place, and its next cell sees ``L``."""
     back = await _all_alive(gateway, kernel.kernel_id)
     assert back.connection == kernel.connection
-    assert [(r.node, r.host) for r in back.replicas] == [(r.node, r.host) for r in kernel.replicas]
+    # A majority came back in place (no replacement can join without one); the third may
+    # have been replaced: one whose old port was taken meanwhile cannot bind it again.
+    before = {(r.node, r.host) for r in kernel.replicas}
+    assert len(before & {(r.node, r.host) for r in back.replicas}) >= 2, back.replicas
     with anyio.fail_after(4 * DEADLINE):
         # Refused at once (QuorumLostError) until a majority answers again.
         while (reply := await run_cell(back, "print(L)"))["status"] != "ok":  # noqa: ASYNC110
