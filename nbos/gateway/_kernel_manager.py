@@ -409,17 +409,6 @@ class KernelManager:
         its replicas that ended); ``None`` once it is back, else why not."""
         kernel_id = KernelId(record.kernel_id)
         launches = {r.node: _launch_of(r) for r in record.replicas}
-        running = [n for n, h in handles.items() if h.returncode is None]
-        # With a majority running the kernel comes back at once, and its dead replicas
-        # take the way of any dead one (replaced): only a kernel without waits for them.
-        for node, launch in launches.items():
-            if 2 * len(running) > len(launches):
-                break
-            if handles[node].returncode is not None and launch.durable:
-                try:
-                    handles[node] = await self._again(launch, handles[node])
-                except NbosError as exc:
-                    log.info("kernel %s: replica %d not back yet: %s", kernel_id, node, exc)
         failures: list[Exception] = []
         try:
             placed = {r.node: HostId(r.host) for r in record.replicas}
@@ -437,6 +426,9 @@ class KernelManager:
                 identity=_identity(record.front),
                 resume=True,
             )
+            # Only once the front holds its old ports again: the processes started here
+            # make connections, whose source ports may be any free one, its own too.
+            await self._restart_without_majority(kernel_id, launches, handles)
             self.gpus.scheduler.adopt_placement(kernel_id, placed.values(), record.gpus)
             replacing = _Replacing(members, chooser, record.gpus, placed, self._persist_soon, env)
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
@@ -460,6 +452,24 @@ class KernelManager:
         if 2 * (len(launches) - len(gone)) <= len(launches):
             return _NotBack(_disks_gone(gone), waits=False)
         return _NotBack(f"no majority of its replicas is back ({why})", waits=True)
+
+    async def _restart_without_majority(
+        self,
+        kernel_id: KernelId,
+        launches: Mapping[int, _Launch],
+        handles: dict[int, ProcessHandle],
+    ) -> None:
+        """Restart ``handles``' ended replicas in place, unless a majority runs: then the
+        kernel comes back at once, and they take the way of any dead one (replaced)."""
+        running = [n for n, h in handles.items() if h.returncode is None]
+        if 2 * len(running) > len(launches):
+            return
+        for node, launch in launches.items():
+            if handles[node].returncode is not None and launch.durable:
+                try:
+                    handles[node] = await self._again(launch, handles[node])
+                except NbosError as exc:
+                    log.info("kernel %s: replica %d not back yet: %s", kernel_id, node, exc)
 
     async def _give_up(
         self, kernel_id: KernelId, handles: Mapping[int, ProcessHandle], why: str

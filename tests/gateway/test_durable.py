@@ -205,6 +205,8 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
     status = await status_when(
         gateway.address,
         lambda s: sum(r.alive for k in s.kernels for r in k.replicas) == 9,
+        # A replacement the second kill cut short is made again (a minute, and a retry).
+        timeout=4 * DEADLINE,
     )
     [again] = [k for k in status.kernels if k.kernel_id == hurt.kernel_id]
     assert sorted(r.node for r in again.replicas if r.alive) == [2, 3, 4]
