@@ -151,6 +151,13 @@ class StorageCorruptError(ReplicationError):
     """Durable Raft state failed its checksums in a place that cannot be a torn tail."""
 
 
+class RaftStateMissingError(ReplicationError):
+    """A member restarted in place found no Raft state where it kept it: its disk lost it.
+
+    Bootstrapping afresh there would forget votes and acknowledged entries, so it does not.
+    """
+
+
 class MembershipChangeError(ReplicationError):
     """A membership change was refused (another change is in progress, unknown node, ...)."""
 

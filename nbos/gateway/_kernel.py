@@ -68,6 +68,12 @@ class Kernel:
         self._cells: CellClient | None = None
         self._recoveries = 0
         self.closed = anyio.Event()
+        #: Whether the kernel lost its majority and its dead replicas are being restarted
+        #: in place from their disks.
+        self.recovering = False
+        #: Why the kernel cannot come back (a majority's disks lost their Raft state);
+        #: ``None`` while it can.
+        self.lost: str | None = None
         # A request the front cannot serve is told whether the kernel is dead or recovering.
         front.unavailable = lambda account: refusal(kernel_id, self.facts, account)
 
@@ -87,7 +93,7 @@ class Kernel:
             unanswering=sum(node not in alive and not self._exited(node) for node in voters),
             cell=front.cell,
             started=front.started,
-            recovering=self._recoveries > 0,
+            recovering=self._recoveries > 0 or self.recovering,
             replacing=self._replacer is not None and self._replacer.recovering,
             closed=self.closed.is_set() or front.is_closing,
         )
@@ -195,7 +201,7 @@ class Kernel:
         if self._process(node).returncode is None:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is still running")
         with self.recovery():
-            self._processes[node] = await self._restart(node)
+            await self._restart(node)  # which puts the new process in the kernel's processes
             await self.front.revive(node, timeout=timeout)
 
     async def replace_replica(

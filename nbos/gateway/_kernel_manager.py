@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Protocol
@@ -59,9 +59,11 @@ from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import (
     ConfigError,
+    HostUnreachableError,
     NbosError,
     PlacementError,
     PolicyContractError,
+    QuorumLostError,
     StateWriteError,
     UnknownKernelError,
 )
@@ -69,6 +71,7 @@ from nbos.core.ids import HostId, KernelId, new_kernel_id
 from nbos.core.replica_launcher import AdoptingLauncher, ReplicaLauncher
 from nbos.core.wire.agent import ReplicaOwner
 from nbos.gateway._admission import StartAdmission
+from nbos.gateway._agent_backend import HOST_LOST_STATUS
 from nbos.gateway._executor_choice import GpuChooser
 from nbos.gateway._kernel import Kernel, stop_processes
 from nbos.gateway._replacement import Replacer, Spawn, Spawned
@@ -89,6 +92,7 @@ from nbos.kernel.front import (
     KernelFront,
     ReplicaEndpoint,
 )
+from nbos.kernel.protocol import RAFT_STATE_GONE_STATUS
 from nbos.transport.keys import kernel_keys_env
 
 log = logging.getLogger(__name__)
@@ -96,6 +100,9 @@ log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 60.0
 # How long after a state write failed the gateway tries again (a full disk may be freed).
 _RETRY_WRITE_S = 5.0
+#: The waits between rounds of restarts in place of a kernel without a majority (doubling):
+#: its replicas' hosts may take long to come back (a power cut).
+RECOVERY_BACKOFF_S = (1.0, 10.0)
 
 
 class KernelGpus(Protocol):
@@ -124,7 +131,10 @@ class KernelOptions:
     ``replace_suspected_after_s`` one that is only suspected (the front's heartbeats
     go unanswered, or its host is silent) for that long, while the others keep a
     majority (``None``: never); a suspected replica is never killed, only stopped once
-    its replacement took its place in the kernel's Raft membership; ``curve``
+    its replacement took its place in the kernel's Raft membership. A kernel that lost
+    its majority (no replacement can commit then) restarts its dead replicas in place
+    from their disks instead, when ``durable`` and unless ``replace_after_s`` is
+    ``None``; ``curve``
     gives each kernel a CURVE key pair of its own for its replicas' Raft
     links (only where the links to the agents, which carry it, are CURVE too).
     """
@@ -150,10 +160,31 @@ class _Launch:
     key: str
     owner: ReplicaOwner | None
 
+    @property
+    def durable(self) -> bool:
+        """Whether the replica keeps its Raft state on its host's disk (and so can restart)."""
+        return "--data-dir" in self.spec.argv
+
     async def start(self, launcher: ReplicaLauncher) -> ProcessHandle:
         return await launcher.start_replica(
             self.host, self.spec, workdir=self.workdir, connection_key=self.key, owner=self.owner
         )
+
+    async def restart(self, launcher: ReplicaLauncher) -> ProcessHandle:
+        """Start it again in place from its Raft state on its host's disk; a replica whose
+        state is gone from there exits with :data:`RAFT_STATE_GONE_STATUS`."""
+        spec = ProcessSpec([*self.spec.argv, "--recover"], self.spec.env, self.spec.label)
+        return await launcher.start_replica(
+            self.host, spec, workdir=self.workdir, connection_key=self.key
+        )
+
+
+@attrs.frozen
+class _NotBack:
+    """Why a kernel of the state file is not back; ``waits``: it may come back later."""
+
+    text: str
+    waits: bool
 
 
 @attrs.frozen
@@ -215,6 +246,9 @@ class KernelManager:
         self._left_running: set[KernelId] = set()
         # Set once a kernel's task ended: its record is off the state file then.
         self._ends: dict[KernelId, anyio.Event] = {}
+        # Kernels of the state file not back yet (their records, and why), and lost ones.
+        self._recovering: dict[KernelId, tuple[KernelRecord, str]] = {}
+        self._lost: dict[KernelId, str] = {}
 
     @classmethod
     @asynccontextmanager
@@ -419,15 +453,20 @@ class KernelManager:
     async def restore(self, records: Sequence[KernelRecord], timeout: float) -> list[Kernel]:
         """Take back the kernels of ``records``, run by this gateway before it restarted.
 
-        Their replicas' hosts get ``timeout`` seconds to register; a replica that ended
+        Their replicas' hosts get ``timeout`` seconds to register. A replica that ended
         meanwhile, or whose host did not come, is replaced as any dead one (after
-        ``replace_after_s``). A kernel without a majority of live replicas, or whose
-        front cannot bind its old ports, is lost: logged, its replicas stopped.
-        Returns the kernels taken back.
+        ``replace_after_s``) once the kernel is back, unless that left no majority
+        running (after a restart of the whole cluster, none): then the kernel's ended
+        replicas are restarted in place from their Raft state on their hosts' disks.
+        A kernel whose majority is not back in time is kept (in the state file too, and
+        in :attr:`recovering`) and taken back in the background once its hosts are. A
+        kernel a majority of whose replicas lost their Raft state (their disks), or whose
+        front cannot bind its old ports, is lost: logged, kept in :attr:`lost` with why,
+        its replicas stopped. Returns the kernels taken back.
         """
         async with anyio.create_task_group() as tg:
             for record in records:
-                tg.start_soon(self._restore_one, record, timeout)
+                tg.start_soon(partial(self._tg.start, self._restore_one, record, timeout))
         await self._persist()
         return [k for r in records if (k := self._kernels.get(KernelId(r.kernel_id)))]
 
@@ -437,15 +476,61 @@ class KernelManager:
         its replicas carry."""
         return self._state_id
 
-    async def _restore_one(self, record: KernelRecord, timeout: float) -> None:
+    @property
+    def recovering(self) -> Mapping[KernelId, str]:
+        """Kernels of the state file whose majority is not back yet, with why."""
+        return {k: why for k, (_, why) in self._recovering.items()}
+
+    @property
+    def lost(self) -> Mapping[KernelId, str]:
+        """Kernels of the state file that could not be taken back, with why."""
+        return dict(self._lost)
+
+    async def _restore_one(
+        self, record: KernelRecord, timeout: float, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Take one kernel back; ``task_status`` once it is, or lost, or known to wait for
+        its hosts (then it goes on waiting here)."""
         assert isinstance(self.launcher, AdoptingLauncher)  # checked by the constructor
         kernel_id = KernelId(record.kernel_id)
         handles: dict[int, ProcessHandle] = {}
-        failures: list[Exception] = []
         try:
             async with anyio.create_task_group() as tg:
                 for replica in record.replicas:
                     tg.start_soon(self._adopt, handles, replica, timeout)
+        except* (NbosError, OSError) as group:
+            why: _NotBack | None = _NotBack(f"its replicas could not be adopted: {group}", False)
+        else:
+            why = await self._take_back(record, handles)
+        backoff, most = RECOVERY_BACKOFF_S
+        waiting = False
+        while why is not None and why.waits:
+            if not waiting:
+                waiting = True
+                log.warning("kernel %s is not back yet: %s", kernel_id, why.text)
+                self._recovering[kernel_id] = (record, why.text)
+                task_status.started()
+            await anyio.sleep(backoff)
+            backoff = min(2 * backoff, most)
+            why = await self._take_back(record, handles)
+        self._recovering.pop(kernel_id, None)
+        if why is not None:
+            self._lost[kernel_id] = why.text
+            await self._give_up(kernel_id, handles, why.text)
+        if waiting:
+            await self._persist()
+        else:
+            task_status.started()
+
+    async def _take_back(
+        self, record: KernelRecord, handles: dict[int, ProcessHandle]
+    ) -> _NotBack | None:
+        """One try at taking ``record``'s kernel back with ``handles`` (restarting those of
+        its replicas that ended); ``None`` once it is back, else why not."""
+        kernel_id = KernelId(record.kernel_id)
+        launches = {r.node: self._launch_of(record, r) for r in record.replicas}
+        failures: list[Exception] = []
+        try:
             placed = {r.node: HostId(r.host) for r in record.replicas}
             launches = {r.node: self._launch_of(record, r) for r in record.replicas}
             members = {r.node: r.raft for r in record.replicas}
@@ -462,6 +547,9 @@ class KernelManager:
                 identity=_identity(record.front),
                 resume=True,
             )
+            # Only once the front holds its old ports again: the processes started here
+            # make connections, whose source ports may be any free one, its own too.
+            await self._restart_without_majority(kernel_id, launches, handles)
             self.gpus.scheduler.adopt_placement(kernel_id, placed.values(), record.gpus)
             replacing = _Replacing(members, chooser, record.gpus, placed, self._persist_soon, env)
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
@@ -470,17 +558,44 @@ class KernelManager:
             failures.extend(group.exceptions)
         else:
             self._kernels[kernel_id] = kernel
-            log.info(
-                "kernel %s taken back: replicas %s of %s alive",
-                kernel_id,
-                list(front.alive),
-                sorted(handles),
-            )
-            return
+            log.info("kernel %s taken back: replicas %s alive", kernel_id, sorted(front.alive))
+            return None
         why: BaseException = failures[0]
         while isinstance(why, BaseExceptionGroup):  # the first error, not its wrapping
             why = why.exceptions[0]
-        log.error("kernel %s is lost: it could not be taken back: %s", kernel_id, why)
+        if not isinstance(why, QuorumLostError):
+            return _NotBack(f"it could not be taken back: {why}", waits=False)
+        gone = {
+            n: launch.host
+            for n, launch in launches.items()
+            if handles[n].returncode == RAFT_STATE_GONE_STATUS
+        }
+        if 2 * (len(launches) - len(gone)) <= len(launches):
+            return _NotBack(_disks_gone(gone), waits=False)
+        return _NotBack(f"no majority of its replicas is back ({why})", waits=True)
+
+    async def _restart_without_majority(
+        self,
+        kernel_id: KernelId,
+        launches: Mapping[int, _Launch],
+        handles: dict[int, ProcessHandle],
+    ) -> None:
+        """Restart ``handles``' ended replicas in place, unless a majority runs: then the
+        kernel comes back at once, and they take the way of any dead one (replaced)."""
+        running = [n for n, h in handles.items() if h.returncode is None]
+        if 2 * len(running) > len(launches):
+            return
+        for node, launch in launches.items():
+            if handles[node].returncode is not None and launch.durable:
+                try:
+                    handles[node] = await self._again(launch, handles[node])
+                except NbosError as exc:
+                    log.info("kernel %s: replica %d not back yet: %s", kernel_id, node, exc)
+
+    async def _give_up(
+        self, kernel_id: KernelId, handles: Mapping[int, ProcessHandle], why: str
+    ) -> None:
+        log.error("kernel %s is lost: %s", kernel_id, why)
         for key in [k for k in self._connections if k[0] == kernel_id]:
             del self._connections[key]
         with anyio.CancelScope(shield=True):
@@ -537,6 +652,8 @@ class KernelManager:
             for k, t in self._tracked.items()
             if k not in self._starting and k not in self._ending
         ]
+        # Not back yet, but not lost: a later start may take them back too.
+        running += [r for k, (r, _) in self._recovering.items() if k not in self._tracked]
         starting = [StartRecord(kernel_id=k, hosts=list(h)) for k, h in self._starting.items()]
         return GatewayState(
             state_id=self._state_id,
@@ -621,7 +738,7 @@ class KernelManager:
 
                     async def restart(node: int) -> ProcessHandle:
                         # Same host, ports, keys and Raft log directory as before.
-                        handle = await launches[node].start(launcher)
+                        handle = await replacer.restart(node, partial(self._again, launches[node]))
                         tg.start_soon(watcher.watch, node, handle)
                         # Runs once the kernel holds the new handle (it does on return).
                         self._persist_soon()
@@ -658,12 +775,20 @@ class KernelManager:
                         retire=partial(self._retire, kernel_id),
                     )
 
+                    async def after_exit(node: int, handle: ProcessHandle) -> None:
+                        replace = partial(self._replace_dead, replacer)
+                        heals = options.durable and options.replace_after_s is not None
+                        if not (
+                            heals and self._brings_back(tg, kernel, handles, launches, replace)
+                        ):
+                            await replace(node, handle)
+
                     watcher = ReplicaWatch(
                         front,
                         handles,
                         replacer,
                         lambda node: gpus.replica_gone(kernel_id, launches[node].host),
-                        options.replace_after_s,
+                        after_exit,
                         options.replace_suspected_after_s,
                         tg,
                     )
@@ -682,6 +807,123 @@ class KernelManager:
                     tg.cancel_scope.cancel()
         finally:
             await self._kernel_ended(kernel_id, front)
+
+    async def _again(self, launch: _Launch, ended: ProcessHandle) -> ProcessHandle:
+        """The process of replica ``launch`` again after ``ended`` ended: taken back if its
+        host was only given up for lost and it runs on there (a second process would find
+        its Raft log locked), else restarted in place from its Raft state on its host's
+        disk. Raises :class:`~nbos.core.errors.BackendError` while the host is not back.
+        """
+        launcher = self.launcher
+        if ended.returncode == HOST_LOST_STATUS and isinstance(launcher, AdoptingLauncher):
+            again = await launcher.adopt(launch.host, launcher.process_id(ended), 0.0)
+            if again.returncode is None:
+                return again
+            if again.returncode == HOST_LOST_STATUS:
+                raise HostUnreachableError(launch.host, "not back yet")
+        return await launch.restart(launcher)
+
+    async def _replace_dead(self, replacer: Replacer, node: int, handle: ProcessHandle) -> None:
+        """The policy for replica ``node``, whose process ``handle`` ended: replaced."""
+        if self.options.replace_after_s is not None:
+            await replacer.replace_after_exit(node, handle, self.options.replace_after_s)
+
+    def _brings_back(
+        self,
+        tg: anyio.abc.TaskGroup,
+        kernel: Kernel,
+        handles: Mapping[int, ProcessHandle],
+        launches: Mapping[int, _Launch],
+        replace: Callable[[int, ProcessHandle], Coroutine[Any, Any, None]],
+    ) -> bool:
+        """Whether ``kernel`` is bringing its dead replicas back itself: it lost its
+        majority (then ``tg`` starts that now), or it is doing so already."""
+        front = kernel.front
+        if kernel.recovering:
+            return True
+        if front.has_quorum or front.is_closing or kernel.lost is not None:
+            return False
+        # No replacement can commit without a majority: the dead restart in place.
+        kernel.recovering = True
+        tg.start_soon(self._recover, kernel, handles, launches, replace)
+        return True
+
+    async def _recover(
+        self,
+        kernel: Kernel,
+        handles: Mapping[int, ProcessHandle],
+        launches: Mapping[int, _Launch],
+        replace: Callable[[int, ProcessHandle], Coroutine[Any, Any, None]],
+    ) -> None:
+        """Bring ``kernel``, which lost its majority, back: restart its dead replicas in
+        place, round after round while their hosts are away, until a majority is back,
+        and once more those that died meanwhile; the rest are ``replace``d. Or, once a
+        majority's disks turned out to have lost their Raft state, the kernel is lost
+        (:attr:`Kernel.lost`)."""
+        front = kernel.front
+        log.warning(
+            "kernel %s lost its majority (replicas %s alive): restarting the dead in place",
+            kernel.kernel_id,
+            list(front.alive),
+        )
+        gone: dict[int, HostId] = {}
+        tried: set[int] = set()
+        backoff, most = RECOVERY_BACKOFF_S
+        try:
+            while not front.is_closing:
+                dead = {r.node for r in kernel.replicas if not r.alive} - gone.keys()
+                if front.has_quorum:
+                    dead -= tried  # the majority is back: one try for those that died since
+                if not dead:
+                    break
+                tried |= dead
+                async with anyio.create_task_group() as tg:
+                    for node in dead:
+                        tg.start_soon(
+                            self._restart_in_place, kernel, node, handles, launches[node], gone
+                        )
+                members = len(kernel.replicas)
+                if 2 * (members - len(gone)) <= members:
+                    kernel.lost = _disks_gone(gone)
+                    log.error("kernel %s is lost: %s", kernel.kernel_id, kernel.lost)
+                    return
+                if not front.has_quorum:
+                    await anyio.sleep(backoff)
+                    backoff = min(2 * backoff, most)
+        finally:
+            kernel.recovering = False
+        if front.is_closing:
+            return
+        log.info("kernel %s is back: replicas %s alive", kernel.kernel_id, list(front.alive))
+        async with anyio.create_task_group() as tg:
+            for node in {r.node for r in kernel.replicas if not r.alive}:
+                tg.start_soon(replace, node, handles[node])
+
+    @staticmethod
+    async def _restart_in_place(
+        kernel: Kernel,
+        node: int,
+        handles: Mapping[int, ProcessHandle],
+        launch: _Launch,
+        gone: dict[int, HostId],
+    ) -> None:
+        try:
+            await kernel.restart_replica(node, timeout=_START_TIMEOUT_S)
+        except NbosError as exc:
+            why = str(exc)
+        else:
+            return
+        ended = handles.get(node)  # None: replaced meanwhile
+        if ended is None or ended.returncode != RAFT_STATE_GONE_STATUS:
+            log.info("kernel %s: replica %d not back yet: %s", kernel.kernel_id, node, why)
+            return
+        gone[node] = launch.host
+        log.error(
+            "kernel %s: replica %d cannot restart: its Raft state is gone from %s's disk",
+            kernel.kernel_id,
+            node,
+            launch.host,
+        )
 
     async def _kernel_ended(self, kernel_id: KernelId, front: KernelFront) -> None:
         try:
@@ -819,3 +1061,12 @@ def _plain(connection: Mapping[str, Any]) -> dict[str, str | int]:
         elif isinstance(value, str | int):
             out[name] = value
     return out
+
+
+def _disks_gone(gone: Mapping[int, HostId]) -> str:
+    """Why a kernel whose replicas ``gone`` lost their Raft state cannot come back."""
+    where = ", ".join(f"replica {node} on {host}" for node, host in sorted(gone.items()))
+    return (
+        f"the Raft state of a majority of its replicas is gone from their hosts' disks ({where}):"
+        " its acknowledged namespace cannot be recovered"
+    )

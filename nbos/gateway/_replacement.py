@@ -152,6 +152,7 @@ class Replacer:
         timeout: float = 60.0,
         target: HostId | None = None,
         after: int | None = None,
+        exited: ProcessHandle | None = None,
     ) -> int:
         """Replace replica ``dead``, stopped once its place is taken; the new node id.
 
@@ -161,11 +162,14 @@ class Replacer:
         does not wait for it; a migration for a waiting cell passes the one before it).
         Raises :class:`KernelError` if ``dead`` is not a replica of the kernel, no
         host can take the replacement, ``target`` holds a live replica, or it did not
-        join within ``timeout`` seconds.
+        join within ``timeout`` seconds, or if ``exited`` (the policy's) is no longer its
+        process: it was restarted in place meanwhile.
         """
         async with self._lock:
             if dead not in self._processes:
                 raise KernelError(f"kernel {self._kernel_id} has no replica {dead}")
+            if exited is not None and self._processes[dead] is not exited:
+                raise KernelError(f"replica {dead} of kernel {self._kernel_id} was restarted")
             if self._closed:
                 raise KernelError(f"kernel {self._kernel_id} is shutting down")
             try:
@@ -227,11 +231,12 @@ class Replacer:
             if self._processes.get(node) is not handle or self._kernel_ending() or not unwell():
                 return
             try:
-                await self.replace(node)
+                await self.replace(node, exited=handle)
             except NbosError as exc:
-                if self._kernel_ending() or node not in self._processes:
+                if self._kernel_ending() or self._processes.get(node) is not handle:
                     # No replica of it is wanted any more, or another replacement (a
-                    # migration, a drain) replaced it meanwhile.
+                    # migration, a drain) replaced it meanwhile, or
+                    # it was restarted in place.
                     return
                 why = str(exc)
             except Exception:
@@ -246,6 +251,23 @@ class Replacer:
 
     def _kernel_ending(self) -> bool:
         return self._closed or self._front.is_closing
+
+    async def restart(
+        self, node: int, start: Callable[[ProcessHandle], Awaitable[ProcessHandle]]
+    ) -> ProcessHandle:
+        """Replica ``node``, whose process ended, again: ``start(ended)`` gives its new
+        process, which takes the old one's place. Never during a replacement, which
+        would fence it. Raises :class:`KernelError` if ``node`` is not a replica of
+        the kernel (any more), or its process still runs.
+        """
+        async with self._lock:
+            ended = self._processes.get(node)
+            if ended is None:
+                raise KernelError(f"kernel {self._kernel_id} has no replica {node}")
+            if ended.returncode is None:
+                raise KernelError(f"replica {node} of kernel {self._kernel_id} is still running")
+            handle = self._processes[node] = await start(ended)
+            return handle
 
     def replacing(self, node: int) -> bool:
         """Whether replica ``node`` is being replaced right now."""

@@ -1,7 +1,8 @@
 """What a kernel does when one of its replicas ends, or is only suspected.
 
 An exit is proof: the front stops using the replica, its host frees what it held, and
-the policy replaces it (after ``replace_after_s``). Suspicion (its host fell silent,
+``after_exit`` deals with it (the kernel restarts it in place if it lost its majority,
+else the policy replaces it after ``replace_after_s``). Suspicion (its host fell silent,
 or it stopped answering the front's heartbeats) is not: the replica is left running,
 and replaced only if it stays suspected for ``replace_suspected_after_s`` while the
 others keep a majority; it is stopped once its replacement took its place.
@@ -22,13 +23,14 @@ from nbos.kernel.front import KernelFront
 
 @attrs.frozen
 class ReplicaWatch:
-    """Watches the replicas of one kernel; ``replica_gone(node)`` frees what it held."""
+    """Watches the replicas of one kernel; ``replica_gone(node)`` frees what it held,
+    ``after_exit(node, handle)`` brings it back or replaces it."""
 
     front: KernelFront
     handles: Mapping[int, ProcessHandle]
     replacer: Replacer
     replica_gone: Callable[[int], Awaitable[None]]
-    replace_after_s: float | None
+    after_exit: Callable[[int, ProcessHandle], Awaitable[None]]
     replace_suspected_after_s: float | None
     tg: anyio.abc.TaskGroup
 
@@ -39,8 +41,7 @@ class ReplicaWatch:
             status = await handle.wait()
         self.front.mark_dead(node, f"process exited with status {status}")
         await self.replica_gone(node)
-        if self.replace_after_s is not None:
-            await self.replacer.replace_after_exit(node, handle, self.replace_after_s)
+        await self.after_exit(node, handle)
 
     def declared_dead(self, node: int, reason: str) -> None:
         """The front gave up on ``node``: replaced if it stays unresponsive, never killed."""

@@ -14,7 +14,9 @@ replica must not load the front. It holds:
 * the front's own control requests (the ``nbos_*_request`` message types), their
   replies' types (:func:`reply_of`) and the content fields the front reads back;
 * :func:`error_content`, the content of every error reply either side makes;
-* :data:`CLAIM_FRESH_S`, a timing both sides rely on.
+* :data:`CLAIM_FRESH_S`, a timing both sides rely on;
+* :data:`RAFT_STATE_GONE_STATUS`, how a replica restarted in place says that its disk
+  lost its Raft state (the gateway, which starts it, reads its exit status).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ IOPUB_COUNT_KEY = "nbos_iopub"
 #: and then given the executor up (a ping timed out: the front refuses ping timeouts
 #: shorter than :data:`MIN_PING_TIMEOUT_S`) or restarted; neither fits in this window.
 CLAIM_FRESH_S = 0.05
+#: The exit status of a replica started with ``--recover`` whose Raft state is gone from
+#: its data dir (or damaged): it cannot come back from that disk.
+RAFT_STATE_GONE_STATUS = 3
 #: The shortest ping timeout a front accepts: ten times :data:`CLAIM_FRESH_S`.
 MIN_PING_TIMEOUT_S = 10 * CLAIM_FRESH_S
 

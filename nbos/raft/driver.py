@@ -34,6 +34,7 @@ from nbos.core.errors import (
     DecodeError,
     LogClosedError,
     ProposalTimeoutError,
+    RaftStateMissingError,
     ReplicationError,
     TransportClosedError,
     UnknownPeerError,
@@ -485,9 +486,14 @@ def _open_storage(data_dir: Path | None, settings: RaftSettings) -> LogStorage:
     return DiskStorage.open(data_dir, fsync=settings.fsync)
 
 
-def _initial_view(storage: LogStorage, members: Sequence[int], join: bool) -> StorageView:
+def _initial_view(
+    storage: LogStorage, members: Sequence[int], join: bool, recover: bool
+) -> StorageView:
     state = storage.initial_state()
-    if state.snapshot is None and not state.entries and state.hard_state.term == 0 and not join:
+    empty = state.snapshot is None and not state.entries and state.hard_state.term == 0
+    if empty and recover:
+        raise RaftStateMissingError("no Raft state to recover from: the data dir is empty")
+    if empty and not join:
         view = bootstrap(sorted(members))
         storage.save(view.hard_state, list(view.entries))
         return view
@@ -511,6 +517,7 @@ async def open_raft_log(
     state_machine: StateMachine,
     settings: RaftSettings | None = None,
     join: bool = False,
+    recover: bool = False,
     seed: int | None = None,
 ) -> AsyncIterator[RaftReplicatedLog]:
     """Run one Raft node until the block exits.
@@ -519,12 +526,15 @@ async def open_raft_log(
     has told the transport their addresses). A new group is bootstrapped from
     them when ``data_dir`` holds no state; a node restarting from ``data_dir``
     takes its membership from there. ``join=True`` starts an empty node that waits
-    to be added by the group's leader (``add_learner``).
+    to be added by the group's leader (``add_learner``). ``recover=True``: the node ran
+    before and restarts from ``data_dir``, which must hold its state; if it holds none
+    (its disk lost it), :class:`~nbos.core.errors.RaftStateMissingError` rather than a
+    new group or an empty member that would vote again.
     """
     settings = settings or RaftSettings()
     storage = await anyio.to_thread.run_sync(_open_storage, data_dir, settings)
     try:
-        view = _initial_view(storage, [int(m) for m in members], join)
+        view = _initial_view(storage, [int(m) for m in members], join, recover)
         config = RaftConfig(
             election_ticks=settings.election_ticks,
             heartbeat_ticks=settings.heartbeat_ticks,

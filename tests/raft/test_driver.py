@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -15,6 +16,7 @@ from nbos.core.errors import (
     MembershipChangeError,
     NotLeaderError,
     ProposalTimeoutError,
+    RaftStateMissingError,
 )
 from nbos.core.ids import NodeId, PeerId
 from nbos.core.wire import encode
@@ -389,4 +391,34 @@ async def test_leaving_the_block_normally_closes_cleanly() -> None:
                 await anyio.sleep(0.005)
         await raft.propose(encode_command("put", "k", "v"))
         # Leave without cancelling anything: ticks keep arriving while the log closes.
+    await transport.aclose()
+
+
+async def test_a_node_recovering_refuses_a_data_dir_that_lost_its_state(tmp_path: Path) -> None:
+    """``recover=True`` restarts from the node's state on disk, and only from it: a data
+    dir emptied (a disk replaced) raises instead of bootstrapping a group afresh."""
+    network = MemoryNetwork(seed=4)
+    transport = network.endpoint(peer(1))
+    opened = partial(
+        open_raft_log,
+        node_id=NodeId(1),
+        members={NodeId(1): peer(1)},
+        transport=transport,
+        data_dir=tmp_path / "raft",
+        state_machine=KeyValueStateMachine(),
+        settings=SETTINGS,
+    )
+    with pytest.raises(RaftStateMissingError):
+        async with opened(recover=True):
+            pass
+    async with opened() as raft:
+        with anyio.fail_after(20):
+            while raft.leader_id != raft.node_id:  # noqa: ASYNC110 - a single node elects itself
+                await anyio.sleep(0.005)
+        await raft.propose(encode_command("put", "k", "v"))
+    machine = KeyValueStateMachine()
+    async with opened(recover=True, state_machine=machine):
+        with anyio.fail_after(20):
+            while machine.data.get("k") != "v":  # noqa: ASYNC110 - applied from the log
+                await anyio.sleep(0.005)
     await transport.aclose()

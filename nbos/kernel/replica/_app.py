@@ -1,9 +1,12 @@
 """The replica kernel process: an ``IPKernelApp`` that joins its kernel's Raft group.
 
 Run as ``python -m nbos.kernel.replica --connection-file F --kernel-id K --node-id N
---raft-peers JSON --store DIR|URL [--data-dir DIR] [--join]``. ``--raft-peers`` maps every
-node id of the group to its Raft address; with ``--join`` the
-replica starts empty and waits for the leader to add it as a learner (a replacement).
+--raft-peers JSON --store DIR|URL [--data-dir DIR] [--join] [--recover]``. ``--raft-peers``
+maps every node id of the group to its Raft address; with ``--join`` the
+replica starts empty and waits for the leader to add it as a learner (a replacement);
+with ``--recover`` it ran before and restarts in place from the Raft state in
+``--data-dir``, and exits with :data:`~nbos.kernel.protocol.RAFT_STATE_GONE_STATUS`
+if that state is gone or damaged (its disk lost it) rather than start without it.
 The kernel's CURVE key pair, when its cluster has keys, comes in the environment
 (:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line.
 
@@ -28,10 +31,16 @@ from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Bool, Dict, DottedObjectName, Int, Type, Unicode, default
 
 from nbos.core.config import RaftSettings
-from nbos.core.errors import ConfigError, NbosError
+from nbos.core.errors import (
+    ConfigError,
+    NbosError,
+    RaftStateMissingError,
+    StorageCorruptError,
+)
 from nbos.core.ids import KernelId, NodeId
 from nbos.core.object_store import ObjectStore
 from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
+from nbos.kernel.protocol import RAFT_STATE_GONE_STATUS
 from nbos.kernel.replica._kernel import NoShellChannelThread, ReplicaKernel
 from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._session import ReplicaSession
@@ -95,8 +104,15 @@ class ReplicaApp(IPKernelApp):
     join = Bool(
         False, help="Join an existing group as a new member (a replacement), not found one."
     ).tag(config=True)
+    recover = Bool(
+        False, help="Restart in place from the Raft state in data_dir; refuse to start without it."
+    ).tag(config=True)
     flags = Dict(
-        {**kernel_flags, "join": ({"ReplicaApp": {"join": True}}, "Join an existing group.")}
+        {
+            **kernel_flags,
+            "join": ({"ReplicaApp": {"join": True}}, "Join an existing group."),
+            "recover": ({"ReplicaApp": {"recover": True}}, "Restart from data_dir's Raft state."),
+        }
     )
     virtual_gpus = Bool(
         False, help="The host's GPUs are virtual: bound devices keep tensors in host memory."
@@ -146,6 +162,7 @@ class ReplicaApp(IPKernelApp):
             machine=kernel.machine(),
             settings=parse_raft_settings(self.raft_settings),
             join=self.join,
+            recover=self.recover,
             curve=take_kernel_keys(os.environ),
         )
         kernel.attach(raft, open_store(self.store))
@@ -244,6 +261,9 @@ def main(argv: list[str] | None = None) -> Any:
         argv = wait_for_assignment()
     try:
         ReplicaApp.launch_instance(argv=argv)
+    except (RaftStateMissingError, StorageCorruptError) as exc:
+        log.error("replica cannot restart from its disk: %s", exc)  # noqa: TRY400
+        sys.exit(RAFT_STATE_GONE_STATUS)
     except NbosError as exc:
         log.error("replica cannot start: %s", exc)  # noqa: TRY400 - the message says it all
         sys.exit(2)

@@ -155,9 +155,11 @@ class RaftMemberThread:
         machine: StateMachine,
         settings: RaftSettings,
         join: bool = False,
+        recover: bool = False,
         curve: CurveKeys | None = None,
     ) -> None:
-        # ``join``: a new, empty member (a replacement) that the leader adds as a learner.
+        # ``join``: a new, empty member (a replacement) that the leader adds as a learner;
+        # ``recover``: a member restarted in place, which refuses to start without its state.
         if node_id not in peers:
             raise ReplicationError(f"node {node_id} is not among the peers {sorted(peers)}")
         self._kernel_id = kernel_id
@@ -167,6 +169,7 @@ class RaftMemberThread:
         self._machine = machine
         self._settings = settings
         self._join = join
+        self._recover = recover
         # The kernel's key pair, which every member holds (None: plain TCP).
         self._curve = curve
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
@@ -337,6 +340,7 @@ class RaftMemberThread:
                 state_machine=self._machine,
                 settings=self._settings,
                 join=self._join,
+                recover=self._recover,
             ) as raft_log:
                 self._log = raft_log
                 self._loop = asyncio.get_running_loop()
