@@ -235,8 +235,7 @@ class Replacer:
             except NbosError as exc:
                 if self._kernel_ending() or self._processes.get(node) is not handle:
                     # No replica of it is wanted any more, or another replacement (a
-                    # migration, a drain) replaced it meanwhile, or
-                    # it was restarted in place.
+                    # migration, a drain) replaced it meanwhile, or it was restarted in place.
                     return
                 why = str(exc)
             except Exception:
@@ -256,8 +255,7 @@ class Replacer:
         self, node: int, start: Callable[[ProcessHandle], Awaitable[ProcessHandle]]
     ) -> ProcessHandle:
         """Replica ``node``, whose process ended, again: ``start(ended)`` gives its new
-        process, which takes the old one's place. Never during a replacement, which
-        would fence it. Raises :class:`KernelError` if ``node`` is not a replica of
+        process, which takes the old one's place. Never during a replacement of it. Raises :class:`KernelError` if ``node`` is not a replica of
         the kernel (any more), or its process still runs.
         """
         async with self._lock:
