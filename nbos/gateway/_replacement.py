@@ -255,8 +255,9 @@ class Replacer:
         self, node: int, start: Callable[[ProcessHandle], Awaitable[ProcessHandle]]
     ) -> ProcessHandle:
         """Replica ``node``, whose process ended, again: ``start(ended)`` gives its new
-        process, which takes the old one's place. Never during a replacement of it. Raises :class:`KernelError` if ``node`` is not a replica of
-        the kernel (any more), or its process still runs.
+        process, which takes the old one's place. Never during a replacement of it.
+        Raises :class:`KernelError` if ``node`` is not a replica of the kernel (any more),
+        or its process still runs.
         """
         async with self._lock:
             ended = self._processes.get(node)
