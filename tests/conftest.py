@@ -28,6 +28,19 @@ settings.load_profile("nbos")
 # set outside still wins (a run of the suite with pools on).
 os.environ.setdefault("NBOS_AGENT__WARM_REPLICAS", "0")
 
+#: Long end-to-end suites (``@pytest.mark.long``) run only when this is set: ``make test``
+#: stays within its 15 minutes on 2 cores, and ``.ci/run`` runs everything.
+LONG = os.environ.get("NBOS_LONG") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if LONG:
+        return
+    skip = pytest.mark.skip(reason="a long end-to-end suite: NBOS_LONG=1 runs it (.ci/run does)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:

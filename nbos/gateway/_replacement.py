@@ -3,9 +3,9 @@
 Not in the paper: there a kernel lives on with two replicas until one comes back. Here
 the dead member's place is taken by a new Raft member (a new node id), in this order:
 
-1. the front stops using the old replica (no cell goes there); its process is left
-   alone: it may be only frozen, slow or cut off, and holds the kernel's state until
-   its place is taken;
+1. the old replica's process is left alone: it may be only frozen, slow or cut off (the
+   front has left it out then), or alive and moved (a migration), and it holds the
+   kernel's state until its place is taken;
 2. a new replica process starts, empty and in ``--join`` mode, on the given host (a
    migration's target) or else on one the placement policy picks among those that hold
    none of the kernel's live replicas;
@@ -290,9 +290,6 @@ class Replacer:
         if len(live) * 2 <= len(self._members):
             # Without a majority of the membership no change can commit.
             raise KernelError(f"kernel {self._kernel_id}: only replicas {live} are alive")
-        if self._processes[dead].returncode is None:
-            # Left out, not given up: a cell it runs is lost only once it is stopped.
-            self._front.suspect(dead, "it is being replaced")
         try:
             return await self._take_place(dead, live, target, after)
         except BaseException:
@@ -313,9 +310,12 @@ class Replacer:
         try:
             spawned = await self._spawn(node, host, peers)
             try:
-                await self._join(node, address, spawned, live, after)
+                # A live old replica (a migration's) is a member still, the leader maybe:
+                # the changes are asked of it too until it is removed.
+                reach = [*live, dead] if dead in self._front.alive else live
+                await self._join(node, address, spawned, reach, after)
                 # A voter now, the new replica may have won an election: ask it too.
-                await self._change([*live, node], "remove", dead)
+                await self._change([*reach, node], "remove", dead)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self._abandon(node, spawned.handle)

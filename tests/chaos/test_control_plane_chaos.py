@@ -47,7 +47,7 @@ from nbos.gateway.control_api import KernelList, ListKernels, SignalReplica
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
 from tests.chaos.test_chaos_cli import run_cli
-from tests.gateway._service import ask, start_gateway, status_when
+from tests.gateway._service import ask, start_gateway, status_when, wipe_raft_dirs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 
@@ -323,8 +323,9 @@ async def test_malformed_requests_are_each_refused_and_the_gateway_goes_on(
 async def test_a_kernel_whose_replicas_all_died_fails_no_healthy_kernel_dead(
     gateway: Gateway, tmp_path: Path
 ) -> None:
-    """The check can fail: with 3 hosts a kernel's replica has nowhere to be replaced, and
-    all 3 killed at once leave no majority to replace them from."""
+    """The check can fail: with 3 hosts a kernel's replica has nowhere to be replaced, all
+    3 killed at once leave no majority to replace them from, and with their disks gone no
+    Raft log to restart them in place from."""
     await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
     async with (
         GatewayKernel.start(gateway.address, OFFERS) as doomed,
@@ -334,6 +335,10 @@ async def test_a_kernel_whose_replicas_all_died_fails_no_healthy_kernel_dead(
         for bystander in watched:
             await bystander.setup(DEADLINE)
             assert await bystander.probe(cell_timeout=DEADLINE, within=DEADLINE) == []
+        listed = await ask(gateway.address, ListKernels())
+        assert isinstance(listed, KernelList), listed
+        [info] = [k for k in listed.kernels if k.kernel_id == doomed.kernel_id]
+        wipe_raft_dirs([r.pid for r in info.replicas if r.pid is not None])
         for node in (await doomed.view()).alive:
             await ask(gateway.address, SignalReplica(doomed.kernel_id, node, signal.SIGKILL))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -168,3 +169,14 @@ def autoscaled_settings(tmp_path: Path) -> Settings:
         scale_in_cooldown_s=0.0,
         idle_grace_s=1.0,
     )
+
+
+def wipe_raft_dirs(pids: list[int]) -> None:
+    """Delete the Raft data directories of the replica processes ``pids`` (their disks
+    lost): a kernel whose replicas then all die cannot come back from its disks."""
+    for pid in pids:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        data_dir = Path(argv[argv.index(b"--data-dir") + 1].decode())
+        if not data_dir.is_absolute():
+            data_dir = Path(os.readlink(f"/proc/{pid}/cwd")) / data_dir
+        shutil.rmtree(data_dir)

@@ -28,7 +28,7 @@ from nbos.gateway.http import serve_http
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, ROOT
 from tests.gateway._http import KernelSocket, call, poll, start_http_gateway
-from tests.gateway._service import ask
+from tests.gateway._service import ask, wipe_raft_dirs
 from tests.gateway.test_metrics import scrape
 
 # Kernels started, killed and restarted on a loaded machine.
@@ -191,10 +191,8 @@ async def test_a_cell_waiting_to_start_then_running_shows_as_waiting_then_busy(
 
 async def test_unanswering_replicas_are_recovering_until_proven_dead(tmp_path: Path) -> None:
     """Suspicion is not proof: replicas the front gave up on whose processes still run (frozen
-    here, and not killed: ``fence_dead_replicas=False``) may answer again."""
-    async with LocalCluster(
-        3, run_dir=tmp_path, replace_dead_replicas=False, fence_dead_replicas=False
-    ) as cluster:
+    here, and never killed for it) may answer again."""
+    async with LocalCluster(3, run_dir=tmp_path, replace_dead_replicas=False) as cluster:
         kernel = await cluster.start_kernel()
         frozen = [r.node for r in kernel.replicas][:2]
         for node in frozen:
@@ -296,11 +294,13 @@ async def test_a_kernel_whose_replicas_were_all_killed_is_dead_everywhere_and_sa
     info = await listed(address, kernel_id)
     assert info.state == "idle" and model["execution_state"] == "idle"
 
-    # Every replica killed: the replacement policy is on, but no majority is left for a
-    # replacement to join, so nothing brings the kernel back.
-    for replica in info.replicas:
-        assert replica.pid is not None
-        os.kill(replica.pid, signal.SIGKILL)
+    # Every replica killed, their disks gone: no majority is left for a replacement to
+    # join, and no Raft log to restart one in place from, so nothing brings it back.
+    pids = [r.pid for r in info.replicas if r.pid is not None]
+    assert len(pids) == 3
+    wipe_raft_dirs(pids)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
 
     async def dead() -> bool:
         return (await listed(address, kernel_id)).state == "dead"
