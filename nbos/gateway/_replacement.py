@@ -304,7 +304,9 @@ class Replacer:
         # Ports on the host that will run it: only its own host knows which are free.
         address = await self._new_member(host)
         log.info("kernel %s: replacing replica %d by %d on %s", self._kernel_id, dead, node, host)
-        peers = {n: self._members[n] for n in live} | {node: address}
+        # Every member's address, the old one's too: until it is removed it may be the
+        # leader that catches the new one up (a live replica moved by a migration).
+        peers = {**self._members, node: address}
         for mover in self._movers:
             mover.replica_moving(dead, host)
         try:

@@ -49,7 +49,7 @@ from tests.agent._daemons import DEADLINE
 from tests.chaos.test_chaos_cli import run_cli
 from tests.gateway._service import ask, start_gateway, status_when, wipe_raft_dirs
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600), pytest.mark.long]
 
 #: The gateway's silence limit is HEARTBEAT_S * MISSED_HEARTBEATS (5 s, the defaults);
 #: the freezes hold longer, so that a gateway that gives hosts up on suspicion does.

@@ -61,6 +61,7 @@ def gateway(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]
         process.wait()
 
 
+@pytest.mark.long
 async def test_a_gateway_paused_past_the_silence_limit_suspects_no_host(
     gateway: tuple[str, Path, subprocess.Popen[bytes]],
 ) -> None:
@@ -105,6 +106,7 @@ def cpu_hogs() -> Iterator[None]:
         hog.wait()
 
 
+@pytest.mark.long
 async def test_a_machine_loaded_far_past_its_cores_loses_no_kernel_and_no_cell(
     gateway: tuple[str, Path, subprocess.Popen[bytes]], cpu_hogs: None
 ) -> None:

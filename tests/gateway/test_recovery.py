@@ -27,7 +27,7 @@ from tests.gateway._service import ask, run_cell, status_when
 from tests.gateway.test_durable import Gateway
 
 # Gateway starts, a kernel's start and three replica restarts: slow on a busy machine.
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600), pytest.mark.long]
 
 ACKNOWLEDGED = "[1, 2, 3, 4]\n"
 
