@@ -47,7 +47,13 @@ from nbos.gateway.control_api import KernelList, ListKernels, SignalReplica
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
 from tests.chaos.test_chaos_cli import run_cli
-from tests.gateway._service import ask, start_gateway, status_when, wipe_raft_dirs
+from tests.gateway._service import (
+    ask,
+    local_gateway_env,
+    start_gateway,
+    status_when,
+    wipe_raft_dirs,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600), pytest.mark.long]
 
@@ -78,12 +84,9 @@ def gateway(tmp_path: Path) -> Iterator[Gateway]:
     address = f"127.0.0.1:{control}"
     data_dir = tmp_path / "data"
     env = {
-        "NBOS_GATEWAY__ADDRESS": address,
-        "NBOS_GATEWAY__AGENT_ADDRESS": f"127.0.0.1:{agents}",
-        "NBOS_GATEWAY__HEARTBEAT_S": str(HEARTBEAT_S),
-        "NBOS_GATEWAY__MISSED_HEARTBEATS": str(MISSED_HEARTBEATS),
-        "NBOS_CLUSTER__HOSTS": "3",
-        "NBOS_CLUSTER__GPUS_PER_HOST": "1",
+        **local_gateway_env(
+            control, agents, heartbeat_s=HEARTBEAT_S, missed_heartbeats=MISSED_HEARTBEATS
+        ),
         "NBOS_CLUSTER__DATA_DIR": str(data_dir),
         "NBOS_GATEWAY__HTTP_ADDRESS": f"127.0.0.1:{http}",
         "NBOS_GATEWAY__AUTH_TOKEN": TOKEN,

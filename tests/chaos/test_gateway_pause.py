@@ -24,7 +24,7 @@ import pytest
 from nbos.gateway.control_api import ClusterStatus, KernelInfo, StartKernel, StatusRequest
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
-from tests.gateway._service import ask, run_cell, start_gateway, status_when
+from tests.gateway._service import ask, local_gateway_env, run_cell, start_gateway, status_when
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 
@@ -41,14 +41,9 @@ def gateway(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]
     control, agents = free_loopback_ports(2)
     address = f"127.0.0.1:{control}"
     log = tmp_path / "gateway.log"
-    env = {
-        "NBOS_GATEWAY__ADDRESS": address,
-        "NBOS_GATEWAY__AGENT_ADDRESS": f"127.0.0.1:{agents}",
-        "NBOS_GATEWAY__HEARTBEAT_S": str(HEARTBEAT_S),
-        "NBOS_GATEWAY__MISSED_HEARTBEATS": str(MISSED_HEARTBEATS),
-        "NBOS_CLUSTER__HOSTS": "3",
-        "NBOS_CLUSTER__GPUS_PER_HOST": "1",
-    }
+    env = local_gateway_env(
+        control, agents, heartbeat_s=HEARTBEAT_S, missed_heartbeats=MISSED_HEARTBEATS
+    )
     process = start_gateway(env, log)
     yield address, log, process
     # Without a data dir, a gateway that is told to stop stops its agents and replicas.

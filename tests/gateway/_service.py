@@ -180,3 +180,18 @@ def wipe_raft_dirs(pids: list[int]) -> None:
         if not data_dir.is_absolute():
             data_dir = Path(os.readlink(f"/proc/{pid}/cwd")) / data_dir
         shutil.rmtree(data_dir)
+
+
+def local_gateway_env(
+    control: int, agents: int, *, heartbeat_s: float = 1.0, missed_heartbeats: int = 5
+) -> dict[str, str]:
+    """``nbos gateway``'s environment for 3 local agents of 1 GPU each on loopback ports
+    ``control`` and ``agents``, with the given heartbeat and silence limit."""
+    return {
+        "NBOS_GATEWAY__ADDRESS": f"127.0.0.1:{control}",
+        "NBOS_GATEWAY__AGENT_ADDRESS": f"127.0.0.1:{agents}",
+        "NBOS_GATEWAY__HEARTBEAT_S": str(heartbeat_s),
+        "NBOS_GATEWAY__MISSED_HEARTBEATS": str(missed_heartbeats),
+        "NBOS_CLUSTER__HOSTS": "3",
+        "NBOS_CLUSTER__GPUS_PER_HOST": "1",
+    }
