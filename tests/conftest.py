@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -40,6 +45,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+#: A test still running this long after its pytest-timeout is hung where that cannot reach
+#: (a teardown after the timeout fired, a call blocked in C): its worker ends, with the
+#: processes it started, and xdist starts another, so a run of the suite always ends.
+HUNG_AFTER_S = 120.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker and marker.args else item.config.getini("timeout"))
+    watchdog = threading.Timer(limit + HUNG_AFTER_S, _end_hung_worker, args=(item.nodeid,))
+    watchdog.daemon = True
+    if limit > 0:
+        watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+
+
+def _end_hung_worker(nodeid: str) -> None:
+    sys.stderr.write(f"\n{nodeid} is hung past its timeout: this worker ends\n")
+    faulthandler.dump_traceback(file=sys.stderr)
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os._exit(1)
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,8 @@ class KernelView:
     last_exec_index: int
     #: Replica node -> the host it runs on.
     hosts: dict[int, str] = attrs.field(factory=dict)
+    #: Replica node -> the pid of its process now (``None``: not known).
+    pids: dict[int, int | None] = attrs.field(factory=dict)
 
 
 class ChaosKernel(Protocol):
@@ -101,7 +103,8 @@ class ChaosKernel(Protocol):
     async def signal_replica(self, node: int, signum: int) -> None: ...
 
     async def wait_replica(self, node: int) -> None:
-        """Return once the front counts replica ``node`` dead."""
+        """Return once the front counts the process of replica ``node`` signalled last
+        dead, or the cluster started the replica again already."""
         ...
 
     async def restart_replica(self, node: int) -> None:
@@ -116,6 +119,7 @@ class EmbeddedKernel:
     kernel: Kernel
     offers: frozenset[Capability] = EMBEDDED
     where: str = "embedded cluster"
+    _struck: dict[int, int | None] = attrs.field(factory=dict, init=False)
 
     @property
     def kernel_id(self) -> str:
@@ -129,6 +133,7 @@ class EmbeddedKernel:
             front.last_executor,
             front.last_exec_index,
             {r.node: r.host for r in self.kernel.replicas},
+            {r.node: r.pid for r in self.kernel.replicas},
         )
 
     async def execute(self, code: str, *, timeout: float) -> ExecuteResult:
@@ -138,12 +143,11 @@ class EmbeddedKernel:
         return await self.kernel.digests(after=after, timeout=timeout)
 
     async def signal_replica(self, node: int, signum: int) -> None:
+        self._struck[node] = (await self.view()).pids.get(node)
         await self.kernel.signal_replica(node, signum)
 
     async def wait_replica(self, node: int) -> None:
-        await self.kernel.wait_replica(node)
-        while node in self.kernel.front.alive:  # noqa: ASYNC110 (the front has no event)
-            await anyio.sleep(_POLL_S)
+        await _struck_gone(self, node, self._struck.pop(node, None))
 
     async def restart_replica(self, node: int) -> None:
         await self.kernel.restart_replica(node)
@@ -167,6 +171,7 @@ class GatewayKernel:
         self._info = info
         self._timeout = request_timeout
         self._cells = CellClient(info.connection)
+        self._struck: dict[int, int | None] = {}
 
     @classmethod
     @asynccontextmanager
@@ -219,6 +224,7 @@ class GatewayKernel:
                 info.last_executor,
                 info.last_exec_index,
                 {r.node: r.host for r in info.replicas},
+                {r.node: r.pid for r in info.replicas},
             )
 
     async def execute(self, code: str, *, timeout: float) -> ExecuteResult:
@@ -230,12 +236,12 @@ class GatewayKernel:
         return reply.digests
 
     async def signal_replica(self, node: int, signum: int) -> None:
+        self._struck[node] = (await self.view()).pids.get(node)
         request = SignalReplica(self.kernel_id, node, int(signum))
         self._info = await _ask(self.address, request, KernelInfo, self._timeout)
 
     async def wait_replica(self, node: int) -> None:
-        while node in (await self.view()).alive:  # noqa: ASYNC110 (the gateway's state)
-            await anyio.sleep(_POLL_S)
+        await _struck_gone(self, node, self._struck.pop(node, None))
 
     async def restart_replica(self, node: int) -> None:
         request = RestartReplica(self.kernel_id, node)
@@ -243,6 +249,17 @@ class GatewayKernel:
 
     async def _ask(self, request: ControlRequest, *, timeout: float) -> ControlReply:
         return await call(self.address, request, timeout=timeout)
+
+
+async def _struck_gone(kernel: ChaosKernel, node: int, struck: int | None) -> None:
+    """Until the front counts replica ``node``'s process ``struck`` (a pid) dead, or the
+    replica runs as another process: a kernel that lost its majority restarts its dead
+    in place at once, maybe before a poll saw them dead."""
+    while True:
+        view = await kernel.view()
+        if node not in view.alive or view.pids.get(node) != struck:
+            return
+        await anyio.sleep(_POLL_S)
 
 
 async def _ask(address: str, request: ControlRequest, kind: type[R], timeout: float) -> R:

@@ -67,6 +67,7 @@ class Kernel:
         self._retired = False
         self._cells: CellClient | None = None
         self._recoveries = 0
+        self._restarting: dict[int, anyio.Event] = {}
         self.closed = anyio.Event()
         #: Whether the kernel lost its majority and its dead replicas are being restarted
         #: in place from their disks.
@@ -198,11 +199,25 @@ class Kernel:
             raise KernelError("replicas can be restarted only on a durable cluster")
         if self._replacer is not None and self._replacer.replacing(node):
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is being replaced")
+        underway = self._restarting.get(node)
+        if underway is not None:
+            # Two restarts at once would start two processes on one Raft log: the second
+            # caller (the kernel's own recovery, an operator, a chaos heal) shares the first.
+            with anyio.fail_after(timeout):
+                await underway.wait()
+            if node not in self.front.alive:
+                raise KernelError(f"replica {node} of kernel {self.kernel_id} did not come back")
+            return
         if self._process(node).returncode is None:
             raise KernelError(f"replica {node} of kernel {self.kernel_id} is still running")
-        with self.recovery():
-            await self._restart(node)  # which puts the new process in the kernel's processes
-            await self.front.revive(node, timeout=timeout)
+        done = self._restarting[node] = anyio.Event()
+        try:
+            with self.recovery():
+                await self._restart(node)  # which puts the new process in the kernel's processes
+                await self.front.revive(node, timeout=timeout)
+        finally:
+            del self._restarting[node]
+            done.set()
 
     async def replace_replica(
         self, node: int, *, timeout: float = 60.0, target: HostId | None = None

@@ -95,11 +95,6 @@ async def test_kill_a_follower_mid_cell(kernel: Kernel) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    reason="open: KillTwo's own restart of both replicas races the kernel's restart in place "
-    "of a lost majority (recovery from disks); the run does not recover in time (issue 27 note)",
-    strict=False,
-)
 async def test_quorum_lost_mid_cell_then_both_restarted(kernel: Kernel) -> None:
     report = await chaos(kernel, [KillTwo()], seed=3, faults=2)
     # The cells in flight got QuorumLostError: no outcome until a majority is back, so the
