@@ -3,9 +3,11 @@
 Whoever starts a replica process on a host (the embedded cluster on this
 machine, an ``nbos agent`` on its own) gives it a directory there, named by a
 relative path the gateway chooses (``KERNEL/replica-N``), and writes a seed
-connection file with the address the host is reached at and the kernel's HMAC
-key, ports 0: the kernel binds free ports on that address and writes them back,
-and the starter reads them (:func:`read_connection_file`) to tell the gateway.
+connection file with the address the host is reached at, the kernel's HMAC key and
+ports picked below the ephemeral range (:mod:`nbos.transport.ports`): the kernel binds
+them and writes the file back, and the starter reads it (:func:`read_connection_file`)
+to tell the gateway. A replica restarted in place binds the same ports again, so they
+must not be ports any outgoing connection may have taken meanwhile.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, TransportError
+from nbos.transport.ports import free_ports
 
 #: The token in a replica's argv that stands for its working directory.
 WORKDIR_TOKEN = "{workdir}"
@@ -51,12 +54,16 @@ def seed_connection_file(workdir: Path, ip: str, key: str) -> Path:
     path = workdir / CONNECTION_FILE
     if path.exists():
         return path
+    try:
+        ports = free_ports(len(_CHANNELS), ip)
+    except TransportError:  # an address this machine cannot bind: the kernel picks
+        ports = [0] * len(_CHANNELS)
     info = {
         "transport": "tcp",
         "ip": ip,
         "key": key,
         "signature_scheme": "hmac-sha256",
-        **{f"{c}_port": 0 for c in _CHANNELS},
+        **{f"{c}_port": port for c, port in zip(_CHANNELS, ports, strict=True)},
     }
     workdir.mkdir(parents=True, exist_ok=True)
     scratch = path.with_suffix(".tmp")

@@ -566,9 +566,9 @@ class KernelManager:
         if not isinstance(why, QuorumLostError):
             return _NotBack(f"it could not be taken back: {why}", waits=False)
         gone = {
-            n: launch.host
-            for n, launch in launches.items()
-            if handles[n].returncode == RAFT_STATE_GONE_STATUS
+            n: launches[n].host
+            for n, handle in handles.items()
+            if handle.returncode == RAFT_STATE_GONE_STATUS
         }
         if 2 * (len(launches) - len(gone)) <= len(launches):
             return _NotBack(_disks_gone(gone), waits=False)
@@ -796,6 +796,7 @@ class KernelManager:
                     for node, handle in handles.items():
                         tg.start_soon(watcher.watch, node, handle)
                     await tg.start(front.serve)
+                    watcher.serving.set()
                     self._tracked[kernel_id] = _Tracked(front, handles, launches, replacing)
                     task_status.started(kernel)
                     await front.shutdown_requested.wait()

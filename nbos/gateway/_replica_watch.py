@@ -33,6 +33,9 @@ class ReplicaWatch:
     after_exit: Callable[[int, ProcessHandle], Awaitable[None]]
     replace_suspected_after_s: float | None
     tg: anyio.abc.TaskGroup
+    #: Set once the kernel's front serves: before, it has not heard from a majority (a
+    #: kernel being taken back may have none), and nothing is brought back or replaced.
+    serving: anyio.Event = attrs.field(factory=anyio.Event)
 
     async def watch(self, node: int, handle: ProcessHandle) -> None:
         """Until ``handle`` (replica ``node``) exits, then the exit's consequences."""
@@ -41,6 +44,7 @@ class ReplicaWatch:
             status = await handle.wait()
         self.front.mark_dead(node, f"process exited with status {status}")
         await self.replica_gone(node)
+        await self.serving.wait()
         await self.after_exit(node, handle)
 
     def declared_dead(self, node: int, reason: str) -> None:
@@ -62,6 +66,19 @@ class ReplicaWatch:
         delay = self.replace_suspected_after_s
         while delay is not None and handle.returncode is None:
             await handle.wait_suspected()
-            if handle.returncode is None:
+            if await self._serving_unless_ended(handle):
                 await self.replacer.replace_while(node, handle, delay, lambda: handle.suspected)
                 await anyio.sleep(delay)
+
+    async def _serving_unless_ended(self, handle: ProcessHandle) -> bool:
+        """Whether the front serves and ``handle`` runs, once one of the two is decided."""
+        async with anyio.create_task_group() as tg:
+
+            async def ended() -> None:
+                await handle.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(ended)
+            await self.serving.wait()
+            tg.cancel_scope.cancel()
+        return handle.returncode is None

@@ -168,11 +168,6 @@ async def test_a_whole_cluster_killed_and_started_again_comes_back_from_its_disk
     await _sees_the_list(gateway, kernel)
 
 
-@pytest.mark.xfail(
-    reason="open, probably: a replica whose host did not register in time is now suspected, not "
-    "ended, and the restore loop restarts only ended replicas (issue 27 note)",
-    strict=False,
-)
 async def test_a_kernel_whose_hosts_come_back_late_waits_for_them(
     gateway: Gateway, tmp_path: Path
 ) -> None:

@@ -239,3 +239,29 @@ async def test_a_cell_whose_executor_froze_runs_once_when_it_thaws(
     await eventually(lambda: executor in kernel.front.alive, timeout=60)
     digests = await kernel.digests()
     assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+
+
+async def test_two_restarts_of_one_replica_at_once_start_one_process(cluster: LocalCluster) -> None:
+    # The kernel's own recovery and an operator (or a chaos heal) may restart the same dead
+    # replica together: a second process on one Raft log would be two members in one.
+    kernel = await cluster.start_kernel()
+    try:
+        executor = await run_cells(kernel, CELLS)
+        node = next(r.node for r in kernel.replicas if r.node != executor)
+        await kernel.kill_replica(node)
+        started: list[int] = []
+        real_restart = kernel._restart
+        assert real_restart is not None
+
+        async def counted(n: int) -> Any:
+            started.append(n)
+            return await real_restart(n)
+
+        kernel._restart = counted
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kernel.restart_replica, node)
+            tg.start_soon(kernel.restart_replica, node)
+        assert started == [node]
+        await assert_recovered(kernel, AFTER)
+    finally:
+        await kernel.shutdown()

@@ -62,9 +62,10 @@ class Membership:
         self._tg = tg
         for up in self._upstreams.values():
             await tg.start(self._serve_upstream, up)
-        for replica in self._upstreams:
-            if not await self._probe(replica, timeout=READY_TIMEOUT_S):
-                self._liveness.mark_dead(replica, "it did not answer at start")
+        # At once: a replica whose host is away must not hold up the others' answers.
+        async with anyio.create_task_group() as probes:
+            for replica in self._upstreams:
+                probes.start_soon(self._probe_at_start, replica)
         if not self._liveness.has_quorum:
             raise QuorumLostError(
                 f"kernel {self._kernel_id}: only replicas {self._liveness.alive} of "
@@ -184,6 +185,10 @@ class Membership:
                     task_status.started()
         finally:
             up.close()
+
+    async def _probe_at_start(self, replica: int) -> None:
+        if not await self._probe(replica, timeout=READY_TIMEOUT_S):
+            self._liveness.mark_dead(replica, "it did not answer at start")
 
     async def _probe(self, replica: int, *, timeout: float) -> bool:
         """Whether ``replica`` answers, probing until it does, it dies or ``timeout`` passes.

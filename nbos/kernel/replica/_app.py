@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
@@ -263,14 +263,23 @@ def main(argv: list[str] | None = None) -> Any:
         ReplicaApp.launch_instance(argv=argv)
     except (RaftStateMissingError, StorageCorruptError) as exc:
         log.error("replica cannot restart from its disk: %s", exc)  # noqa: TRY400
-        sys.exit(RAFT_STATE_GONE_STATUS)
+        _exit_now(RAFT_STATE_GONE_STATUS)
     except NbosError as exc:
         log.error("replica cannot start: %s", exc)  # noqa: TRY400 - the message says it all
-        sys.exit(2)
+        _exit_now(2)
+    except Exception:
+        log.exception("replica cannot start")
+        _exit_now(2)
     # The kernel answered shutdown_request only after its Raft member stopped and its log
-    # was closed: nothing is left to save. Interpreter teardown with ipykernel's and
-    # ZeroMQ's threads still about can abort (SIGABRT) or take seconds, so skip it.
+    # was closed: nothing is left to save.
     log.info("replica shut down")
+    _exit_now(0)
+
+
+def _exit_now(status: int) -> NoReturn:
+    # Interpreter teardown with ipykernel's and ZeroMQ's threads still about can abort
+    # (SIGABRT), take seconds, or hang for good in ZeroMQ's context term (a socket whose
+    # port would not bind is left open): skip it.
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(status)
