@@ -19,6 +19,7 @@ replica it names; at end of file (its agent went away) it exits without a word.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import msgspec
+import zmq
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Bool, Dict, DottedObjectName, Int, Type, Unicode, default
 
@@ -46,8 +48,11 @@ from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._session import ReplicaSession
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
+from nbos.transport.ports import free_ports
 
 log = logging.getLogger(__name__)
+#: Ports tried at a first start before a bind failure ends it (see ReplicaApp._bind_socket).
+_BIND_ATTEMPTS = 5
 
 
 def parse_peers(text: str) -> dict[NodeId, str]:
@@ -142,6 +147,20 @@ class ReplicaApp(IPKernelApp):
         # thread reads the shell instead.
         self.shell_channel_thread.io_loop.close()
         self.shell_channel_thread = NoShellChannelThread()
+
+    def _bind_socket(self, s: zmq.Socket[Any], port: int) -> int:
+        """Bind ``port``, seeded free below the ephemeral range; at a first start, one that
+        another process took meanwhile gives way to another such port (nobody knows it
+        yet). A replica restarted in place must have its own ports again: its clients
+        know them."""
+        for _ in range(_BIND_ATTEMPTS - 1):
+            try:
+                return int(super()._bind_socket(s, port))  # type: ignore[no-untyped-call]
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or self.recover or not port:
+                    raise
+                (port,) = free_ports(1, self.ip)
+        return int(super()._bind_socket(s, port))  # type: ignore[no-untyped-call]
 
     def init_kernel(self) -> None:
         _log_only_what_is_shown(self.log)
