@@ -9,6 +9,8 @@ command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || need+=(docker.io)
 # network namespaces for the multi-host tests: ip netns, veth, a bridge, iptables partitions
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || need+=(iproute2)
 command -v iptables >/dev/null || [ -x /usr/sbin/iptables ] || need+=(iptables)
+# the CPU-hog nemesis (nbos chaos cpu-hog, tests/chaos): stress-ng on every core
+command -v stress-ng >/dev/null || need+=(stress-ng)
 # the browser end-to-end tests: Debian's Chromium and its WebDriver, driven by selenium
 command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
