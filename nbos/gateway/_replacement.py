@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 _REQUEST_TIMEOUT_S = 5.0
 # How long stopping a removed replica may hold a replacement up (its agent retries on).
 _STOP_TIMEOUT_S = 30.0
+#: How long an abandoned replacement's removal from the membership may take (a loaded host).
+_ABANDON_TIMEOUT_S = 30.0
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 0.5
 #: The policy's attempts at replacing one dead replica, and the waits between them
@@ -396,14 +398,19 @@ class Replacer:
             raise KernelError(f"kernel {self._kernel_id} is shutting down")
 
     async def _abandon(self, node: int, handle: ProcessHandle) -> None:
+        # Out of the membership first, while it runs: promoted already, it counts in the
+        # majority that must commit its removal; killed first, with the old replica dead
+        # too, no majority is left for that removal or for any cell.
+        live = list(self._front.alive)
+        if not self._closed and live:
+            await self._remove_abandoned(node, live)
         self._front.remove_replica(node)
         if handle.returncode is None:
             await handle.terminate(grace=1.0)
-        live = list(self._front.alive)
-        if self._closed or not live:
-            return  # the kernel is going away: its membership no longer matters
+
+    async def _remove_abandoned(self, node: int, live: list[int]) -> None:
         # Shielded by the caller, so bounded here; and cut short if the kernel shuts down.
-        with anyio.move_on_after(10.0) as scope:
+        with anyio.move_on_after(_ABANDON_TIMEOUT_S) as scope:
             self._scopes.add(scope)
             try:
                 await self._change(live, "remove", node)
