@@ -614,6 +614,11 @@ del _install
 """
 
 
+@pytest.mark.xfail(
+    reason="open: in one full CI run (beside the durable-gateway tests) this cell's IOPub "
+    "messages did not arrive within the deadline; passes alone (issue 27 note)",
+    strict=False,
+)
 async def test_a_cells_idle_goes_out_once_the_output_its_reply_counts_is_relayed(
     client: AsyncKernelClient, tmp_path: Path
 ) -> None:
