@@ -380,6 +380,7 @@ class KernelManager:
             raise self.admission.refuse(f"no room for the kernel's replicas ({why})") from exc
         handles: dict[int, ProcessHandle] = {}
         launches: dict[int, _Launch] = {}
+        front: KernelFront | None = None
         env = dict(env or {})
         if self.options.curve:
             env |= kernel_keys_env()
@@ -408,6 +409,8 @@ class KernelManager:
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         except BaseException:
             self._starting.pop(kernel_id, None)
+            if front is not None:
+                front.close()
             with anyio.CancelScope(shield=True):
                 for handle in handles.values():
                     await handle.terminate(grace=1.0)
@@ -530,9 +533,9 @@ class KernelManager:
         kernel_id = KernelId(record.kernel_id)
         launches = {r.node: self._launch_of(record, r) for r in record.replicas}
         failures: list[Exception] = []
+        front: KernelFront | None = None
         try:
             placed = {r.node: HostId(r.host) for r in record.replicas}
-            launches = {r.node: self._launch_of(record, r) for r in record.replicas}
             members = {r.node: r.raft for r in record.replicas}
             for r in record.replicas:
                 self._connections[(kernel_id, r.node)] = r.connection
@@ -560,6 +563,9 @@ class KernelManager:
             self._kernels[kernel_id] = kernel
             log.info("kernel %s taken back: replicas %s alive", kernel_id, sorted(front.alive))
             return None
+        finally:
+            if front is not None and kernel_id not in self._kernels:
+                front.close()
         why: BaseException = failures[0]
         while isinstance(why, BaseExceptionGroup):  # the first error, not its wrapping
             why = why.exceptions[0]

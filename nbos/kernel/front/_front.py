@@ -300,7 +300,7 @@ class KernelFront:
                 task_status.started()
         finally:
             self._shell = None
-            self._close()
+            self.close()
 
     async def add_replica(
         self, endpoint: ReplicaEndpoint, *, timeout: float = READY_TIMEOUT_S
@@ -329,10 +329,20 @@ class KernelFront:
     def _unavailable(self, account: str) -> QuorumLostError:
         return self.unavailable(account)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Close the front's sockets; :meth:`serve` does on its way out, and whoever made
+        a front it never served must (once more is harmless).
+
+        A front left to the garbage collector would hang the process that collects it:
+        its sockets' weak references are cleared before the context's finalizer runs,
+        which then waits for them forever.
+        """
+        if self._ctx.closed:
+            return
         self._membership.close()
         self._clients.close()
-        self._ctx.term()
+        # Any socket a request opened and its cancellation left open is closed too.
+        self._ctx.destroy(linger=0)
 
     async def _read_client(
         self, sock: zmq.asyncio.Socket, tx: MemoryObjectSendStream[Incoming]
