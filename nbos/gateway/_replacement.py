@@ -143,7 +143,7 @@ class Replacer:
         self._pending: set[int] = set()
         #: The replica being replaced was dead (not a live one moved: a migration).
         self._replacing_dead = False
-        self._next_node = itertools.count(max(members, default=0) + 1)
+        self._last_node = max(members, default=0)
         #: Dead replicas the policy gave up on, with why.
         self.failures: dict[int, ReplacementError] = {}
 
@@ -301,7 +301,7 @@ class Replacer:
     async def _take_place(
         self, dead: int, live: list[int], target: HostId | None, after: int | None
     ) -> int:
-        node = next(self._next_node)
+        node = await self._fresh_node(live)
         host = target if target is not None else self._pick_host(dead, live)
         # Ports on the host that will run it: only its own host knows which are free.
         address = await self._new_member(host)
@@ -343,6 +343,18 @@ class Replacer:
         await self._stop_removed(dead, old)
         self._front.remove_replica(dead)
         return node
+
+    async def _fresh_node(self, live: Sequence[int]) -> int:
+        """A node id the kernel's Raft group never had, once members the kernel does not
+        know of are removed: a gateway stopped mid-replacement added them (its record
+        never held them, and its next start stopped their processes)."""
+        answer = await self._change(live, "members", 0)
+        found = {int(n) for n in (*answer.get("voters", ()), *answer.get("learners", ()))}
+        for stray in sorted(found - set(self._members)):
+            log.warning("kernel %s: removing Raft member %d, unknown to it", self._kernel_id, stray)
+            await self._change(live, "remove", stray)
+        self._last_node = max(self._last_node, *found) + 1
+        return self._last_node
 
     def _readmit(self, dead: int) -> None:
         """The replacement failed: a replica whose process runs is used again if it answers."""
@@ -423,8 +435,9 @@ class Replacer:
 
     async def _change(
         self, live: Sequence[int], op: str, node: int, address: str | None = None
-    ) -> None:
-        """Have the Raft leader make one membership change; retried until it took effect."""
+    ) -> dict[str, Any]:
+        """Have the Raft leader make one membership change, retried until it took effect
+        (or tell its membership: ``members``); the leader's reply."""
         content = _content(op, node, address)
         targets = itertools.cycle(live)
         hint: int | None = None
@@ -438,7 +451,7 @@ class Replacer:
             answer = reply["content"] if reply is not None else {}
             if answer.get("status") == "ok":
                 log.info("kernel %s: %s %d done through %d", self._kernel_id, op, node, target)
-                return
+                return answer
             if answer.get("ename") == "NotLeaderError":
                 leader = answer.get("leader")
                 hint = leader if leader != target else None

@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -24,6 +25,7 @@ from nbos.core.transport import Transport
 from nbos.core.wire import encode
 from nbos.core.wire.raft import RaftTransferRequest
 from nbos.transport import open_transport
+from nbos.transport.ports import free_loopback_address
 from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import run_cells
 
@@ -107,7 +109,8 @@ async def test_a_dead_executor_is_replaced(kernel: Kernel) -> None:
 
 async def test_replace_replica_on_demand(kernel: Kernel) -> None:
     executor = await run_cells(kernel, STATE)
-    for bad in ({"op": "add_learner", "node": 9}, {"op": "promote", "node": -1}, {"op": "x"}):
+    bad_requests = ({"op": "add_learner", "node": 9}, {"op": "promote", "node": -1}, {"op": "x"})
+    for bad in (*bad_requests, {"op": "remove"}, {"op": "members", "node": "1"}):
         reply = await kernel.front.control_request(executor, "nbos_member_request", bad, timeout=10)
         assert reply is not None and reply["content"]["ename"] == "ValidationError", bad
     victim = next(r.node for r in kernel.replicas if r.node != executor)
@@ -118,6 +121,42 @@ async def test_replace_replica_on_demand(kernel: Kernel) -> None:
     await check_converged(kernel, new)
     with pytest.raises(KernelError):
         await kernel.replace_replica(victim)  # gone for good
+
+
+async def member_request(kernel: Kernel, **content: object) -> dict[str, Any]:
+    """``content`` as an ``nbos_member_request`` to the Raft leader; its reply's content."""
+    with anyio.fail_after(30):
+        while True:
+            for node in kernel.front.alive:
+                reply = await kernel.front.control_request(
+                    node, "nbos_member_request", content, timeout=10
+                )
+                assert reply is not None
+                if reply["content"].get("ename") != "NotLeaderError":
+                    return reply["content"]  # type: ignore[no-any-return]
+            await anyio.sleep(0.2)  # no leader yet
+
+
+async def test_a_member_the_kernel_does_not_know_is_removed_and_its_node_id_never_reused(
+    kernel: Kernel,
+) -> None:
+    # What a gateway stopped between a replacement's add_learner and its record leaves:
+    # a Raft member whose process its next start stopped. The next replacement removes
+    # it and numbers its own replica past it (before, it reused the id: the add was
+    # taken as done, with the stray's address, and the new replica never caught up).
+    executor = await run_cells(kernel, STATE)
+    stray = max(r.node for r in kernel.replicas) + 1
+    added = await member_request(kernel, op="add_learner", node=stray, raft=free_loopback_address())
+    assert added["status"] == "ok" and added["learners"] == [stray], added
+    victim = next(r.node for r in kernel.replicas if r.node != executor)
+    await kernel.kill_replica(victim)
+    new = await replaced(kernel, victim)
+    assert new == stray + 1
+    members = await member_request(kernel, op="members")
+    assert members["status"] == "ok", members
+    assert sorted(members["voters"]) == sorted(r.node for r in kernel.replicas)
+    assert members["learners"] == []
+    await check_converged(kernel, new)
 
 
 async def test_a_durable_kernel_restarts_a_replica_in_place_after_a_replacement() -> None:

@@ -297,10 +297,10 @@ class RaftMemberThread:
     ) -> tuple[Sequence[NodeId], Sequence[NodeId]]:
         """Make one membership change through this member; the voters and learners after it.
 
-        ``op`` is ``add_learner`` (at Raft ``address``), ``promote`` or ``remove``. A
-        change already in effect is not made again. Raises ``NotLeaderError`` on a
-        follower and ``MembershipChangeError`` when the Raft core refuses (another
-        change pending, a learner not caught up yet).
+        ``op`` is ``add_learner`` (at Raft ``address``), ``promote`` or ``remove``, or
+        ``members`` (no change: the leader's account). A change already in effect is not
+        made again. Raises ``NotLeaderError`` on a follower and ``MembershipChangeError``
+        when the Raft core refuses (another change pending, a learner not caught up yet).
         """
         if self._portal is None:
             raise LogClosedError("the replica's Raft member is not running")
@@ -320,7 +320,10 @@ class RaftMemberThread:
             await raft_log.promote(node)
         elif op == "remove" and node in (*voters, *learners):
             await raft_log.remove(node)
-        elif op not in ("add_learner", "promote", "remove"):
+        elif op == "members" and raft_log.leader_id != raft_log.node_id:
+            # A follower's configuration may lag the leader's.
+            raise NotLeaderError(raft_log.leader_id)
+        elif op not in ("add_learner", "promote", "remove", "members"):
             raise MembershipChangeError(f"unknown membership change {op!r}")
         return raft_log.voters(), raft_log.learners()
 

@@ -19,20 +19,23 @@ from nbos.kernel.replica._member_thread import RaftMemberThread
 
 log = logging.getLogger(__name__)
 
-MemberOp = Literal["add_learner", "promote", "remove"]
+MemberOp = Literal["add_learner", "promote", "remove", "members"]
 
 
 class MemberRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The content of an ``nbos_member_request``: a Raft membership change of ``node``
-    (``add_learner`` needs its Raft address, ``raft``)."""
+    (``add_learner`` needs its Raft address, ``raft``), or ``members``: none, the
+    leader's voters and learners only."""
 
     op: MemberOp
-    node: Annotated[int, msgspec.Meta(gt=0)]
+    node: Annotated[int, msgspec.Meta(ge=0)] = 0
     raft: str = ""
 
     def __post_init__(self) -> None:
         if self.op == "add_learner" and not self.raft:
             raise ValueError("add_learner needs the Raft address")
+        if self.op != "members" and self.node == 0:
+            raise ValueError(f"{self.op} needs a node above 0")
 
 
 async def member_reply(raft: RaftMemberThread, content: Any) -> dict[str, Any]:
