@@ -168,12 +168,6 @@ def _probe(content: dict[str, Any]) -> str:
     return str(content["user_expressions"]["probe"]["data"]["text/plain"])
 
 
-@pytest.mark.xfail(
-    reason="open: on a loaded machine the replacement of the replica killed while the gateway "
-    "was down does not complete within the test's 120 s after the second restart (a cut-short "
-    "replacement; one cause, a dead voter left behind, fixed; issue 27 note)",
-    strict=False,
-)
 async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
     gateway: Gateway,
 ) -> None:
@@ -249,7 +243,9 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
         timeout=4 * DEADLINE,
     )
     [again] = [k for k in status.kernels if k.kernel_id == hurt.kernel_id]
-    assert sorted(r.node for r in again.replicas if r.alive) == [2, 3, 4]
+    # A new node, past any the second kill's cut-short replacement had added.
+    *kept, new = sorted(r.node for r in again.replicas if r.alive)
+    assert kept == [2, 3] and new >= 4, again.replicas
     assert await run_cell(again, "print(y + 1)") == {"status": "ok", "stdout": "42\n"}
     [back] = [k for k in status.kernels if k.kernel_id == doomed.kernel_id]
     before = {(r.node, r.host) for r in doomed.replicas}
