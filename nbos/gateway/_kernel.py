@@ -66,6 +66,7 @@ class Kernel:
         self._retire = retire
         self._retired = False
         self._cells: CellClient | None = None
+        self._let_go = False
         self._recoveries = 0
         self._restarting: dict[int, anyio.Event] = {}
         self.closed = anyio.Event()
@@ -154,6 +155,8 @@ class Kernel:
         """
         if self.closed.is_set():
             raise KernelError(f"kernel {self.kernel_id} is shut down")
+        if self._let_go:
+            raise KernelError(f"kernel {self.kernel_id} is no longer run by this gateway")
         if self._cells is None:
             self._cells = CellClient(self.connection_info)
         return await self._cells.execute(code, timeout=timeout, metadata=metadata)
@@ -246,6 +249,15 @@ class Kernel:
         await self._retire()
         self._retired = True
 
+    def let_go(self) -> None:
+        """Close this object's own client of the kernel: the kernel was shut down, or the
+        gateway stops and leaves it running. Left to the garbage collector, the client's
+        sockets would hang whichever thread collected them."""
+        self._let_go = True
+        if self._cells is not None:
+            self._cells.close()
+            self._cells = None
+
     def _process(self, node: int) -> ProcessHandle:
         handle = self._processes.get(node)
         if handle is None:
@@ -261,9 +273,7 @@ class Kernel:
         if self.closed.is_set():
             return
         await self.retire()
-        if self._cells is not None:
-            self._cells.close()
-            self._cells = None
+        self.let_go()
         if self._replacer is not None:
             self._replacer.close()
         with anyio.CancelScope(shield=True):

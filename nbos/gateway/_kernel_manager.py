@@ -737,7 +737,7 @@ class KernelManager:
         task_status: anyio.abc.TaskStatus[Kernel],
     ) -> None:
         gpus, launcher, options = self.gpus, self.launcher, self.options
-
+        kernel: Kernel | None = None
         try:
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
@@ -813,6 +813,8 @@ class KernelManager:
                     kernel.closed.set()
                     tg.cancel_scope.cancel()
         finally:
+            if kernel is not None:
+                kernel.let_go()
             await self._kernel_ended(kernel_id, front)
 
     async def _again(self, launch: _Launch, ended: ProcessHandle) -> ProcessHandle:

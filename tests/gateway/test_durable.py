@@ -19,11 +19,13 @@ back. Only ``ShutdownCluster`` shuts them down.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +37,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from nbos.agent import ProcessIdentity
+from nbos.core.errors import KernelError
 from nbos.gateway.control_api import (
     ControlError,
     KernelInfo,
@@ -319,6 +322,7 @@ async def test_a_gateway_that_dies_of_an_exception_leaves_its_kernels_and_its_st
         try:
             async with GatewayService.serve(settings) as service:
                 kernel = await service.kernel_manager.start_kernel()
+                kernel_id = kernel.kernel_id
                 assert (await kernel.execute("x = 41")).status == "ok"
                 replicas = [r.pid for r in kernel.replicas if r.pid is not None]
                 saved = state.read_bytes()
@@ -328,12 +332,21 @@ async def test_a_gateway_that_dies_of_an_exception_leaves_its_kernels_and_its_st
             died = True
         assert died
         assert state.read_bytes() == saved
+        # The gateway let go of the kernel: it closed its own client of it (left to the
+        # garbage collector, that client hung the thread that collected it).
+        with pytest.raises(KernelError, match="no longer run by this gateway"):
+            await kernel.execute("x")
+        del kernel
+        collector = threading.Thread(target=gc.collect, daemon=True)
+        collector.start()
+        collector.join(timeout=DEADLINE)
+        assert not collector.is_alive(), "the garbage collector hung"
         agents = local_agents(run_dir)
         assert len(agents) == 3
         assert [p for p in agents + replicas if not alive(p)] == []
 
         async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
-            again = service.kernel_manager.kernel(kernel.kernel_id)
+            again = service.kernel_manager.kernel(kernel_id)
             result = await again.execute("print(x)")
             assert result.status == "ok" and result.stdout == "41\n"
         assert not [p for p in agents + replicas if alive(p)]
