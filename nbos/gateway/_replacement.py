@@ -301,7 +301,10 @@ class Replacer:
     async def _take_place(
         self, dead: int, live: list[int], target: HostId | None, after: int | None
     ) -> int:
-        node = await self._fresh_node(live)
+        # A live old replica (a migration's) is a member still, the leader maybe: the
+        # changes are asked of it too until it is removed.
+        reach = [*live, dead] if dead in self._front.alive else live
+        node = await self._fresh_node(reach)
         host = target if target is not None else self._pick_host(dead, live)
         # Ports on the host that will run it: only its own host knows which are free.
         address = await self._new_member(host)
@@ -314,9 +317,6 @@ class Replacer:
         try:
             spawned = await self._spawn(node, host, peers)
             try:
-                # A live old replica (a migration's) is a member still, the leader maybe:
-                # the changes are asked of it too until it is removed.
-                reach = [*live, dead] if dead in self._front.alive else live
                 await self._join(node, address, spawned, reach, after)
                 # A voter now, the new replica may have won an election: ask it too.
                 await self._change([*reach, node], "remove", dead)
