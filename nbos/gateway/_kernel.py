@@ -14,7 +14,7 @@ import attrs
 from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.compute_backend import ProcessHandle
-from nbos.core.errors import KernelError, ReplacementError
+from nbos.core.errors import KernelError, NbosError, ReplacementError
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway._kernel_state import KernelFacts, KernelState, kernel_state, refusal
 from nbos.gateway._replacement import Replacer
@@ -289,9 +289,18 @@ async def stop_processes(front: KernelFront, by_node: Mapping[int, ProcessHandle
         async with anyio.create_task_group() as tg:
             for node in front.alive:
                 tg.start_soon(_ask_shutdown, front, node, by_node[node])
-    for handle in list(by_node.values()):  # a replacement may change it meanwhile
-        if handle.returncode is None:
-            await handle.terminate(grace=1.0)
+    # At once: each waits for its host, and an unreachable one for its whole timeout.
+    async with anyio.create_task_group() as tg:
+        for handle in list(by_node.values()):  # a replacement may change it meanwhile
+            if handle.returncode is None:
+                tg.start_soon(_terminate, handle)
+
+
+async def _terminate(handle: ProcessHandle) -> None:
+    try:
+        await handle.terminate(grace=1.0)
+    except NbosError as exc:  # the others are stopped all the same
+        log.warning("replica on %s not stopped: %s", handle.host, exc)
 
 
 async def _ask_shutdown(front: KernelFront, node: int, handle: ProcessHandle) -> None:

@@ -30,6 +30,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from nbos.transport.keys import generate_keys
+from tests._servers._process import stop_process
 from tests._servers.netns import Netns, netns_or_skip
 from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, alive, end_replicas, start_agent
 from tests.gateway._service import start_gateway
@@ -151,6 +152,7 @@ async def cluster(tmp_path: Path, net: Netns, host_gpus: dict[str, int]) -> Asyn
 
     gateway = start()
     agents: dict[str, AgentProcess] = {}
+    made: Cluster | None = None
     try:
         for host in HOSTS:
             agents[host] = start_agent(
@@ -171,8 +173,11 @@ async def cluster(tmp_path: Path, net: Netns, host_gpus: dict[str, int]) -> Asyn
             assert len(ips) == 3 and ips <= {net.address(h) for h in HOSTS}
             assert kernel["connection"]["ip"] == gw  # the front listens at the gateway's
             assert await ask(op="cell", code="x = 40") == {"status": "ok", "stdout": ""}
-            yield Cluster(net, agents, ask, kernel, gateway, start)
+            made = Cluster(net, agents, ask, kernel, gateway, start)
+            yield made
     finally:
+        # The gateway first, its kernels shut down through their agents while they run.
+        stop_process(made.gateway if made else gateway, 3 * DEADLINE)
         for agent in agents.values():
             agent.kill()
             agent.wait()

@@ -86,6 +86,7 @@ BURST_SPEEDUP = 10.0
 BURST = Trace(tuple(Session(f"s{i}", 0, 300, 2, (Cell(20 + 5 * i, 200),)) for i in range(4)))
 
 
+@pytest.mark.long  # a minute and a half of replay: tests/gateway/test_autoscale.py is the short one
 async def test_a_replayed_burst_scales_the_cluster_out_then_back_in(tmp_path: Path) -> None:
     path = tmp_path / "burst.json"
     path.write_bytes(dump_json(BURST))
