@@ -67,6 +67,7 @@ from nbos.core.compute_backend import ProcessHandle, ProcessSpec
 from nbos.core.config import AgentSettings
 from nbos.core.errors import BackendError, ConfigError
 from nbos.core.ids import HostId
+from nbos.core.private_files import private_dir
 from nbos.core.wire.agent import ReplicaInfo, ReplicaSpec
 
 if TYPE_CHECKING:
@@ -425,7 +426,7 @@ class ReplicaService:
 
     def _prepare(self, workdir: Path, connection_key: str) -> None:
         try:
-            workdir.mkdir(parents=True, exist_ok=True)
+            private_dir(workdir)
             if connection_key:
                 seed_connection_file(workdir, self._ip, connection_key)
         except OSError as exc:

@@ -36,6 +36,7 @@ from nbos.backends._common import (
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError, ConfigError
 from nbos.core.ids import HostId
+from nbos.core.private_files import open_private, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -210,15 +211,11 @@ class LocalProcessBackend:
                     await anyio.to_thread.run_sync(partial(tempfile.mkdtemp, prefix="nbos-run-"))
                 )
             path = self._run_dir / safe_file_part(host) / log_name(next(self._seq), spec)
-            await anyio.Path(path.parent).mkdir(parents=True, exist_ok=True)
-            return path, await anyio.to_thread.run_sync(partial(_open_append, path))
+            await anyio.to_thread.run_sync(private_dir, path.parent)
+            return path, await anyio.to_thread.run_sync(open_private, path)
         except OSError as exc:
             logger.warning("cannot create a log file under %s: %s", self._run_dir, exc)
             raise BackendError(f"cannot create a log file under {self._run_dir}: {exc}") from exc
-
-
-def _open_append(path: Path) -> BinaryIO:
-    return path.open("ab")
 
 
 def _read_tail(path: Path, size: int) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nbos.core.errors import ConfigError, TransportError
+from nbos.core.private_files import private_dir, write_private
 from nbos.transport.ports import free_ports
 
 #: The token in a replica's argv that stands for its working directory.
@@ -65,10 +66,8 @@ def seed_connection_file(workdir: Path, ip: str, key: str) -> Path:
         "signature_scheme": "hmac-sha256",
         **{f"{c}_port": port for c, port in zip(_CHANNELS, ports, strict=True)},
     }
-    workdir.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(".tmp")
-    scratch.write_text(json.dumps(info))
-    scratch.replace(path)
+    private_dir(workdir)
+    write_private(path, json.dumps(info).encode())  # it holds the kernel's key
     return path
 
 

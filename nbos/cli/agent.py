@@ -10,6 +10,7 @@ import anyio
 
 from nbos.agent import AgentConfig, run_until_signalled
 from nbos.core.config import Settings
+from nbos.core.private_files import keep_private
 
 
 def register(subparsers: Any) -> None:
@@ -86,5 +87,6 @@ def agent_command(args: argparse.Namespace) -> int:
         stop_replicas_on_exit=args.stop_replicas_on_exit,
         settings=agent,
     )
+    keep_private()
     anyio.run(run_until_signalled, config)
     return 0

@@ -7,6 +7,8 @@ from typing import Any
 
 import anyio
 
+from nbos.core.private_files import keep_private
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -47,6 +49,7 @@ def up_command(args: argparse.Namespace) -> int:
     from nbos.cli.status import render
     from nbos.deploy import cluster_up
 
+    keep_private()  # the daemons' logs it creates
     print(render(anyio.run(cluster_up, args.file, args.timeout)))
     return 0
 
@@ -55,6 +58,7 @@ def restart_command(args: argparse.Namespace) -> int:
     from nbos.cli.status import render
     from nbos.deploy import cluster_restart
 
+    keep_private()
     print(render(anyio.run(cluster_restart, args.file, args.target, args.timeout)))
     return 0
 

@@ -11,6 +11,7 @@ import anyio
 import msgspec
 
 from nbos.core.config import Settings
+from nbos.core.private_files import keep_private
 
 
 def register(subparsers: Any) -> None:
@@ -61,6 +62,7 @@ def gateway_command(args: argparse.Namespace) -> int:
         gateway = msgspec.structs.replace(settings.gateway, http_address=args.http)
         settings = msgspec.structs.replace(settings, gateway=gateway)
     runtime_file = Path(args.runtime_file) if args.runtime_file else None
+    keep_private()
     anyio.run(
         partial(
             run_until_signalled,

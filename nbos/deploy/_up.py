@@ -43,6 +43,7 @@ from nbos.core.compute_backend import ProcessSpec
 from nbos.core.config import Settings
 from nbos.core.errors import BackendError, ConfigError, NbosError
 from nbos.core.ids import HostId
+from nbos.core.private_files import open_private
 from nbos.deploy._file import ClusterFile, HostTable, StartKind, load_cluster_file
 from nbos.gateway.control_api import (
     ClusterStatus,
@@ -306,7 +307,7 @@ def _start_gateway(cluster: Cluster) -> Started:
 
 def _start_local(name: str, argv: Sequence[str], env: Mapping[str, str], log_file: Path) -> Started:
     """``argv`` in a session of its own (it outlives this command), output to ``log_file``."""
-    with log_file.open("ab") as out:
+    with open_private(log_file) as out:
         process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,

@@ -25,6 +25,7 @@ from jupyter_core.paths import jupyter_runtime_dir
 
 from nbos.core.config import ENV_PREFIX, Settings
 from nbos.core.errors import ConfigError, KernelError, TransportError
+from nbos.core.private_files import open_private
 from nbos.gateway.control_api import ClusterStatus, StatusRequest, call
 from nbos.gateway.runtime import RuntimeFile
 from nbos.transport.ports import free_loopback_ports
@@ -93,7 +94,7 @@ def _start(settings: Settings, runtime: RuntimeFile) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "nbos", "--log-level", "INFO", "gateway"]
     argv += ["--runtime-file", str(runtime.path)]
     log_path = _log_path(runtime)
-    with log_path.open("ab") as out:
+    with open_private(log_path) as out:
         # Its own session: a terminal's Ctrl-C for the Jupyter server, or the kernel
         # manager signalling this kernel's process group, must not reach it.
         process = subprocess.Popen(

@@ -59,9 +59,14 @@ async def test_tokens_bad_requests_and_unknown_names_get_the_answers_jupyter_exp
     assert (await call(f"{url}/api/kernels"))[0] == 401
     assert (await call(f"{url}/api/kernels", token="wrong"))[0] == 403
     assert (await call(f"{url}/api/kernels?token={TOKEN}")) == (200, [])
+    assert (await call(f"{url}/api/kernels/nonexistent?token={TOKEN}"))[0] == 404
+    assert (await call(f"{url}/api/kernels?token=a-guess"))[0] == 403
     text = log.read_text()
     assert "refused GET /api/kernels from 127.0.0.1: no token" in text
     assert "refused GET /api/kernels from 127.0.0.1: wrong token" in text
+    # Tornado logs a 4xx with its URI: the tokens in them are not written.
+    assert "GET /api/kernels/nonexistent?token=[redacted]" in text
+    assert TOKEN not in text and "a-guess" not in text
 
     code, specs = await call(f"{url}/api/kernelspecs", token=TOKEN)
     assert code == 200 and specs["default"] == "nbos"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tornado import httpserver, netutil, web
+from tornado import httpclient, httpserver, netutil, web
 
 from nbos.core.errors import DecodeError
-from nbos.gateway.http._handlers import ApiHandler, ApiRoot
+from nbos.gateway.http._handlers import ApiHandler, ApiRoot, log_request
 from nbos.gateway.http._wsproto import _frame_legacy, decode
 from tests.gateway._http import call
 
@@ -55,3 +55,34 @@ def test_a_legacy_binary_frame_whose_json_is_not_utf8_is_no_message(json: bytes)
     # client's WebSocket instead of dropping the frame.
     with pytest.raises(DecodeError, match="not a Jupyter message"):
         decode(_frame_legacy([json, b"buffer"]), "")
+
+
+async def test_a_token_in_a_query_string_never_reaches_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Tornado logs every 4xx and 5xx with the request's URI: a right token on a wrong path,
+    # a wrong token, a handler's bug. The gateway's own routes and tornado's 404 alike.
+    settings = {"kernels": None, "token": "s3cret-token"}
+    app = web.Application(
+        [(r"/api/?", ApiRoot, settings), (r"/api/buggy", _Buggy, settings)],
+        log_function=log_request,
+    )
+    server = httpserver.HTTPServer(app)
+    sockets = netutil.bind_sockets(0, "127.0.0.1")
+    server.add_sockets(sockets)
+    url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}/api"
+    try:
+        with caplog.at_level(logging.INFO):
+            missing = await httpclient.AsyncHTTPClient().fetch(
+                f"{url}/nope?token=s3cret-token", raise_error=False
+            )
+            assert missing.code == 404  # tornado's own page, not JSON
+            assert (await call(f"{url}?token=wrong-guess"))[0] == 403
+            assert (await call(f"{url}/buggy?token=s3cret-token", "POST", {}))[0] == 500
+            assert (await call(f"{url}?token=s3cret-token"))[0] == 200
+    finally:
+        server.stop()
+        await server.close_all_connections()
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "s3cret-token" not in logged and "wrong-guess" not in logged, logged
+    assert logged.count("token=[redacted]") >= 4, logged

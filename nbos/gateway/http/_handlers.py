@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Annotated, Any
 
 import msgspec
@@ -28,10 +29,12 @@ from nbos.core.errors import (
     StateWriteError,
     UnknownKernelError,
 )
+from nbos.core.private_files import redact_tokens
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_model
 
 log = logging.getLogger(__name__)
+_access_log = logging.getLogger("tornado.access")
 
 
 #: A kernelspec name (``nbos``, ``nbos-gpu-N``): a longer one is no spec of ours.
@@ -54,7 +57,36 @@ class _Empty(msgspec.Struct):
     """The body of ``interrupt`` and ``restart``: an object (Jupyter Server sends ``{}``)."""
 
 
-class ApiHandler(web.RequestHandler):
+def log_request(handler: web.RequestHandler) -> None:
+    """Tornado's access log line for a finished request (``log_function``), any token
+    in its query string redacted: 4xx and 5xx are logged as tornado does, with the URI."""
+    status = handler.get_status()
+    level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
+    request = handler.request
+    summary = redact_tokens(f"{request.method} {request.uri} ({request.remote_ip})")
+    _access_log.log(level, "%d %s %.2fms", status, summary, 1000.0 * request.request_time())
+
+
+class RedactedLogs(web.RequestHandler):
+    """Tornado's access log and its log of a handler's exceptions quote the request: a
+    token in its query string (``?token=``) is redacted from both."""
+
+    def _request_summary(self) -> str:
+        return redact_tokens(super()._request_summary())
+
+    def log_exception(
+        self,
+        typ: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(value, web.HTTPError):
+            super().log_exception(typ, value, tb)
+        else:  # tornado's own adds the request's repr, its URI unredacted
+            log.error("uncaught exception %s", self._request_summary(), exc_info=value)
+
+
+class ApiHandler(RedactedLogs):
     """Token check and JSON errors for every route."""
 
     kernels: ApiKernels

@@ -98,6 +98,7 @@ async def serve_http(
                     (_KERNEL + r"/channels/?", KernelChannels, settings),
                 ],
                 websocket_ping_interval=_PING_INTERVAL_S,
+                log_function=h.log_request,
             )
             server = httpserver.HTTPServer(app, ssl_options=tls, max_body_size=MAX_BODY_BYTES)
             try:

@@ -16,14 +16,14 @@ from tornado import websocket
 
 from nbos.core.errors import DecodeError
 from nbos.gateway.http._channels import ChannelBridge
-from nbos.gateway.http._handlers import api_errors, check_token, error_body
+from nbos.gateway.http._handlers import RedactedLogs, api_errors, check_token, error_body
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._wsproto import V1_PROTOCOL, WireMsg, decode, encode
 
 log = logging.getLogger(__name__)
 
 
-class KernelChannels(websocket.WebSocketHandler):
+class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
     kernels: ApiKernels
     token: str
     api: ApiKernel

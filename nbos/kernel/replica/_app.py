@@ -41,6 +41,7 @@ from nbos.core.errors import (
 )
 from nbos.core.ids import KernelId, NodeId
 from nbos.core.object_store import ObjectStore
+from nbos.core.private_files import keep_private
 from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
 from nbos.kernel.protocol import RAFT_STATE_GONE_STATUS
 from nbos.kernel.replica._kernel import NoShellChannelThread, ReplicaKernel
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> Any:
     duplicate of file descriptor 2 taken now: ipykernel later points fd 2 itself
     at a pipe that becomes cell output, where they do not belong.
     """
+    keep_private()  # its Raft log and snapshots hold the kernel's cells
     handler = logging.StreamHandler(os.fdopen(os.dup(2), "w", buffering=1))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     nbos_log = logging.getLogger("nbos")
