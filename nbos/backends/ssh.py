@@ -51,8 +51,10 @@ logger = logging.getLogger(__name__)
 
 # $0 is this script, $1 the log file, the rest the argv. The first line makes the
 # shell a process group leader (`kill -0 -PID` succeeds only for a group's id);
-# setsid does not fork for a non-leader, so the PID stays the one sshd waits on.
+# setsid does not fork for a non-leader, so the PID stays the one sshd waits on. The
+# umask keeps the log and whatever the process writes its owner's (private_files).
 _WRAPPER = r"""kill -0 -$$ 2>/dev/null || exec setsid sh -c "$0" "$0" "$@"
+umask 077
 log=$1; shift
 command -v "$1" >/dev/null 2>&1 || { echo "nbos: $1: command not found" >&2; exit 127; }
 mkdir -p "${log%/*}" || exit 126
