@@ -18,6 +18,7 @@ The daemon reads every message once and hands it on:
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import logging
 import os
 import signal
@@ -100,6 +101,15 @@ def address_ip(address: str) -> str:
     return address.removeprefix("tcp://").rpartition(":")[0]
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
+
+
 def agent_peer(host: str) -> PeerId:
     """The peer id of host ``host``'s agent."""
     return PeerId(f"{host}/agent")
@@ -133,6 +143,8 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     precommit_ttl: float = DEFAULT_PRECOMMIT_TTL
     stop_replicas_on_exit: bool = False
+    #: Without keys, listen on an address other hosts reach all the same.
+    insecure: bool = False
     #: Built in code, an agent keeps no pre-started replicas unless told to.
     settings: AgentSettings = attrs.field(factory=lambda: AgentSettings(warm_replicas=0))
 
@@ -141,6 +153,13 @@ class AgentConfig:
         check_agent_settings(self.settings)
         tcp_address(self.address, "address")
         tcp_address(self.gateway_address, "gateway")
+        if self.keys is None and not self.insecure and not _loopback(address_ip(self.address)):
+            # Whoever reaches a keyless agent has it start any argv, as the agent's user.
+            raise ConfigError(
+                "address",
+                self.address,
+                "a loopback address without keys (--keys), or --insecure on a private network",
+            )
         for key in ("heartbeat_interval", "precommit_ttl"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, getattr(self, key), "a positive number of seconds")

@@ -45,6 +45,12 @@ def register(subparsers: Any) -> None:
         "without it the links are plain TCP",
     )
     parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="without --keys, listen on an address other than loopback all the same: whoever "
+        "reaches it may start any process as this agent's user (a private test network only)",
+    )
+    parser.add_argument(
         "--gpus",
         type=int,
         metavar="N",
@@ -85,6 +91,7 @@ def agent_command(args: argparse.Namespace) -> int:
         virtual_memory_mib=settings.cluster.gpu_memory_mib,
         heartbeat_interval=args.heartbeat,
         stop_replicas_on_exit=args.stop_replicas_on_exit,
+        insecure=args.insecure,
         settings=agent,
     )
     keep_private()
