@@ -4,6 +4,8 @@ and the server goes on; a WebSocket frame whose JSON is not UTF-8 is no message.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from tornado import httpclient, httpserver, netutil, web
@@ -23,16 +25,28 @@ class _Buggy(ApiHandler):
         raise ValueError("deadline must not be NaN")
 
 
-async def test_a_handler_that_raises_answers_a_json_500_with_a_log_line_and_the_server_goes_on(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    settings = {"kernels": None, "token": ""}
-    app = web.Application([(r"/api/?", ApiRoot, settings), (r"/api/buggy", _Buggy, settings)])
+@asynccontextmanager
+async def _api(token: str) -> AsyncIterator[str]:
+    """The API root and a buggy route on a free port, logged as the gateway logs; its URL."""
+    settings = {"kernels": None, "token": token}
+    app = web.Application(
+        [(r"/api/?", ApiRoot, settings), (r"/api/buggy", _Buggy, settings)],
+        log_function=log_request,
+    )
     server = httpserver.HTTPServer(app)
     sockets = netutil.bind_sockets(0, "127.0.0.1")
     server.add_sockets(sockets)
-    url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}/api"
     try:
+        yield f"http://127.0.0.1:{sockets[0].getsockname()[1]}/api"
+    finally:
+        server.stop()
+        await server.close_all_connections()
+
+
+async def test_a_handler_that_raises_answers_a_json_500_with_a_log_line_and_the_server_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with _api(token="") as url:
         with caplog.at_level(logging.ERROR):
             code, answer = await call(f"{url}/buggy", "POST", {})
         assert code == 500
@@ -42,9 +56,6 @@ async def test_a_handler_that_raises_answers_a_json_500_with_a_log_line_and_the_
             r.exc_info is not None and "/api/buggy" in r.getMessage() for r in caplog.records
         )
         assert (await call(url))[0] == 200
-    finally:
-        server.stop()
-        await server.close_all_connections()
 
 
 @pytest.mark.parametrize(
@@ -62,16 +73,7 @@ async def test_a_token_in_a_query_string_never_reaches_the_log(
 ) -> None:
     # Tornado logs every 4xx and 5xx with the request's URI: a right token on a wrong path,
     # a wrong token, a handler's bug. The gateway's own routes and tornado's 404 alike.
-    settings = {"kernels": None, "token": "s3cret-token"}
-    app = web.Application(
-        [(r"/api/?", ApiRoot, settings), (r"/api/buggy", _Buggy, settings)],
-        log_function=log_request,
-    )
-    server = httpserver.HTTPServer(app)
-    sockets = netutil.bind_sockets(0, "127.0.0.1")
-    server.add_sockets(sockets)
-    url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}/api"
-    try:
+    async with _api(token="s3cret-token") as url:
         with caplog.at_level(logging.INFO):
             missing = await httpclient.AsyncHTTPClient().fetch(
                 f"{url}/nope?token=s3cret-token", raise_error=False
@@ -80,9 +82,6 @@ async def test_a_token_in_a_query_string_never_reaches_the_log(
             assert (await call(f"{url}?token=wrong-guess"))[0] == 403
             assert (await call(f"{url}/buggy?token=s3cret-token", "POST", {}))[0] == 500
             assert (await call(f"{url}?token=s3cret-token"))[0] == 200
-    finally:
-        server.stop()
-        await server.close_all_connections()
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "s3cret-token" not in logged and "wrong-guess" not in logged, logged
     assert logged.count("token=[redacted]") >= 4, logged
