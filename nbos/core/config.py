@@ -112,8 +112,10 @@ class GatewaySettings(_Section, frozen=True):
 
     The Jupyter Kernel Gateway API (``docs/jupyter.md``): ``http_address``
     (``HOST:PORT``; empty: not served) serves the REST and WebSocket API that
-    ``jupyter server --gateway-url`` speaks; every request must carry
-    ``auth_token`` (``Authorization: token ...`` or ``?token=``) when it is set;
+    ``jupyter server --gateway-url`` speaks; every request, as every control request,
+    carries a user's token (``[auth]``) or the operator's: ``auth_token`` (unset: a
+    fresh one at each start, see ``[auth]``), as ``Authorization: token ...`` or
+    ``?token=``;
     ``http_certfile`` and ``http_keyfile`` (PEM) serve it over TLS;
     ``cull_idle_timeout`` shuts down a kernel that no client is connected to after
     that many idle seconds (0: never).
@@ -149,6 +151,21 @@ class GatewaySettings(_Section, frozen=True):
     http_keyfile: str = ""
     cull_idle_timeout: float = 0.0
     max_starting: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
+
+
+class AuthSettings(_Section, frozen=True):
+    """Who may use the gateway (``docs/users.md``).
+
+    Every request (HTTP, WebSocket, control endpoint, metrics) carries a token. The
+    gateway's own operator token (``[gateway] auth_token``, or a fresh one at each start,
+    written ``0600`` to a token file in Jupyter's runtime directory, where local clients
+    find it) makes an admin. ``users_file``: a TOML file of users, each with a token
+    hash, a role (``user`` or ``admin``) and a GPU quota (empty: no users file).
+    ``default_quota``: the guaranteed GPUs of a user for whom none is given.
+    """
+
+    users_file: str = ""
+    default_quota: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
 
 
 class AgentSettings(_Section, frozen=True):
@@ -197,6 +214,7 @@ class Settings(_Section, frozen=True):
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
     agent: AgentSettings = msgspec.field(default_factory=AgentSettings)
+    auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:

@@ -63,6 +63,22 @@ class AuthenticationError(NbosError):
     """A message or peer failed authentication (wrong HMAC signature, wrong CURVE key)."""
 
 
+# --- users -------------------------------------------------------------------------
+
+
+class UnauthorizedError(NbosError):
+    """A request came without credentials, or with ones no identity provider knows."""
+
+
+class ForbiddenError(NbosError):
+    """An authenticated user asked for what only an admin may do."""
+
+
+class IdentityProviderError(NbosError):
+    """An identity provider could not tell who a token belongs to (a Hub that does not
+    answer): the request is refused, as unauthenticated, and may be tried again."""
+
+
 # --- transports ----------------------------------------------------------------
 
 

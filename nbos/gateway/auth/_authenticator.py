@@ -1,0 +1,59 @@
+"""Whose a request's token is: the operator's, or a user's of an identity provider."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from nbos.core.config import Settings
+from nbos.core.errors import UnauthorizedError
+from nbos.core.identity import IdentityProvider, User, new_token
+from nbos.gateway.auth._users_file import RESERVED_NAME, UsersFile
+
+log = logging.getLogger(__name__)
+
+#: Whoever holds the gateway's operator token: an admin.
+OPERATOR = User(name=RESERVED_NAME, role="admin")
+
+
+class Authenticator:
+    """The operator token first, then each provider in turn."""
+
+    def __init__(self, operator_token: str, providers: Sequence[IdentityProvider] = ()) -> None:
+        if not operator_token:
+            raise ValueError("an operator token is required")
+        self.operator_token = operator_token
+        self.providers = tuple(providers)
+
+    @classmethod
+    def of(cls, settings: Settings) -> Authenticator:
+        """The authenticator ``settings`` ask for (a fresh operator token if none is set)."""
+        providers: list[IdentityProvider] = []
+        auth = settings.auth
+        if auth.users_file:
+            providers.append(UsersFile(Path(auth.users_file), auth.default_quota))
+        return cls(settings.gateway.auth_token or new_token(), providers)
+
+    @property
+    def has_users(self) -> bool:
+        """Whether anyone but the operator may sign in."""
+        return bool(self.providers)
+
+    async def authenticate(self, token: str) -> User:
+        """The user ``token`` belongs to.
+
+        Raises :class:`~nbos.core.errors.UnauthorizedError` for none or an unknown one, and
+        lets :class:`~nbos.core.errors.IdentityProviderError` through (a provider that
+        cannot tell now).
+        """
+        if not token:
+            raise UnauthorizedError("no credentials: a token is required")
+        if hmac.compare_digest(token.encode(), self.operator_token.encode()):
+            return OPERATOR
+        for provider in self.providers:
+            user = await provider.authenticate(token)
+            if user is not None:
+                return user
+        raise UnauthorizedError("unknown token")

@@ -1,0 +1,111 @@
+"""The users file: the users of a gateway, each with a token hash, a role and a quota.
+
+``[auth] users_file`` names a TOML file (``nbos users add`` writes it)::
+
+    [users.alice]
+    token_hash = "sha256:9f86d0..."   # nbos.core.identity.hash_token(token)
+    role = "user"                     # or "admin"
+    quota = 1                         # guaranteed GPUs; [auth] default_quota if left out
+
+It is read at the gateway's start and again whenever it changes (its modification time),
+so adding or removing a user needs no restart. A file that does not decode, an entry
+with an unknown key, a hash that is not ``sha256:`` and 64 hex digits, or a hash two
+users share is refused with a :class:`~nbos.core.errors.ConfigError` at the start; a
+later change that is refused is logged and the users read before stay in force.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from nbos.core.config import convert_strictly, read_toml
+from nbos.core.errors import ConfigError
+from nbos.core.identity import HASH_SCHEME, Quota, Role, User, UserName, hash_token
+
+log = logging.getLogger(__name__)
+
+_HASH = re.compile(re.escape(HASH_SCHEME) + "[0-9a-f]{64}")
+#: The name of the gateway's own operator token's user: no file may use it.
+RESERVED_NAME = "operator"
+
+
+class _Entry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    token_hash: Annotated[str, msgspec.Meta(max_length=128)]
+    role: Role = "user"
+    quota: Quota | None = None
+
+
+class _File(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    users: dict[UserName, _Entry] = msgspec.field(default_factory=dict)
+
+
+class UsersFile:
+    """The users of ``path``, an :class:`~nbos.core.identity.IdentityProvider`."""
+
+    def __init__(self, path: Path, default_quota: int = 0) -> None:
+        self.path = path
+        self.default_quota = default_quota
+        self._by_hash: dict[str, User] = {}
+        self._stamp: tuple[int, int] | None = None
+        self._reload(strict=True)
+
+    @property
+    def users(self) -> tuple[User, ...]:
+        self._reload(strict=False)
+        return tuple(self._by_hash.values())
+
+    async def authenticate(self, token: str) -> User | None:
+        self._reload(strict=False)
+        return self._by_hash.get(hash_token(token))
+
+    def _reload(self, *, strict: bool) -> None:
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            if strict:
+                raise ConfigError(
+                    "auth.users_file", str(self.path), f"a readable file ({exc.strerror})"
+                ) from None
+            log.warning("users file %s unreadable, the users read before stay: %s", self.path, exc)
+            return
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            return
+        try:
+            self._by_hash = self._read()
+        except ConfigError as exc:
+            if strict:
+                raise
+            log.warning("users file %s refused, the users read before stay: %s", self.path, exc)
+        else:
+            log.info("users file %s: %d users", self.path, len(self._by_hash))
+        self._stamp = stamp
+
+    def _read(self) -> dict[str, User]:
+        raw = read_toml(self.path)
+        parsed = convert_strictly(raw, _File)
+        by_hash: dict[str, User] = {}
+        for name, entry in parsed.users.items():
+            where = f"users.{name}"
+            if name == RESERVED_NAME:
+                raise ConfigError(where, name, f"a name other than {RESERVED_NAME!r} (reserved)")
+            if not _HASH.fullmatch(entry.token_hash):
+                raise ConfigError(f"{where}.token_hash", "…", "sha256: and 64 hex digits")
+            if entry.token_hash in by_hash:
+                raise ConfigError(f"{where}.token_hash", "…", "a hash no other user has")
+            quota = self.default_quota if entry.quota is None else entry.quota
+            by_hash[entry.token_hash] = User(name=name, role=entry.role, quota=quota)
+        return by_hash
+
+
+def users_file_entry(name: str, token: str, role: Role = "user", quota: int | None = None) -> str:
+    """The TOML table of one user for a users file (what ``nbos users add`` appends)."""
+    lines = [f"[users.{name}]", f'token_hash = "{hash_token(token)}"', f'role = "{role}"']
+    if quota is not None:
+        lines.append(f"quota = {quota}")
+    return "\n".join(lines) + "\n"
