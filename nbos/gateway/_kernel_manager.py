@@ -391,7 +391,9 @@ class KernelManager:
             await self._write_state()  # no replica starts that a restart could not stop
             members = {n: await self._member(h) for n, h in placed.items()}
             for node, host in placed.items():
-                launches[node] = self._launch(kernel_id, node, host, members, env, gpus=gpus)
+                launches[node] = self._launch(
+                    kernel_id, node, host, members, env, gpus=gpus, user=owner
+                )
                 handles[node] = await launches[node].start(self.launcher)
             endpoints = [
                 ReplicaEndpoint(node, await self._connection(kernel_id, node, handles[node]))
@@ -766,6 +768,7 @@ class KernelManager:
                             peers,
                             replacing.env,
                             gpus=replacing.gpus,
+                            user=replacing.owner,
                             join=True,
                         )
                         handle = await launches[node].start(launcher)
@@ -993,10 +996,11 @@ class KernelManager:
         env: Mapping[str, str],
         *,
         gpus: int,
+        user: str,
         join: bool = False,
     ) -> _Launch:
-        """Replica ``node`` of ``kernel_id`` (``gpus`` per cell) on ``host``; ``join``: a
-        replacement's."""
+        """Replica ``node`` of ``kernel_id`` (``gpus`` per cell, ``user``'s) on ``host``;
+        ``join``: a replacement's."""
         options = self.options
         argv = [
             PYTHON_TOKEN,
@@ -1026,18 +1030,20 @@ class KernelManager:
         if self.launcher.virtual_gpus(host):
             argv.append("--ReplicaApp.virtual_gpus=True")
         spec = ProcessSpec(argv=argv, env=env, label=f"{kernel_id[:8]}-replica-{node}")
-        owner = self._owner(kernel_id, node, members[node], gpus)
+        owner = self._owner(kernel_id, node, members[node], gpus, user)
         return _Launch(host, spec, f"{kernel_id}/replica-{node}", secrets.token_hex(32), owner)
 
-    def _owner(self, kernel_id: str, node: int, raft: str, gpus: int) -> ReplicaOwner | None:
+    def _owner(
+        self, kernel_id: str, node: int, raft: str, gpus: int, user: str
+    ) -> ReplicaOwner | None:
         if self._state is None:
             return None
         # A file of this generation or later that does not name the replica dropped it.
-        return ReplicaOwner(self._state_id, self._written, kernel_id, node, raft, gpus)
+        return ReplicaOwner(self._state_id, self._written, kernel_id, node, raft, gpus, user)
 
     def _launch_of(self, kernel: KernelRecord, replica: ReplicaRecord) -> _Launch:
         spec = ProcessSpec(argv=list(replica.argv), env=dict(replica.env), label=replica.label)
-        owner = self._owner(kernel.kernel_id, replica.node, replica.raft, kernel.gpus)
+        owner = self._owner(kernel.kernel_id, replica.node, replica.raft, kernel.gpus, kernel.owner)
         return _Launch(HostId(replica.host), spec, replica.workdir, replica.key, owner)
 
 

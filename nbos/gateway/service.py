@@ -236,7 +236,7 @@ class GatewayService:
                 StateFile(run_dir / "gateway" / "state.json") if settings.cluster.data_dir else None
             )
             exit_plan = _Exit(state is None or shutdown_kernels_on_exit, stack)
-            authenticator = _operator(settings, control, stack)
+            authenticator = _operator(settings, run_dir, control, stack)
             # Read first: a state file that does not decode stops the start, before
             # anything runs that would be orphaned.
             loaded = state.load() if state is not None else None
@@ -583,10 +583,14 @@ async def _local_agents(
     await directory.wait_for_hosts(hosts, _AGENTS_TIMEOUT_S)
 
 
-def _operator(settings: Settings, control: str, stack: AsyncExitStack) -> Authenticator:
-    """The gateway's authenticator, its operator token in its file until the gateway exits
-    (written before the control endpoint is bound: no client finds it without the file)."""
-    authenticator = Authenticator.of(settings)
+def _operator(
+    settings: Settings, run_dir: Path, control: str, stack: AsyncExitStack
+) -> Authenticator:
+    """The gateway's authenticator (a durable gateway keeps its operator token in its data
+    dir), the token in its file until the gateway exits (written before the control
+    endpoint is bound: no client finds it without the file)."""
+    durable = run_dir / "gateway" / "operator.token" if settings.cluster.data_dir else None
+    authenticator = Authenticator.of(settings, durable)
     token = authenticator.operator_token
     path = write_token_file(control, token)
     stack.callback(remove_token_file, path, token)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import ConfigError, UnauthorizedError
 from nbos.core.identity import User, hash_token, new_token
 from nbos.gateway.auth import (
@@ -119,3 +120,13 @@ def test_the_token_file_is_private_and_found_by_the_gateways_port(
     assert not path.exists()
     monkeypatch.delenv("NBOS_TOKEN")
     assert client_token("127.0.0.1:7070") == ""
+
+
+def test_a_durable_gateway_keeps_its_operator_token_and_a_set_one_wins(tmp_path: Path) -> None:
+    kept = tmp_path / "gateway" / "operator.token"
+    first = Authenticator.of(Settings(), kept).operator_token
+    assert Authenticator.of(Settings(), kept).operator_token == first
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert Authenticator.of(Settings()).operator_token != first  # no data dir: a fresh one
+    chosen = Settings(gateway=GatewaySettings(auth_token="chosen"))
+    assert Authenticator.of(chosen, kept).operator_token == "chosen"
