@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from nbos.scaling.fair_share import FairShare
 from nbos.scaling.ledger import Totals
 from nbos.scaling.trace import Trace
 
@@ -28,6 +29,31 @@ class Sample(NamedTuple):
     gpus_busy: int
     gpus_provisioned: int
     hosts: int
+
+
+class UserCell(NamedTuple):
+    """A started cell as its user's figures count it: its delay (s) and work (GPU-seconds)."""
+
+    user: str
+    delay: float
+    gpu_s: float
+
+
+@attrs.frozen
+class UserFigures:
+    """One user's share of a run (``docs/simulator.md``, "Quotas and fair share").
+
+    ``fair_gpu_hours`` is the user's share of all the GPU-hours the run's cells used, in
+    proportion to their quota (equal shares without quotas, or when every quota is 0).
+    """
+
+    user: str
+    #: ``None``: the run had no quotas.
+    quota: int | None
+    cells: int
+    gpu_hours: float
+    fair_gpu_hours: float
+    wait_p99: float
 
 
 @attrs.frozen
@@ -64,6 +90,10 @@ class SimResult:
     samples: tuple[Sample, ...] = ()
     #: Every started cell's delay (seconds), sorted.
     delays: tuple[float, ...] = ()
+    #: Each user's GPU-hours, fair share and p99 wait, by user name.
+    users: tuple[UserFigures, ...] = ()
+    #: Jain's fairness index of the users' GPU-hours over their fair shares (1: in proportion).
+    jain_index: float = 1.0
 
     def summary(self) -> dict[str, Any]:
         """The figures as plain values (no samples or delays), with the two shares."""
@@ -103,10 +133,15 @@ class Run:
     peak_gpus_committed: int
     hosts_timeline: tuple[tuple[float, int], ...]
     samples: tuple[Sample, ...]
+    #: Every started cell by user, for the users' figures.
+    user_cells: Sequence[UserCell] = ()
+    #: The quotas the run kept to (``None``: none), for the users' fair shares.
+    fair_share: FairShare | None = None
 
 
 def sim_result(trace: Trace, run: Run) -> SimResult:
     """``run``'s figures for the table, its cells counted against ``trace``'s."""
+    users = user_figures(trace, run.user_cells, run.fair_share)
     delays = sorted(run.delays)
     cells = sum(len(s.cells) for s in trace.sessions)
     fast = sum(1 for d in delays if d <= run.interactive_within)
@@ -138,7 +173,45 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         hosts_timeline=run.hosts_timeline,
         samples=run.samples,
         delays=tuple(delays),
+        users=users,
+        jain_index=jain_index([u.gpu_hours / u.fair_gpu_hours for u in users if u.fair_gpu_hours]),
     )
+
+
+def user_figures(
+    trace: Trace, cells: Sequence[UserCell], fair_share: FairShare | None
+) -> tuple[UserFigures, ...]:
+    """Each user of ``trace`` (those of its sessions): cells started, GPU-hours used, fair share
+    of all GPU-hours used (by quota, see :class:`UserFigures`), and p99 wait."""
+    names = sorted({s.owner for s in trace.sessions} | {c.user for c in cells})
+    weights = {u: fair_share.quota(u) if fair_share is not None else 1 for u in names}
+    if not any(weights.values()):
+        weights = dict.fromkeys(names, 1)
+    total_w = sum(weights.values())
+    used_h = sum(c.gpu_s for c in cells) / 3600
+    figures = []
+    for user in names:
+        mine = [c for c in cells if c.user == user]
+        figures.append(
+            UserFigures(
+                user=user,
+                quota=None if fair_share is None else fair_share.quota(user),
+                cells=len(mine),
+                gpu_hours=sum(c.gpu_s for c in mine) / 3600,
+                fair_gpu_hours=used_h * weights[user] / total_w if total_w else 0.0,
+                wait_p99=_percentile(sorted(c.delay for c in mine), 0.99),
+            )
+        )
+    return tuple(figures)
+
+
+def jain_index(shares: Sequence[float]) -> float:
+    """Jain's fairness index ``(sum x)^2 / (n * sum x^2)`` of ``shares``: 1 when all are equal,
+    ``1/n`` when one holds everything; 1 for none (or all zero)."""
+    square_sum = sum(x * x for x in shares)
+    if not shares or square_sum == 0:
+        return 1.0
+    return sum(shares) ** 2 / (len(shares) * square_sum)
 
 
 def _percentile(ordered: Sequence[float], q: float) -> float:
@@ -179,14 +252,39 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
     ("hosts mean / max", lambda r: f"{r.hosts_mean:.1f} / {r.hosts_max}"),
     ("peak GPUs committed", lambda r: f"{r.peak_gpus_committed}"),
     ("hours at host ceiling, work waiting", lambda r: f"{r.hours_at_ceiling:.1f}"),
+    ("users / Jain's fairness index", lambda r: f"{len(r.users)} / {r.jain_index:.3f}"),
 )
 
 
 def metrics_table(results: Sequence[SimResult]) -> str:
     """The results side by side, one column per run, as plain text."""
     header = ("metric", *(r.mode for r in results))
-    rows = [header, *((label, *(fmt(r) for r in results)) for label, fmt in _ROWS)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return _columns([header, *((label, *(fmt(r) for r in results)) for label, fmt in _ROWS)])
+
+
+def users_table(result: SimResult) -> str:
+    """One row per user of ``result``: quota, cells, GPU-hours used and fair, p99 wait."""
+    header = ("user", "quota", "cells", "GPU-h", "fair GPU-h", "used / fair", "wait p99 (s)")
+    rows = [header] + [
+        (
+            u.user or "(none)",
+            "-" if u.quota is None else str(u.quota),
+            str(u.cells),
+            f"{u.gpu_hours:,.2f}",
+            f"{u.fair_gpu_hours:,.2f}",
+            f"{_share(u.gpu_hours, u.fair_gpu_hours):.0%}" if u.fair_gpu_hours else "-",
+            f"{u.wait_p99:.1f}",
+        )
+        for u in result.users
+    ]
+    title = f"{result.mode}: per user (Jain's fairness index {result.jain_index:.3f})"
+    return f"{title}\n{_columns(rows)}"
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` as plain text columns: the first left-aligned, the others right-aligned, a
+    rule under the first row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(
             cell.ljust(w) if i == 0 else cell.rjust(w)
