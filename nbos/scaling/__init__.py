@@ -22,6 +22,7 @@ from nbos.scaling.autoscaler import (
 from nbos.scaling.decisions import CellDecision, ClusterDecisions, ScaleStep
 from nbos.scaling.executor import Execute, Wait, check_cell_gpus
 from nbos.scaling.fair_share import FairDecision, FairShare, Take, UserGpus, Waiter, Yield
+from nbos.scaling.fairness import UserCell, UserFigures, jain_index
 from nbos.scaling.ledger import Ledger, Totals
 from nbos.scaling.limits import HostLimits
 from nbos.scaling.migration import MigrationPlan, plan_migration
@@ -62,6 +63,8 @@ __all__ = [
     "Take",
     "Totals",
     "Trace",
+    "UserCell",
+    "UserFigures",
     "UserGpus",
     "Wait",
     "Waiter",
@@ -70,6 +73,7 @@ __all__ = [
     "available_policies",
     "check_cell_gpus",
     "first_hours",
+    "jain_index",
     "load_policy",
     "load_trace",
     "metrics_table",

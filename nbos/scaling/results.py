@@ -10,13 +10,13 @@ each figure.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
 
 from nbos.scaling.fair_share import FairShare
+from nbos.scaling.fairness import UserCell, UserFigures, jain_index, percentile, user_figures
 from nbos.scaling.ledger import Totals
 from nbos.scaling.trace import Trace
 
@@ -29,31 +29,6 @@ class Sample(NamedTuple):
     gpus_busy: int
     gpus_provisioned: int
     hosts: int
-
-
-class UserCell(NamedTuple):
-    """A started cell as its user's figures count it: its delay (s) and work (GPU-seconds)."""
-
-    user: str
-    delay: float
-    gpu_s: float
-
-
-@attrs.frozen
-class UserFigures:
-    """One user's share of a run (``docs/simulator.md``, "Quotas and fair share").
-
-    ``fair_gpu_hours`` is the user's share of all the GPU-hours the run's cells used, in
-    proportion to their quota (equal shares without quotas, or when every quota is 0).
-    """
-
-    user: str
-    #: ``None``: the run had no quotas.
-    quota: int | None
-    cells: int
-    gpu_hours: float
-    fair_gpu_hours: float
-    wait_p99: float
 
 
 @attrs.frozen
@@ -157,9 +132,9 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         gpu_hours_reserved=totals.committed_gpu_s / 3600,
         gpu_hours_busy=run.busy_gpu_s / 3600,
         gpu_hours_provisioned=totals.provisioned_gpu_s / 3600,
-        delay_p50=_percentile(delays, 0.50),
-        delay_p95=_percentile(delays, 0.95),
-        delay_p99=_percentile(delays, 0.99),
+        delay_p50=percentile(delays, 0.50),
+        delay_p95=percentile(delays, 0.95),
+        delay_p99=percentile(delays, 0.99),
         interactive_within=run.interactive_within,
         interactive_share=_share(fast, cells),
         migrations=totals.migrations,
@@ -176,52 +151,6 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         users=users,
         jain_index=jain_index([u.gpu_hours / u.fair_gpu_hours for u in users if u.fair_gpu_hours]),
     )
-
-
-def user_figures(
-    trace: Trace, cells: Sequence[UserCell], fair_share: FairShare | None
-) -> tuple[UserFigures, ...]:
-    """Each user of ``trace`` (those of its sessions): cells started, GPU-hours used, fair share
-    of all GPU-hours used (by quota, see :class:`UserFigures`), and p99 wait."""
-    names = sorted({s.owner for s in trace.sessions} | {c.user for c in cells})
-    weights = {u: fair_share.quota(u) if fair_share is not None else 1 for u in names}
-    if not any(weights.values()):
-        weights = dict.fromkeys(names, 1)
-    total_w = sum(weights.values())
-    used_h = sum(c.gpu_s for c in cells) / 3600
-    figures = []
-    for user in names:
-        mine = [c for c in cells if c.user == user]
-        figures.append(
-            UserFigures(
-                user=user,
-                quota=None if fair_share is None else fair_share.quota(user),
-                cells=len(mine),
-                gpu_hours=sum(c.gpu_s for c in mine) / 3600,
-                fair_gpu_hours=used_h * weights[user] / total_w if total_w else 0.0,
-                wait_p99=_percentile(sorted(c.delay for c in mine), 0.99),
-            )
-        )
-    return tuple(figures)
-
-
-def jain_index(shares: Sequence[float]) -> float:
-    """Jain's fairness index ``(sum x)^2 / (n * sum x^2)`` of ``shares``: 1 when all are equal,
-    ``1/n`` when one holds everything; 1 for none (or all zero)."""
-    square_sum = sum(x * x for x in shares)
-    if not shares or square_sum == 0:
-        return 1.0
-    return sum(shares) ** 2 / (len(shares) * square_sum)
-
-
-def _percentile(ordered: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks of sorted values; 0 for no values."""
-    if not ordered:
-        return 0.0
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _share(part: float, whole: float) -> float:

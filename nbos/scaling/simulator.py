@@ -62,11 +62,12 @@ from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, Scale
 from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.executor import Execute, Wait
 from nbos.scaling.fair_share import FairShare, UserGpus, Waiter, Yield
+from nbos.scaling.fairness import UserCell
 from nbos.scaling.ledger import Ledger
 from nbos.scaling.limits import HostLimits
 from nbos.scaling.migration import MigrationPlan
 from nbos.scaling.model import ClusterModel
-from nbos.scaling.results import Run, Sample, SimResult, UserCell, sim_result
+from nbos.scaling.results import Run, Sample, SimResult, sim_result
 from nbos.scaling.trace import Cell, Session, Trace, validated
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,8 @@ class _Kernel:
     reservations: int = 0
     #: When the head cell began to ask for GPUs (an arrival number), while it asks.
     arrival: int | None = None
+    #: When the kernel's last cell ended.
+    last_end: float = 0.0
 
     @property
     def user(self) -> str:
@@ -453,7 +456,8 @@ class _Simulation:
         gpus = kernel.session.cell_gpus(cell)
         self._delays.append(at - ideal_start)
         self._busy_gpu_s += gpus * cell.duration
-        self._user_cells.append(UserCell(kernel.user, at - ideal_start, gpus * cell.duration))
+        ready = min(max(cell.start, kernel.last_end), at)
+        self._user_cells.append(UserCell(kernel.user, gpus, ready, at, at + cell.duration))
         if at > self._now:
             self._at(at, _END, lambda: self._busy(gpus))
         else:
@@ -465,7 +469,7 @@ class _Simulation:
 
     def _end(self, kernel: _Kernel, host: HostId, reservation: str | None, gpus: int) -> None:
         self._gpus_busy -= gpus
-        kernel.last, kernel.executing_on = host, None
+        kernel.last, kernel.executing_on, kernel.last_end = host, None, self._now
         kernel.queue.popleft()
         if reservation is not None:
             self._release(host, reservation, resident=True)

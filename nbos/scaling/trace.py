@@ -121,10 +121,10 @@ def with_users(trace: Trace, users: Mapping[str, str]) -> Trace:
 def validated(trace: Trace) -> Trace:
     """``trace`` with each session's cells sorted by submit time, or :class:`ScalingError`.
 
-    Checks: unique session ids; a session's ``user``, if given, not empty; finite times; ``0 <= start <= stop``; ``gpus >= 0``;
-    every cell submitted within ``[start, stop]`` with ``duration >= 0`` and
-    ``0 <= gpus <= `` the session's. Cells may overlap: a kernel runs them one
-    after another, as Jupyter queues them.
+    Checks: unique session ids; a session's ``user``, if given, not empty; finite
+    times; ``0 <= start <= stop``; ``gpus >= 0``; every cell submitted within
+    ``[start, stop]`` with ``duration >= 0`` and ``0 <= gpus <= `` the session's.
+    Cells may overlap: a kernel runs them one after another, as Jupyter queues them.
     """
     seen: set[str] = set()
     for s in trace.sessions:

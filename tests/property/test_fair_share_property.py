@@ -16,6 +16,8 @@ Size: ``NBOS_PROPERTY_EXAMPLES`` and ``NBOS_PROPERTY_STEPS``.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -64,7 +66,7 @@ def test_a_borrowing_cell_never_passes_a_within_quota_cell_of_another_user(
     ordered = sorted(waiting, key=lambda w: fair.order(w, held))
     classes = [not within(w) for w in ordered]
     assert classes == sorted(classes)  # within-quota cells first
-    for a, b in zip(ordered, ordered[1:], strict=False):
+    for a, b in itertools.pairwise(ordered):
         if within(a) == within(b):
             assert a.arrival <= b.arrival
 
