@@ -494,7 +494,10 @@ class GpuScheduler:
             raise UnknownReservationError(res, "released")
         host = self._hosts[grant.host]
         n = len(grant.devices)
-        reply = await self._agents.call(host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n))
+        first = self._evict_first(grant.host)
+        reply = await self._agents.call(
+            host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n, evict_first=first)
+        )
         if isinstance(reply, GpuGranted) and reply.reservation.state == "committed":
             devices = tuple(reply.reservation.devices)
             if devices != grant.devices:
@@ -613,6 +616,14 @@ class GpuScheduler:
                 return grant
             refused.add(choice.host)
 
+    def _evict_first(self, host_id: HostId) -> list[str]:
+        """The kernels with replicas on the host whose resident GPU memory the fair share
+        has evicted first (their users are over quota); none without quotas."""
+        if self._fair is None or host_id not in self.model.hosts:
+            return []
+        holders = {k: self._users.get(k, "") for k in self.model.kernels_on(host_id)}
+        return sorted(self._fair.evict_first(holders, self.user_gpus()))
+
     @staticmethod
     def _replica_on(host: HostId, replicas: Mapping[int, HostId], last: int | None) -> int:
         if last is not None and replicas.get(last) == host:
@@ -624,9 +635,10 @@ class GpuScheduler:
     ) -> Grant | None:
         host = self._hosts[host_id]
         res = f"{kernel_id}/{exec_index}/{uuid.uuid4().hex[:12]}"
+        first = self._evict_first(host_id)
         try:
             reply = await self._agents.call(
-                host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus)
+                host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus, evict_first=first)
             )
         except HostUnreachableError:
             return None

@@ -11,7 +11,7 @@ start is never refused for quota. The rules, for cells waiting for GPUs:
 * a borrowing cell never takes GPUs while a within-quota cell of another user waits
   (:meth:`FairShare.decide` answers :class:`Yield`): a user over quota is never given a
   GPU that another user under quota is waiting for;
-* resident (lazily kept) GPU memory of users at or over their quota is evicted first
+* resident (lazily kept) GPU memory of users over their quota is evicted first
   (:meth:`FairShare.evict_first`).
 
 Preemption happens only at cell boundaries: nothing here stops a running cell; GPUs
@@ -124,10 +124,11 @@ class FairShare:
     def evict_first(
         self, holders: Mapping[KernelId, str], committed: Mapping[str, int]
     ) -> frozenset[KernelId]:
-        """Of kernels with resident GPU memory (``kernel -> user``), those whose memory goes
-        first when a device must be evicted: their users hold their quota or more."""
+        """Of kernels that may hold resident GPU memory (``kernel -> user``), those whose
+        memory goes first when a device must be evicted: their users hold more than their
+        quota (they borrow)."""
         return frozenset(
-            k for k, user in holders.items() if _held(committed, user) >= self.quota(user)
+            k for k, user in holders.items() if _held(committed, user) > self.quota(user)
         )
 
 

@@ -592,7 +592,11 @@ class _Simulation:
     # --- accounting --------------------------------------------------------------
 
     def _commit(self, host: HostId, kernel: _Kernel, gpus: int, reservation: str) -> str:
-        self.pools[host].commit(reservation, kernel.kernel_id, gpus)
+        first: frozenset[KernelId] = frozenset()
+        if self._fair is not None:
+            holders = {k: self._kernels[k].user for k in self.model.kernels_on(host)}
+            first = self._fair.evict_first(holders, self._user_gpus.view())
+        self.pools[host].commit(reservation, kernel.kernel_id, gpus, evict_first=first)
         self.model.commit(host, gpus)
         self.ledger.gpus_committed(self.model.committed)
         return reservation

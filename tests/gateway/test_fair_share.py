@@ -18,6 +18,7 @@ import pytest
 
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView
+from nbos.gateway import Grant
 from nbos.scaling import (
     CellDecision,
     ClusterDecisions,
@@ -151,3 +152,38 @@ def test_the_simulator_serves_the_scenario_in_the_same_order(
     assert result.migrations == 0
     by_user = {u.user: u for u in result.users}
     assert by_user["bob"].cells == 1 and by_user["alice"].cells == 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("fair_share", "evicted"), [(QUOTAS, ("a", (1,))), (None, ("b", (0,)))])
+async def test_resident_memory_of_an_over_quota_user_is_evicted_first(
+    fair_share: FairShare | None, evicted: tuple[str, tuple[int, ...]]
+) -> None:
+    evictions: list[tuple[KernelId, tuple[int, ...]]] = []
+
+    async def on_evict(k: KernelId, devices: tuple[int, ...]) -> None:
+        evictions.append((k, devices))
+
+    async with cluster({"h1": (0, 1)}, fair_share=fair_share) as c:
+        s = c.scheduler
+        await c.start_agent("h0", (0, 1), on_evict=on_evict)
+        await s.wait_for_hosts(2)
+        on = {"a": "h0", "b": "h0", "c": "h0", "x": "h1"}
+        for name, host in on.items():
+            s.adopt_placement(kernel(name), [HostId(host)], 2)
+
+        async def acquire(name: str, user: str, gpus: int = 1) -> Grant:
+            return await s.acquire(
+                kernel(name), 1, replicas(on[name]), last_executor=0, gpus=gpus, user=user
+            )
+
+        with anyio.fail_after(30):
+            # Bob's tensors stay on device 0 of h0, then alice's on device 1.
+            await s.release(await acquire("b", "bob"), resident=True)
+            await s.release(await acquire("a", "alice"), resident=True)
+            assert c.pool("h0").resident() == {0: "b", 1: "a"}
+            await acquire("x", "alice", gpus=2)  # alice borrows: 2 GPUs held, quota 1
+            assert s.user_gpus() == {"alice": 2}
+            grant = await acquire("c", "carol")
+        assert evictions == [(kernel(evicted[0]), evicted[1])]
+        assert grant.devices == evicted[1]

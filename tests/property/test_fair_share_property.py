@@ -100,11 +100,12 @@ def test_quotas_are_validated() -> None:
     assert (fair.quota("alice"), fair.quota("bob"), fair.quota("")) == (2, 1, 1)
 
 
-def test_evict_first_names_kernels_of_users_at_or_over_quota() -> None:
+def test_evict_first_names_kernels_of_users_over_quota() -> None:
     fair = FairShare({"alice": 1, "bob": 2}, default_quota=0)
     holders = {KernelId("a"): "alice", KernelId("b"): "bob", KernelId("n"): ""}
-    assert fair.evict_first(holders, {"alice": 1, "bob": 1}) == {"a", "n"}
-    assert fair.evict_first(holders, {"bob": 3}) == {"b", "n"}
+    assert fair.evict_first(holders, {"alice": 2, "bob": 2}) == {"a"}
+    assert fair.evict_first(holders, {"alice": 1, "bob": 3, "": 1}) == {"b", "n"}
+    assert fair.evict_first(holders, {}) == frozenset()
 
 
 class FairCluster(RuleBasedStateMachine):
