@@ -60,9 +60,11 @@ def user_figures(
     names = sorted({s.owner for s in trace.sessions} | {c.user for c in cells})
     weights = {u: fair_share.quota(u) if fair_share is not None else 1 for u in names}
     fair = fair_gpu_seconds(cells, weights)
+    by_user: dict[str, list[UserCell]] = {u: [] for u in names}
+    for c in cells:
+        by_user[c.user].append(c)
     figures = []
-    for user in names:
-        mine = [c for c in cells if c.user == user]
+    for user, mine in by_user.items():
         figures.append(
             UserFigures(
                 user=user,
@@ -86,15 +88,18 @@ def fair_gpu_seconds(cells: Iterable[UserCell], weights: Mapping[str, int]) -> d
         changes += [(c.end, c.user, -c.gpus, -c.gpus)]
     changes.sort(key=lambda e: e[0])
     wanted: dict[str, int] = {}
-    held = 0
+    held = wanted_total = 0
     fair: dict[str, float] = {}
     previous = changes[0][0] if changes else 0.0
     for when, user, want, hold in changes:
         if when > previous and held:
-            for u, gpus in water_fill(held, wanted, weights).items():
+            # Uncontended (the usual case): every user's share is what they want.
+            shares = wanted if held >= wanted_total else water_fill(held, wanted, weights)
+            for u, gpus in shares.items():
                 fair[u] = fair.get(u, 0.0) + gpus * (when - previous)
         previous = when
         wanted[user] = wanted.get(user, 0) + want
+        wanted_total += want
         if not wanted[user]:
             del wanted[user]
         held += hold
