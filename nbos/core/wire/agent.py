@@ -53,7 +53,7 @@ class GpuReservation(Message):
 # --- requests (gateway -> agent) -------------------------------------------------
 
 
-class GpuPrecommit(Message):
+class GpuPrecommit(Message, omit_defaults=True):
     """Reserve ``n`` devices for an expected executor of ``kernel_id``; a device where one of
     the ``evict_first`` kernels is resident is taken before one of another kernel's."""
 
@@ -61,10 +61,11 @@ class GpuPrecommit(Message):
     reservation_id: str
     kernel_id: str
     n: int
+    #: Left out on the wire when empty (no quotas), as agents before it expect.
     evict_first: list[str] = []
 
 
-class GpuCommit(Message):
+class GpuCommit(Message, omit_defaults=True):
     """Bind a reservation to a running cell (taken fresh if the agent lost it, as
     :class:`GpuPrecommit` takes devices)."""
 
