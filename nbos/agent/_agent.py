@@ -272,11 +272,12 @@ class HostAgent:
     async def _reserve(self, message: GpuPrecommit | GpuCommit) -> None:
         rid, res = message.request_id, message.reservation_id
         kernel = KernelId(message.kernel_id)
+        first = frozenset(KernelId(k) for k in message.evict_first)
         try:
             if isinstance(message, GpuPrecommit):
-                alloc = self._pool.precommit(res, kernel, message.n)
+                alloc = self._pool.precommit(res, kernel, message.n, evict_first=first)
             else:
-                alloc = self._pool.commit(res, kernel, message.n)
+                alloc = self._pool.commit(res, kernel, message.n, evict_first=first)
         except InsufficientGpusError as exc:
             await self._send(self._refused(rid, "insufficient", exc))
             return

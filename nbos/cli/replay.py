@@ -15,11 +15,12 @@ import argparse
 import anyio
 import msgspec
 
-from nbos.cli.simulate import add_trace_arguments, load, show
+from nbos.cli.simulate import add_trace_arguments, fair_share, load, show
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
 from nbos.gateway.replay import ReplayConfig, replay
 from nbos.scaling.autoscaler import AutoscalerConfig
+from nbos.scaling.fair_share import FairShare
 from nbos.scaling.results import SimResult
 from nbos.scaling.simulator import SimConfig, simulate
 from nbos.scaling.trace import Trace
@@ -59,15 +60,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     """Replay the trace ``args`` name and print the results."""
     trace = load(args)
-    config = ReplayConfig(speedup=args.speedup, policy=args.policy)
+    quotas = fair_share(args)
+    config = ReplayConfig(speedup=args.speedup, policy=args.policy, fair_share=quotas)
     if args.gateway:
         result = anyio.run(replay, trace, args.gateway, config)
     else:
         result = anyio.run(_embedded, trace, _settings(args), config)
     results = [result]
     if args.simulate:
-        results.insert(0, simulate(trace, _sim_config(args)))
-    show(results, args, "its host ceiling")
+        results.insert(0, simulate(trace, _sim_config(args, quotas)))
+    show(results, args, "its host ceiling", trace.names_users or quotas is not None)
     return 0
 
 
@@ -115,7 +117,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     return msgspec.structs.replace(base, cluster=cluster, gateway=gateway)
 
 
-def _sim_config(args: argparse.Namespace) -> SimConfig:
+def _sim_config(args: argparse.Namespace, quotas: FairShare | None) -> SimConfig:
     autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
     return SimConfig(
         hosts=args.hosts,
@@ -123,4 +125,5 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         mode="nbos",
         policy=args.policy,
         autoscaler=autoscaler,
+        fair_share=quotas,
     )

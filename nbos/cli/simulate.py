@@ -8,14 +8,16 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from nbos.cli._progress import progress_bar
-from nbos.core.errors import ConfigError
+from nbos.core.errors import ConfigError, ScalingError
 from nbos.scaling.autoscaler import AutoscalerConfig
-from nbos.scaling.results import SimResult, metrics_table
+from nbos.scaling.fair_share import FairShare
+from nbos.scaling.results import SimResult, metrics_table, users_table
 from nbos.scaling.simulator import MODES, SimConfig, simulate
-from nbos.scaling.trace import Trace, first_hours, load_trace, synthetic_trace
+from nbos.scaling.trace import Trace, first_hours, load_trace, synthetic_trace, with_users
 
 Progress = Callable[[float], None]
 
@@ -57,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
-    """TRACE, ``--trace``, ``--synthetic``, ``--hours``, ``--seed``: read by :func:`load`."""
+    """TRACE, ``--trace``, ``--synthetic``, ``--hours``, ``--seed``, ``--session-users``: read
+    by :func:`load`; ``--quota`` and ``--default-quota``: read by :func:`fair_share`."""
     p.add_argument(
         "trace_file",
         nargs="?",
@@ -79,6 +82,25 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
         help="synthetic trace length (48); with a trace file, replay only its first HOURS",
     )
     p.add_argument("--seed", type=int, default=0, help="synthetic trace seed (0)")
+    p.add_argument(
+        "--session-users",
+        metavar="FILE",
+        help="a JSON object mapping session ids to users (sessions not named, and every "
+        "session of a trace without a user column, are users of their own)",
+    )
+    p.add_argument(
+        "--quota",
+        metavar="USER=GPUS",
+        action="append",
+        default=[],
+        help="a user's guaranteed GPUs (repeatable); with quotas, cells wait by fair share",
+    )
+    p.add_argument(
+        "--default-quota",
+        metavar="GPUS",
+        type=int,
+        help="the quota of users without --quota (0 once any --quota is given)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     modes = MODES if args.mode == "both" else (args.mode,)
     autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
     kwargs = _policy_kwargs(args.policy_arg)
+    quotas = fair_share(args)
     results = []
     for mode in modes:
         config = SimConfig(
@@ -96,16 +119,21 @@ def run(args: argparse.Namespace) -> int:
             policy=args.policy,
             policy_kwargs=kwargs,
             autoscaler=autoscaler,
+            fair_share=quotas,
         )
         with _progress_bar(mode, trace) as progress:
             results.append(simulate(trace, config, progress=progress))
-    show(results, args, f"its ceiling of {args.max_hosts} hosts (--max-hosts)")
+    per_user = trace.names_users or quotas is not None
+    show(results, args, f"its ceiling of {args.max_hosts} hosts (--max-hosts)", per_user)
     return 0
 
 
-def show(results: list[SimResult], args: argparse.Namespace, ceiling: str) -> None:
-    """Print ``results`` as a table (or JSON with ``--json``), draw them with ``--plot``,
-    and warn of each column whose work waited while the autoscaler sat at ``ceiling``."""
+def show(
+    results: list[SimResult], args: argparse.Namespace, ceiling: str, per_user: bool = False
+) -> None:
+    """Print ``results`` as a table (or JSON with ``--json``), with a table per user of each
+    if ``per_user``, draw them with ``--plot``, and warn of each column whose work waited
+    while the autoscaler sat at ``ceiling``."""
     if args.plot:
         from nbos.scaling.plot import plot_results
 
@@ -115,6 +143,9 @@ def show(results: list[SimResult], args: argparse.Namespace, ceiling: str) -> No
             print(json.dumps(r.summary()))
     else:
         print(metrics_table(results))
+        for r in results if per_user else ():
+            print()
+            print(users_table(r))
     for r in results:
         if r.hours_at_ceiling:
             print(
@@ -131,9 +162,42 @@ def load(args: argparse.Namespace) -> Trace:
     path = args.trace_file or args.trace
     if path is None:
         hours = 48.0 if args.hours is None else args.hours
-        return synthetic_trace(args.synthetic, hours, args.seed)
-    trace = load_trace(path)
-    return trace if args.hours is None else first_hours(trace, args.hours)
+        trace = synthetic_trace(args.synthetic, hours, args.seed)
+    else:
+        trace = load_trace(path)
+        trace = trace if args.hours is None else first_hours(trace, args.hours)
+    if args.session_users is None:
+        return trace
+    try:
+        return with_users(trace, _session_users(args.session_users))
+    except ScalingError as exc:
+        raise ConfigError("--session-users", args.session_users, str(exc)) from exc
+
+
+def _session_users(path: str) -> dict[str, str]:
+    try:
+        mapping = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning("cannot read --session-users %s: %s", path, exc)
+        raise ConfigError("--session-users", path, f"a readable JSON file ({exc})") from exc
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        log.warning("bad --session-users %s", path)
+        raise ConfigError("--session-users", path, 'a JSON object {"session": "user", ...}')
+    return mapping
+
+
+def fair_share(args: argparse.Namespace) -> FairShare | None:
+    """The quotas ``--quota`` and ``--default-quota`` give, or ``None`` for neither."""
+    if not args.quota and args.default_quota is None:
+        return None
+    quotas: dict[str, int] = {}
+    for pair in args.quota:
+        user, sep, text = pair.partition("=")
+        if not sep or not user or user in quotas or not text.strip().isdigit():
+            log.warning("bad --quota %r", pair)
+            raise ConfigError("--quota", pair, "USER=GPUS, each user once, GPUS an integer >= 0")
+        quotas[user] = int(text)
+    return FairShare(quotas, 0 if args.default_quota is None else args.default_quota)
 
 
 @contextlib.contextmanager

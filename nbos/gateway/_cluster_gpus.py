@@ -37,7 +37,7 @@ from nbos.gateway._scheduler import GpuScheduler
 from nbos.gpu import GpuPool, Inventory, discover_gpus
 from nbos.gpu.inventory import DiscoveryMode
 from nbos.kernel.front import KernelFront
-from nbos.scaling import HostLimits
+from nbos.scaling import FairShare, HostLimits
 from nbos.transport import MemoryNetwork
 
 log = logging.getLogger(__name__)
@@ -91,11 +91,13 @@ class ClusterGpus:
         *,
         policy: PlacementPolicy | str | None = None,
         discovery: DiscoveryMode = "auto",
+        fair_share: FairShare | None = None,
     ) -> AsyncIterator[ClusterGpus]:
         """Agents for ``hosts`` and a scheduler that has heard from all of them.
 
         ``policy`` defaults to ``settings.placement_policy``, loaded by name from the
-        ``nbos.placement_policies`` entry points.
+        ``nbos.placement_policies`` entry points. ``fair_share``: the users' GPU quotas
+        the scheduler keeps to (``None``: none).
         """
         inventory = discover_gpus(settings.gpus_per_host, settings.gpu_memory_mib, mode=discovery)
         log.info("cluster GPUs: %d per host (%s)", len(inventory.devices), inventory.source)
@@ -113,6 +115,7 @@ class ClusterGpus:
                     rpc_timeout=EVICT_TIMEOUT_S + 5.0,
                     replicas_per_kernel=settings.replicas_per_kernel,
                     limits=HostLimits.of(settings),
+                    fair_share=fair_share,
                 ) as scheduler,
                 anyio.create_task_group() as tg,
             ):

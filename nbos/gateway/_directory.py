@@ -65,7 +65,7 @@ from nbos.core.wire.agent import (
 from nbos.gateway._host_liveness import SilenceDetector
 from nbos.gateway._rpc import RequestChannel
 from nbos.gateway._scheduler import GpuScheduler
-from nbos.scaling import ClusterDecisions, HostLimits
+from nbos.scaling import ClusterDecisions, FairShare, HostLimits
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink
 from nbos.transport.keys import KeyDirectory, check_host_name
@@ -154,6 +154,7 @@ class HostDirectory:
         missed_heartbeats: int = 5,
         rpc_timeout: float = 5.0,
         limits: HostLimits | None = None,
+        fair_share: FairShare | None = None,
     ) -> AsyncIterator[HostDirectory]:
         """Serve registrations on ``transport`` (peer id ``gateway``) until the block exits.
 
@@ -161,6 +162,7 @@ class HostDirectory:
         transport must have been opened with ``keys.gateway_curve()``); ``None``:
         admit any host, over plain TCP. ``heartbeat_interval`` is the agents'.
         ``limits``: what one host takes (the scheduler's placement keeps to them).
+        ``fair_share``: the users' GPU quotas the scheduler keeps to (``None``: none).
         """
         if transport.local != GATEWAY_PEER:
             raise ConfigError("peer", transport.local, f"the gateway's peer id {GATEWAY_PEER!r}")
@@ -187,6 +189,7 @@ class HostDirectory:
                 replicas_per_kernel=replicas_per_kernel,
                 registered=True,
                 limits=limits,
+                fair_share=fair_share,
             ) as scheduler,
             anyio.create_task_group() as tg,
         ):

@@ -55,7 +55,8 @@ class GpuChooser:
 
     ``hosts`` maps every replica's node id to its host (copied; :meth:`replica_replaced`
     keeps the copy and the scheduler's placement up to date).
-    ``default_gpus`` is the kernel's GPUs per cell. ``release`` frees a plan's GPUs on
+    ``default_gpus`` is the kernel's GPUs per cell; ``user`` owns the kernel (``""``:
+    nobody), whose quota its cells' GPUs count against. ``release`` frees a plan's GPUs on
     every path and leaves the executor's tensors resident on them (lazy eviction); a
     replica that died loses its residency through :meth:`GpuScheduler.replica_gone`.
     """
@@ -66,8 +67,10 @@ class GpuChooser:
         kernel_id: KernelId,
         hosts: Mapping[int, HostId],
         default_gpus: int,
+        user: str = "",
     ) -> None:
         self._scheduler = scheduler
+        self._user = user
         self._kernel_id = kernel_id
         self._hosts = dict(hosts)
         self._default = default_gpus
@@ -199,6 +202,7 @@ class GpuChooser:
                 gpus=gpus,
                 on_wait=on_wait,
                 on_migrate=on_migrate if migrating else None,
+                user=self._user,
             )
         assert planned is not None
         return planned

@@ -16,9 +16,9 @@ for registered hosts, else the scheduler's own :class:`HostLiveness`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
-from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -63,9 +63,12 @@ from nbos.scaling import (
     ClusterDecisions,
     ClusterModel,
     Execute,
+    FairShare,
     HostLimits,
     MigrationPlan,
     Wait,
+    Waiter,
+    Yield,
     check_cell_gpus,
 )
 from nbos.scaling.ledger import Ledger
@@ -104,9 +107,13 @@ class GpuScheduler:
     * a grant's devices are pre-committed on its host's agent before
       :meth:`acquire` returns; :meth:`release` (or leaving :meth:`cell`) frees them
       and is idempotent and safe on every path, cancellation included;
-    * cells that cannot get GPUs wait in FIFO order per set of replica hosts and
-      are woken when GPUs are released or hosts report; a cell asking for more
-      GPUs than any known host has gets :class:`InsufficientGpusError` at once;
+    * cells that cannot get GPUs wait, in the order of the cluster's
+      :class:`~nbos.scaling.FairShare` (within-quota cells first, then by arrival;
+      without one, in arrival order) per set of replica hosts, and are woken when
+      GPUs are released or hosts report; a cell that would borrow beyond its user's
+      quota waits while another user's within-quota cell waits anywhere in the cluster;
+      a cell asking for more GPUs than any known host has gets
+      :class:`InsufficientGpusError` at once;
     * an agent that does not answer within ``rpc_timeout``, or stops reporting for
       ``host_timeout`` (without a host directory, which decides that otherwise), is
       suspected (logged) and left out until it reports again; releases meant for it
@@ -125,7 +132,9 @@ class GpuScheduler:
         replicas_per_kernel: int,
         registered: bool = False,
         limits: HostLimits | None = None,
+        fair_share: FairShare | None = None,
     ) -> None:
+        self._fair = fair_share
         self._decisions = (
             policy
             if isinstance(policy, ClusterDecisions)
@@ -148,7 +157,11 @@ class GpuScheduler:
             spawn=self._spawn,
             registered=registered,
         )
-        self._queues: dict[frozenset[HostId], deque[object]] = {}
+        # Waiting cells with GPUs to take, by the set of their replicas' hosts.
+        self._queues: dict[frozenset[HostId], dict[object, Waiter]] = {}
+        self._arrivals = itertools.count()
+        #: The user of each kernel that asked for GPUs (``""``: none): quotas count by user.
+        self._users: dict[KernelId, str] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
         self.ledger = Ledger()
         self._version = 0
@@ -169,6 +182,7 @@ class GpuScheduler:
         replicas_per_kernel: int = 3,
         registered: bool = False,
         limits: HostLimits | None = None,
+        fair_share: FairShare | None = None,
     ) -> AsyncIterator[GpuScheduler]:
         """Run the scheduler on ``transport`` (the gateway's endpoint) until the block exits.
 
@@ -180,7 +194,9 @@ class GpuScheduler:
         ``registered``, a host counts only once :meth:`admit` named it (the host
         directory, which connects to agents with their keys, does that), and the
         scheduler never adds peers to the transport itself. ``limits``: what one host
-        takes (:class:`~nbos.scaling.HostLimits`; none by default).
+        takes (:class:`~nbos.scaling.HostLimits`; none by default). ``fair_share``: the
+        users' GPU quotas (:class:`~nbos.scaling.FairShare`); ``None``: no quotas, waiting
+        cells are served in arrival order.
         """
         for key, value in (
             ("rpc_timeout", rpc_timeout),
@@ -207,6 +223,7 @@ class GpuScheduler:
             replicas_per_kernel=replicas_per_kernel,
             registered=registered,
             limits=limits,
+            fair_share=fair_share,
         )
         async with anyio.create_task_group() as tg:
             scheduler._tg = tg
@@ -236,6 +253,19 @@ class GpuScheduler:
     def grants(self) -> tuple[Grant, ...]:
         """Live grants (pre-committed or committed), oldest first."""
         return self._hosts.grants()
+
+    @property
+    def fair_share(self) -> FairShare | None:
+        """The users' quotas the scheduler keeps to (``None``: none)."""
+        return self._fair
+
+    def user_gpus(self) -> Mapping[str, int]:
+        """GPUs of live grants (pre-committed or committed) per user: what quotas count."""
+        held: dict[str, int] = {}
+        for grant in self._hosts.grants():
+            user = self._users.get(grant.kernel_id, "")
+            held[user] = held.get(user, 0) + len(grant.devices)
+        return held
 
     def waiting(self) -> Mapping[tuple[KernelId, int], str]:
         """Cells waiting for GPUs now, by ``(kernel, exec_index)``, with the reason shown."""
@@ -356,6 +386,7 @@ class GpuScheduler:
         gpus: int,
         on_wait: WaitCallback | None = None,
         on_migrate: MigrateCallback | None = None,
+        user: str = "",
     ) -> Grant:
         """Choose the executor of a cell and pre-commit its GPUs on that replica's host.
 
@@ -364,7 +395,10 @@ class GpuScheduler:
         ``gpus`` now, else the replica whose host has the most idle GPUs, else the
         cell waits (``on_wait`` gets the reason; so does :meth:`waiting`). While it
         waits because moving a replica would let it run, ``on_migrate`` gets each new
-        :class:`MigrationPlan` (carrying it out is the caller's). Raises
+        :class:`MigrationPlan` (carrying it out is the caller's). ``user`` owns the
+        kernel (``""``: nobody): its GPUs count against that user's quota, and a cell
+        that would borrow beyond it waits while another user's within-quota cell waits
+        (the reason names both users). Raises
         :class:`InsufficientGpusError` at once if no known host has ``gpus`` GPUs,
         :class:`GpuError` for a negative count and :class:`QuorumLostError` for no
         replicas.
@@ -375,6 +409,7 @@ class GpuScheduler:
                 f"kernel {kernel_id} has no live replica to run cell {exec_index}"
             )
         self._agents.kernel_lives_on(kernel_id, replicas.values())
+        self._users[kernel_id] = user
         staying = self._decisions.off_draining(tuple(replicas.values()), self.model.is_draining)
         replicas = {n: h for n, h in replicas.items() if h in staying}
         self.ledger.cell_ready(kernel_id, exec_index, gpus)
@@ -390,15 +425,18 @@ class GpuScheduler:
             self.ledger.cell_started(kernel_id, exec_index)
             return Grant(kernel_id, exec_index, replica, host, (), "")
         key = frozenset(replicas.values())
-        queue = self._queues.setdefault(key, deque())
+        queue = self._queues.setdefault(key, {})
         ticket = object()
-        queue.append(ticket)
+        queue[ticket] = Waiter(user, gpus, next(self._arrivals))
         shown: str | None = None
         proposed: MigrationPlan | None = None
         try:
             while True:
                 version = self._version
-                if queue[0] is ticket:
+                ahead = self._ahead(queue, ticket)
+                if ahead is not None:
+                    outcome = ahead
+                else:
                     decided = await self._try(kernel_id, exec_index, replicas, last_executor, gpus)
                     if isinstance(decided, Grant):
                         return decided
@@ -407,8 +445,6 @@ class GpuScheduler:
                         if on_migrate is not None:
                             await on_migrate(decided)
                     outcome = _wait_reason(decided, gpus)
-                else:
-                    outcome = f"waiting for {gpus} GPUs behind {queue.index(ticket)} earlier cells"
                 if outcome != shown:
                     shown = self._waiting[(kernel_id, exec_index)] = outcome
                     log.info("kernel %s cell %d: %s", kernel_id, exec_index, outcome)
@@ -416,11 +452,30 @@ class GpuScheduler:
                         await on_wait(outcome)
                 await self._wait_change(version)
         finally:
-            queue.remove(ticket)
+            del queue[ticket]
             if not queue:
                 del self._queues[key]
             self._waiting.pop((kernel_id, exec_index), None)
             self._notify()
+
+    def _ahead(self, queue: Mapping[object, Waiter], ticket: object) -> str | None:
+        """Why the cell of ``ticket`` may not try for GPUs now (``None``: it may): it would
+        borrow while another user's within-quota cell waits, or earlier cells of its set of
+        replica hosts go first."""
+        waiter = queue[ticket]
+        if self._fair is None:
+            before = sum(1 for w in queue.values() if w.arrival < waiter.arrival)
+        else:
+            held = self.user_gpus()
+            everyone = [w for q in self._queues.values() for w in q.values()]
+            decided = self._fair.decide(waiter, everyone, held)
+            if isinstance(decided, Yield):
+                return decided.reason
+            mine = self._fair.order(waiter, held)
+            before = sum(1 for w in queue.values() if self._fair.order(w, held) < mine)
+        if before:
+            return f"waiting for {waiter.gpus} GPUs behind {before} earlier cells"
+        return None
 
     async def committed(self, grant: Grant) -> Grant:
         """The cell of ``grant`` started: commit its reservation and return the grant.
@@ -439,7 +494,10 @@ class GpuScheduler:
             raise UnknownReservationError(res, "released")
         host = self._hosts[grant.host]
         n = len(grant.devices)
-        reply = await self._agents.call(host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n))
+        first = self._evict_first(grant.host)
+        reply = await self._agents.call(
+            host, lambda rid: GpuCommit(rid, res, grant.kernel_id, n, evict_first=first)
+        )
         if isinstance(reply, GpuGranted) and reply.reservation.state == "committed":
             devices = tuple(reply.reservation.devices)
             if devices != grant.devices:
@@ -478,6 +536,7 @@ class GpuScheduler:
         last_executor: int | None,
         gpus: int,
         on_wait: WaitCallback | None = None,
+        user: str = "",
     ) -> AsyncIterator[CellLease]:
         """:meth:`acquire` a grant for the block and :meth:`release` it however the block ends.
 
@@ -485,7 +544,13 @@ class GpuScheduler:
         cell still returns its GPUs.
         """
         grant = await self.acquire(
-            kernel_id, exec_index, replicas, last_executor=last_executor, gpus=gpus, on_wait=on_wait
+            kernel_id,
+            exec_index,
+            replicas,
+            last_executor=last_executor,
+            gpus=gpus,
+            on_wait=on_wait,
+            user=user,
         )
         lease = CellLease(grant, scheduler=self)
         try:
@@ -497,6 +562,7 @@ class GpuScheduler:
     async def kernel_gone(self, kernel_id: KernelId) -> None:
         """The kernel was shut down or died: free its GPUs and residency on every host."""
         self._forget_placement(kernel_id)
+        self._users.pop(kernel_id, None)
         async with anyio.create_task_group() as tg:
             for host in list(self._hosts.records()):
                 tg.start_soon(self.replica_gone, kernel_id, host.host_id)
@@ -550,6 +616,14 @@ class GpuScheduler:
                 return grant
             refused.add(choice.host)
 
+    def _evict_first(self, host_id: HostId) -> list[str]:
+        """The kernels with replicas on the host whose resident GPU memory the fair share
+        has evicted first (their users are over quota); none without quotas."""
+        if self._fair is None or host_id not in self.model.hosts:
+            return []
+        holders = {k: self._users.get(k, "") for k in self.model.kernels_on(host_id)}
+        return sorted(self._fair.evict_first(holders, self.user_gpus()))
+
     @staticmethod
     def _replica_on(host: HostId, replicas: Mapping[int, HostId], last: int | None) -> int:
         if last is not None and replicas.get(last) == host:
@@ -561,9 +635,10 @@ class GpuScheduler:
     ) -> Grant | None:
         host = self._hosts[host_id]
         res = f"{kernel_id}/{exec_index}/{uuid.uuid4().hex[:12]}"
+        first = self._evict_first(host_id)
         try:
             reply = await self._agents.call(
-                host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus)
+                host, lambda rid: GpuPrecommit(rid, res, kernel_id, gpus, evict_first=first)
             )
         except HostUnreachableError:
             return None

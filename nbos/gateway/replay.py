@@ -34,6 +34,8 @@ from nbos.gateway.control_api import (
     UsageRequest,
     call,
 )
+from nbos.scaling.fair_share import FairShare
+from nbos.scaling.fairness import UserCell
 from nbos.scaling.ledger import CellUsage, HostCount
 from nbos.scaling.results import Run, Sample, SimResult, sim_result
 from nbos.scaling.trace import Cell, Session, Trace
@@ -54,13 +56,16 @@ class ReplayConfig:
     refused is retried every ``retry`` trace seconds; ``overrun_limit`` trace seconds after
     the trace's end, cells not started are given up (as ``SimConfig.overrun_limit``);
     ``interactive_within`` as in ``SimConfig`` (the overrun lasts at least
-    :data:`_OVERRUN_FLOOR_S` real seconds); ``policy`` only labels the result."""
+    :data:`_OVERRUN_FLOOR_S` real seconds); ``policy`` only labels the result, and
+    ``fair_share`` only frames the users' fair shares in it (the gateway keeps to the
+    quotas of its own users)."""
 
     speedup: float = 60.0
     retry: float = 60.0
     overrun_limit: float = 6 * 3600.0
     interactive_within: float = 1.0
     policy: str = ""
+    fair_share: FairShare | None = None
 
     def __attrs_post_init__(self) -> None:
         for key in ("speedup", "retry"):
@@ -176,7 +181,7 @@ def result(trace: Trace, run: ReplayRun, config: ReplayConfig) -> SimResult:
     at the end less those at the start), in trace seconds."""
     assert run.after is not None
     after, t0, ended, k = run.after, run.t0, run.ended, config.speedup
-    delays, busy, used = _cells(trace, run, k)
+    delays, busy, used, by_user = _cells(trace, run, k)
     samples = _samples(used, after.hosts, t0, ended, k)
     measured = Run(
         mode="replay",
@@ -189,18 +194,24 @@ def result(trace: Trace, run: ReplayRun, config: ReplayConfig) -> SimResult:
         peak_gpus_committed=max((s.gpus_committed for s in samples), default=0),
         hosts_timeline=tuple(((h.time - t0) * k, h.hosts) for h in _within(after.hosts, t0, ended)),
         samples=samples,
+        user_cells=by_user,
+        fair_share=config.fair_share,
     )
     return sim_result(trace, measured)
 
 
-def _cells(trace: Trace, run: ReplayRun, k: float) -> tuple[list[float], float, list[CellUsage]]:
+def _cells(
+    trace: Trace, run: ReplayRun, k: float
+) -> tuple[list[float], float, list[CellUsage], list[UserCell]]:
     """Each trace cell that got its GPUs: its delay (trace seconds) against the start it
-    would have had on an unlimited cluster, the work (GPU-seconds) of all, their grants."""
+    would have had on an unlimited cluster, the work (GPU-seconds) of all, their grants,
+    and each as its session's user's."""
     assert run.after is not None
     by_cell = {(c.kernel_id, c.exec_index): c for c in run.after.cells}
     delays: list[float] = []
     busy = 0.0
     used: list[CellUsage] = []
+    by_user: list[UserCell] = []
     for session in trace.sessions:
         kernel = run.kernels.get(session.id)
         ideal_end = -math.inf
@@ -212,9 +223,14 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> tuple[list[float], float, 
                 continue
             # Real clocks jitter: a cell is never early.
             delays.append(max(0.0, (usage.started - run.t0) * k - ideal))
-            busy += session.cell_gpus(cell) * cell.duration
+            gpus = session.cell_gpus(cell)
+            busy += gpus * cell.duration
             used.append(usage)
-    return delays, busy, used
+            start = (usage.started - run.t0) * k
+            end = (usage.ended - run.t0) * k if usage.ended is not None else start + cell.duration
+            ready = min((usage.ready - run.t0) * k, start)
+            by_user.append(UserCell(session.owner, gpus, ready, start, end))
+    return delays, busy, used, by_user
 
 
 def _within(hosts: Sequence[HostCount], t0: float, end: float) -> list[HostCount]:

@@ -16,16 +16,18 @@ under retried or duplicated messages.
 
 Lazy eviction: a released device may still hold the releasing kernel's tensors
 (``release(..., resident=True)``). Allocation prefers devices where the same
-kernel is resident, then devices with no resident state; when it must hand out a
+kernel is resident, then devices with no resident state, then devices of the
+caller's ``evict_first`` kernels (the fair share's: users over quota); when it must hand out a
 device that another kernel is resident on, the allocation's ``evict_from`` names
 that kernel, and the caller has it evict before the new holder binds the device.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Literal
 
 import attrs
@@ -178,8 +180,18 @@ class GpuPool:
 
     # --- transitions -------------------------------------------------------------
 
-    def precommit(self, reservation_id: str, kernel_id: KernelId, n: int) -> Allocation:
+    def precommit(
+        self,
+        reservation_id: str,
+        kernel_id: KernelId,
+        n: int,
+        *,
+        evict_first: Collection[KernelId] = (),
+    ) -> Allocation:
         """Reserve ``n`` idle devices for an expected executor of ``kernel_id``.
+
+        Devices where another kernel is resident are taken last, those of the
+        ``evict_first`` kernels before the others.
 
         Repeating a call for a live reservation returns it unchanged (if the kernel
         and count match; otherwise :class:`GpuError`). A finished reservation id is
@@ -188,17 +200,23 @@ class GpuPool:
         existing = self._existing(reservation_id, kernel_id, n)
         if existing is not None:
             return existing
-        return self._allocate(reservation_id, kernel_id, n, "precommitted")
+        return self._allocate(reservation_id, kernel_id, n, "precommitted", evict_first)
 
     def commit(
-        self, reservation_id: str, kernel_id: KernelId | None = None, n: int | None = None
+        self,
+        reservation_id: str,
+        kernel_id: KernelId | None = None,
+        n: int | None = None,
+        *,
+        evict_first: Collection[KernelId] = (),
     ) -> Allocation:
         """Bind a reservation to a running cell.
 
         A pre-commit becomes a commit; a committed or released reservation is left
         as it is (idempotent). A reservation the pool does not hold (never made,
         expired, lost in an agent restart) is taken fresh from idle devices when
-        ``kernel_id`` and ``n`` are given, else :class:`UnknownReservationError`.
+        ``kernel_id`` and ``n`` are given (as :meth:`precommit` takes them), else
+        :class:`UnknownReservationError`.
         """
         alloc = self._live.get(reservation_id)
         if alloc is not None:
@@ -216,7 +234,7 @@ class GpuPool:
             why = "expired" if finished is not None else "unknown"
             log.info("commit of %s reservation %s refused", why, reservation_id)
             raise UnknownReservationError(reservation_id, why)
-        return self._allocate(reservation_id, kernel_id, n, "committed")
+        return self._allocate(reservation_id, kernel_id, n, "committed", evict_first)
 
     def release(self, reservation_id: str, *, resident: bool = False) -> tuple[int, ...]:
         """Free a reservation's devices and return them; a repeat returns the same devices.
@@ -291,7 +309,12 @@ class GpuPool:
             )
 
     def _allocate(
-        self, reservation_id: str, kernel_id: KernelId, n: int, state: ReservationState
+        self,
+        reservation_id: str,
+        kernel_id: KernelId,
+        n: int,
+        state: ReservationState,
+        evict_first: Collection[KernelId],
     ) -> Allocation:
         if n < 0:
             raise _logged(GpuError(f"reservation {reservation_id!r}: device count {n} < 0"))
@@ -299,14 +322,19 @@ class GpuPool:
         if n > len(idle):
             log.info("kernel %s asked for %d GPUs, %d idle", kernel_id, n, len(idle))
             raise InsufficientGpusError(n, len(idle), "host GPU pool")
-        chosen = sorted(idle, key=lambda d: (self._eviction_rank(d, kernel_id), d))[:n]
+        rank = functools.partial(self._eviction_rank, kernel_id=kernel_id, first=evict_first)
+        chosen = sorted(idle, key=lambda d: (rank(d), d))[:n]
         return self._take(reservation_id, kernel_id, tuple(sorted(chosen)), state)
 
-    def _eviction_rank(self, device: int, kernel_id: KernelId) -> int:
+    def _eviction_rank(
+        self, device: int, *, kernel_id: KernelId, first: Collection[KernelId]
+    ) -> int:
         holder = self._resident.get(device)
         if holder == kernel_id:
             return 0
-        return 1 if holder is None else 2
+        if holder is None:
+            return 1
+        return 2 if holder in first else 3
 
     def _take(
         self,

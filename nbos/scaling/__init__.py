@@ -2,7 +2,8 @@
 
 :class:`ClusterDecisions` makes every scheduling decision of one cluster, for the
 gateway and the simulator alike; :class:`ClusterModel` is the cluster both
-keep up to date event by event.
+keep up to date event by event; :class:`FairShare` decides which waiting cell may take
+GPUs under users' quotas, for both as well.
 
 Policies are found by name through the entry point group ``nbos.placement_policies``;
 see ``docs/placement.md`` for writing one.
@@ -20,6 +21,8 @@ from nbos.scaling.autoscaler import (
 )
 from nbos.scaling.decisions import CellDecision, ClusterDecisions, ScaleStep
 from nbos.scaling.executor import Execute, Wait, check_cell_gpus
+from nbos.scaling.fair_share import FairDecision, FairShare, Take, UserGpus, Waiter, Yield
+from nbos.scaling.fairness import UserCell, UserFigures, jain_index
 from nbos.scaling.ledger import Ledger, Totals
 from nbos.scaling.limits import HostLimits
 from nbos.scaling.migration import MigrationPlan, plan_migration
@@ -40,6 +43,8 @@ __all__ = [
     "ClusterDecisions",
     "ClusterModel",
     "Execute",
+    "FairDecision",
+    "FairShare",
     "Hold",
     "HostLimits",
     "LeastLoadedPolicy",
@@ -55,13 +60,20 @@ __all__ = [
     "Session",
     "SimConfig",
     "SimResult",
+    "Take",
     "Totals",
     "Trace",
+    "UserCell",
+    "UserFigures",
+    "UserGpus",
     "Wait",
+    "Waiter",
+    "Yield",
     "admissible",
     "available_policies",
     "check_cell_gpus",
     "first_hours",
+    "jain_index",
     "load_policy",
     "load_trace",
     "metrics_table",

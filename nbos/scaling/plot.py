@@ -1,4 +1,5 @@
-"""Pictures of simulation results: GPUs and hosts over time per mode, and the cell delay CDF.
+"""Pictures of simulation results: GPUs and hosts over time per mode, the cell delay CDF, and
+each user's GPU-hours against their fair share and p99 wait.
 
 Needs matplotlib (the ``plot`` extra: ``pip install 'nbos[plot]'``); without it
 :func:`plot_results` raises :class:`~nbos.core.errors.ConfigError`. The figure is
@@ -9,11 +10,12 @@ format (``.png``, ``.svg``, ``.pdf``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from nbos.core.errors import ConfigError
+from nbos.scaling.fairness import UserFigures
 from nbos.scaling.results import SimResult
 
 log = logging.getLogger(__name__)
@@ -23,7 +25,8 @@ def plot_results(results: Sequence[SimResult], path: str | Path) -> Path:
     """Draw ``results`` (one column per mode) into ``path`` and return it.
 
     Row 1: GPUs provisioned, committed and busy over time; row 2: hosts over
-    time; row 3: the CDF of cell delays of every mode. Raises
+    time; row 3: the CDF of cell delays of every mode; row 4: each user's GPU-hours
+    used over their fair share, with Jain's index; row 5: each user's p99 wait. Raises
     :class:`ConfigError` without matplotlib or for an empty ``results``.
     """
     if not results:
@@ -31,8 +34,8 @@ def plot_results(results: Sequence[SimResult], path: str | Path) -> Path:
     plt = _pyplot()
     path = Path(path)
     scale, unit = _time_unit(max(r.hours for r in results))
-    fig = plt.figure(figsize=(6 * len(results), 10), layout="constrained")
-    grid = fig.add_gridspec(3, len(results))
+    fig = plt.figure(figsize=(6 * len(results), 16), layout="constrained")
+    grid = fig.add_gridspec(5, len(results))
     gpu_axes = [fig.add_subplot(grid[0, i]) for i in range(len(results))]
     host_axes = [fig.add_subplot(grid[1, i], sharex=gpu_axes[i]) for i in range(len(results))]
     gpus_top = max((s.gpus_provisioned for r in results for s in r.samples), default=1)
@@ -44,6 +47,8 @@ def plot_results(results: Sequence[SimResult], path: str | Path) -> Path:
         gpu_axes[i].set_ylim(0, gpus_top * 1.05 + 1)
         host_axes[i].set_ylim(0, hosts_top * 1.05 + 1)
     _delays(fig.add_subplot(grid[2, :]), results)
+    _user_shares(fig.add_subplot(grid[3, :]), results)
+    _user_waits(fig.add_subplot(grid[4, :]), results)
     fig.suptitle(f"nbos simulate: policy {results[0].policy}, {results[0].sessions} sessions")
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -130,6 +135,42 @@ def _delays(ax: Any, results: Sequence[SimResult]) -> None:
     ax.set_ylabel("share of cells")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3, which="both")
+
+
+def _user_bars(
+    ax: Any,
+    results: Sequence[SimResult],
+    value: Callable[[UserFigures], float],
+    label: Callable[[SimResult], str],
+) -> None:
+    """Grouped bars: one group per user (of every result), one bar per result."""
+    users = sorted({u.user for r in results for u in r.users})
+    width = 0.8 / len(results)
+    for i, result in enumerate(results):
+        mine = {u.user: value(u) for u in result.users}
+        xs = [x + (i - (len(results) - 1) / 2) * width for x in range(len(users))]
+        ax.bar(xs, [mine.get(u, 0.0) for u in users], width, label=label(result))
+    ax.set_xticks(range(len(users)), [u or "(none)" for u in users], rotation=60, fontsize="small")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _user_shares(ax: Any, results: Sequence[SimResult]) -> None:
+    _user_bars(
+        ax,
+        results,
+        lambda u: u.gpu_hours / u.fair_gpu_hours if u.fair_gpu_hours else 0.0,
+        lambda r: f"{r.mode} (Jain's index {r.jain_index:.2f})",
+    )
+    ax.axhline(1.0, color="#555555", linewidth=0.8, linestyle="--")
+    ax.set_title("each user's GPU-hours over their fair share (1: exactly their share)")
+    ax.set_ylabel("used / fair share")
+
+
+def _user_waits(ax: Any, results: Sequence[SimResult]) -> None:
+    _user_bars(ax, results, lambda u: u.wait_p99, lambda r: r.mode)
+    ax.set_title("each user's p99 wait for GPUs (from ready to started)")
+    ax.set_ylabel("seconds")
 
 
 def _refused(error: ConfigError) -> ConfigError:

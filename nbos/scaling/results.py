@@ -10,12 +10,13 @@ each figure.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
 
+from nbos.scaling.fair_share import FairShare
+from nbos.scaling.fairness import UserCell, UserFigures, jain_index, percentile, user_figures
 from nbos.scaling.ledger import Totals
 from nbos.scaling.trace import Trace
 
@@ -64,6 +65,10 @@ class SimResult:
     samples: tuple[Sample, ...] = ()
     #: Every started cell's delay (seconds), sorted.
     delays: tuple[float, ...] = ()
+    #: Each user's GPU-hours, fair share and p99 wait, by user name.
+    users: tuple[UserFigures, ...] = ()
+    #: Jain's fairness index of the users' GPU-hours over their fair shares (1: in proportion).
+    jain_index: float = 1.0
 
     def summary(self) -> dict[str, Any]:
         """The figures as plain values (no samples or delays), with the two shares."""
@@ -103,10 +108,15 @@ class Run:
     peak_gpus_committed: int
     hosts_timeline: tuple[tuple[float, int], ...]
     samples: tuple[Sample, ...]
+    #: Every started cell by user, for the users' figures.
+    user_cells: Sequence[UserCell] = ()
+    #: The quotas the run kept to (``None``: none), for the users' fair shares.
+    fair_share: FairShare | None = None
 
 
 def sim_result(trace: Trace, run: Run) -> SimResult:
     """``run``'s figures for the table, its cells counted against ``trace``'s."""
+    users = user_figures(trace, run.user_cells, run.fair_share)
     delays = sorted(run.delays)
     cells = sum(len(s.cells) for s in trace.sessions)
     fast = sum(1 for d in delays if d <= run.interactive_within)
@@ -122,9 +132,9 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         gpu_hours_reserved=totals.committed_gpu_s / 3600,
         gpu_hours_busy=run.busy_gpu_s / 3600,
         gpu_hours_provisioned=totals.provisioned_gpu_s / 3600,
-        delay_p50=_percentile(delays, 0.50),
-        delay_p95=_percentile(delays, 0.95),
-        delay_p99=_percentile(delays, 0.99),
+        delay_p50=percentile(delays, 0.50),
+        delay_p95=percentile(delays, 0.95),
+        delay_p99=percentile(delays, 0.99),
         interactive_within=run.interactive_within,
         interactive_share=_share(fast, cells),
         migrations=totals.migrations,
@@ -138,17 +148,9 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         hosts_timeline=run.hosts_timeline,
         samples=run.samples,
         delays=tuple(delays),
+        users=users,
+        jain_index=jain_index([u.gpu_hours / u.fair_gpu_hours for u in users if u.fair_gpu_hours]),
     )
-
-
-def _percentile(ordered: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks of sorted values; 0 for no values."""
-    if not ordered:
-        return 0.0
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _share(part: float, whole: float) -> float:
@@ -179,14 +181,39 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
     ("hosts mean / max", lambda r: f"{r.hosts_mean:.1f} / {r.hosts_max}"),
     ("peak GPUs committed", lambda r: f"{r.peak_gpus_committed}"),
     ("hours at host ceiling, work waiting", lambda r: f"{r.hours_at_ceiling:.1f}"),
+    ("users / Jain's fairness index", lambda r: f"{len(r.users)} / {r.jain_index:.3f}"),
 )
 
 
 def metrics_table(results: Sequence[SimResult]) -> str:
     """The results side by side, one column per run, as plain text."""
     header = ("metric", *(r.mode for r in results))
-    rows = [header, *((label, *(fmt(r) for r in results)) for label, fmt in _ROWS)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return _columns([header, *((label, *(fmt(r) for r in results)) for label, fmt in _ROWS)])
+
+
+def users_table(result: SimResult) -> str:
+    """One row per user of ``result``: quota, cells, GPU-hours used and fair, p99 wait."""
+    header = ("user", "quota", "cells", "GPU-h", "fair GPU-h", "used / fair", "wait p99 (s)")
+    rows = [header] + [
+        (
+            u.user or "(none)",
+            "-" if u.quota is None else str(u.quota),
+            str(u.cells),
+            f"{u.gpu_hours:,.2f}",
+            f"{u.fair_gpu_hours:,.2f}",
+            f"{_share(u.gpu_hours, u.fair_gpu_hours):.0%}" if u.fair_gpu_hours else "-",
+            f"{u.wait_p99:.1f}",
+        )
+        for u in result.users
+    ]
+    title = f"{result.mode}: per user (Jain's fairness index {result.jain_index:.3f})"
+    return f"{title}\n{_columns(rows)}"
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` as plain text columns: the first left-aligned, the others right-aligned, a
+    rule under the first row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(
             cell.ljust(w) if i == 0 else cell.rjust(w)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import logging
 import math
 from collections import deque
@@ -60,6 +61,8 @@ from nbos.gpu.pool import GpuPool
 from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, ScaleOut
 from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.executor import Execute, Wait
+from nbos.scaling.fair_share import FairShare, UserGpus, Waiter, Yield
+from nbos.scaling.fairness import UserCell
 from nbos.scaling.ledger import Ledger
 from nbos.scaling.limits import HostLimits
 from nbos.scaling.migration import MigrationPlan
@@ -123,6 +126,9 @@ class SimConfig:
     overrun_limit: float = attrs.field(default=6 * 3600.0, validator=_check_config)
     #: What one host takes (replicas; a simulated host's free memory is not known).
     host_limits: HostLimits = attrs.field(factory=HostLimits)
+    #: The users' GPU quotas, kept to in nbos mode (the baseline reserves per session) and
+    #: the fair shares of both modes' reports; ``None``: none, cells wait in arrival order.
+    fair_share: FairShare | None = attrs.field(default=None, hash=False)
 
 
 def simulate(
@@ -181,6 +187,14 @@ class _Kernel:
     #: The lifetime reservation in reservation mode.
     reservation: str | None = None
     reservations: int = 0
+    #: When the head cell began to ask for GPUs (an arrival number), while it asks.
+    arrival: int | None = None
+    #: When the kernel's last cell ended.
+    last_end: float = 0.0
+
+    @property
+    def user(self) -> str:
+        return self.session.owner
 
     def next_reservation(self) -> str:
         self.reservations += 1
@@ -232,6 +246,10 @@ class _Simulation:
         self._gpus_busy = 0
         self._busy_gpu_s = 0.0
         self._delays: list[float] = []
+        self._user_cells: list[UserCell] = []
+        self._fair = config.fair_share
+        self._user_gpus = UserGpus()
+        self._arrivals = itertools.count()
         self._samples: list[Sample] = []
         for _ in range(config.hosts):
             self._new_host()
@@ -382,6 +400,11 @@ class _Simulation:
             return
         staying = self.decisions.off_draining(hosts, self.model.is_draining)
         gpus = kernel.head_gpus()
+        if kernel.arrival is None:
+            kernel.arrival = next(self._arrivals)
+        if self._yields(kernel, gpus):
+            self._waiting.setdefault(kernel.kernel_id, kernel)
+            return
         try:
             decision = self.decisions.cell(
                 self.model.view(), kernel.kernel_id, staying, kernel.last, gpus
@@ -390,15 +413,32 @@ class _Simulation:
             decision = Wait("no host up")  # only while no host is up; hosts are all large enough
         if isinstance(decision, Execute):
             reservation = self._commit(decision.host, kernel, gpus, kernel.next_reservation())
+            self._user_gpus.add(kernel.user, gpus)
             self._begin(kernel, decision.host, self._now, reservation)
         elif isinstance(decision, MigrationPlan):
             self._move(kernel, decision.source, decision.target)
             self.ledger.migrations += 1
             reservation = self._commit(decision.target, kernel, gpus, kernel.next_reservation())
+            self._user_gpus.add(kernel.user, gpus)
             ready = self._now + self._cfg.migration_time
             self._begin(kernel, decision.target, ready, reservation)
         else:
             self._waiting.setdefault(kernel.kernel_id, kernel)
+
+    def _yields(self, kernel: _Kernel, gpus: int) -> bool:
+        """Whether the fair share has the kernel's head cell (borrowing) wait for another
+        user's within-quota cell: the gateway scheduler's rule, by the same decision."""
+        if self._fair is None or not gpus:
+            return False
+        assert kernel.arrival is not None
+        waiter = Waiter(kernel.user, gpus, kernel.arrival)
+        waiting = [self._waiter(k) for k in self._waiting.values()]
+        return isinstance(self._fair.decide(waiter, waiting, self._user_gpus.view()), Yield)
+
+    @staticmethod
+    def _waiter(kernel: _Kernel) -> Waiter:
+        assert kernel.arrival is not None
+        return Waiter(kernel.user, kernel.head_gpus(), kernel.arrival)
 
     def _could_run(self, kernel: _Kernel) -> bool:
         """Cheap necessary condition for a waiting cell: a replica host, or a schedulable
@@ -411,11 +451,13 @@ class _Simulation:
     def _begin(self, kernel: _Kernel, host: HostId, at: float, reservation: str | None) -> None:
         """Run the kernel's head cell on ``host`` from ``at`` (later than now after a migration)."""
         self._waiting.pop(kernel.kernel_id, None)
-        kernel.executing_on = host
+        kernel.executing_on, kernel.arrival = host, None
         cell, ideal_start = kernel.queue[0]
         gpus = kernel.session.cell_gpus(cell)
         self._delays.append(at - ideal_start)
         self._busy_gpu_s += gpus * cell.duration
+        ready = min(max(cell.start, kernel.last_end), at)
+        self._user_cells.append(UserCell(kernel.user, gpus, ready, at, at + cell.duration))
         if at > self._now:
             self._at(at, _END, lambda: self._busy(gpus))
         else:
@@ -427,17 +469,24 @@ class _Simulation:
 
     def _end(self, kernel: _Kernel, host: HostId, reservation: str | None, gpus: int) -> None:
         self._gpus_busy -= gpus
-        kernel.last, kernel.executing_on = host, None
+        kernel.last, kernel.executing_on, kernel.last_end = host, None, self._now
         kernel.queue.popleft()
         if reservation is not None:
             self._release(host, reservation, resident=True)
+            self._user_gpus.remove(kernel.user, gpus)
             self._wake_cells()
         self._try_run(kernel)
         self._maybe_finish(kernel)
 
     def _wake_cells(self) -> None:
-        """Give freed GPUs to waiting cells, longest waiting first."""
-        for kernel in list(self._waiting.values()):
+        """Give freed GPUs to waiting cells: longest waiting first, within-quota cells before
+        borrowing ones with a fair share."""
+        waiting = list(self._waiting.values())
+        if self._fair is not None:
+            held = self._user_gpus.view()
+            fair = self._fair
+            waiting.sort(key=lambda k: fair.order(self._waiter(k), held))
+        for kernel in waiting:
             if not self.model.could_commit(1, schedulable=False):
                 return  # every GPU of the cluster is committed
             if kernel.kernel_id in self._waiting and self._could_run(kernel):
@@ -543,7 +592,11 @@ class _Simulation:
     # --- accounting --------------------------------------------------------------
 
     def _commit(self, host: HostId, kernel: _Kernel, gpus: int, reservation: str) -> str:
-        self.pools[host].commit(reservation, kernel.kernel_id, gpus)
+        first: frozenset[KernelId] = frozenset()
+        if self._fair is not None:
+            holders = {k: self._kernels[k].user for k in self.model.kernels_on(host)}
+            first = self._fair.evict_first(holders, self._user_gpus.view())
+        self.pools[host].commit(reservation, kernel.kernel_id, gpus, evict_first=first)
         self.model.commit(host, gpus)
         self.ledger.gpus_committed(self.model.committed)
         return reservation
@@ -578,6 +631,8 @@ class _Simulation:
             peak_gpus_committed=self.ledger.peak_committed,
             hosts_timeline=tuple((h.time, h.hosts) for h in self.ledger.hosts()),
             samples=tuple(self._samples),
+            user_cells=self._user_cells,
+            fair_share=self._fair,
         )
         return sim_result(self._trace, run)
 

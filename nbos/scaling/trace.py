@@ -17,7 +17,7 @@ import logging
 import math
 import random
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -37,16 +37,23 @@ class Cell(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Session(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One notebook session (one kernel)."""
+    """One notebook session (one kernel); ``user`` owns it (``None``: a user of its own,
+    named as the session)."""
 
     id: str
     start: float
     stop: float
     gpus: int
     cells: tuple[Cell, ...] = ()
+    user: str | None = None
 
     def cell_gpus(self, cell: Cell) -> int:
         return self.gpus if cell.gpus is None else cell.gpus
+
+    @property
+    def owner(self) -> str:
+        """The session's user: its ``user``, else its id."""
+        return self.id if self.user is None else self.user
 
 
 class Trace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -57,6 +64,11 @@ class Trace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def end(self) -> float:
         return max((s.stop for s in self.sessions), default=0.0)
+
+    @property
+    def names_users(self) -> bool:
+        """Whether any session names its user (else each session is a user of its own)."""
+        return any(s.user is not None for s in self.sessions)
 
     def gpu_hours_reserved(self) -> float:
         """GPU-hours the sessions would hold if each reserved its GPUs for its lifetime."""
@@ -85,13 +97,34 @@ def first_hours(trace: Trace, hours: float) -> Trace:
     )
 
 
+def with_users(trace: Trace, users: Mapping[str, str]) -> Trace:
+    """``trace`` with each session named in ``users`` (session id -> user) owned by that user.
+
+    Raises :class:`ScalingError` for a session id the trace does not hold or a user name
+    that is not a non-empty string.
+    """
+    known = {s.id for s in trace.sessions}
+    unknown = sorted(set(users) - known)
+    if unknown:
+        raise _bad(f"user mapping names sessions the trace does not hold: {unknown}")
+    bad = sorted(sid for sid, user in users.items() if not isinstance(user, str) or not user)
+    if bad:
+        raise _bad(f"user mapping: sessions {bad} need a non-empty user name")
+    return Trace(
+        tuple(
+            msgspec.structs.replace(s, user=users[s.id]) if s.id in users else s
+            for s in trace.sessions
+        )
+    )
+
+
 def validated(trace: Trace) -> Trace:
     """``trace`` with each session's cells sorted by submit time, or :class:`ScalingError`.
 
-    Checks: unique session ids; finite times; ``0 <= start <= stop``; ``gpus >= 0``;
-    every cell submitted within ``[start, stop]`` with ``duration >= 0`` and
-    ``0 <= gpus <= `` the session's. Cells may overlap: a kernel runs them one
-    after another, as Jupyter queues them.
+    Checks: unique session ids; a session's ``user``, if given, not empty; finite
+    times; ``0 <= start <= stop``; ``gpus >= 0``; every cell submitted within
+    ``[start, stop]`` with ``duration >= 0`` and ``0 <= gpus <= `` the session's.
+    Cells may overlap: a kernel runs them one after another, as Jupyter queues them.
     """
     seen: set[str] = set()
     for s in trace.sessions:
@@ -108,6 +141,8 @@ def validated(trace: Trace) -> Trace:
 
 
 def _check_session(s: Session) -> None:
+    if s.user is not None and not s.user:
+        raise _bad(f"session {s.id!r}: an empty user name (leave it out for a user of its own)")
     if not (math.isfinite(s.start) and math.isfinite(s.stop) and 0 <= s.start <= s.stop):
         raise _bad(f"session {s.id!r}: start {s.start} and stop {s.stop} need 0 <= start <= stop")
     if s.gpus < 0:
@@ -127,6 +162,8 @@ def _check_session(s: Session) -> None:
 # --- files ---------------------------------------------------------------------------
 
 CSV_FIELDS = ("session", "event", "time", "duration", "gpus")
+#: An optional column of the CSV form: the session's user, on its ``start`` row.
+CSV_USER = "user"
 #: The columns of a task-level trace (the Tiresias scheduler's format) that the importer reads.
 TASK_FIELDS = ("job_id", "num_gpu", "submit_time", "duration")
 
@@ -178,6 +215,7 @@ def parse_csv(text: str, source: str = "<csv>") -> Trace:
 
     ``event`` is ``start`` (``gpus`` required), ``stop``, or ``cell`` (``duration``
     required, ``gpus`` optional). Each session needs exactly one start and one stop.
+    An optional ``user`` column names the session's user on its ``start`` row.
     """
     reader = csv.DictReader(io.StringIO(text))
     if reader.fieldnames is None or not set(CSV_FIELDS) <= set(reader.fieldnames):
@@ -185,28 +223,37 @@ def parse_csv(text: str, source: str = "<csv>") -> Trace:
     starts: dict[str, tuple[float, int]] = {}
     stops: dict[str, float] = {}
     cells: defaultdict[str, list[Cell]] = defaultdict(list)
+    users: dict[str, str] = {}
     for line, row in enumerate(reader, start=2):
         _csv_row(row, starts, stops, cells, f"trace {source} line {line}")
+        user = (row.get(CSV_USER) or "").strip()
+        if user and (row.get("event") or "").strip() == "start":
+            users[(row.get("session") or "").strip()] = user
     missing = sorted((set(starts) ^ set(stops)) | (set(cells) - set(starts)))
     if missing:
         raise _bad(f"trace {source}: sessions without both a start and a stop: {missing}")
     sessions = (
-        Session(sid, start, stops[sid], gpus, tuple(cells[sid]))
+        Session(sid, start, stops[sid], gpus, tuple(cells[sid]), users.get(sid))
         for sid, (start, gpus) in starts.items()
     )
     return _validated_from(Trace(tuple(sessions)), source)
 
 
 def dump_csv(trace: Trace) -> str:
-    """The CSV form :func:`parse_csv` reads."""
+    """The CSV form :func:`parse_csv` reads (with a ``user`` column if a session names one)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(CSV_FIELDS)
+    named = trace.names_users
+    user: tuple[str, ...] = (CSV_USER,) if named else ()
+    writer.writerow((*CSV_FIELDS, *user))
     for s in trace.sessions:
-        writer.writerow((s.id, "start", s.start, "", s.gpus))
+        if named:
+            user = (s.user or "",)
+        writer.writerow((s.id, "start", s.start, "", s.gpus, *user))
         for c in s.cells:
-            writer.writerow((s.id, "cell", c.start, c.duration, "" if c.gpus is None else c.gpus))
-        writer.writerow((s.id, "stop", s.stop, "", ""))
+            gpus = "" if c.gpus is None else c.gpus
+            writer.writerow((s.id, "cell", c.start, c.duration, gpus, *("",) * len(user)))
+        writer.writerow((s.id, "stop", s.stop, "", "", *("",) * len(user)))
     return out.getvalue()
 
 

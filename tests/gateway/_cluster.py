@@ -19,7 +19,7 @@ from nbos.agent import EvictHook, HostAgent
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import GpuScheduler
 from nbos.gpu import GpuPool
-from nbos.scaling import ClusterDecisions
+from nbos.scaling import ClusterDecisions, FairShare
 from nbos.transport import MemoryNetwork, MemoryTransport
 
 GATEWAY = "gateway"
@@ -110,6 +110,7 @@ async def cluster(
     ttl: float = 30.0,
     policy: str | ClusterDecisions = "least-loaded",
     clock: Callable[[], float] = time.monotonic,
+    fair_share: FairShare | None = None,
 ) -> AsyncIterator[Cluster]:
     """Agents for ``hosts`` (host -> device indices) and a scheduler that has heard from all."""
     network = MemoryNetwork(seed=1)
@@ -122,6 +123,7 @@ async def cluster(
             retry_interval=0.05,
             host_timeout=1.0,
             poll_interval=0.1,
+            fair_share=fair_share,
         ) as scheduler,
         anyio.create_task_group() as tg,
     ):

@@ -45,7 +45,8 @@ async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_account
     ) as service:
         shown = await anyio.run_process(
             [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", str(SPEEDUP),
-             "--gateway", service.control_address, "--simulate"],
+             "--gateway", service.control_address, "--simulate", "--quota", "a=2",
+             "--default-quota", "1"],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             check=False,
@@ -69,6 +70,11 @@ async def test_a_replayed_trace_prints_simulates_table_from_the_gateways_account
     assert held >= busy
     assert rows["GPU-hours reserved"][-1] == f"{held / 3600:,.0f}"
     assert rows["GPU-hours busy"] == [f"{busy / 3600:,.0f}"] * 2
+
+    # Each session is a user of its own; the quotas frame their fair shares in both columns.
+    assert "replay: per user (Jain's fairness index" in out
+    users = [line.split() for line in out.split("replay: per user")[1].splitlines()[3:5]]
+    assert [(u[0], u[1], u[2]) for u in users] == [("a", "2", "2"), ("b", "1", "1")]
 
 
 def _table(shown: str) -> dict[str, list[str]]:

@@ -120,6 +120,21 @@ def test_same_kernel_prefers_its_resident_devices(pool: GpuPool) -> None:
     assert again.evict_from == {}
 
 
+def test_evict_first_kernels_lose_their_devices_before_other_kernels(pool: GpuPool) -> None:
+    pool.commit("b1", B, 2)
+    pool.commit("a1", A, 2)
+    pool.release("b1", resident=True)
+    pool.release("a1", resident=True)
+    assert pool.resident() == {0: B, 1: B, 2: A, 3: A}
+    # By default the lowest device (B's) goes; A named first (its user borrows): A's.
+    assert pool.precommit("c1", KernelId("c"), 1).evict_from == {0: B}
+    taken = pool.commit("c2", KernelId("c"), 2, evict_first={A})
+    assert taken.evict_from == {2: A, 3: A}
+    # Free devices still go before anyone's resident ones.
+    pool.release("c2")
+    assert pool.precommit("c3", KernelId("c"), 1, evict_first={B}).devices == (2,)
+
+
 def test_foreign_resident_device_reports_who_evicts(pool: GpuPool) -> None:
     pool.commit("a1", A, 3)
     pool.release("a1", resident=True)

@@ -53,22 +53,27 @@ class GpuReservation(Message):
 # --- requests (gateway -> agent) -------------------------------------------------
 
 
-class GpuPrecommit(Message):
-    """Reserve ``n`` devices for an expected executor of ``kernel_id``."""
+class GpuPrecommit(Message, omit_defaults=True):
+    """Reserve ``n`` devices for an expected executor of ``kernel_id``; a device where one of
+    the ``evict_first`` kernels is resident is taken before one of another kernel's."""
 
     request_id: int
     reservation_id: str
     kernel_id: str
     n: int
+    #: Left out on the wire when empty (no quotas), as agents before it expect.
+    evict_first: list[str] = []
 
 
-class GpuCommit(Message):
-    """Bind a reservation to a running cell (taken fresh if the agent lost it)."""
+class GpuCommit(Message, omit_defaults=True):
+    """Bind a reservation to a running cell (taken fresh if the agent lost it, as
+    :class:`GpuPrecommit` takes devices)."""
 
     request_id: int
     reservation_id: str
     kernel_id: str
     n: int
+    evict_first: list[str] = []
 
 
 class GpuRelease(Message):
