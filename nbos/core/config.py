@@ -159,8 +159,9 @@ class AuthSettings(_Section, frozen=True):
     Every request (HTTP, WebSocket, control endpoint, metrics) carries a token. The
     gateway's own operator token (``[gateway] auth_token``, else one kept in the data dir,
     or fresh at each start without one; written ``0600`` to a token file in Jupyter's
-    runtime directory, where local clients find it) makes an admin. ``users_file``: a TOML file of users, each with a token
-    hash, a role (``user`` or ``admin``) and a GPU quota (empty: no users file).
+    runtime directory, where local clients find it) makes an admin. ``users_file``: a
+    TOML file of users, each with a token hash, a role (``user`` or ``admin``) and a GPU
+    quota (empty: no users file).
     ``default_quota``: the guaranteed GPUs of a user for whom none is given.
     """
 

@@ -227,6 +227,8 @@ class KernelManager:
         self.options = options
         self._tg = tg
         self._kernels: dict[KernelId, Kernel] = {}
+        #: The user of every kernel run since the start, ended ones too (their figures).
+        self.owners: dict[KernelId, str] = {}
         # Each replica's connection info, as its connection file says.
         self._connections: dict[tuple[KernelId, int], Mapping[str, Any]] = {}
         self._state = state
@@ -400,7 +402,7 @@ class KernelManager:
                 for node in placed
             ]
             if chooser is None:
-                chooser = GpuChooser(scheduler, kernel_id, placed, gpus)
+                chooser = GpuChooser(scheduler, kernel_id, placed, gpus, user=owner)
             front = KernelFront(
                 endpoints,
                 kernel_id=kernel_id,
@@ -450,6 +452,7 @@ class KernelManager:
         replacing: _Replacing,
     ) -> Kernel:
         """Run a kernel whose replicas and front exist: its GPUs, its task, the kernel."""
+        self.owners[kernel_id] = replacing.owner
         self.gpus.add_kernel(kernel_id, front, replacing.hosts)
         self._ends[kernel_id] = anyio.Event()
         kernel: Kernel = await self._tg.start(
@@ -543,7 +546,9 @@ class KernelManager:
             members = {r.node: r.raft for r in record.replicas}
             for r in record.replicas:
                 self._connections[(kernel_id, r.node)] = r.connection
-            chooser = GpuChooser(self.gpus.scheduler, kernel_id, placed, record.gpus)
+            chooser = GpuChooser(
+                self.gpus.scheduler, kernel_id, placed, record.gpus, user=record.owner
+            )
             env = dict(record.replicas[0].env) if record.replicas else {}
             front = KernelFront(
                 [ReplicaEndpoint(r.node, r.connection) for r in record.replicas],

@@ -92,7 +92,7 @@ from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import GatewayState, StateFile
 from nbos.gateway._strays import settle_strays
-from nbos.gateway.auth import Authenticator, remove_token_file, write_token_file
+from nbos.gateway.auth import Authenticator, UsersFile, remove_token_file, write_token_file
 from nbos.gateway.control_api import (
     MAX_REQUEST_BYTES,
     ClusterStatus,
@@ -125,9 +125,10 @@ from nbos.metrics.prometheus import (
     ClusterCollector,
     ClusterSample,
     PrometheusEvents,
+    UserSample,
     serve_metrics,
 )
-from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions, HostLimits
+from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions, FairShare, HostLimits
 from nbos.transport import ZmqTransport
 from nbos.transport.keys import KeyDirectory
 
@@ -254,6 +255,7 @@ class GatewayService:
                     heartbeat_interval=conf.heartbeat_s,
                     missed_heartbeats=conf.missed_heartbeats,
                     limits=limits,
+                    fair_share=_fair_share(settings, authenticator),
                 )
             )
             tg = await stack.enter_async_context(anyio.create_task_group())
@@ -463,7 +465,27 @@ class GatewayService:
         kernels = self.kernel_manager.kernels
         alive = sum(r.alive for k in kernels for r in k.replicas)
         by_state = Counter(k.state for k in kernels)
-        return ClusterSample(gpus, {s: by_state[s] for s in KERNEL_STATES}, alive)
+        states: dict[str, int] = {s: by_state[s] for s in KERNEL_STATES}
+        return ClusterSample(gpus, states, alive, self.user_samples())
+
+    def user_samples(self) -> dict[str, UserSample]:
+        """Each user's figures (``/metrics``): every user who ever had a kernel here."""
+        owners = self.kernel_manager.owners
+        scheduler = self.directory.scheduler
+        kernels = Counter(k.owner for k in self.kernel_manager.kernels)
+        waiting = Counter(owners.get(k, "") for k, _ in scheduler.waiting())
+        held = scheduler.user_gpus()
+        seconds: dict[str, float] = {}
+        now = scheduler.ledger.now()
+        for cell in scheduler.ledger.cells():
+            if cell.started is not None:
+                user = owners.get(KernelId(cell.kernel_id), "")
+                end = now if cell.ended is None else cell.ended
+                seconds[user] = seconds.get(user, 0.0) + cell.gpus * (end - cell.started)
+        return {
+            user: UserSample(kernels[user], waiting[user], held.get(user, 0), seconds.get(user, 0))
+            for user in set(owners.values()) | set(held)
+        }
 
     async def may_read_metrics(self, token: str) -> bool:
         """Whether ``token`` is an admin's (once users may sign in, the metrics are theirs)."""
@@ -581,6 +603,15 @@ async def _local_agents(
     for _ in range(hosts):
         await local.add_host(agent)
     await directory.wait_for_hosts(hosts, _AGENTS_TIMEOUT_S)
+
+
+def _fair_share(settings: Settings, authenticator: Authenticator) -> FairShare | None:
+    """The users' GPU quotas the scheduler keeps to; ``None`` (first come, first served)
+    while nobody but the operator may sign in."""
+    if not authenticator.has_users:
+        return None
+    files = [p for p in authenticator.providers if isinstance(p, UsersFile)]
+    return FairShare(files[0].quotas if files else {}, settings.auth.default_quota)
 
 
 def _operator(

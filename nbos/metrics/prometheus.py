@@ -23,7 +23,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nbos.core.errors import ConfigError, TransportError
@@ -81,13 +81,26 @@ class PrometheusEvents:
 
 
 @attrs.frozen
+class UserSample:
+    """One user's figures: live kernels, cells waiting for GPUs, GPUs held by their cells
+    now (pre-committed or committed), and GPU-seconds their cells held since the gateway
+    started."""
+
+    kernels: int
+    cells_waiting: int
+    gpus_committed: int
+    gpu_seconds: float
+
+
+@attrs.frozen
 class ClusterSample:
     """The gauges at one moment: GPUs by state per host, kernels by state (every state,
-    0 included), live replicas."""
+    0 included), live replicas, and each user's figures."""
 
     gpus: Mapping[str, Mapping[str, int]]
     kernels: Mapping[str, int]
     replicas_alive: int
+    users: Mapping[str, UserSample] = attrs.field(factory=dict)
 
 
 class ClusterCollector(Collector):
@@ -117,6 +130,29 @@ class ClusterCollector(Collector):
         yield GaugeMetricFamily(
             "nbos_replicas_alive", "Replica processes alive.", value=sample.replicas_alive
         )
+        yield from _user_metrics(sample.users)
+
+
+def _user_metrics(users: Mapping[str, UserSample]) -> Iterator[Metric]:
+    """Per user (``user`` label; a kernel of nobody's is the user ``""``)."""
+    kernels = GaugeMetricFamily("nbos_user_kernels", "Kernels per user.", labels=["user"])
+    waiting = GaugeMetricFamily(
+        "nbos_user_cells_waiting", "Cells waiting for GPUs per user.", labels=["user"]
+    )
+    held = GaugeMetricFamily(
+        "nbos_user_gpus_committed", "GPUs held by a user's cells now.", labels=["user"]
+    )
+    seconds = CounterMetricFamily(
+        "nbos_user_gpu_seconds",
+        "GPU-seconds a user's cells held since the gateway started.",
+        labels=["user"],
+    )
+    for user, figures in sorted(users.items()):
+        kernels.add_metric([user], figures.kernels)
+        waiting.add_metric([user], figures.cells_waiting)
+        held.add_metric([user], figures.gpus_committed)
+        seconds.add_metric([user], figures.gpu_seconds)
+    yield from (kernels, waiting, held, seconds)
 
 
 #: ``authorize(token)``: whether the token's holder may read the metrics.

@@ -70,8 +70,9 @@ FairDecision = Take | Yield
 class FairShare:
     """The quotas of a cluster's users and the fair-share rules over them.
 
-    ``quotas`` maps a user to their guaranteed GPUs, ``default_quota`` is that of every
-    user not listed; both must be integers ``>= 0`` (:class:`ConfigError` otherwise).
+    ``quotas`` maps a user to their guaranteed GPUs (read at each decision: a live
+    mapping's changes count at once), ``default_quota`` is that of every user not listed;
+    both must be integers ``>= 0`` (:class:`ConfigError` otherwise).
     Committed GPUs are given per user to each call (a mapping ``user -> GPUs``, users
     absent hold none), so the object holds no state that could drift.
     """
@@ -82,7 +83,9 @@ class FairShare:
                 raise _refused(ConfigError("quota user", user, "a user name (a string)"))
             _check_quota(f"quota of {user!r}", quota)
         _check_quota("default_quota", default_quota)
-        self._quotas = dict(quotas)
+        # Not copied: a live mapping (a users file's, read again when it changes) takes
+        # effect at the next decision.
+        self._quotas = quotas
         self._default = default_quota
 
     @property

@@ -14,6 +14,7 @@ from tornado import httpclient
 from nbos.cluster import LocalCluster
 from nbos.core.config import GatewaySettings
 from nbos.core.errors import ConfigError
+from nbos.gateway.auth import Authenticator
 from nbos.gateway.http import serve_http
 from tests.gateway._http import KernelSocket, call, poll
 
@@ -28,19 +29,19 @@ async def test_a_kernel_without_clients_is_culled_once_idle_and_one_with_a_clien
     conf = GatewaySettings(http_address="127.0.0.1:0", cull_idle_timeout=5.0)
     async with (
         LocalCluster(3, run_dir=tmp_path) as cluster,
-        serve_http(conf, cluster.kernel_manager, lambda: 0) as api,
+        serve_http(conf, cluster.kernel_manager, lambda: 0, Authenticator("t")) as api,
     ):
         kernels = f"{api.url}/api/kernels"
-        kept = (await call(kernels, "POST", {}))[1]["id"]
-        ws = await KernelSocket.open(f"{kernels}/{kept}/channels")
-        culled = (await call(kernels, "POST", {"name": "nbos"}))[1]["id"]
+        kept = (await call(kernels, "POST", {}, token="t"))[1]["id"]
+        ws = await KernelSocket.open(f"{kernels}/{kept}/channels", "t")
+        culled = (await call(kernels, "POST", {"name": "nbos"}, token="t"))[1]["id"]
         try:
 
             async def gone() -> bool:
-                return (await call(f"{kernels}/{culled}"))[0] == 404
+                return (await call(f"{kernels}/{culled}", token="t"))[0] == 404
 
             await poll(gone)
-            assert [k["id"] for k in (await call(kernels))[1]] == [kept]
+            assert [k["id"] for k in (await call(kernels, token="t"))[1]] == [kept]
             assert (await ws.run("print('still here')"))[0]["content"]["status"] == "ok"
         finally:
             ws.close()
@@ -73,7 +74,7 @@ async def test_tls_when_a_certificate_is_configured_and_bad_settings_refused(
     )
     async with (
         LocalCluster(3, run_dir=tmp_path / "cluster") as cluster,
-        serve_http(conf, cluster.kernel_manager, lambda: 4) as api,
+        serve_http(conf, cluster.kernel_manager, lambda: 4, Authenticator("t")) as api,
     ):
         assert api.url.startswith("https://127.0.0.1:")
         response = await httpclient.AsyncHTTPClient().fetch(
@@ -94,6 +95,9 @@ async def test_tls_when_a_certificate_is_configured_and_bad_settings_refused(
         ):
             with pytest.raises(ConfigError):
                 async with serve_http(
-                    msgspec.structs.replace(conf, **bad), cluster.kernel_manager, lambda: 0
+                    msgspec.structs.replace(conf, **bad),
+                    cluster.kernel_manager,
+                    lambda: 0,
+                    Authenticator("t"),
                 ):
                     pass

@@ -11,6 +11,7 @@ import pytest
 from tornado import httpclient, httpserver, netutil, web
 
 from nbos.core.errors import DecodeError
+from nbos.gateway.auth import Authenticator
 from nbos.gateway.http._handlers import ApiHandler, ApiRoot, log_request
 from nbos.gateway.http._wsproto import _frame_legacy, decode
 from tests.gateway._http import call
@@ -28,7 +29,7 @@ class _Buggy(ApiHandler):
 @asynccontextmanager
 async def _api(token: str) -> AsyncIterator[str]:
     """The API root and a buggy route on a free port, logged as the gateway logs; its URL."""
-    settings = {"kernels": None, "token": token}
+    settings = {"kernels": None, "authenticator": Authenticator(token)}
     app = web.Application(
         [(r"/api/?", ApiRoot, settings), (r"/api/buggy", _Buggy, settings)],
         log_function=log_request,
@@ -46,16 +47,16 @@ async def _api(token: str) -> AsyncIterator[str]:
 async def test_a_handler_that_raises_answers_a_json_500_with_a_log_line_and_the_server_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async with _api(token="") as url:
+    async with _api(token="t") as url:
         with caplog.at_level(logging.ERROR):
-            code, answer = await call(f"{url}/buggy", "POST", {})
+            code, answer = await call(f"{url}/buggy", "POST", {}, token="t")
         assert code == 500
         assert answer["reason"] == "Internal Server Error"
         assert "ValueError: deadline must not be NaN" in answer["message"]
         assert any(
             r.exc_info is not None and "/api/buggy" in r.getMessage() for r in caplog.records
         )
-        assert (await call(url))[0] == 200
+        assert (await call(url, token="t"))[0] == 200
 
 
 @pytest.mark.parametrize(

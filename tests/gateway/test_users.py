@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 import msgspec
 import pytest
@@ -38,7 +39,7 @@ from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE
 from tests.gateway._http import KernelSocket, start_http_gateway, stdout, stop
 from tests.gateway._http import call as rest
-from tests.gateway._service import ask_raw
+from tests.gateway._service import ask_raw, run_cell
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 
@@ -197,3 +198,40 @@ async def test_metrics_are_an_admins_once_there_are_users(cluster: Cluster) -> N
     assert _metrics_status(c, "a-guess") == 403
     assert _metrics_status(c, c.tokens["bob"]) == 403
     assert _metrics_status(c, c.tokens["carol"]) == 200
+
+
+def _metrics(c: Cluster) -> str:
+    headers = {"Authorization": f"Bearer {c.tokens['carol']}"}
+    request = urllib.request.Request(c.metrics, headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return str(response.read().decode())
+
+
+async def test_a_users_cells_hold_gpus_as_theirs_and_show_in_their_figures(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Alice's cell's GPU is hers in the scheduler (what her quota counts) and in the
+    per-user metrics; bob, who runs nothing, holds none."""
+    c = cluster
+    kernel = await _as(c, "alice", StartKernel(gpus=1))
+    assert isinstance(kernel, KernelInfo), kernel
+    go = tmp_path / "go"
+    cell = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)"
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_cell, kernel, cell)
+            with anyio.fail_after(DEADLINE):
+                while 'nbos_user_gpus_committed{user="alice"} 1.0' not in _metrics(c):  # noqa: ASYNC110 (another process)
+                    await anyio.sleep(0.2)
+            text = _metrics(c)
+            assert 'nbos_user_kernels{user="alice"} 1.0' in text
+            bob = [line for line in text.splitlines() if line.startswith("nbos_user_gpus_com")]
+            assert all(line.endswith(" 0.0") for line in bob if 'user="bob"' in line), bob
+            go.touch()
+        text = _metrics(c)
+        seconds = [line for line in text.splitlines() if line.startswith("nbos_user_gpu_seconds")]
+        alice = [line for line in seconds if 'user="alice"' in line and "_total" in line]
+        assert alice and float(alice[0].split()[-1]) > 0, seconds
+    finally:
+        go.touch()
+        await _as(c, "carol", ShutdownKernel(kernel.kernel_id))

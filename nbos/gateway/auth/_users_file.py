@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -61,6 +61,11 @@ class UsersFile:
         self._reload(strict=False)
         return tuple(self._by_hash.values())
 
+    @property
+    def quotas(self) -> Mapping[str, int]:
+        """Each user's quota, a live view: a change of the file shows in it."""
+        return _Quotas(self)
+
     async def authenticate(self, token: str) -> User | None:
         self._reload(strict=False)
         return self._by_hash.get(hash_token(token))
@@ -101,6 +106,23 @@ class UsersFile:
             quota = self.default_quota if entry.quota is None else entry.quota
             by_hash[entry.token_hash] = User(name=name, role=entry.role, quota=quota)
         return by_hash
+
+
+class _Quotas(Mapping[str, int]):
+    def __init__(self, users: UsersFile) -> None:
+        self._users = users
+
+    def _now(self) -> dict[str, int]:
+        return {u.name: u.quota for u in self._users.users}
+
+    def __getitem__(self, name: str) -> int:
+        return self._now()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
 
 
 def _entry(where: str, fields: Mapping[str, Any]) -> _Entry:
