@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -86,6 +87,26 @@ class JupyterHub:
     def revoke(self, user: str, token_id: str) -> None:
         self.api("DELETE", f"users/{user}/tokens/{token_id}")
 
+    def start_server(self, user: str, timeout_s: float) -> str:
+        """Start ``user``'s single-user server and wait until the Hub says it is ready;
+        its URL through the Hub's proxy."""
+        self.api("POST", f"users/{user}/server")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            server = self.api("GET", f"users/{user}")["servers"].get("", {})
+            if server.get("ready"):
+                return f"{self.url}/user/{user}"
+            if not server.get("pending"):
+                raise RuntimeError(f"{user}'s server did not start; the Hub's log:\n{self._tail()}")
+            time.sleep(0.5)
+        raise TimeoutError(f"{user}'s server not ready in {timeout_s} s:\n{self._tail()}")
+
+    def stop_server(self, user: str) -> None:
+        self.api("DELETE", f"users/{user}/server")
+
+    def _tail(self) -> str:
+        return self.log.read_text()[-4000:]
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the Hub (it stops its proxy and servers), SIGKILL after ``timeout_s``;
         then whatever it started that is still running (a Hub killed leaves its proxy)."""
@@ -105,9 +126,12 @@ def start_jupyterhub(
     users: tuple[str, ...] = ("alice", "bob"),
     admins: tuple[str, ...] = ("admin",),
     config: str = "",
+    hub_port: int | None = None,
     ready_timeout_s: float = 90.0,
 ) -> JupyterHub:
     """Start a Hub that knows ``users`` and ``admins`` and wait until its API answers.
+
+    ``hub_port``: the Hub's own port, if it must be known before (a free one if not).
 
     Raises :class:`ServerUnavailableError` if JupyterHub or its proxy is not installed,
     ``RuntimeError`` (quoting its log) if it does not come up.
@@ -121,15 +145,20 @@ def start_jupyterhub(
     workdir.mkdir(parents=True, exist_ok=True)
     return start_on_free_port(
         "jupyterhub",
-        lambda port: _launch(workdir, port, users, admins, config),
+        lambda port: _launch(workdir, port, hub_port or free_port(), users, admins, config),
         lambda hub: wait_ready(hub.process, lambda: _answers(hub), ready_timeout_s, 0.3),
     )
 
 
 def _launch(
-    workdir: Path, port: int, users: tuple[str, ...], admins: tuple[str, ...], config: str
+    workdir: Path,
+    port: int,
+    hub_port: int,
+    users: tuple[str, ...],
+    admins: tuple[str, ...],
+    config: str,
 ) -> JupyterHub:
-    hub_port, proxy_api_port = free_port(), free_port()
+    proxy_api_port = free_port()
     admin_token = secrets.token_hex(32)
     config_file = workdir / f"jupyterhub_config_{port}.py"
     config_file.write_text(
