@@ -41,6 +41,9 @@ async def test_each_token_is_its_users_and_a_hub_admin_is_an_admin(hub: JupyterH
     assert await users.authenticate(hub.new_token("bob")[0]) == User(name="bob", quota=2)
     for unknown in ("garbage", alice[:-1], alice + "x", "x" * 10_000):
         assert await users.authenticate(unknown) is None
+    # What no header may carry (a ?token= decodes to any text) is no token, not an error.
+    for unsendable in (f"{alice}\r\nX-Injected: 1", f"{alice}\n", "tökén", "a\0b"):
+        assert await users.authenticate(unsendable) is None
     # A service's token is no user's (its name could be any user's).
     assert await users.authenticate(hub.admin_token) is None
 

@@ -79,6 +79,8 @@ class HubUsers:
         self._cache: dict[str, tuple[float, User]] = {}
 
     async def authenticate(self, token: str) -> User | None:
+        if not (token.isascii() and token.isprintable()):
+            return None  # no Hub token (a ?token= may decode to anything): never sent on
         key = hashlib.sha256(token.encode()).hexdigest()
         now = time.monotonic()
         cached = self._cache.get(key)
