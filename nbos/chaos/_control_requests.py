@@ -27,6 +27,7 @@ from nbos.chaos._checks import Violation
 from nbos.chaos._nemesis import Strike
 from nbos.chaos._target import Capability, ChaosKernel
 from nbos.core.errors import ConfigError, KernelError, NemesisUnsupportedError, TransportError
+from nbos.gateway.auth import client_token
 from nbos.gateway.control_api import (
     ClusterStatus,
     ControlError,
@@ -38,6 +39,7 @@ from nbos.gateway.control_api import (
     StartKernel,
     StatusRequest,
     call,
+    sealed,
 )
 
 log = logging.getLogger(__name__)
@@ -294,7 +296,7 @@ async def _send_raw(address: str, body: bytes) -> ControlReply | None:
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address if address.startswith("tcp://") else f"tcp://{address}")
     try:
-        await socket.send(body)
+        await socket.send(sealed(body, client_token(address)))
         if not await socket.poll(int(_REFUSE_TIMEOUT_S * 1000)):
             return None
         data = await socket.recv()

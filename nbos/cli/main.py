@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,7 @@ _COMMANDS = (
     "status",
     "cluster",
     "replay",
+    "users",
 )
 
 
@@ -43,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="log level for nbos's own messages (default: WARNING)",
     )
     parser.add_argument("--config", help="TOML settings file (NBOS_* variables override it)")
+    parser.add_argument(
+        "--token",
+        help="your token for the gateway's control endpoint (default: $NBOS_TOKEN, else the "
+        "operator token a gateway you run left in Jupyter's runtime directory)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _COMMANDS:
         importlib.import_module(f"nbos.cli.{module}").register(subparsers)
@@ -53,6 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if args.token:
+        from nbos.gateway.auth import TOKEN_ENV
+
+        # Where every control client of this process looks (nbos.gateway.auth.client_token).
+        os.environ[TOKEN_ENV] = args.token
     func: Handler | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()

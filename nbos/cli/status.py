@@ -56,10 +56,11 @@ def render(status: ClusterStatus) -> str:
         ],
     )
     kernels = table(
-        ["KERNEL", "STATE", "ALIVE", "LAST CELL", "RUNNING ON"],
+        ["KERNEL", "USER", "STATE", "ALIVE", "LAST CELL", "RUNNING ON"],
         [
             [
                 k.kernel_id,
+                k.owner or "-",
                 k.state or "-",
                 f"{sum(r.alive for r in k.replicas)}/{len(k.replicas)}",
                 k.last_exec_index,

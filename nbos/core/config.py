@@ -157,10 +157,11 @@ class AuthSettings(_Section, frozen=True):
     """Who may use the gateway (``docs/users.md``).
 
     Every request (HTTP, WebSocket, control endpoint, metrics) carries a token. The
-    gateway's own operator token (``[gateway] auth_token``, or a fresh one at each start,
-    written ``0600`` to a token file in Jupyter's runtime directory, where local clients
-    find it) makes an admin. ``users_file``: a TOML file of users, each with a token
-    hash, a role (``user`` or ``admin``) and a GPU quota (empty: no users file).
+    gateway's own operator token (``[gateway] auth_token``, else one kept in the data dir,
+    or fresh at each start without one; written ``0600`` to a token file in Jupyter's
+    runtime directory, where local clients find it) makes an admin. ``users_file``: a
+    TOML file of users, each with a token hash, a role (``user`` or ``admin``) and a GPU
+    quota (empty: no users file).
     ``default_quota``: the guaranteed GPUs of a user for whom none is given.
 
     JupyterHub as a second identity provider: ``jupyterhub_api_url`` is the Hub's REST

@@ -54,11 +54,14 @@ class Kernel:
         *,
         replacer: Replacer | None = None,
         retire: Callable[[], Awaitable[None]] | None = None,
+        owner: str = "",
     ) -> None:
         # ``processes`` is shared with the cluster, which stops what it holds at the end.
         # ``retire`` records the shutdown before anything stops (the gateway's state).
         self.kernel_id = kernel_id
         self.front = front
+        #: The user the kernel belongs to (``""``: the admins' only).
+        self.owner = owner
         self._processes = processes
         self._scope = scope
         self._restart = restart

@@ -338,6 +338,7 @@ class KernelManager:
         gpus: int = 0,
         connection: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        owner: str = "",
     ) -> Kernel:
         """Start a kernel's replicas and its front; returns once every replica answered.
 
@@ -346,7 +347,7 @@ class KernelManager:
         replaces the GPU-aware executor choice. ``connection`` gives the front the
         ``key`` and ports (``shell_port`` ...) of a kernel it replaces (a restart).
         ``env`` goes into the environment of every replica process of the kernel
-        (replacements too).
+        (replacements too). ``owner``: the user it belongs to (kept in the state file).
 
         Raises :class:`~nbos.core.errors.OverloadedError` at once, starting nothing, when
         ``[gateway] max_starting`` starts run already or no host has room for the
@@ -358,7 +359,7 @@ class KernelManager:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
             raise ConfigError("gpus", gpus, "a non-negative number of GPUs per cell")
         with self.admission.slot():
-            return await self._start_kernel(chooser, gpus, connection, env)
+            return await self._start_kernel(chooser, gpus, connection, env, owner)
 
     async def _start_kernel(
         self,
@@ -366,6 +367,7 @@ class KernelManager:
         gpus: int,
         connection: Mapping[str, Any] | None,
         env: Mapping[str, str] | None,
+        owner: str,
     ) -> Kernel:
         kernel_id = new_kernel_id()
         scheduler = self.gpus.scheduler
@@ -389,7 +391,9 @@ class KernelManager:
             await self._write_state()  # no replica starts that a restart could not stop
             members = {n: await self._member(h) for n, h in placed.items()}
             for node, host in placed.items():
-                launches[node] = self._launch(kernel_id, node, host, members, env, gpus=gpus)
+                launches[node] = self._launch(
+                    kernel_id, node, host, members, env, gpus=gpus, user=owner
+                )
                 handles[node] = await launches[node].start(self.launcher)
             endpoints = [
                 ReplicaEndpoint(node, await self._connection(kernel_id, node, handles[node]))
@@ -405,7 +409,7 @@ class KernelManager:
                 heartbeat=self.options.heartbeat,
                 identity=_restart_identity(connection),
             )
-            replacing = _Replacing(members, chooser, gpus, placed, self._persist_soon, env)
+            replacing = _Replacing(members, chooser, gpus, placed, self._persist_soon, env, owner)
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         except BaseException:
             self._starting.pop(kernel_id, None)
@@ -554,7 +558,9 @@ class KernelManager:
             # make connections, whose source ports may be any free one, its own too.
             await self._restart_without_majority(kernel_id, launches, handles)
             self.gpus.scheduler.adopt_placement(kernel_id, placed.values(), record.gpus)
-            replacing = _Replacing(members, chooser, record.gpus, placed, self._persist_soon, env)
+            replacing = _Replacing(
+                members, chooser, record.gpus, placed, self._persist_soon, env, record.owner
+            )
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         # The front's start fails inside the kernel's task group: an exception group.
         except* (NbosError, OSError) as group:
@@ -711,7 +717,11 @@ class KernelManager:
             **{name: identity.ports[name] for name in _PORTS},
         )
         return KernelRecord(
-            kernel_id=kernel_id, gpus=tracked.replacing.gpus, front=front, replicas=replicas
+            kernel_id=kernel_id,
+            gpus=tracked.replacing.gpus,
+            front=front,
+            replicas=replicas,
+            owner=tracked.replacing.owner,
         )
 
     async def _connection(
@@ -758,6 +768,7 @@ class KernelManager:
                             peers,
                             replacing.env,
                             gpus=replacing.gpus,
+                            user=replacing.owner,
                             join=True,
                         )
                         handle = await launches[node].start(launcher)
@@ -779,6 +790,7 @@ class KernelManager:
                         restart if options.durable else None,
                         replacer=replacer,
                         retire=partial(self._retire, kernel_id),
+                        owner=replacing.owner,
                     )
 
                     async def after_exit(node: int, handle: ProcessHandle) -> None:
@@ -984,10 +996,11 @@ class KernelManager:
         env: Mapping[str, str],
         *,
         gpus: int,
+        user: str,
         join: bool = False,
     ) -> _Launch:
-        """Replica ``node`` of ``kernel_id`` (``gpus`` per cell) on ``host``; ``join``: a
-        replacement's."""
+        """Replica ``node`` of ``kernel_id`` (``gpus`` per cell, ``user``'s) on ``host``;
+        ``join``: a replacement's."""
         options = self.options
         argv = [
             PYTHON_TOKEN,
@@ -1017,18 +1030,20 @@ class KernelManager:
         if self.launcher.virtual_gpus(host):
             argv.append("--ReplicaApp.virtual_gpus=True")
         spec = ProcessSpec(argv=argv, env=env, label=f"{kernel_id[:8]}-replica-{node}")
-        owner = self._owner(kernel_id, node, members[node], gpus)
+        owner = self._owner(kernel_id, node, members[node], gpus, user)
         return _Launch(host, spec, f"{kernel_id}/replica-{node}", secrets.token_hex(32), owner)
 
-    def _owner(self, kernel_id: str, node: int, raft: str, gpus: int) -> ReplicaOwner | None:
+    def _owner(
+        self, kernel_id: str, node: int, raft: str, gpus: int, user: str
+    ) -> ReplicaOwner | None:
         if self._state is None:
             return None
         # A file of this generation or later that does not name the replica dropped it.
-        return ReplicaOwner(self._state_id, self._written, kernel_id, node, raft, gpus)
+        return ReplicaOwner(self._state_id, self._written, kernel_id, node, raft, gpus, user)
 
     def _launch_of(self, kernel: KernelRecord, replica: ReplicaRecord) -> _Launch:
         spec = ProcessSpec(argv=list(replica.argv), env=dict(replica.env), label=replica.label)
-        owner = self._owner(kernel.kernel_id, replica.node, replica.raft, kernel.gpus)
+        owner = self._owner(kernel.kernel_id, replica.node, replica.raft, kernel.gpus, kernel.owner)
         return _Launch(HostId(replica.host), spec, replica.workdir, replica.key, owner)
 
 
@@ -1036,8 +1051,8 @@ class KernelManager:
 class _Replacing:
     """What replacing a kernel's replicas needs: peer addresses (the replacer keeps them
     up to date), chooser, GPUs per cell, the node -> host map that the GPU eviction
-    routes read (kept up to date), who hears that the kernel's replicas changed, and
-    the replicas' extra environment."""
+    routes read (kept up to date), who hears that the kernel's replicas changed, the
+    replicas' extra environment, and the user the kernel belongs to."""
 
     members: dict[int, str]
     chooser: ExecutorChooser
@@ -1045,6 +1060,7 @@ class _Replacing:
     hosts: dict[int, HostId]
     changed: Callable[[], None]
     env: Mapping[str, str]
+    owner: str
 
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         self.hosts.pop(dead, None)

@@ -97,12 +97,14 @@ class ReplicaRecord(_Record, frozen=True, omit_defaults=True):
 
 
 class KernelRecord(_Record, frozen=True):
-    """A kernel that runs: its GPUs per cell, its front, its replicas."""
+    """A kernel that runs: its GPUs per cell, its front, its replicas, and the user it
+    belongs to (``""``: nobody's but the admins', as a kernel from before users)."""
 
     kernel_id: str
     gpus: int
     front: FrontRecord
     replicas: list[ReplicaRecord]
+    owner: str = ""
 
 
 class StartRecord(_Record, frozen=True):

@@ -112,8 +112,12 @@ def _adoptable(kernel_id: str, group: list[Stray], front_ip: str) -> KernelRecor
         key=secrets.token_hex(32),
         session=uuid.uuid4().hex,
     )
-    gpus = max(s.info.owner.gpus for s in group if s.info.owner is not None)
-    return KernelRecord(kernel_id=kernel_id, gpus=gpus, front=front, replicas=replicas)
+    owners = [s.info.owner for s in group if s.info.owner is not None]
+    gpus = max(o.gpus for o in owners)
+    # The user every replica names; replicas that disagree give the kernel to the admins.
+    users = {o.user for o in owners}
+    user = users.pop() if len(users) == 1 else ""
+    return KernelRecord(kernel_id=kernel_id, gpus=gpus, front=front, replicas=replicas, owner=user)
 
 
 def _members(stray: Stray) -> int | None:

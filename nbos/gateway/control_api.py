@@ -5,6 +5,14 @@ address`` and gets one reply: msgpack of the structs below, tagged by class name
 decoded strictly. Anything that does not decode, or that the gateway cannot do, is
 answered with :class:`ControlError` (and logged); the endpoint goes on.
 
+Every request travels in an :class:`Envelope` with the token of whoever sends it (a
+user's, or the gateway's operator token: ``docs/users.md``); one without, or with a
+token nobody has, is answered ``ControlError(kind="unauthorized")`` and nothing else
+happens. A user sees and acts on their own kernels only: another's is ``unknown``, as
+if absent; an admin sees all. The cluster-wide requests (``UsageRequest``,
+``SignalReplica``, ``RestartReplica``, ``ShutdownCluster``) are an admin's only, any
+other user's is answered ``ControlError(kind="forbidden")``.
+
 =========================  ==========================
 request                    reply
 =========================  ==========================
@@ -30,9 +38,9 @@ is answered with ``ControlError(kind="unknown")``; a ``StartKernel`` the gateway
 room for now (``[gateway] max_starting`` starts under way, or no host with room) with
 ``ControlError(kind="overloaded")`` at once, whose ``retry_after_s`` says when to ask again.
 
-The last three requests are the fault injection and checks of ``nbos chaos --gateway``:
-whoever reaches the control address may already shut any kernel down, and these add no
-more than that (signals go only to the kernels' own replica processes).
+``SignalReplica``, ``RestartReplica`` and ``DigestRequest`` are the fault injection and
+checks of ``nbos chaos --gateway`` (signals go only to the kernels' own replica
+processes).
 
 Every field of every request is bounded by the struct itself (the ``Annotated`` types
 below): NaN, infinities, negative or absurd numbers, overlong strings and oversized
@@ -55,8 +63,18 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from nbos.core.errors import NbosError, OverloadedError, TransportError, UnknownKernelError
+from nbos.core.errors import (
+    ForbiddenError,
+    IdentityProviderError,
+    NbosError,
+    OverloadedError,
+    TransportError,
+    UnauthorizedError,
+    UnknownKernelError,
+)
+from nbos.core.identity import User
 from nbos.gateway._kernel_state import KernelState
+from nbos.gateway.auth import client_token
 from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
 
 log = logging.getLogger(__name__)
@@ -64,7 +82,9 @@ log = logging.getLogger(__name__)
 #: ``joining``: registered, its GPUs not yet reported to the scheduler (nothing is placed
 #: there yet); ``up``: schedulable; ``suspected``: silent past the missed-heartbeat limit.
 HostState = Literal["joining", "up", "suspected"]
-ControlErrorKind = Literal["malformed", "failed", "unknown", "overloaded"]
+ControlErrorKind = Literal[
+    "malformed", "failed", "unknown", "overloaded", "unauthorized", "forbidden"
+]
 
 #: A request message above this is dropped by ZeroMQ (with its connection) before it is
 #: read: the largest valid one, a start with its connection, is a few hundred bytes.
@@ -189,6 +209,8 @@ class ReplicaStatus(_Msg):
 class KernelInfo(_Msg):
     """A kernel: its front's connection info (what a Jupyter client loads) and replicas.
 
+    ``owner``: the user who started it (``""``: a kernel from before users, an admin's).
+
     ``running_on``: the replica running a cell now; ``last_executor``: the one that ran
     the last cell; ``last_exec_index``: the index of the last cell the front settled;
     ``state``: the kernel's state (``docs/kernel.md``, Kernel states; ``None`` from a
@@ -202,6 +224,7 @@ class KernelInfo(_Msg):
     last_executor: int | None = None
     last_exec_index: int = 0
     state: KernelState | None = None
+    owner: str = ""
 
 
 class KernelList(_Msg):
@@ -269,16 +292,33 @@ ControlRequest = (
 )
 ControlReply = KernelInfo | KernelList | ClusterStatus | Usage | KernelDigests | ControlError
 
+#: Tokens: the operator's and users' are 43 characters; a Hub's 32.
+Token = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    """What a client sends: its ``token`` and its ``request``."""
+
+    token: Token
+    request: ControlRequest
+
+
+_envelopes = msgspec.msgpack.Decoder(Envelope)
 _requests = msgspec.msgpack.Decoder(ControlRequest)
 _replies = msgspec.msgpack.Decoder(ControlReply)
 _encoder = msgspec.msgpack.Encoder()
 
-#: ``handle(request)``: the gateway's answer. It may raise: an ``NbosError`` becomes a
-#: ``ControlError`` with its message, any other exception one with its traceback logged.
-Handler = Callable[[ControlRequest], Awaitable[ControlReply]]
+#: ``handle(user, request)``: the gateway's answer to ``user``. It may raise: an
+#: ``NbosError`` becomes a ``ControlError`` with its message, any other exception one with
+#: its traceback logged.
+Handler = Callable[[User, ControlRequest], Awaitable[ControlReply]]
+#: ``authenticate(token)``: whose the token is (see :class:`nbos.gateway.auth.Authenticator`).
+Authenticate = Callable[[str], Awaitable[User]]
 
 
-async def serve_control(socket: zmq.asyncio.Socket, handle: Handler) -> None:
+async def serve_control(
+    socket: zmq.asyncio.Socket, handle: Handler, authenticate: Authenticate
+) -> None:
     """Answer requests on ``socket`` (a bound ``ROUTER``), each in its own task, forever.
 
     A kernel start takes seconds; status requests meanwhile are answered at once. A
@@ -287,7 +327,7 @@ async def serve_control(socket: zmq.asyncio.Socket, handle: Handler) -> None:
     """
 
     async def answer(route: list[bytes], body: bytes) -> None:
-        reply = await _reply_to(body, handle)
+        reply = await _reply_to(body, handle, authenticate)
         try:
             await socket.send_multipart([*route, _encoder.encode(reply)])
         except zmq.ZMQError as exc:  # the socket is closing: the gateway is leaving
@@ -299,17 +339,24 @@ async def serve_control(socket: zmq.asyncio.Socket, handle: Handler) -> None:
             tg.start_soon(answer, route, body)
 
 
-async def _reply_to(body: bytes, handle: Handler) -> ControlReply:
+async def _reply_to(body: bytes, handle: Handler, authenticate: Authenticate) -> ControlReply:
     """The reply to one request message ``body``: ``handle``'s, or a :class:`ControlError`."""
     try:
-        request = _requests.decode(body)
+        envelope = _envelopes.decode(body)
     # msgspec lets a string that is not UTF-8 raise UnicodeDecodeError (msgspec#714).
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        log.warning("control: malformed request: %s", exc)
-        return ControlError("malformed", str(exc))
-    name = type(request).__name__
+        return _undecodable(body, exc)
+    name = type(envelope.request).__name__
     try:
-        return await handle(request)
+        user = await authenticate(envelope.token)
+    except (UnauthorizedError, IdentityProviderError) as exc:
+        log.warning("control: %s refused: %s", name, exc)
+        return ControlError("unauthorized", f"{name} refused: {exc}")
+    try:
+        return await handle(user, envelope.request)
+    except ForbiddenError as exc:
+        log.warning("control: %s of %s refused: %s", name, user.name, exc)
+        return ControlError("forbidden", str(exc))
     except UnknownKernelError as exc:
         return ControlError("unknown", str(exc))
     except OverloadedError as exc:  # logged where it was refused
@@ -322,17 +369,43 @@ async def _reply_to(body: bytes, handle: Handler) -> ControlReply:
         return ControlError("failed", f"{name} failed unexpectedly: {type(exc).__name__}: {exc}")
 
 
-async def call(address: str, request: ControlRequest, timeout: float = 120.0) -> ControlReply:
+def sealed(request: bytes, token: str) -> bytes:
+    """An :class:`Envelope` around the already encoded ``request``, with ``token``: for tools
+    that send malformed requests on purpose (``nbos chaos``), as an authenticated client."""
+    head = _encoder.encode({"token": token, "request": None})
+    assert head.endswith(b"\xc0")  # msgpack's nil, the request's place
+    return head[:-1] + request
+
+
+def _undecodable(body: bytes, exc: Exception) -> ControlError:
+    """The answer to a message that is no :class:`Envelope`: a request without one has no
+    credentials; anything else is malformed."""
+    try:
+        request = _requests.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        log.warning("control: malformed request: %s", exc)
+        return ControlError("malformed", str(exc))
+    name = type(request).__name__
+    log.warning("control: %s refused: no credentials", name)
+    return ControlError("unauthorized", f"{name} refused: no credentials (a token is required)")
+
+
+async def call(
+    address: str, request: ControlRequest, timeout: float = 120.0, *, token: str | None = None
+) -> ControlReply:
     """Send ``request`` to the gateway at ``address`` (``HOST:PORT``); its reply.
 
-    Raises :class:`TransportError` when no reply came within ``timeout`` seconds.
+    ``token``: whose request it is; ``None``: ``$NBOS_TOKEN``, else the operator token
+    the gateway left for its own user (:func:`nbos.gateway.auth.client_token`). Raises
+    :class:`TransportError` when no reply came within ``timeout`` seconds.
     """
     ctx = zmq.asyncio.Context.instance()
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address if address.startswith("tcp://") else f"tcp://{address}")
+    envelope = Envelope(client_token(address, token), request)
     try:
-        await socket.send(_encoder.encode(request))
+        await socket.send(_encoder.encode(envelope))
         if not await socket.poll(int(timeout * 1000)):
             raise TransportError(f"no answer from the gateway at {address} in {timeout:g} s")
         reply: ControlReply = _replies.decode(await socket.recv())

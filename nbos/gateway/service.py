@@ -69,8 +69,18 @@ from prometheus_client import CollectorRegistry
 
 from nbos.agent import address_ip, tcp_address
 from nbos.core.config import AgentSettings, GatewaySettings, Settings
-from nbos.core.errors import ConfigError, StateWriteError, TransportError
+from nbos.core.errors import (
+    ConfigError,
+    ForbiddenError,
+    IdentityProviderError,
+    StateWriteError,
+    TransportError,
+    UnauthorizedError,
+    UnknownKernelError,
+)
 from nbos.core.host_provider import AgentCommand, HostProvider
+from nbos.core.identity import User
+from nbos.core.ids import KernelId
 from nbos.gateway._agent_backend import AgentBackend
 from nbos.gateway._autoscale import LiveAutoscaler
 from nbos.gateway._cluster_gpus import ClusterGpus
@@ -82,6 +92,7 @@ from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import GatewayState, StateFile
 from nbos.gateway._strays import settle_strays
+from nbos.gateway.auth import Authenticator, remove_token_file, write_token_file
 from nbos.gateway.control_api import (
     MAX_REQUEST_BYTES,
     ClusterStatus,
@@ -126,6 +137,8 @@ log = logging.getLogger(__name__)
 _AGENTS_TIMEOUT_S = 120.0
 # A watch is answered after at most this long, so a lost client frees its slot.
 _MAX_WATCH_S = 30.0
+#: The control requests only an admin may make: they act on the whole cluster.
+_ADMIN_REQUESTS = (UsageRequest, SignalReplica, RestartReplica, ShutdownCluster)
 # Replies sent just before the gateway exits (ShutdownCluster's) still get out.
 _REPLY_LINGER_MS = 1000
 # The autoscaler keys of [gateway], which only autoscale = true puts to use.
@@ -169,11 +182,15 @@ class GatewayService:
         kernel_manager: KernelManager,
         control_address: str,
         exit_plan: _Exit,
+        *,
+        authenticator: Authenticator,
         autoscaler: LiveAutoscaler | None = None,
     ) -> None:
         self.directory = directory
         self.kernel_manager = kernel_manager
         self.control_address = control_address
+        #: Whose each request's token is (every endpoint asks it).
+        self.authenticator = authenticator
         self._exit = exit_plan
         #: Set by :class:`ShutdownCluster` once every kernel is shut down: the gateway
         #: is to exit (:func:`run_until_signalled` does).
@@ -219,6 +236,7 @@ class GatewayService:
                 StateFile(run_dir / "gateway" / "state.json") if settings.cluster.data_dir else None
             )
             exit_plan = _Exit(state is None or shutdown_kernels_on_exit, stack)
+            authenticator = _operator(settings, run_dir, control, stack)
             # Read first: a state file that does not decode stops the start, before
             # anything runs that would be orphaned.
             loaded = state.load() if state is not None else None
@@ -282,14 +300,21 @@ class GatewayService:
                     host_timeout=conf.host_start_timeout_s,
                 )
                 _run_autoscaler(live, tg, stack)
-            service = cls(directory, kernel_manager, control, exit_plan, live)
-            tg.start_soon(serve_control, socket, service.handle)
+            service = cls(
+                directory,
+                kernel_manager,
+                control,
+                exit_plan,
+                authenticator=authenticator,
+                autoscaler=live,
+            )
+            tg.start_soon(serve_control, socket, service.handle, authenticator.authenticate)
             tg.start_soon(service.expire_leases)
             if conf.metrics_address:
                 await _serve_metrics(service, conf.metrics_address, tg, stack)
             if conf.http_address:
                 service.http = await stack.enter_async_context(
-                    serve_http(conf, kernel_manager, service.max_host_gpus)
+                    serve_http(conf, kernel_manager, service.max_host_gpus, service.authenticator)
                 )
             log.info(
                 "gateway: control at %s, agents at %s (ready in %.1f s)",
@@ -301,52 +326,67 @@ class GatewayService:
 
     # --- control -----------------------------------------------------------------
 
-    async def handle(self, request: ControlRequest) -> ControlReply:
+    async def handle(self, user: User, request: ControlRequest) -> ControlReply:
         self._in_flight += 1
         try:
-            return await self._answer(request)
+            return await self._answer(user, request)
         finally:
             self._in_flight -= 1
             self._last_activity = time.monotonic()
 
-    async def _answer(self, request: ControlRequest) -> ControlReply:
+    async def _answer(self, user: User, request: ControlRequest) -> ControlReply:
+        if isinstance(request, _ADMIN_REQUESTS) and not user.is_admin:
+            raise ForbiddenError(f"{type(request).__name__} is for admins, and {user.name} is none")
         match request:
             case StartKernel(gpus=gpus, connection=connection, lease_s=lease_s):
-                kernel = await self.kernel_manager.start_kernel(gpus=gpus, connection=connection)
+                kernel = await self.kernel_manager.start_kernel(
+                    gpus=gpus, connection=connection, owner=user.name
+                )
                 if lease_s is not None:
                     self.leases.grant(kernel.kernel_id, lease_s)
                 return self.kernel_info(kernel)
             case WatchKernel(kernel_id=kernel_id, wait_s=wait_s):
-                kernel = self.kernel_manager.kernel(kernel_id)
+                kernel = self.kernel_of(user, kernel_id)
                 with self.leases.watched(kernel_id):
                     with anyio.move_on_after(min(wait_s, _MAX_WATCH_S)):
                         await kernel.closed.wait()
-                return self.kernel_info(self.kernel_manager.kernel(kernel_id))
+                return self.kernel_info(self.kernel_of(user, kernel_id))
             case ListKernels():
-                return KernelList([self.kernel_info(k) for k in self.kernel_manager.kernels])
+                return KernelList(self.kernel_infos(user))
             case ShutdownKernel(kernel_id=kernel_id):
-                await self.kernel_manager.kernel(kernel_id).shutdown()
-                return KernelList([self.kernel_info(k) for k in self.kernel_manager.kernels])
+                await self.kernel_of(user, kernel_id).shutdown()
+                return KernelList(self.kernel_infos(user))
             case ShutdownCluster():
                 await self.shut_down()
-                return KernelList([self.kernel_info(k) for k in self.kernel_manager.kernels])
+                return KernelList(self.kernel_infos(user))
             case StatusRequest():
-                kernels = [self.kernel_info(k) for k in self.kernel_manager.kernels]
-                return ClusterStatus(self.host_status(), kernels)
+                return ClusterStatus(self.host_status(), self.kernel_infos(user))
             case UsageRequest():
                 return Usage.of(self.directory.scheduler.ledger)
             case SignalReplica(kernel_id=kernel_id, node=node, signal=signum):
-                kernel = self.kernel_manager.kernel(kernel_id)
+                kernel = self.kernel_of(user, kernel_id)
                 await kernel.signal_replica(node, _signal_number(signum))
                 return self.kernel_info(kernel)
             case RestartReplica(kernel_id=kernel_id, node=node, timeout_s=timeout_s):
-                kernel = self.kernel_manager.kernel(kernel_id)
+                kernel = self.kernel_of(user, kernel_id)
                 await kernel.restart_replica(node, timeout=timeout_s)
                 return self.kernel_info(kernel)
             case DigestRequest(kernel_id=kernel_id, after=after, timeout_s=timeout_s):
-                kernel = self.kernel_manager.kernel(kernel_id)
+                kernel = self.kernel_of(user, kernel_id)
                 after = kernel.front.last_exec_index if after is None else after
                 return KernelDigests(after, await kernel.digests(after=after, timeout=timeout_s))
+
+    def kernel_of(self, user: User, kernel_id: str) -> Kernel:
+        """``user``'s kernel ``kernel_id``; :class:`UnknownKernelError` if there is none, as
+        if another's did not exist."""
+        kernel = self.kernel_manager.kernel(kernel_id)
+        if not user.may_see(kernel.owner):
+            raise UnknownKernelError(KernelId(kernel_id))
+        return kernel
+
+    def kernel_infos(self, user: User) -> list[KernelInfo]:
+        """What ``user`` may see of the kernels: their own, or all for an admin."""
+        return [self.kernel_info(k) for k in self.kernel_manager.kernels if user.may_see(k.owner)]
 
     async def shut_down(self) -> None:
         """Shut every kernel down, and have the gateway exit, stopping all it runs."""
@@ -402,6 +442,7 @@ class GatewayService:
             last_executor=front.last_executor,
             last_exec_index=front.last_exec_index,
             state=kernel.state,
+            owner=kernel.owner,
         )
 
     def _replica_ip(self, kernel: Kernel, node: int) -> str:
@@ -423,6 +464,14 @@ class GatewayService:
         alive = sum(r.alive for k in kernels for r in k.replicas)
         by_state = Counter(k.state for k in kernels)
         return ClusterSample(gpus, {s: by_state[s] for s in KERNEL_STATES}, alive)
+
+    async def may_read_metrics(self, token: str) -> bool:
+        """Whether ``token`` is an admin's (once users may sign in, the metrics are theirs)."""
+        try:
+            return (await self.authenticator.authenticate(token)).is_admin
+        except (UnauthorizedError, IdentityProviderError) as exc:
+            log.warning("metrics: %s", exc)
+            return False
 
     def max_host_gpus(self) -> int:
         """The GPU count of the largest host that is up (the kernelspecs offered)."""
@@ -483,7 +532,9 @@ async def _serve_metrics(
     registry = CollectorRegistry(auto_describe=True)
     registry.register(ClusterCollector(service.metrics_sample))
     stack.enter_context(installed(PrometheusEvents(registry)))
-    await tg.start(partial(serve_metrics, address, registry))
+    # Once users may sign in, the cluster's figures are the operators'.
+    authorize = service.may_read_metrics if service.authenticator.has_users else None
+    await tg.start(partial(serve_metrics, address, registry, authorize=authorize))
 
 
 def _run_dir(settings: Settings, stack: AsyncExitStack) -> Path:
@@ -530,6 +581,20 @@ async def _local_agents(
     for _ in range(hosts):
         await local.add_host(agent)
     await directory.wait_for_hosts(hosts, _AGENTS_TIMEOUT_S)
+
+
+def _operator(
+    settings: Settings, run_dir: Path, control: str, stack: AsyncExitStack
+) -> Authenticator:
+    """The gateway's authenticator (a durable gateway keeps its operator token in its data
+    dir), the token in its file until the gateway exits (written before the control
+    endpoint is bound: no client finds it without the file)."""
+    durable = run_dir / "gateway" / "operator.token" if settings.cluster.data_dir else None
+    authenticator = Authenticator.of(settings, durable)
+    token = authenticator.operator_token
+    path = write_token_file(control, token)
+    stack.callback(remove_token_file, path, token)
+    return authenticator
 
 
 def _bind_control(control: str, stack: AsyncExitStack) -> zmq.asyncio.Socket:

@@ -10,7 +10,7 @@ every read of the gateway's state happens on the loop that changes it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 import anyio
 import anyio.abc
@@ -119,16 +119,23 @@ class ClusterCollector(Collector):
         )
 
 
+#: ``authorize(token)``: whether the token's holder may read the metrics.
+Authorize = Callable[[str], Awaitable[bool]]
+
+
 async def serve_metrics(
     address: str,
     registry: CollectorRegistry,
     *,
+    authorize: Authorize | None = None,
     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer ``GET /metrics`` at ``address`` (``HOST:PORT``) with ``registry``, forever.
 
     ``task_status`` gets the bound ``HOST:PORT`` (port 0 picks one). Other paths get
-    404, anything that is not a GET 400 (logged); one connection per request.
+    404, anything that is not a GET 400 (logged); one connection per request. With
+    ``authorize``, a request must carry ``Authorization: Bearer TOKEN`` (or ``token
+    TOKEN``) that it accepts: 401 without one, 403 for one it refuses (logged).
     """
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -141,17 +148,20 @@ async def serve_metrics(
         bound = listener.extra(anyio.abc.SocketAttribute.local_port)
         log.info("metrics at http://%s:%d/metrics", host, bound)
         task_status.started(f"{host}:{bound}")
-        await listener.serve(lambda stream: _answer(stream, registry))
+        await listener.serve(lambda stream: _answer(stream, registry, authorize))
 
 
-async def _answer(stream: anyio.abc.SocketStream, registry: CollectorRegistry) -> None:
+async def _answer(
+    stream: anyio.abc.SocketStream, registry: CollectorRegistry, authorize: Authorize | None
+) -> None:
     async with stream:
         try:
             with anyio.fail_after(_REQUEST_TIMEOUT_S):
                 head = await BufferedByteReceiveStream(stream).receive_until(
                     b"\r\n\r\n", _MAX_REQUEST
                 )
-                await stream.send(_response(head, registry))
+                refused = await _refusal(head, authorize)
+                await stream.send(refused or _response(head, registry))
         except (TimeoutError, anyio.IncompleteRead, anyio.DelimiterNotFound, OSError) as exc:
             log.debug("metrics: request dropped: %r", exc)
         except anyio.BrokenResourceError:
@@ -169,7 +179,32 @@ def _response(head: bytes, registry: CollectorRegistry) -> bytes:
     return _http(200, CONTENT_TYPE_LATEST.encode(), generate_latest(registry))
 
 
+async def _refusal(head: bytes, authorize: Authorize | None) -> bytes | None:
+    """The answer refusing a request whose credentials ``authorize`` does not accept."""
+    if authorize is None:
+        return None
+    token = ""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            token = token.strip() if scheme.lower() in ("bearer", "token") else ""
+    if not token:
+        log.warning("metrics: refused a request without a token")
+        return _http(401, b"text/plain", b"a token is required\n")
+    if not await authorize(token):
+        log.warning("metrics: refused a request whose token may not read them")
+        return _http(403, b"text/plain", b"not allowed\n")
+    return None
+
+
 def _http(status: int, content_type: bytes, body: bytes) -> bytes:
-    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}[status]
+    reason = {
+        200: b"OK",
+        400: b"Bad Request",
+        401: b"Unauthorized",
+        403: b"Forbidden",
+        404: b"Not Found",
+    }[status]
     head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
     return head % (status, reason, content_type, len(body)) + body

@@ -64,6 +64,9 @@ async def test_a_kernels_files_hold_its_cells_and_key_and_only_their_owner_reads
         kernel = await cluster.start_kernel()
         result = await kernel.execute(f"password = {SECRET!r}")
         assert result.status == "ok", result.reply
+        # A large value: its buffer goes to the object store as a blob.
+        result = await kernel.execute(f"blob = bytearray({SECRET!r}.encode() * 100_000)")
+        assert result.status == "ok", result.reply
         await kernel.digests()  # every replica applied it: it is in every Raft log
         holders = [p for p in run.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
         keys = list(run.rglob("connection.json"))
@@ -72,6 +75,7 @@ async def test_a_kernels_files_hold_its_cells_and_key_and_only_their_owner_reads
         modes = {p: _mode(p) for p in [*holders, *keys, *logs]}
         dirs = {p.parent: _mode(p.parent) for p in [*holders, *keys]}
     assert len({p for p in holders if "wal-" in p.name}) >= 3, holders
+    assert any("store" in p.relative_to(run).parts for p in holders), holders
     assert len(keys) == 3
     assert {p: m for p, m in modes.items() if m & 0o077} == {}
     assert {p: m for p, m in dirs.items() if m & 0o077} == {}

@@ -18,6 +18,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from nbos.core.config import ClusterSettings, GatewaySettings, Settings
 from nbos.core.errors import TransportError
+from nbos.gateway.auth import client_token
 from nbos.gateway.control_api import (
     ClusterStatus,
     ControlReply,
@@ -25,6 +26,7 @@ from nbos.gateway.control_api import (
     KernelInfo,
     StatusRequest,
     call,
+    sealed,
 )
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, ROOT
@@ -82,9 +84,14 @@ async def ask(address: str, request: ControlRequest) -> ControlReply:
 _replies = msgspec.msgpack.Decoder(ControlReply)
 
 
-async def ask_raw(address: str, body: bytes, timeout: float = DEADLINE) -> ControlReply | None:
-    """Send the bytes ``body`` as one control request, as any client could; the reply, or
-    ``None`` if none came within ``timeout`` seconds."""
+async def ask_raw(
+    address: str, body: bytes, timeout: float = DEADLINE, *, token: str | None = None
+) -> ControlReply | None:
+    """Send the bytes ``body`` as one control request, as any client could, sealed with
+    ``token`` (``None``: the gateway's operator token; ``""``: not sealed at all); the
+    reply, or ``None`` if none came within ``timeout`` seconds."""
+    if token != "":
+        body = sealed(body, client_token(address, token))
     socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(f"tcp://{address}")

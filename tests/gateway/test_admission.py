@@ -15,6 +15,8 @@ import zmq
 import zmq.asyncio
 
 from nbos.core.errors import OverloadedError
+from nbos.core.identity import User
+from nbos.gateway.auth import Authenticator
 from nbos.gateway.control_api import (
     ControlError,
     ControlReply,
@@ -154,13 +156,16 @@ async def test_a_flood_of_starts_is_refused_at_once_and_hurts_no_kernel(
     assert "Traceback" not in log.read_text()
 
 
-async def test_the_kernelspecs_kernel_host_asks_again_after_retry_after() -> None:
+async def test_the_kernelspecs_kernel_host_asks_again_after_retry_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The control endpoint answers an overloaded start with ``ControlError(overloaded,
     retry_after_s)``; the kernel host of the ``nbos`` kernelspec waits that long (and up to
     half again) and asks again, and gets its kernel."""
     asked: list[float] = []
+    monkeypatch.setenv("NBOS_TOKEN", "t")  # the kernel host's token, as a user would set it
 
-    async def handle(request: ControlRequest) -> ControlReply:
+    async def handle(user: User, request: ControlRequest) -> ControlReply:
         asked.append(anyio.current_time())
         if len(asked) == 1:
             raise OverloadedError("2 kernels are starting, the most at once", 1.0)
@@ -171,7 +176,7 @@ async def test_the_kernelspecs_kernel_host_asks_again_after_retry_after() -> Non
     socket.bind(f"tcp://127.0.0.1:{port}")
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_control, socket, handle)
+            tg.start_soon(serve_control, socket, handle, Authenticator("t").authenticate)
             refused = await ask(f"127.0.0.1:{port}", StartKernel())
             assert isinstance(refused, ControlError), refused
             assert (refused.kind, refused.retry_after_s) == ("overloaded", 1.0)

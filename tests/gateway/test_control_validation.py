@@ -19,6 +19,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from nbos.core.identity import User
+from nbos.gateway.auth import OPERATOR, Authenticator
 from nbos.gateway.control_api import (
     MAX_REQUEST_BYTES,
     ControlError,
@@ -95,7 +97,8 @@ async def test_bad_fields_get_control_error_and_the_gateway_and_its_kernels_go_o
     for request, field in _bad_requests(target.kernel_id):
         answer = await ask_raw(address, encode(request))
         assert isinstance(answer, ControlError), (request, answer, log.read_text()[-3000:])
-        assert answer.kind == "malformed" and f"$.{field}" in answer.message, (request, answer)
+        assert answer.kind == "malformed", (request, answer)
+        assert f"$.request.{field}" in answer.message, (request, answer)
 
     # A string that is not UTF-8: msgspec raises UnicodeDecodeError, no DecodeError.
     not_utf8 = encode({"t": "WatchKernel", "kernel_id": b"\xed\xa0\x80"}).replace(
@@ -130,7 +133,8 @@ async def test_a_request_failing_with_any_exception_is_answered_and_the_endpoint
     """The handler stands for a bug of the gateway's: an exception no nbos error, as anyio's
     ``ValueError`` for a NaN deadline was. It fails its request only."""
 
-    async def handle(request: ControlRequest) -> ControlReply:
+    async def handle(user: User, request: ControlRequest) -> ControlReply:
+        assert user == OPERATOR
         if isinstance(request, WatchKernel):
             raise ValueError("deadline must not be NaN")
         return KernelList([])
@@ -140,12 +144,14 @@ async def test_a_request_failing_with_any_exception_is_answered_and_the_endpoint
     socket.bind(f"tcp://127.0.0.1:{port}")
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_control, socket, handle)
+            tg.start_soon(serve_control, socket, handle, Authenticator("t").authenticate)
             with caplog.at_level(logging.ERROR, "nbos.gateway.control_api"):
                 failed = await ask_raw(
-                    f"127.0.0.1:{port}", msgspec.msgpack.encode(WatchKernel("k"))
+                    f"127.0.0.1:{port}", msgspec.msgpack.encode(WatchKernel("k")), token="t"
                 )
-            listed = await ask_raw(f"127.0.0.1:{port}", msgspec.msgpack.encode(ListKernels()))
+            listed = await ask_raw(
+                f"127.0.0.1:{port}", msgspec.msgpack.encode(ListKernels()), token="t"
+            )
             tg.cancel_scope.cancel()
     finally:
         socket.close(0)

@@ -494,6 +494,8 @@ async def test_a_gateway_that_lost_its_state_or_has_an_older_copy_adopts_what_it
     assert [k.kernel_id for k in adopted.kernels] == [orphan.kernel_id], gateway.said("replica")
     [kernel] = adopted.kernels
     assert kernel.connection["key"] != orphan.connection["key"]  # a new front: clients reconnect
+    # Its user came back with it: each replica's agent kept it (ReplicaOwner.user).
+    assert kernel.owner == orphan.owner == "operator"
     assert gateway.said("adopted")
     assert sorted(r.pid for r in kernel.replicas if r.pid is not None) == sorted(kept)
     assert all(alive(p) for p in kept)

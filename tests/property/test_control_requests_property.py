@@ -25,6 +25,7 @@ import zmq
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from nbos.gateway.auth import client_token
 from nbos.gateway.control_api import (
     MAX_SECONDS,
     ControlError,
@@ -38,6 +39,7 @@ from nbos.gateway.control_api import (
     SignalReplica,
     StartKernel,
     WatchKernel,
+    sealed,
 )
 from tests.agent._daemons import DEADLINE
 from tests.gateway._http import stop
@@ -169,7 +171,7 @@ def _send(address: str, body: bytes) -> ControlReply | None:
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(f"tcp://{address}")
     try:
-        socket.send(body)
+        socket.send(sealed(body, client_token(address)))
         if not socket.poll(int(DEADLINE * 1000)):
             return None
         reply: ControlReply = _replies.decode(socket.recv())

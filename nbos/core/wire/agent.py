@@ -169,7 +169,7 @@ class ReplicaOwner(Message):
     """Whose a replica is, kept by its agent and reported with it: the gateway state that
     started it (its state id, see ``nbos.gateway._state``) and that state's generation
     then (the file's last write), and its place in its kernel (kernel id, node id, Raft
-    address, the kernel's GPUs per cell).
+    address, the kernel's GPUs per cell, the user the kernel belongs to).
 
     A gateway that finds a replica of no kernel it knows decides by it: one of its own
     state that a later generation of the file no longer names was dropped from it
@@ -182,6 +182,7 @@ class ReplicaOwner(Message):
     node: int
     raft: str
     gpus: int = 0
+    user: str = ""
 
 
 class ReplicaSpec(Message):

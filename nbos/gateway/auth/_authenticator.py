@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from pathlib import Path
 from nbos.core.config import AuthSettings, Settings
 from nbos.core.errors import ConfigError, UnauthorizedError
 from nbos.core.identity import IdentityProvider, User, new_token
+from nbos.core.private_files import private_dir, write_private
 from nbos.gateway.auth._jupyterhub import HubUsers
 from nbos.gateway.auth._users_file import RESERVED_NAME, UsersFile
 
@@ -30,8 +32,11 @@ class Authenticator:
         self.providers = tuple(providers)
 
     @classmethod
-    def of(cls, settings: Settings) -> Authenticator:
-        """The authenticator ``settings`` ask for (a fresh operator token if none is set)."""
+    def of(cls, settings: Settings, kept_in: Path | None = None) -> Authenticator:
+        """The authenticator ``settings`` ask for. The operator token is ``[gateway]
+        auth_token``; unset, the one in the file ``kept_in`` (a gateway's data dir: the
+        same one after a restart), made there if there is none; without that file, a
+        fresh one."""
         providers: list[IdentityProvider] = []
         auth = settings.auth
         if auth.users_file:
@@ -41,7 +46,7 @@ class Authenticator:
             providers.append(hub)
         elif auth.jupyterhub_cache_s != AuthSettings().jupyterhub_cache_s:
             raise ConfigError("auth.jupyterhub_cache_s", auth.jupyterhub_cache_s, _NEEDS_HUB)
-        return cls(settings.gateway.auth_token or new_token(), providers)
+        return cls(settings.gateway.auth_token or _kept_token(kept_in), providers)
 
     @property
     def has_users(self) -> bool:
@@ -64,3 +69,15 @@ class Authenticator:
             if user is not None:
                 return user
         raise UnauthorizedError("unknown token")
+
+
+def _kept_token(path: Path | None) -> str:
+    if path is None:
+        return new_token()
+    with contextlib.suppress(FileNotFoundError):
+        if token := path.read_text().strip():
+            return token
+    token = new_token()
+    private_dir(path.parent)
+    write_private(path, token.encode() + b"\n")
+    return token

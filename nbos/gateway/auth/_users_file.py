@@ -16,10 +16,12 @@ later change that is refused is logged and the users read before stay in force.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -41,7 +43,7 @@ class _Entry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 class _File(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    users: dict[UserName, _Entry] = msgspec.field(default_factory=dict)
+    users: dict[UserName, dict[str, Any]] = msgspec.field(default_factory=dict)
 
 
 class UsersFile:
@@ -87,15 +89,13 @@ class UsersFile:
         self._stamp = stamp
 
     def _read(self) -> dict[str, User]:
-        raw = read_toml(self.path)
-        parsed = convert_strictly(raw, _File)
+        raw = convert_strictly(read_toml(self.path), _File)
         by_hash: dict[str, User] = {}
-        for name, entry in parsed.users.items():
+        for name, fields in raw.users.items():
             where = f"users.{name}"
             if name == RESERVED_NAME:
                 raise ConfigError(where, name, f"a name other than {RESERVED_NAME!r} (reserved)")
-            if not _HASH.fullmatch(entry.token_hash):
-                raise ConfigError(f"{where}.token_hash", "…", "sha256: and 64 hex digits")
+            entry = _entry(where, fields)
             if entry.token_hash in by_hash:
                 raise ConfigError(f"{where}.token_hash", "…", "a hash no other user has")
             quota = self.default_quota if entry.quota is None else entry.quota
@@ -103,9 +103,25 @@ class UsersFile:
         return by_hash
 
 
+def _entry(where: str, fields: Mapping[str, Any]) -> _Entry:
+    """One user's table, checked; errors name it (``users.NAME.KEY``)."""
+    try:
+        entry = convert_strictly(fields, _Entry)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.{exc.key}", exc.value, exc.expected) from None
+    if not _HASH.fullmatch(entry.token_hash):
+        raise ConfigError(f"{where}.token_hash", "…", "sha256: and 64 hex digits")
+    return entry
+
+
 def users_file_entry(name: str, token: str, role: Role = "user", quota: int | None = None) -> str:
     """The TOML table of one user for a users file (what ``nbos users add`` appends)."""
-    lines = [f"[users.{name}]", f'token_hash = "{hash_token(token)}"', f'role = "{role}"']
+    # A quoted key: a name may hold dots.
+    lines = [
+        f"[users.{json.dumps(name)}]",
+        f'token_hash = "{hash_token(token)}"',
+        f'role = "{role}"',
+    ]
     if quota is not None:
         lines.append(f"quota = {quota}")
     return "\n".join(lines) + "\n"

@@ -3,13 +3,14 @@
 Errors answer as Jupyter Server's do: a status and ``{"message": ..., "reason": ...}``;
 a kernel start the gateway could not record answers 507 (a full disk) or 503, and one it
 has no room for now a 503 with ``Retry-After`` (whole seconds).
-Every handler, the WebSocket's too, checks the token first (:class:`ApiHandler`).
+Every handler, the WebSocket's too, first authenticates its request's token
+(:class:`ApiHandler`); a user sees and acts on their own kernels only, another's is a 404
+as if absent, an admin sees all (``docs/users.md``).
 """
 
 from __future__ import annotations
 
 import errno
-import hmac
 import logging
 import math
 from collections.abc import Iterator
@@ -23,13 +24,17 @@ from tornado import web
 from nbos._version import __version__
 from nbos.core.errors import (
     ConfigError,
+    IdentityProviderError,
     NbosError,
     OverloadedError,
     PlacementError,
     StateWriteError,
+    UnauthorizedError,
     UnknownKernelError,
 )
+from nbos.core.identity import User
 from nbos.core.private_files import redact_tokens
+from nbos.gateway.auth import Authenticator
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_model
 
@@ -87,17 +92,18 @@ class RedactedLogs(web.RequestHandler):
 
 
 class ApiHandler(RedactedLogs):
-    """Token check and JSON errors for every route."""
+    """Authentication and JSON errors for every route."""
 
     kernels: ApiKernels
-    token: str
+    authenticator: Authenticator
+    user: User
 
-    def initialize(self, kernels: ApiKernels, token: str) -> None:
+    def initialize(self, kernels: ApiKernels, authenticator: Authenticator) -> None:
         self.kernels = kernels
-        self.token = token
+        self.authenticator = authenticator
 
-    def prepare(self) -> None:
-        check_token(self, self.token)
+    async def prepare(self) -> None:
+        self.user = await authenticate(self, self.authenticator)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
@@ -122,7 +128,7 @@ class ApiHandler(RedactedLogs):
 
     def kernel(self, kernel_id: str) -> ApiKernel:
         with api_errors():
-            return self.kernels.get(kernel_id)
+            return self.kernels.get(kernel_id, self.user)
 
 
 def error_body(handler: web.RequestHandler, write_error_kwargs: dict[str, Any]) -> dict[str, str]:
@@ -139,20 +145,24 @@ def error_body(handler: web.RequestHandler, write_error_kwargs: dict[str, Any]) 
     return {"message": message, "reason": handler._reason}
 
 
-def check_token(handler: web.RequestHandler, token: str) -> None:
-    """401 without a token, 403 with a wrong one (``Authorization: token X`` or ``?token=X``)."""
-    if not token:
-        return
+async def authenticate(handler: web.RequestHandler, authenticator: Authenticator) -> User:
+    """Who makes the request (``Authorization: token X`` or ``?token=X``): 401 without a
+    token, 403 with one nobody has, 503 when an identity provider cannot tell now."""
     scheme, _, given = handler.request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() not in ("token", "bearer"):
         given = handler.get_query_argument("token", "")
     who = f"{handler.request.method} {handler.request.path} from {handler.request.remote_ip}"
-    if not given:
+    if not given.strip():
         log.warning("refused %s: no token", who)
         raise web.HTTPError(401, "a token is required")
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
-        log.warning("refused %s: wrong token", who)
-        raise web.HTTPError(403, "wrong token")
+    try:
+        return await authenticator.authenticate(given.strip())
+    except UnauthorizedError as exc:
+        log.warning("refused %s: %s", who, exc)
+        raise web.HTTPError(403, "wrong token") from exc
+    except IdentityProviderError as exc:
+        log.warning("refused %s: %s", who, exc)
+        raise web.HTTPError(503, f"cannot tell who you are now: {exc}") from exc
 
 
 @contextmanager
@@ -199,7 +209,7 @@ class KernelSpec(ApiHandler):
 
 class Kernels(ApiHandler):
     def get(self) -> None:
-        self.reply([api.model() for api in self.kernels])
+        self.reply([api.model() for api in self.kernels.visible(self.user)])
 
     async def post(self) -> None:
         request: _StartRequest = self.body_as(_StartRequest)
@@ -207,7 +217,7 @@ class Kernels(ApiHandler):
         if gpus is None:
             raise web.HTTPError(404, f"no kernelspec {request.name!r}")
         with api_errors():
-            api = await self.kernels.start(request.name, gpus, request.env)
+            api = await self.kernels.start(request.name, gpus, request.env, self.user)
         self.set_header("Location", f"/api/kernels/{api.kernel_id}")
         self.reply(api.model(), 201)
 

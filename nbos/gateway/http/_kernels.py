@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from nbos.core.errors import ConfigError, KernelError, UnknownKernelError
+from nbos.core.identity import User
 from nbos.core.ids import KernelId
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager
@@ -136,25 +137,27 @@ class ApiKernels:
     def __iter__(self) -> Iterator[ApiKernel]:
         return iter(list(self._kernels.values()))
 
-    def get(self, kernel_id: str) -> ApiKernel:
+    def visible(self, user: User) -> list[ApiKernel]:
+        """The kernels ``user`` may see: their own, or all for an admin."""
+        return [api for api in self if user.may_see(api.kernel.owner)]
+
+    def get(self, kernel_id: str, user: User) -> ApiKernel:
+        """``user``'s kernel ``kernel_id``; :class:`UnknownKernelError` for none, and for
+        another user's (as if it did not exist)."""
         api = self._kernels.get(kernel_id)
-        if api is None or api.ending:
+        if api is None or api.ending or not user.may_see(api.kernel.owner):
             raise UnknownKernelError(KernelId(kernel_id))
         return api
 
-    async def start(self, name: str, gpus: int, env: Mapping[str, Any]) -> ApiKernel:
-        """Start a kernel of kernelspec ``name`` (``gpus`` per cell); ``env`` as requested."""
-        passed = _kernel_env(env)
-        kernel = await self.kernel_manager.start_kernel(gpus=gpus, env=passed)
+    async def start(self, name: str, gpus: int, env: Mapping[str, Any], owner: User) -> ApiKernel:
+        """Start a kernel of kernelspec ``name`` (``gpus`` per cell) for ``owner``; ``env``
+        as requested, but ``KERNEL_USERNAME`` is the owner's name whatever it says."""
+        passed = _kernel_env(env) | {"KERNEL_USERNAME": owner.name}
+        kernel = await self.kernel_manager.start_kernel(gpus=gpus, env=passed, owner=owner.name)
         api = ApiKernel(name, gpus, passed, kernel)
         self._kernels[api.kernel_id] = api
         self._tg.start_soon(self._supervise, api)
-        log.info(
-            "kernel %s (%s) started for %s",
-            api.kernel_id,
-            name,
-            passed.get("KERNEL_USERNAME", "an unnamed user"),
-        )
+        log.info("kernel %s (%s) started for %s", api.kernel_id, name, owner.name)
         return api
 
     async def restart(self, api: ApiKernel) -> None:
@@ -169,7 +172,9 @@ class ApiKernels:
             old = api.kernel
             await old.shutdown()
             try:
-                api.kernel = await self.kernel_manager.start_kernel(gpus=api.gpus, env=api.env)
+                api.kernel = await self.kernel_manager.start_kernel(
+                    gpus=api.gpus, env=api.env, owner=old.owner
+                )
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self._forget(api)

@@ -19,6 +19,7 @@ from tornado import httpserver, netutil, web
 from nbos.core.config import GatewaySettings
 from nbos.core.errors import ConfigError, TransportError
 from nbos.gateway._kernel_manager import KernelManager
+from nbos.gateway.auth import Authenticator
 from nbos.gateway.http import _handlers as h
 from nbos.gateway.http._kernels import ApiKernels
 from nbos.gateway.http._websocket import KernelChannels
@@ -67,7 +68,10 @@ def _tls(conf: GatewaySettings) -> ssl.SSLContext | None:
 
 @asynccontextmanager
 async def serve_http(
-    conf: GatewaySettings, kernel_manager: KernelManager, max_gpus: Callable[[], int]
+    conf: GatewaySettings,
+    kernel_manager: KernelManager,
+    max_gpus: Callable[[], int],
+    authenticator: Authenticator,
 ) -> AsyncIterator[HttpApi]:
     """Serve the Kernel Gateway API at ``conf.http_address`` until the block exits.
 
@@ -85,7 +89,7 @@ async def serve_http(
     try:
         async with anyio.create_task_group() as tg:
             kernels = ApiKernels(kernel_manager, tg, ctx, max_gpus)
-            settings = {"kernels": kernels, "token": conf.auth_token}
+            settings = {"kernels": kernels, "authenticator": authenticator}
             app = web.Application(
                 [
                     (r"/api/?", h.ApiRoot, settings),
@@ -112,11 +116,7 @@ async def serve_http(
             api = HttpApi(f"{scheme}://{shown}:{bound}", kernels)
             if conf.cull_idle_timeout > 0:
                 tg.start_soon(kernels.cull_idle, conf.cull_idle_timeout)
-            log.info(
-                "gateway: Kernel Gateway API at %s (%s)",
-                api.url,
-                "token required" if conf.auth_token else "no token",
-            )
+            log.info("gateway: Kernel Gateway API at %s", api.url)
             try:
                 yield api
             finally:

@@ -15,8 +15,9 @@ from typing import Any
 from tornado import websocket
 
 from nbos.core.errors import DecodeError
+from nbos.gateway.auth import Authenticator
 from nbos.gateway.http._channels import ChannelBridge
-from nbos.gateway.http._handlers import RedactedLogs, api_errors, check_token, error_body
+from nbos.gateway.http._handlers import RedactedLogs, api_errors, authenticate, error_body
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._wsproto import V1_PROTOCOL, WireMsg, decode, encode
 
@@ -25,19 +26,19 @@ log = logging.getLogger(__name__)
 
 class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
     kernels: ApiKernels
-    token: str
+    authenticator: Authenticator
     api: ApiKernel
     bridge: ChannelBridge | None = None
     protocol = ""
 
-    def initialize(self, kernels: ApiKernels, token: str) -> None:
+    def initialize(self, kernels: ApiKernels, authenticator: Authenticator) -> None:
         self.kernels = kernels
-        self.token = token
+        self.authenticator = authenticator
 
-    def prepare(self) -> None:
-        check_token(self, self.token)
+    async def prepare(self) -> None:
+        user = await authenticate(self, self.authenticator)
         with api_errors():
-            self.api = self.kernels.get(self.path_kwargs["kernel_id"])
+            self.api = self.kernels.get(self.path_kwargs["kernel_id"], user)
 
     def select_subprotocol(self, subprotocols: list[str]) -> str | None:
         return V1_PROTOCOL if V1_PROTOCOL in subprotocols else None
