@@ -51,6 +51,19 @@ class _HubModel(msgspec.Struct, frozen=True):
     admin: bool = False
 
 
+def _is_api_url(url: str) -> bool:
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        parsed.port  # noqa: B018 (raises for a port out of range or not a number)
+    except ValueError:
+        return False
+    return (
+        parsed.scheme in ("http", "https")
+        and bool(parsed.hostname)
+        and not (parsed.query or parsed.fragment)
+    )
+
+
 class HubUsers:
     """The users of the JupyterHub whose REST API is ``api_url`` (``JUPYTERHUB_API_URL``,
     e.g. ``http://127.0.0.1:8081/hub/api``), an
@@ -64,11 +77,9 @@ class HubUsers:
         *,
         timeout_s: float = TIMEOUT_S,
     ) -> None:
-        parsed = urllib.parse.urlsplit(api_url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ConfigError("auth.jupyterhub_api_url", api_url, "an http:// or https:// URL")
-        if parsed.query or parsed.fragment:
-            raise ConfigError("auth.jupyterhub_api_url", api_url, "a URL without ? or #")
+        if not _is_api_url(api_url):
+            expected = "an http:// or https:// URL without ? or #"
+            raise ConfigError("auth.jupyterhub_api_url", api_url, expected)
         if not (math.isfinite(cache_s) and cache_s >= 0):
             raise ConfigError("auth.jupyterhub_cache_s", cache_s, "seconds >= 0")
         self.user_url = api_url.rstrip("/") + "/user"
