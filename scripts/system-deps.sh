@@ -14,11 +14,17 @@ command -v stress-ng >/dev/null || need+=(stress-ng)
 # the browser end-to-end tests: Debian's Chromium and its WebDriver, driven by selenium
 command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
-[ ${#need[@]} -eq 0 ] && exit 0
-if [ "$(id -u)" -ne 0 ]; then
-  echo "missing ${need[*]}: install them (apt-get install ${need[*]}) or run as root" >&2
-  exit 1
+# the JupyterHub tests: the Hub's proxy, configurable-http-proxy, comes from npm (below)
+command -v configurable-http-proxy >/dev/null || command -v npm >/dev/null || need+=(npm)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing ${need[*]}: install them (apt-get install ${need[*]}) or run as root" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+if ! command -v configurable-http-proxy >/dev/null; then
+  npm install -g --no-fund --no-audit --loglevel=error configurable-http-proxy >/dev/null
+fi

@@ -163,10 +163,20 @@ class AuthSettings(_Section, frozen=True):
     TOML file of users, each with a token hash, a role (``user`` or ``admin``) and a GPU
     quota (empty: no users file).
     ``default_quota``: the guaranteed GPUs of a user for whom none is given.
+
+    JupyterHub as a second identity provider: ``jupyterhub_api_url`` is the Hub's REST
+    API (its ``JUPYTERHUB_API_URL``, ``http(s)://HOST:PORT/hub/api``; empty: no Hub),
+    which says whose a user's Hub API token is; a Hub admin is an nbos admin, every Hub
+    user has ``default_quota``. The Hub's answer for a user is kept
+    ``jupyterhub_cache_s`` seconds (0: asked on every request), so a token revoked at the
+    Hub works until then. Without ``jupyterhub_api_url``, ``jupyterhub_cache_s`` must
+    keep its default (it would do nothing).
     """
 
     users_file: str = ""
     default_quota: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    jupyterhub_api_url: str = ""
+    jupyterhub_cache_s: float = 60.0
 
 
 class AgentSettings(_Section, frozen=True):

@@ -2,6 +2,7 @@
 the token file through which local clients find it (``docs/users.md``)."""
 
 from nbos.gateway.auth._authenticator import OPERATOR, Authenticator
+from nbos.gateway.auth._jupyterhub import HubUsers
 from nbos.gateway.auth._token_file import (
     TOKEN_ENV,
     client_token,
@@ -15,6 +16,7 @@ __all__ = [
     "OPERATOR",
     "TOKEN_ENV",
     "Authenticator",
+    "HubUsers",
     "UsersFile",
     "client_token",
     "remove_token_file",

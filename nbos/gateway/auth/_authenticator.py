@@ -8,16 +8,18 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from nbos.core.config import Settings
-from nbos.core.errors import UnauthorizedError
+from nbos.core.config import AuthSettings, Settings
+from nbos.core.errors import ConfigError, UnauthorizedError
 from nbos.core.identity import IdentityProvider, User, new_token
 from nbos.core.private_files import private_dir, write_private
+from nbos.gateway.auth._jupyterhub import HubUsers
 from nbos.gateway.auth._users_file import RESERVED_NAME, UsersFile
 
 log = logging.getLogger(__name__)
 
 #: Whoever holds the gateway's operator token: an admin.
 OPERATOR = User(name=RESERVED_NAME, role="admin")
+_NEEDS_HUB = "auth.jupyterhub_api_url set (without a Hub it does nothing)"
 
 
 class Authenticator:
@@ -39,6 +41,11 @@ class Authenticator:
         auth = settings.auth
         if auth.users_file:
             providers.append(UsersFile(Path(auth.users_file), auth.default_quota))
+        if auth.jupyterhub_api_url:
+            hub = HubUsers(auth.jupyterhub_api_url, auth.jupyterhub_cache_s, auth.default_quota)
+            providers.append(hub)
+        elif auth.jupyterhub_cache_s != AuthSettings().jupyterhub_cache_s:
+            raise ConfigError("auth.jupyterhub_cache_s", auth.jupyterhub_cache_s, _NEEDS_HUB)
         return cls(settings.gateway.auth_token or _kept_token(kept_in), providers)
 
     @property
