@@ -19,11 +19,11 @@ replica it names; at end of file (its agent went away) it exits without a word.
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -49,11 +49,9 @@ from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._session import ReplicaSession
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
-from nbos.transport.ports import free_ports
+from nbos.transport.ports import bind_port
 
 log = logging.getLogger(__name__)
-#: Ports tried at a first start before a bind failure ends it (see ReplicaApp._bind_socket).
-_BIND_ATTEMPTS = 5
 
 
 def parse_peers(text: str) -> dict[NodeId, str]:
@@ -154,14 +152,8 @@ class ReplicaApp(IPKernelApp):
         another process took meanwhile gives way to another such port (nobody knows it
         yet). A replica restarted in place must have its own ports again: its clients
         know them."""
-        for _ in range(_BIND_ATTEMPTS - 1):
-            try:
-                return int(super()._bind_socket(s, port))  # type: ignore[no-untyped-call]
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EADDRINUSE or self.recover or not port:
-                    raise
-                (port,) = free_ports(1, self.ip)
-        return int(super()._bind_socket(s, port))  # type: ignore[no-untyped-call]
+        bind = partial(super()._bind_socket, s)
+        return bind_port(bind, self.ip, port, keep=self.recover)
 
     def init_kernel(self) -> None:
         _log_only_what_is_shown(self.log)
