@@ -8,7 +8,12 @@ with ``--recover`` it ran before and restarts in place from the Raft state in
 ``--data-dir``, and exits with :data:`~nbos.kernel.protocol.RAFT_STATE_GONE_STATUS`
 if that state is gone or damaged (its disk lost it) rather than start without it.
 The kernel's CURVE key pair, when its cluster has keys, comes in the environment
-(:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line.
+(:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line. It guards
+the replica's Raft port and its five Jupyter sockets alike: each is a CURVE server of
+the pair (ipykernel's own CURVE support, which also writes the pair into the connection
+file as Jupyter's ``curve_publickey`` and ``curve_secretkey``, where the front reads it),
+and a ZAP handler on each of their ZeroMQ contexts admits only clients of the same pair
+(see ``docs/deploy.md``).
 
 ``python -m nbos.kernel.replica --warm`` is a pre-started replica (an agent's pool,
 ``docs/deploy.md``): it imports everything a replica needs, then waits for one
@@ -31,6 +36,7 @@ import msgspec
 import zmq
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Bool, Dict, DottedObjectName, Int, Type, Unicode, default
+from zmq.auth.thread import ThreadAuthenticator
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import (
@@ -50,6 +56,7 @@ from nbos.kernel.replica._session import ReplicaSession
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
 from nbos.transport.ports import bind_port
+from nbos.transport.zmq import CurveKeys, start_thread_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +141,22 @@ class ReplicaApp(IPKernelApp):
         }
     )
 
+    #: The kernel's CURVE key pair (``None``: its cluster has no keys), and the ZAP
+    #: handlers that admit only it to the Jupyter sockets.
+    _kernel_curve: CurveKeys | None = None
+    _authenticators: list[ThreadAuthenticator]
+
     @default("session")
     def _session_default(self) -> ReplicaSession:
         return ReplicaSession(parent=self)
 
     def init_sockets(self) -> None:
+        self._authenticators = []
+        self._kernel_curve = take_kernel_keys(os.environ)
+        if self._kernel_curve is not None:
+            # ipykernel makes its sockets CURVE servers of these (heartbeat too).
+            self.curve_secretkey = self._kernel_curve.secret_key
+            self.curve_publickey = self._kernel_curve.public_key
         super().init_sockets()  # type: ignore[no-untyped-call]
         # ipykernel 7 reads the shell on a thread of its own that routes requests to
         # subshells. The front offers none, so that thread would only add two thread
@@ -152,8 +170,29 @@ class ReplicaApp(IPKernelApp):
         another process took meanwhile gives way to another such port (nobody knows it
         yet). A replica restarted in place must have its own ports again: its clients
         know them."""
+        self._admit_only_the_kernel(s.context)
         bind = partial(super()._bind_socket, s)
         return bind_port(bind, self.ip, port, keep=self.recover)
+
+    def init_heartbeat(self) -> None:
+        super().init_heartbeat()  # type: ignore[no-untyped-call]
+        # Its context is made and bound in there; the heartbeat only echoes what it gets.
+        assert self.heartbeat is not None
+        self._admit_only_the_kernel(self.heartbeat.context)
+
+    def _admit_only_the_kernel(self, context: zmq.Context[Any]) -> None:
+        """Have ``context``'s CURVE servers admit only the kernel's key pair (with keys)."""
+        curve = self._kernel_curve
+        if curve is None or any(a.context is context for a in self._authenticators):
+            return
+        local = f"replica {self.node_id} of kernel {self.kernel_id}"
+        self._authenticators.append(start_thread_authenticator(context, local, curve))
+
+    def close(self) -> None:
+        # Their sockets would hold the contexts' term() up for good.
+        for auth in self._authenticators:
+            auth.stop()
+        super().close()  # type: ignore[no-untyped-call]
 
     def init_kernel(self) -> None:
         _log_only_what_is_shown(self.log)
@@ -175,7 +214,7 @@ class ReplicaApp(IPKernelApp):
             settings=parse_raft_settings(self.raft_settings),
             join=self.join,
             recover=self.recover,
-            curve=take_kernel_keys(os.environ),
+            curve=self._kernel_curve,
         )
         kernel.attach(raft, open_store(self.store))
         if self.virtual_gpus:
