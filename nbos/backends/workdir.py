@@ -9,11 +9,11 @@ them and writes the file back, and the starter reads it (:func:`read_connection_
 to tell the gateway. A replica restarted in place binds the same ports again, so they
 must not be ports any outgoing connection may have taken meanwhile.
 
-A replica given its kernel's CURVE key pair (a cluster with keys,
-:func:`~nbos.transport.keys.kernel_keys_env`) is a CURVE server of that pair on its
-Jupyter sockets; its seed file holds the pair already, as Jupyter's ``curve_publickey``
-and ``curve_secretkey``, so that whoever reads the file, before the kernel wrote it
-back or after, connects as a CURVE client of the pair.
+The seed file of a replica given its kernel's CURVE key pair in its environment (a
+cluster with keys, :func:`~nbos.transport.keys.kernel_keys_env`) holds the pair too, as
+Jupyter's ``curve_publickey`` and ``curve_secretkey``: the kernel's Jupyter sockets are
+CURVE servers of the pair found there, and whoever reads the file, before the kernel
+wrote it back or after, connects as a CURVE client of the same pair.
 """
 
 from __future__ import annotations

@@ -25,17 +25,19 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from nbos.backends.local import LocalProcessBackend
+from nbos.backends.workdir import seed_connection_file
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.ids import HostId
 from nbos.gateway import LocalLauncher
 from nbos.kernel.front import KernelFront, ReplicaEndpoint
 from nbos.transport.keys import kernel_keys_env
-from nbos.transport.ports import free_loopback_ports
+from nbos.transport.ports import LOOPBACK, free_loopback_ports
 from tests.gateway._agents import single_replica
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 DEADLINE = 120.0
+HMAC_KEY = "hmac-key-of-the-replica"
 _CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
 SOURCE_MARKER = b"SOURCE-MARKER-7f3a"
 OUTPUT_MARKER = b"SNIFF-MARKER-xxx"
@@ -83,8 +85,14 @@ class Tap:
 
 
 @asynccontextmanager
-async def replica(tmp_path: Path, *, keys: bool) -> AsyncIterator[Mapping[str, Any]]:
-    """A one-replica kernel process (with a kernel key pair if ``keys``); its connection info."""
+async def replica(
+    tmp_path: Path, *, keys: bool, plain_seed: bool = False
+) -> AsyncIterator[Mapping[str, Any]]:
+    """A one-replica kernel process (with a kernel key pair if ``keys``); its connection
+    info. ``plain_seed``: its connection file was seeded without a key pair (by an earlier
+    nbos, for a replica now restarted in place)."""
+    if plain_seed:
+        seed_connection_file(tmp_path / "kernels" / "k1" / "replica-1", LOOPBACK, HMAC_KEY)
     backend = LocalProcessBackend(["h1"], run_dir=tmp_path / "logs")
     launcher = LocalLauncher(backend, tmp_path / "kernels", virtual_gpus=True)
     (raft,) = await launcher.addresses(HostId("h1"), 1)
@@ -94,7 +102,7 @@ async def replica(tmp_path: Path, *, keys: bool) -> AsyncIterator[Mapping[str, A
         HostId("h1"),
         ProcessSpec(spec.argv, env, spec.label),
         workdir="k1/replica-1",
-        connection_key="hmac-key-of-the-replica",
+        connection_key=HMAC_KEY,
     )
     try:
         yield await launcher.connection_info(handle, DEADLINE)
@@ -149,14 +157,15 @@ async def test_a_tap_between_front_and_replica_sees_a_cell_in_clear_only_without
         assert OUTPUT_MARKER in seen
 
 
-def _kernel_info_reply(info: Mapping[str, Any], timeout: float) -> dict[str, Any] | None:
-    """The replica's reply to a ``kernel_info_request`` from a client of ``info``, or
-    ``None`` after ``timeout`` seconds."""
+def _reply(info: Mapping[str, Any], code: str | None, timeout: float) -> dict[str, Any] | None:
+    """The replica's shell reply to a client of ``info`` (of the kernel's key pair where
+    ``info`` holds one) asking to run ``code``, or for kernel info if ``None``; ``None``
+    if none came within ``timeout`` seconds."""
     client = BlockingKernelClient()
     client.load_connection_info(dict(info))
     client.start_channels()
     try:
-        msg_id = client.kernel_info()
+        msg_id = client.kernel_info() if code is None else client.execute(code)
         reply: dict[str, Any] = client.get_shell_msg(timeout=timeout)
     except queue.Empty:
         return None
@@ -169,17 +178,24 @@ def _kernel_info_reply(info: Mapping[str, Any], timeout: float) -> dict[str, Any
 async def test_a_replica_with_keys_executes_nothing_for_a_plain_client(tmp_path: Path) -> None:
     proof = tmp_path / "ran"
     async with replica(tmp_path, keys=True) as info:
+        # The right HMAC key, no CURVE.
         plain = {k: v for k, v in info.items() if not k.startswith("curve_")}
-        client = BlockingKernelClient()
-        client.load_connection_info(plain)  # the right HMAC key, no CURVE
-        client.start_channels()
-        try:
-            client.execute(f"open({str(proof)!r}, 'w').close()")
-            with pytest.raises(queue.Empty):
-                client.get_shell_msg(timeout=5)
-        finally:
-            client.stop_channels()
+        code = f"open({str(proof)!r}, 'w').close()"
+        assert await anyio.to_thread.run_sync(_reply, plain, code, 5.0) is None
         assert not proof.exists()
         # A client of the kernel's pair is answered: the replica was there all along.
-        reply = await anyio.to_thread.run_sync(_kernel_info_reply, info, DEADLINE)
+        reply = await anyio.to_thread.run_sync(_reply, info, None, DEADLINE)
         assert reply is not None and reply["content"]["status"] == "ok"
+
+
+async def test_a_replica_whose_connection_file_has_no_key_pair_keeps_plain_jupyter_sockets(
+    tmp_path: Path,
+) -> None:
+    # Restarted in place after an upgrade, it must speak what its front (whose record
+    # has no key pair either) speaks; its Raft port still has the kernel's keys.
+    async with replica(tmp_path, keys=True, plain_seed=True) as info:
+        assert "curve_secretkey" not in info
+        reply = await anyio.to_thread.run_sync(_reply, info, None, DEADLINE)
+        assert reply is not None and reply["content"]["status"] == "ok"
+    log = "".join(p.read_text() for p in (tmp_path / "logs").rglob("*.log"))
+    assert "Jupyter sockets without CURVE" in log

@@ -8,12 +8,12 @@ with ``--recover`` it ran before and restarts in place from the Raft state in
 ``--data-dir``, and exits with :data:`~nbos.kernel.protocol.RAFT_STATE_GONE_STATUS`
 if that state is gone or damaged (its disk lost it) rather than start without it.
 The kernel's CURVE key pair, when its cluster has keys, comes in the environment
-(:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line. It guards
-the replica's Raft port and its five Jupyter sockets alike: each is a CURVE server of
-the pair (ipykernel's own CURVE support, which also writes the pair into the connection
-file as Jupyter's ``curve_publickey`` and ``curve_secretkey``, where the front reads it),
-and a ZAP handler on each of their ZeroMQ contexts admits only clients of the same pair
-(see ``docs/deploy.md``).
+(:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line, for its Raft
+port; and in its connection file (0600), as Jupyter's ``curve_publickey`` and
+``curve_secretkey``, for its five Jupyter sockets: ipykernel makes each a CURVE server of
+the pair found there, and a ZAP handler on each of their ZeroMQ contexts admits only
+clients of the same pair (the front, which reads the pair from the same file). A replica
+restarted in place keeps its connection file, and with it what its clients speak.
 
 ``python -m nbos.kernel.replica --warm`` is a pre-started replica (an agent's pool,
 ``docs/deploy.md``): it imports everything a replica needs, then waits for one
@@ -141,9 +141,10 @@ class ReplicaApp(IPKernelApp):
         }
     )
 
-    #: The kernel's CURVE key pair (``None``: its cluster has no keys), and the ZAP
-    #: handlers that admit only it to the Jupyter sockets.
-    _kernel_curve: CurveKeys | None = None
+    #: The kernel's CURVE key pair for its Raft port and for its Jupyter sockets (``None``:
+    #: plain), and the ZAP handlers that admit only the latter to the Jupyter sockets.
+    _raft_curve: CurveKeys | None = None
+    _jupyter_curve: CurveKeys | None = None
     _authenticators: list[ThreadAuthenticator]
 
     @default("session")
@@ -152,11 +153,17 @@ class ReplicaApp(IPKernelApp):
 
     def init_sockets(self) -> None:
         self._authenticators = []
-        self._kernel_curve = take_kernel_keys(os.environ)
-        if self._kernel_curve is not None:
-            # ipykernel makes its sockets CURVE servers of these (heartbeat too).
-            self.curve_secretkey = self._kernel_curve.secret_key
-            self.curve_publickey = self._kernel_curve.public_key
+        self._raft_curve = take_kernel_keys(os.environ)
+        # ipykernel read these from the connection file, and makes its sockets CURVE
+        # servers of them (the heartbeat's too).
+        if self.curve_secretkey is not None and self.curve_publickey is not None:
+            self._jupyter_curve = CurveKeys(self.curve_secretkey, self.curve_publickey)
+        elif self._raft_curve is not None:
+            log.warning(
+                "kernel %s: Jupyter sockets without CURVE, its connection file holds no key"
+                " pair (seeded by an earlier nbos)",
+                self.kernel_id,
+            )
         super().init_sockets()  # type: ignore[no-untyped-call]
         # ipykernel 7 reads the shell on a thread of its own that routes requests to
         # subshells. The front offers none, so that thread would only add two thread
@@ -182,7 +189,7 @@ class ReplicaApp(IPKernelApp):
 
     def _admit_only_the_kernel(self, context: zmq.Context[Any]) -> None:
         """Have ``context``'s CURVE servers admit only the kernel's key pair (with keys)."""
-        curve = self._kernel_curve
+        curve = self._jupyter_curve
         if curve is None or any(a.context is context for a in self._authenticators):
             return
         local = f"replica {self.node_id} of kernel {self.kernel_id}"
@@ -214,7 +221,7 @@ class ReplicaApp(IPKernelApp):
             settings=parse_raft_settings(self.raft_settings),
             join=self.join,
             recover=self.recover,
-            curve=self._kernel_curve,
+            curve=self._raft_curve,
         )
         kernel.attach(raft, open_store(self.store))
         if self.virtual_gpus:
