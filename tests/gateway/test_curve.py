@@ -107,3 +107,7 @@ async def test_replicas_admit_only_their_kernels_keys_and_survive_a_replacement(
         [record] = state.load().kernels
         assert node in {r.node for r in record.replicas}
         assert all(r.env == env for r in record.replicas)
+        # The front reaches the replacement over CURVE too.
+        assert all(
+            r.connection["curve_publickey"] == keys.public_key.decode() for r in record.replicas
+        )
