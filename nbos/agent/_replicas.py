@@ -324,7 +324,7 @@ class ReplicaService:
         argv = spec.argv
         if spec.workdir:
             workdir = workdir_path(self._work, spec.workdir)
-            await anyio.to_thread.run_sync(self._prepare, workdir, spec.connection_key)
+            await anyio.to_thread.run_sync(self._prepare, workdir, spec)
             argv = expand_argv(argv, workdir, self._python)
         label = spec.label or replica_id
         if self._docker is None:
@@ -424,11 +424,11 @@ class ReplicaService:
 
     # --- internals ---------------------------------------------------------------
 
-    def _prepare(self, workdir: Path, connection_key: str) -> None:
+    def _prepare(self, workdir: Path, spec: ReplicaSpec) -> None:
         try:
             private_dir(workdir)
-            if connection_key:
-                seed_connection_file(workdir, self._ip, connection_key)
+            if spec.connection_key:
+                seed_connection_file(workdir, self._ip, spec.connection_key, spec.env)
         except OSError as exc:
             raise BackendError(f"cannot prepare {workdir}: {exc}") from exc
 

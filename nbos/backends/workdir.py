@@ -8,6 +8,12 @@ ports picked below the ephemeral range (:mod:`nbos.transport.ports`): the kernel
 them and writes the file back, and the starter reads it (:func:`read_connection_file`)
 to tell the gateway. A replica restarted in place binds the same ports again, so they
 must not be ports any outgoing connection may have taken meanwhile.
+
+The seed file of a replica given its kernel's CURVE key pair in its environment (a
+cluster with keys, :func:`~nbos.transport.keys.kernel_keys_env`) holds the pair too, as
+Jupyter's ``curve_publickey`` and ``curve_secretkey``: the kernel's Jupyter sockets are
+CURVE servers of the pair found there, and whoever reads the file, before the kernel
+wrote it back or after, connects as a CURVE client of the same pair.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nbos.core.errors import ConfigError, TransportError
 from nbos.core.private_files import private_dir, write_private
+from nbos.transport.keys import take_kernel_keys
 from nbos.transport.ports import free_ports
 
 #: The token in a replica's argv that stands for its working directory.
@@ -46,8 +53,13 @@ def expand_argv(argv: Sequence[str], workdir: Path, python: str = sys.executable
     return [python if a == PYTHON_TOKEN else a.replace(WORKDIR_TOKEN, str(workdir)) for a in argv]
 
 
-def seed_connection_file(workdir: Path, ip: str, key: str) -> Path:
+def seed_connection_file(
+    workdir: Path, ip: str, key: str, env: Mapping[str, str] | None = None
+) -> Path:
     """Write the seed connection file into ``workdir`` unless one is there; its path.
+
+    ``env``: the replica's environment, whose kernel key pair (if any) goes in too;
+    :class:`ConfigError` if that pair is malformed.
 
     One that is there belongs to an earlier run of the same replica (a restart in
     place), whose ports its clients already know: it is kept.
@@ -66,6 +78,10 @@ def seed_connection_file(workdir: Path, ip: str, key: str) -> Path:
         "signature_scheme": "hmac-sha256",
         **{f"{c}_port": port for c, port in zip(_CHANNELS, ports, strict=True)},
     }
+    curve = take_kernel_keys(dict(env or {}))  # a copy: the replica takes them from its own
+    if curve is not None:
+        info["curve_publickey"] = curve.public_key.decode()
+        info["curve_secretkey"] = curve.secret_key.decode()
     private_dir(workdir)
     write_private(path, json.dumps(info).encode())  # it holds the kernel's key
     return path

@@ -85,7 +85,7 @@ class LocalLauncher:
         path = workdir_path(self._root, workdir)
         try:
             await anyio.to_thread.run_sync(
-                partial(seed_connection_file, path, LOOPBACK, connection_key)
+                partial(seed_connection_file, path, LOOPBACK, connection_key, spec.env)
             )
         except OSError as exc:
             raise BackendError(f"cannot prepare {path}: {exc}") from exc

@@ -4,15 +4,20 @@ A port found free by binding port 0 comes from the kernel's ephemeral range, the
 range outgoing connections take their local ports from: between our check and the
 process's bind, any ``connect()`` on the machine may take it. Ports are therefore
 picked below that range, where only listeners live, checked free by a bind, and never
-handed out twice by one process.
+handed out twice by one process. :func:`bind_port` binds a ZeroMQ socket so, trying
+another such port where one was taken meanwhile.
 """
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
+
+import zmq
 
 from nbos.core.errors import TransportError
 
@@ -39,6 +44,35 @@ def free_loopback_ports(count: int) -> list[int]:
 def free_loopback_address() -> str:
     """A ``tcp://127.0.0.1:PORT`` address from :func:`free_loopback_ports`."""
     return f"tcp://{LOOPBACK}:{free_loopback_ports(1)[0]}"
+
+
+def bind_port(
+    bind: Callable[[int], int], ip: str, port: int = 0, *, keep: bool = False, attempts: int = 5
+) -> int:
+    """Bind a listening ZeroMQ socket on ``ip`` with ``bind`` (which binds it on the port
+    it is given, ``0``: one the OS picks, and returns the port bound); the port bound.
+
+    ``keep``: on ``port`` or not at all (its clients know it already: a front or a
+    replica taken back after a restart). Otherwise ``port`` (unless ``0``) is tried
+    first, then ports from :func:`free_ports` while the one tried was taken since it was
+    checked free (``EADDRINUSE``), ``attempts`` in all, and at last one the OS picks.
+    Other errors (and a kept port that is taken) raise ``zmq.ZMQError``.
+    """
+    if keep:
+        return bind(port)
+    tries = [port] if port else []
+    for _ in range(attempts - 1):
+        if not tries:
+            try:
+                tries = free_ports(1, ip)
+            except TransportError:  # an address this machine cannot check: the OS picks
+                break
+        try:
+            return bind(tries.pop())
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    return bind(0)
 
 
 def _pick(ip: str) -> int:

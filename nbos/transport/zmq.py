@@ -49,12 +49,13 @@ authenticate cluster membership, not individual peer ids: an admitted member
 can claim any routing id. The ZAP handler is pyzmq's, which runs as its own
 asyncio task from :meth:`ZmqTransport.open` until :meth:`ZmqTransport.aclose`;
 ZAP tells it the refused key but not the remote address, so the log names the key.
-:func:`start_authenticator`, :func:`curve_server` and :func:`curve_client` are
-those steps, one socket at a time.
+:func:`start_authenticator` (:func:`start_thread_authenticator` where no asyncio loop
+runs), :func:`curve_server` and :func:`curve_client` are those steps, one socket at a time.
 
 Where nbos uses it: agent links with the cluster's keys (:mod:`nbos.transport.keys`,
 ``allowed_clients`` and a ``server_key`` per host), and each kernel's Raft group
-with a key pair of the kernel's own (the cluster key model, on a gateway with keys).
+with a key pair of the kernel's own (the cluster key model, on a gateway with keys);
+the same pair guards the replicas' Jupyter sockets (``nbos.kernel.replica``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ import anyio.lowlevel
 import attrs
 import zmq
 import zmq.auth.asyncio
+import zmq.auth.thread
 
 from nbos.core.errors import TransportError, UnknownPeerError
 from nbos.core.ids import PeerId
@@ -147,6 +149,17 @@ def start_authenticator(
     its CURVE servers admit only ``curve.admitted`` and log every other key; ``stop()`` it
     before the context ends. Start it before such a server binds."""
     auth = zmq.auth.asyncio.AsyncioAuthenticator(context, log=log)
+    auth.start()
+    auth.configure_curve_callback("*", _KeyRing(local, curve.admitted))
+    return auth
+
+
+def start_thread_authenticator(
+    context: zmq.Context[Any], local: str, curve: CurveKeys
+) -> zmq.auth.thread.ThreadAuthenticator:
+    """:func:`start_authenticator` for a context without an asyncio loop: the ZAP handler
+    runs on a thread of its own (a replica's Jupyter sockets, served by ipykernel)."""
+    auth = zmq.auth.thread.ThreadAuthenticator(context, log=log)
     auth.start()
     auth.configure_curve_callback("*", _KeyRing(local, curve.admitted))
     return auth

@@ -1,9 +1,11 @@
-"""A gateway with keys: each kernel's replicas speak CURVE among themselves, with its own keys.
+"""A gateway with keys: each kernel's replicas speak CURVE among themselves and with the
+front, with the kernel's own keys.
 
 A peer without the kernel's key pair, probing a replica's Raft port (which also carries
-forwarded proposals) with another pair or with no CURVE at all, never completes a handshake (the
-replica logs the refused key), while one holding the kernel's pair does; the kernel
-runs cells meanwhile and after a replica's replacement, which joins over CURVE.
+forwarded proposals) or its Jupyter sockets with another pair or with no CURVE at all,
+never completes a handshake (the replica logs the refused key), while one holding the
+kernel's pair does; the kernel runs cells meanwhile and after a replica's replacement,
+which joins over CURVE.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ _OUTCOMES = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+
+#: A replica's Jupyter sockets that a DEALER may connect to (IOPub is a publisher).
+_ROUTERS = ("shell", "stdin", "control", "hb")
 
 
 def _handshake(address: str, curve: CurveKeys | None, server_key: bytes) -> int:
@@ -74,15 +80,20 @@ async def test_replicas_admit_only_their_kernels_keys_and_survive_a_replacement(
         public, secret = zmq.curve_keypair()
         stranger = CurveKeys(secret, public)
         for replica in record.replicas:
-            address = replica.raft
-            # Even knowing the server's public key, only the kernel's pair gets in.
-            server = keys.public_key
-            ok = await anyio.to_thread.run_sync(_handshake, address, keys, server)
-            assert ok == zmq.EVENT_HANDSHAKE_SUCCEEDED, address
-            refused = await anyio.to_thread.run_sync(_handshake, address, stranger, server)
-            assert refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH, address
-            plain = await anyio.to_thread.run_sync(_handshake, address, None, server)
-            assert plain != zmq.EVENT_HANDSHAKE_SUCCEEDED, address
+            # The front reaches the replica's Jupyter sockets as a client of the same pair.
+            assert replica.connection["curve_publickey"] == keys.public_key.decode()
+            assert replica.connection["curve_secretkey"] == keys.secret_key.decode()
+            ip = replica.connection["ip"]
+            jupyter = [f"tcp://{ip}:{replica.connection[f'{c}_port']}" for c in _ROUTERS]
+            for address in [replica.raft, *jupyter]:
+                # Even knowing the server's public key, only the kernel's pair gets in.
+                server = keys.public_key
+                ok = await anyio.to_thread.run_sync(_handshake, address, keys, server)
+                assert ok == zmq.EVENT_HANDSHAKE_SUCCEEDED, address
+                refused = await anyio.to_thread.run_sync(_handshake, address, stranger, server)
+                assert refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH, address
+                plain = await anyio.to_thread.run_sync(_handshake, address, None, server)
+                assert plain != zmq.EVENT_HANDSHAKE_SUCCEEDED, address
         with anyio.fail_after(DEADLINE):
             refusal = f"refused CURVE client key {public!r}"
             while not await anyio.to_thread.run_sync(_logged, tmp_path / "run", refusal):  # noqa: ASYNC110 (other processes' logs)
@@ -96,3 +107,7 @@ async def test_replicas_admit_only_their_kernels_keys_and_survive_a_replacement(
         [record] = state.load().kernels
         assert node in {r.node for r in record.replicas}
         assert all(r.env == env for r in record.replicas)
+        # The front reaches the replacement over CURVE too.
+        assert all(
+            r.connection["curve_publickey"] == keys.public_key.decode() for r in record.replicas
+        )

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from nbos.transport.ports import free_loopback_address, free_loopback_ports
+import pytest
+import zmq
+
+from nbos.transport.ports import bind_port, free_loopback_address, free_loopback_ports
+
+EPHEMERAL_START = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
@@ -31,3 +38,42 @@ def test_a_port_in_use_is_never_handed_out() -> None:
     finally:
         for sock in held:
             sock.close()
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _binder(sock: zmq.Socket[bytes]) -> Callable[[int], int]:
+    def bind(port: int) -> int:
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        return int(endpoint.rsplit(b":", 1)[1])
+
+    return bind
+
+
+def test_a_port_taken_meanwhile_gives_way_to_a_fresh_one_below_the_ephemeral_range(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    squatter = ctx.socket(zmq.ROUTER)
+    [taken] = free_loopback_ports(1)
+    squatter.bind(f"tcp://127.0.0.1:{taken}")
+    sock = ctx.socket(zmq.ROUTER)
+    port = bind_port(_binder(sock), "127.0.0.1", taken)
+    assert port != taken and 1024 < port < EPHEMERAL_START
+    # No port given: a fresh one, not one from the ephemeral range.
+    assert bind_port(_binder(ctx.socket(zmq.ROUTER)), "127.0.0.1") < EPHEMERAL_START
+
+
+def test_a_kept_port_that_is_taken_raises(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    squatter = ctx.socket(zmq.ROUTER)
+    [taken] = free_loopback_ports(1)
+    squatter.bind(f"tcp://127.0.0.1:{taken}")
+    with pytest.raises(zmq.ZMQError) as failed:
+        bind_port(_binder(ctx.socket(zmq.ROUTER)), "127.0.0.1", taken, keep=True)
+    assert failed.value.errno == errno.EADDRINUSE

@@ -18,7 +18,6 @@ not wait for it), and in any case before anything else the front publishes or re
 
 from __future__ import annotations
 
-import errno
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
@@ -32,13 +31,11 @@ from nbos.core.errors import AuthenticationError, DecodeError, NbosError, Transp
 from nbos.kernel import protocol
 from nbos.kernel.front import _requests, _wire
 from nbos.metrics import events
-from nbos.transport.ports import free_ports
+from nbos.transport.ports import bind_port
 
 log = logging.getLogger(__name__)
 
 Incoming = tuple[list[bytes], _wire.Msg]
-
-_BIND_ATTEMPTS = 5
 
 #: The sockets, by the name of their port.
 _SOCKETS = {
@@ -66,22 +63,12 @@ def _bind(sock: zmq.asyncio.Socket, ip: str, port: int | None) -> None:
     """Bind ``sock`` on ``port``, or on a fresh one below the ephemeral range: a front
     taken over by a restarted gateway binds its ports again, and one in that range may
     have become some connection's source port meanwhile (a kernel was lost so in CI)."""
-    if port is not None:
-        sock.bind(f"tcp://{ip}:{port}")
-        return
-    for _ in range(_BIND_ATTEMPTS - 1):
-        try:
-            (fresh,) = free_ports(1, ip)
-        except TransportError:  # an address this machine cannot check: the OS picks
-            break
-        try:
-            sock.bind(f"tcp://{ip}:{fresh}")
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EADDRINUSE:  # taken since it was checked free
-                raise
-        else:
-            return
-    sock.bind(f"tcp://{ip}:0")
+
+    def bind(number: int) -> int:
+        sock.bind(f"tcp://{ip}:{number}")
+        return _bound_port(sock)
+
+    bind_port(bind, ip, port or 0, keep=port is not None)
 
 
 class ClientChannels:

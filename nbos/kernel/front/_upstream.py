@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from nbos.core.errors import KernelError
 from nbos.kernel.front import _wire
+from nbos.kernel.jupyter_requests import connect, curve_of
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ class ReplicaEndpoint:
 
 
 class Upstream:
-    """Sockets to one replica, signed with that replica's own key.
+    """Sockets to one replica, signed with that replica's own key, and CURVE clients of
+    its kernel's key pair where its connection info has one.
 
     The shell and stdin sockets share one identity: ipykernel sends ``input_request``
     to the identity the ``execute_request`` came from.
@@ -43,29 +45,26 @@ class Upstream:
         self.life = 0
         self._ctx = ctx
         self._connection = dict(endpoint.connection)
+        self._curve = curve_of(self._connection)
         identity = f"nbos-front-{uuid.uuid4().hex}".encode()
         self.sockets: dict[Channel, zmq.asyncio.Socket] = {
-            "shell": self._connect(zmq.DEALER, "shell_port", identity),
-            "control": self._connect(zmq.DEALER, "control_port"),
-            "stdin": self._connect(zmq.DEALER, "stdin_port", identity),
+            "shell": self._connect(zmq.DEALER, "shell", identity),
+            "control": self._connect(zmq.DEALER, "control"),
+            "stdin": self._connect(zmq.DEALER, "stdin", identity),
         }
-        self.iopub = self._connect(zmq.SUB, "iopub_port")
+        self.iopub = self._connect(zmq.SUB, "iopub")
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         # The same socket without pyzmq's asyncio layer (see receive_iopub).
         self._iopub_direct: zmq.Socket[bytes] = zmq.Socket.shadow(self.iopub.underlying)
 
-    def _url(self, port_key: str) -> str:
-        c = self._connection
-        return f"{c.get('transport', 'tcp')}://{c.get('ip', '127.0.0.1')}:{c[port_key]}"
-
     def _connect(
-        self, kind: int, port_key: str, identity: bytes | None = None
+        self, kind: int, channel: str, identity: bytes | None = None
     ) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
-        sock.connect(self._url(port_key))
+        connect(sock, self._connection, channel, self._curve)
         return sock
 
     def new_heartbeat(self) -> zmq.asyncio.Socket:
@@ -73,7 +72,7 @@ class Upstream:
 
         Its heartbeat watcher owns it and closes it.
         """
-        return self._connect(zmq.REQ, "hb_port")
+        return self._connect(zmq.REQ, "hb")
 
     async def send(self, channel: Channel, msg: _wire.Msg) -> None:
         """Re-sign ``msg`` with this replica's key and send it on ``channel``.

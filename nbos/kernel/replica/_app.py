@@ -8,7 +8,12 @@ with ``--recover`` it ran before and restarts in place from the Raft state in
 ``--data-dir``, and exits with :data:`~nbos.kernel.protocol.RAFT_STATE_GONE_STATUS`
 if that state is gone or damaged (its disk lost it) rather than start without it.
 The kernel's CURVE key pair, when its cluster has keys, comes in the environment
-(:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line.
+(:func:`~nbos.transport.keys.take_kernel_keys`), never on the command line, for its Raft
+port; and in its connection file (0600), as Jupyter's ``curve_publickey`` and
+``curve_secretkey``, for its five Jupyter sockets: ipykernel makes each a CURVE server of
+the pair found there, and a ZAP handler on each of their ZeroMQ contexts admits only
+clients of the same pair (the front, which reads the pair from the same file). A replica
+restarted in place keeps its connection file, and with it what its clients speak.
 
 ``python -m nbos.kernel.replica --warm`` is a pre-started replica (an agent's pool,
 ``docs/deploy.md``): it imports everything a replica needs, then waits for one
@@ -19,11 +24,11 @@ replica it names; at end of file (its agent went away) it exits without a word.
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,6 +36,7 @@ import msgspec
 import zmq
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Bool, Dict, DottedObjectName, Int, Type, Unicode, default
+from zmq.auth.thread import ThreadAuthenticator
 
 from nbos.core.config import RaftSettings
 from nbos.core.errors import (
@@ -49,11 +55,10 @@ from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._session import ReplicaSession
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
-from nbos.transport.ports import free_ports
+from nbos.transport.ports import bind_port
+from nbos.transport.zmq import CurveKeys, start_thread_authenticator
 
 log = logging.getLogger(__name__)
-#: Ports tried at a first start before a bind failure ends it (see ReplicaApp._bind_socket).
-_BIND_ATTEMPTS = 5
 
 
 def parse_peers(text: str) -> dict[NodeId, str]:
@@ -136,11 +141,29 @@ class ReplicaApp(IPKernelApp):
         }
     )
 
+    #: The kernel's CURVE key pair for its Raft port and for its Jupyter sockets (``None``:
+    #: plain), and the ZAP handlers that admit only the latter to the Jupyter sockets.
+    _raft_curve: CurveKeys | None = None
+    _jupyter_curve: CurveKeys | None = None
+    _authenticators: list[ThreadAuthenticator]
+
     @default("session")
     def _session_default(self) -> ReplicaSession:
         return ReplicaSession(parent=self)
 
     def init_sockets(self) -> None:
+        self._authenticators = []
+        self._raft_curve = take_kernel_keys(os.environ)
+        # ipykernel read these from the connection file, and makes its sockets CURVE
+        # servers of them (the heartbeat's too).
+        if self.curve_secretkey is not None and self.curve_publickey is not None:
+            self._jupyter_curve = CurveKeys(self.curve_secretkey, self.curve_publickey)
+        elif self._raft_curve is not None:
+            log.warning(
+                "kernel %s: Jupyter sockets without CURVE, its connection file holds no key"
+                " pair (seeded by an earlier nbos)",
+                self.kernel_id,
+            )
         super().init_sockets()  # type: ignore[no-untyped-call]
         # ipykernel 7 reads the shell on a thread of its own that routes requests to
         # subshells. The front offers none, so that thread would only add two thread
@@ -154,14 +177,29 @@ class ReplicaApp(IPKernelApp):
         another process took meanwhile gives way to another such port (nobody knows it
         yet). A replica restarted in place must have its own ports again: its clients
         know them."""
-        for _ in range(_BIND_ATTEMPTS - 1):
-            try:
-                return int(super()._bind_socket(s, port))  # type: ignore[no-untyped-call]
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EADDRINUSE or self.recover or not port:
-                    raise
-                (port,) = free_ports(1, self.ip)
-        return int(super()._bind_socket(s, port))  # type: ignore[no-untyped-call]
+        self._admit_only_the_kernel(s.context)
+        bind = partial(super()._bind_socket, s)
+        return bind_port(bind, self.ip, port, keep=self.recover)
+
+    def init_heartbeat(self) -> None:
+        super().init_heartbeat()  # type: ignore[no-untyped-call]
+        # Its context is made and bound in there; the heartbeat only echoes what it gets.
+        assert self.heartbeat is not None
+        self._admit_only_the_kernel(self.heartbeat.context)
+
+    def _admit_only_the_kernel(self, context: zmq.Context[Any]) -> None:
+        """Have ``context``'s CURVE servers admit only the kernel's key pair (with keys)."""
+        curve = self._jupyter_curve
+        if curve is None or any(a.context is context for a in self._authenticators):
+            return
+        local = f"replica {self.node_id} of kernel {self.kernel_id}"
+        self._authenticators.append(start_thread_authenticator(context, local, curve))
+
+    def close(self) -> None:
+        # Their sockets would hold the contexts' term() up for good.
+        for auth in self._authenticators:
+            auth.stop()
+        super().close()  # type: ignore[no-untyped-call]
 
     def init_kernel(self) -> None:
         _log_only_what_is_shown(self.log)
@@ -183,7 +221,7 @@ class ReplicaApp(IPKernelApp):
             settings=parse_raft_settings(self.raft_settings),
             join=self.join,
             recover=self.recover,
-            curve=take_kernel_keys(os.environ),
+            curve=self._raft_curve,
         )
         kernel.attach(raft, open_store(self.store))
         if self.virtual_gpus:
