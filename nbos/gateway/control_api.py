@@ -72,7 +72,7 @@ from nbos.core.errors import (
     UnauthorizedError,
     UnknownKernelError,
 )
-from nbos.core.identity import User
+from nbos.core.identity import User, UserName
 from nbos.gateway._kernel_state import KernelState
 from nbos.gateway.auth import client_token
 from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
@@ -128,12 +128,14 @@ class StartKernel(_Msg):
     of the kernel it replaces on a restart (so open client channels go on working);
     ``None``: new ones. ``lease_s``: the kernel is shut down once no
     :class:`WatchKernel` for it was pending for that long (its owner died); ``None``:
-    it lives until shut down.
+    it lives until shut down. ``user``: the user it is started for, who owns it (an
+    admin's request only, as Enterprise Gateway's impersonation; ``None``: the sender).
     """
 
     gpus: Gpus = 0
     connection: Connection | None = None
     lease_s: PositiveSeconds | None = None
+    user: UserName | None = None
 
 
 class ListKernels(_Msg):

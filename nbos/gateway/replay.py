@@ -148,7 +148,9 @@ async def _start(
 ) -> KernelInfo | None:
     """The session's kernel, asked for until the cluster places it or the session stops."""
     while True:
-        reply = await call(address, StartKernel(gpus=session.gpus), timeout=_CONTROL_TIMEOUT_S)
+        # The session's user owns its kernel, so the gateway's quotas count its cells.
+        start = StartKernel(gpus=session.gpus, user=session.user)
+        reply = await call(address, start, timeout=_CONTROL_TIMEOUT_S)
         if isinstance(reply, KernelInfo):
             return reply
         log.info(

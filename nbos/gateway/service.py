@@ -92,7 +92,13 @@ from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._state import GatewayState, StateFile
 from nbos.gateway._strays import settle_strays
-from nbos.gateway.auth import Authenticator, UsersFile, remove_token_file, write_token_file
+from nbos.gateway.auth import (
+    Authenticator,
+    UsersFile,
+    acting_for,
+    remove_token_file,
+    write_token_file,
+)
 from nbos.gateway.control_api import (
     MAX_REQUEST_BYTES,
     ClusterStatus,
@@ -340,9 +346,9 @@ class GatewayService:
         if isinstance(request, _ADMIN_REQUESTS) and not user.is_admin:
             raise ForbiddenError(f"{type(request).__name__} is for admins, and {user.name} is none")
         match request:
-            case StartKernel(gpus=gpus, connection=connection, lease_s=lease_s):
+            case StartKernel(gpus=gpus, connection=connection, lease_s=lease_s, user=owner):
                 kernel = await self.kernel_manager.start_kernel(
-                    gpus=gpus, connection=connection, owner=user.name
+                    gpus=gpus, connection=connection, owner=acting_for(user, owner)
                 )
                 if lease_s is not None:
                     self.leases.grant(kernel.kernel_id, lease_s)

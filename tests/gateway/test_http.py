@@ -124,9 +124,9 @@ async def test_a_notebook_through_jupyter_server_runs_cells_interrupts_restarts_
     ws = await KernelSocket.open(channels.replace("?", f"?session_id={uuid.uuid4()}&"))
     try:
         reply, outputs = await ws.run("import os\nprint(os.environ.get('KERNEL_USERNAME'))")
-        # Jupyter Server says KERNEL_USERNAME=alice, but it signs in with the operator's token:
-        # the kernel is whose the token is (docs/users.md).
-        assert reply["content"]["status"] == "ok" and stdout(outputs) == "operator\n"
+        # Jupyter Server says KERNEL_USERNAME=alice and signs in with the operator's token,
+        # an admin's: the kernel is started for alice (docs/users.md, impersonation).
+        assert reply["content"]["status"] == "ok" and stdout(outputs) == "alice\n"
 
         code_ = "from IPython.display import HTML, display\ndisplay(HTML('<b>nbos</b>'))\n21 * 2"
         reply, outputs = await ws.run(code_)
@@ -191,7 +191,7 @@ async def test_a_notebook_through_jupyter_server_runs_cells_interrupts_restarts_
         0
     ] == 204
     assert (await call(f"{gateway_url}/api/kernels", token=TOKEN)) == (200, [])
-    assert f"kernel {kernel_id} (nbos-gpu-1) started for operator" in log.read_text()
+    assert f"kernel {kernel_id} (nbos-gpu-1) started for alice" in log.read_text()
     print(f"kernel start through Jupyter Server: {started_s:.2f}s")
 
 

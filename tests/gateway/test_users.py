@@ -148,6 +148,10 @@ async def test_two_users_never_reach_each_others_kernels_and_an_admin_sees_both(
             assert isinstance(reply, ControlError) and reply.kind == "forbidden", (request, reply)
         admin = await _as(c, "carol", ListKernels())
         assert {k.kernel_id for k in admin.kernels} == {a.kernel_id, b.kernel_id}
+        # Only an admin starts a kernel for somebody else (impersonation).
+        refused = await _as(c, "alice", StartKernel(user="bob"))
+        assert isinstance(refused, ControlError) and refused.kind == "forbidden", refused
+        assert [k.kernel_id for k in (await _as(c, "bob", ListKernels())).kernels] == [b.kernel_id]
         # Alice's kernel lived through all of bob's tries.
         still = await _as(c, "alice", WatchKernel(a.kernel_id, 0.0))
         assert isinstance(still, KernelInfo) and all(r.alive for r in still.replicas), still
@@ -166,7 +170,9 @@ async def test_http_and_websocket_show_each_user_their_own_kernels_only(cluster:
     )
     assert code == 201, model
     ka = model["id"]
-    code, model = await rest(kernels, "POST", {"name": "nbos"}, token=bob)
+    # An admin's KERNEL_USERNAME is who the kernel is for: bob's, bob sees it.
+    env = {"KERNEL_USERNAME": "bob"}
+    code, model = await rest(kernels, "POST", {"name": "nbos", "env": env}, token=carol)
     assert code == 201, model
     kb = model["id"]
     try:

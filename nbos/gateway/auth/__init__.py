@@ -1,7 +1,7 @@
 """Who may use the gateway: the identity providers, the gateway's own operator token, and
 the token file through which local clients find it (``docs/users.md``)."""
 
-from nbos.gateway.auth._authenticator import OPERATOR, Authenticator
+from nbos.gateway.auth._authenticator import OPERATOR, Authenticator, acting_for
 from nbos.gateway.auth._jupyterhub import HubUsers
 from nbos.gateway.auth._token_file import (
     TOKEN_ENV,
@@ -18,6 +18,7 @@ __all__ = [
     "Authenticator",
     "HubUsers",
     "UsersFile",
+    "acting_for",
     "client_token",
     "remove_token_file",
     "token_path",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nbos.core.config import AuthSettings, Settings
-from nbos.core.errors import ConfigError, UnauthorizedError
+from nbos.core.errors import ConfigError, ForbiddenError, UnauthorizedError
 from nbos.core.identity import IdentityProvider, User, new_token
 from nbos.core.private_files import private_dir, write_private
 from nbos.gateway.auth._jupyterhub import HubUsers
@@ -81,3 +81,14 @@ def _kept_token(path: Path | None) -> str:
     private_dir(path.parent)
     write_private(path, token.encode() + b"\n")
     return token
+
+
+def acting_for(user: User, name: str | None) -> str:
+    """Whose a kernel ``user`` starts for ``name`` is (``None``: their own). Only an admin
+    may start one for somebody else (Enterprise Gateway's impersonation): anyone else's
+    request for it raises :class:`~nbos.core.errors.ForbiddenError`."""
+    if name is None or name == user.name:
+        return user.name
+    if not user.is_admin:
+        raise ForbiddenError(f"{user.name} may not start kernels for {name} (admins only)")
+    return name

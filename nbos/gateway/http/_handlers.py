@@ -24,6 +24,7 @@ from tornado import web
 from nbos._version import __version__
 from nbos.core.errors import (
     ConfigError,
+    ForbiddenError,
     IdentityProviderError,
     NbosError,
     OverloadedError,
@@ -172,6 +173,9 @@ def api_errors() -> Iterator[None]:
         yield
     except UnknownKernelError as exc:
         raise web.HTTPError(404, str(exc)) from exc
+    except ForbiddenError as exc:
+        log.warning("refused: %s", exc)
+        raise web.HTTPError(403, str(exc)) from exc
     except ConfigError as exc:
         raise web.HTTPError(400, str(exc)) from exc
     except OverloadedError as exc:  # logged where it was refused

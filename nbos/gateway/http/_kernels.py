@@ -28,15 +28,17 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 import zmq
 import zmq.asyncio
 
 from nbos.core.errors import ConfigError, KernelError, UnknownKernelError
-from nbos.core.identity import User
+from nbos.core.identity import User, UserName
 from nbos.core.ids import KernelId
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager
 from nbos.gateway._kernel_state import JupyterState, KernelState, jupyter_state
+from nbos.gateway.auth import acting_for
 from nbos.gateway.http._channels import ChannelBridge, Sink
 from nbos.kernel.jupyter_requests import channel_url, control_request, session_for
 
@@ -149,15 +151,19 @@ class ApiKernels:
             raise UnknownKernelError(KernelId(kernel_id))
         return api
 
-    async def start(self, name: str, gpus: int, env: Mapping[str, Any], owner: User) -> ApiKernel:
-        """Start a kernel of kernelspec ``name`` (``gpus`` per cell) for ``owner``; ``env``
-        as requested, but ``KERNEL_USERNAME`` is the owner's name whatever it says."""
-        passed = _kernel_env(env) | {"KERNEL_USERNAME": owner.name}
-        kernel = await self.kernel_manager.start_kernel(gpus=gpus, env=passed, owner=owner.name)
+    async def start(self, name: str, gpus: int, env: Mapping[str, Any], user: User) -> ApiKernel:
+        """Start a kernel of kernelspec ``name`` (``gpus`` per cell) for ``user``; ``env``
+        as requested, but ``KERNEL_USERNAME`` is the kernel's owner: ``user``, or for an
+        admin the user it names (impersonation, as Enterprise Gateway's)."""
+        passed = _kernel_env(env)
+        named = passed.get("KERNEL_USERNAME") if user.is_admin else None
+        owner = acting_for(user, _user_name(named) if named else None)
+        passed["KERNEL_USERNAME"] = owner
+        kernel = await self.kernel_manager.start_kernel(gpus=gpus, env=passed, owner=owner)
         api = ApiKernel(name, gpus, passed, kernel)
         self._kernels[api.kernel_id] = api
         self._tg.start_soon(self._supervise, api)
-        log.info("kernel %s (%s) started for %s", api.kernel_id, name, owner.name)
+        log.info("kernel %s (%s) started for %s", api.kernel_id, name, owner)
         return api
 
     async def restart(self, api: ApiKernel) -> None:
@@ -320,6 +326,14 @@ class ApiKernels:
         for sink in list(api.sinks):
             sink.close()
         api.sinks.clear()
+
+
+def _user_name(name: str) -> str:
+    """``name`` if it is one a user may have; :class:`ConfigError` if not."""
+    try:
+        return msgspec.convert(name, UserName)
+    except msgspec.ValidationError as exc:
+        raise ConfigError("env.KERNEL_USERNAME", name, f"a user name ({exc})") from None
 
 
 def _kernel_env(env: Mapping[str, Any]) -> dict[str, str]:
