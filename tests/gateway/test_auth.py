@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,13 @@ def test_a_durable_gateway_keeps_its_operator_token_and_a_set_one_wins(tmp_path:
     assert Authenticator.of(Settings()).operator_token != first  # no data dir: a fresh one
     chosen = Settings(gateway=GatewaySettings(auth_token="chosen"))
     assert Authenticator.of(chosen, kept).operator_token == "chosen"
+
+
+def test_the_quotas_the_scheduler_reads_follow_the_file(tmp_path: Path) -> None:
+    path = _users(tmp_path, users_file_entry("alice", "a", quota=1))
+    quotas = UsersFile(path, default_quota=5).quotas
+    assert dict(quotas) == {"alice": 1}
+    path.write_text(users_file_entry("alice", "a", quota=3) + users_file_entry("bob", "b"))
+    os.utime(path, ns=(0, 10**9))
+    time.sleep(1.1)  # the view looks at the file again at most every second
+    assert dict(quotas) == {"alice": 3, "bob": 5}

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,6 +34,8 @@ from nbos.core.identity import HASH_SCHEME, Quota, Role, User, UserName, hash_to
 log = logging.getLogger(__name__)
 
 _HASH = re.compile(re.escape(HASH_SCHEME) + "[0-9a-f]{64}")
+#: How stale the quotas the scheduler reads may be (seconds).
+_QUOTAS_CHECK_S = 1.0
 #: The name of the gateway's own operator token's user: no file may use it.
 RESERVED_NAME = "operator"
 
@@ -63,7 +67,8 @@ class UsersFile:
 
     @property
     def quotas(self) -> Mapping[str, int]:
-        """Each user's quota, a live view: a change of the file shows in it."""
+        """Each user's quota, a live view: a change of the file shows in it within a
+        second."""
         return _Quotas(self)
 
     async def authenticate(self, token: str) -> User | None:
@@ -109,11 +114,19 @@ class UsersFile:
 
 
 class _Quotas(Mapping[str, int]):
+    """The users' quotas, the file looked at again at most every :data:`_QUOTAS_CHECK_S`:
+    the scheduler reads them for every waiting cell at every change."""
+
     def __init__(self, users: UsersFile) -> None:
         self._users = users
+        self._quotas: dict[str, int] = {}
+        self._checked = -math.inf
 
     def _now(self) -> dict[str, int]:
-        return {u.name: u.quota for u in self._users.users}
+        if time.monotonic() - self._checked >= _QUOTAS_CHECK_S:
+            self._quotas = {u.name: u.quota for u in self._users.users}
+            self._checked = time.monotonic()
+        return self._quotas
 
     def __getitem__(self, name: str) -> int:
         return self._now()[name]
