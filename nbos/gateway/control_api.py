@@ -401,11 +401,22 @@ async def call(
     the gateway left for its own user (:func:`nbos.gateway.auth.client_token`). Raises
     :class:`TransportError` when no reply came within ``timeout`` seconds.
     """
+    sent = client_token(address, token)
+    reply = await _ask(address, Envelope(sent, request), timeout)
+    if token is None and isinstance(reply, ControlError) and reply.kind == "unauthorized":
+        # The gateway may have written its token file since (it had just started, or
+        # restarted with another token): ask once more with the one it holds now.
+        fresh = client_token(address)
+        if fresh != sent:
+            reply = await _ask(address, Envelope(fresh, request), timeout)
+    return reply
+
+
+async def _ask(address: str, envelope: Envelope, timeout: float) -> ControlReply:
     ctx = zmq.asyncio.Context.instance()
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address if address.startswith("tcp://") else f"tcp://{address}")
-    envelope = Envelope(client_token(address, token), request)
     try:
         await socket.send(_encoder.encode(envelope))
         if not await socket.poll(int(timeout * 1000)):

@@ -7,7 +7,10 @@ import stat
 import time
 from pathlib import Path
 
+import anyio
 import pytest
+import zmq
+import zmq.asyncio
 
 from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import ConfigError, UnauthorizedError
@@ -22,6 +25,16 @@ from nbos.gateway.auth import (
     users_file_entry,
     write_token_file,
 )
+from nbos.gateway.control_api import (
+    ControlError,
+    ControlReply,
+    ControlRequest,
+    KernelList,
+    ListKernels,
+    call,
+    serve_control,
+)
+from nbos.transport.ports import free_loopback_ports
 
 pytestmark = pytest.mark.anyio
 
@@ -141,3 +154,38 @@ def test_the_quotas_the_scheduler_reads_follow_the_file(tmp_path: Path) -> None:
     os.utime(path, ns=(0, 10**9))
     time.sleep(1.1)  # the view looks at the file again at most every second
     assert dict(quotas) == {"alice": 3, "bob": 5}
+
+
+async def test_a_client_that_read_a_stale_token_file_asks_again_with_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asked before the gateway (re)wrote its token file is refused once, reads
+    the file again and is answered: it raced a gateway's start or restart."""
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.delenv("NBOS_TOKEN", raising=False)
+    (port,) = free_loopback_ports(1)
+    address = f"127.0.0.1:{port}"
+    write_token_file(address, "stale")
+    authenticator = Authenticator("fresh")
+    seen: list[str] = []
+
+    async def authenticate(token: str) -> User:
+        seen.append(token)
+        write_token_file(address, "fresh")  # the gateway's start got here meanwhile
+        return await authenticator.authenticate(token)
+
+    async def handle(user: User, request: ControlRequest) -> ControlReply:
+        return KernelList([])
+
+    socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    socket.bind(f"tcp://{address}")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_control, socket, handle, authenticate)
+            assert await call(address, ListKernels(), timeout=30) == KernelList([])
+            given = await call(address, ListKernels(), timeout=30, token="wrong")
+            tg.cancel_scope.cancel()
+    finally:
+        socket.close(0)
+    assert seen == ["stale", "fresh", "wrong"]
+    assert isinstance(given, ControlError) and given.kind == "unauthorized"  # given: no retry

@@ -23,6 +23,7 @@ from nbos.cluster import LocalCluster
 from nbos.core.config import GatewaySettings
 from nbos.core.executor_chooser import CellPlan, ChoiceRequest
 from nbos.gateway import Kernel, KernelState
+from nbos.gateway.auth import Authenticator
 from nbos.gateway.control_api import KernelInfo, KernelList, ListKernels
 from nbos.gateway.http import serve_http
 from nbos.transport.ports import free_loopback_ports
@@ -33,6 +34,7 @@ from tests.gateway.test_metrics import scrape
 
 # Kernels started, killed and restarted on a loaded machine.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+TOKEN = "operator-secret"
 
 #: How long a refused request may take to be answered: far more than an answer given at
 #: once takes on a loaded machine, far less than forever (the old answer to a request that
@@ -53,7 +55,7 @@ async def until(check: Callable[[], bool]) -> None:
 
 
 async def model_of(kernels: str, kernel_id: str) -> dict[str, Any]:
-    status, model = await call(f"{kernels}/{kernel_id}")
+    status, model = await call(f"{kernels}/{kernel_id}", token=TOKEN)
     assert status == 200, model
     return dict(model)
 
@@ -75,12 +77,12 @@ async def test_degraded_runs_cells_dead_refuses_them_at_once_and_a_restart_recov
     conf = GatewaySettings(http_address="127.0.0.1:0")
     async with (
         LocalCluster(3, run_dir=tmp_path, replace_dead_replicas=False) as cluster,
-        serve_http(conf, cluster.kernel_manager, lambda: 0) as api,
+        serve_http(conf, cluster.kernel_manager, lambda: 0, Authenticator(TOKEN)) as api,
     ):
         kernels = f"{api.url}/api/kernels"
-        kernel_id = (await call(kernels, "POST", {}))[1]["id"]
+        kernel_id = (await call(kernels, "POST", {}, token=TOKEN))[1]["id"]
         kernel = cluster.kernel_manager.kernel(kernel_id)
-        ws = await KernelSocket.open(f"{kernels}/{kernel_id}/channels")
+        ws = await KernelSocket.open(f"{kernels}/{kernel_id}/channels", TOKEN)
         try:
             assert (await ws.run("x = 1"))[0]["content"]["status"] == "ok"
             await shown_as(kernels, kernel_id, "idle", "idle")
