@@ -187,7 +187,7 @@ def start_http_gateway(
     log = tmp / "gateway.log"
     process = start_gateway(env, log, lambda argv: [*argv, "--http", f"127.0.0.1:{http}"])
     url = f"http://127.0.0.1:{http}"
-    _wait_listening(process, f"{url}/api", log)
+    wait_listening(process, f"{url}/api", log)
     return process, url, log
 
 
@@ -235,11 +235,11 @@ def start_jupyter_server(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp, env=env
         )
     url = f"http://127.0.0.1:{port}"
-    _wait_listening(process, f"{url}/api/status?token={token}", log)
+    wait_listening(process, f"{url}/api/status?token={token}", log)
     return process, url, log
 
 
-def _wait_listening(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+def wait_listening(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
     """Return once ``url`` answers; else stop ``process`` and raise."""
     try:
         _poll(process, url, log)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import anyio
@@ -16,9 +18,30 @@ from nbos.core.config import GatewaySettings
 from nbos.core.errors import ConfigError
 from nbos.gateway.auth import Authenticator
 from nbos.gateway.http import serve_http
-from tests.gateway._http import KernelSocket, call, poll
+from tests.gateway._http import KernelSocket, call, poll, stdout
 
 pytestmark = pytest.mark.anyio
+
+
+def accepted_socket(peer: tuple[str, int]) -> socket.socket:
+    """This process's TCP socket connected to ``peer``: the server's end of a connection."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = os.dup(int(name))
+        except OSError:
+            continue  # closed since listed
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # not a socket
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.getpeername()[:2] == peer:
+                return sock
+        except OSError:
+            pass  # not connected
+        sock.close()
+    raise LookupError(f"no socket connected to {peer}")
 
 
 async def test_a_kernel_without_clients_is_culled_once_idle_and_one_with_a_client_is_not(
@@ -101,3 +124,30 @@ async def test_tls_when_a_certificate_is_configured_and_bad_settings_refused(
                     Authenticator("t"),
                 ):
                     pass
+
+
+async def test_the_websocket_sends_a_cells_messages_without_waiting_for_acks(
+    tmp_path: Path,
+) -> None:
+    """Nagle's algorithm held every message after a cell's first ``busy`` until the
+    client's delayed ACK (40 ms a cell): the server's end of the WebSocket has
+    ``TCP_NODELAY`` set, after the upgrade (whose end turns it off) and after a cell."""
+    conf = GatewaySettings(http_address="127.0.0.1:0")
+    async with (
+        LocalCluster(3, run_dir=tmp_path) as cluster,
+        serve_http(conf, cluster.kernel_manager, lambda: 0, Authenticator("t")) as api,
+    ):
+        kernels = f"{api.url}/api/kernels"
+        kernel_id = (await call(kernels, "POST", {}, token="t"))[1]["id"]
+        for v1 in (False, True):
+            ws = await KernelSocket.open(f"{kernels}/{kernel_id}/channels", "t", v1=v1)
+            try:
+                reply, outputs = await ws.run("print('hi')")
+                assert reply["content"]["status"] == "ok"
+                assert stdout(outputs) == "hi\n"
+                client = ws.conn.protocol.stream.socket
+                assert client is not None
+                with accepted_socket(client.getsockname()[:2]) as server:
+                    assert server.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            finally:
+                ws.close()

@@ -4,6 +4,12 @@ The token is checked before the upgrade, an unknown kernel is a 404 then. The
 ``v1.kernel.websocket.jupyter.org`` subprotocol is chosen when the client offers
 it, else the legacy JSON protocol (what Jupyter Server's gateway client speaks). A
 frame that is not a message is logged and dropped; the connection goes on.
+
+The connection sends with ``TCP_NODELAY``: a cell's messages are small frames written one
+by one as the kernel sends them (``busy``, ``execute_input``, the reply, ``idle``), and
+with Nagle's algorithm every frame after the first waited for the client's delayed ACK,
+40 ms on Linux, in every cell (tornado turns Nagle back on once the upgrade's response
+is written). Each frame is one write, so a message never leaves in pieces.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
         return V1_PROTOCOL if V1_PROTOCOL in subprotocols else None
 
     async def open(self, *args: str, **kwargs: str) -> None:
+        self.set_nodelay(True)
         self.protocol = self.selected_subprotocol or ""
         session_key = self.get_query_argument("session_id", "")
         with api_errors():
