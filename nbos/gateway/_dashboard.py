@@ -15,6 +15,7 @@ Everything is read on the event loop that changes it, so a board is one moment's
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -116,7 +117,7 @@ def percentile(values: Sequence[float], share: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(share * len(ordered) + 0.5) - 1))
+    rank = max(0, min(len(ordered) - 1, math.ceil(share * len(ordered)) - 1))
     return ordered[rank]
 
 

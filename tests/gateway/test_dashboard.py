@@ -25,8 +25,10 @@ import attrs
 import pytest
 
 from nbos.core.identity import new_token
+from nbos.gateway._dashboard import EventLog, percentile
 from nbos.gateway.auth import users_file_entry
 from nbos.gateway.control_api import ControlError, SignalReplica, call
+from nbos.metrics import ClusterEvent
 from nbos.transport.ports import free_loopback_ports
 from tests._servers._process import serve_or_skip
 from tests._servers.browser import Browser, start_browser
@@ -173,6 +175,20 @@ def events_shown(browser: Browser, kind: str) -> list[str]:
     return [e.text for e in found]
 
 
+def test_the_event_log_keeps_the_latest_events_in_order_and_recent_waits() -> None:
+    log = EventLog(maxlen=3)
+    for n in range(5):
+        log.happened(ClusterEvent("host-joined", f"host h{n} joined", host=f"h{n}"))
+    assert [(seq, e.host) for seq, e in log.since(0)] == [(3, "h2"), (4, "h3"), (5, "h4")]
+    assert [seq for seq, _ in log.since(4)] == [5] and log.since(5) == []
+    for wait in (0.3, 0.1, 0.2):
+        log.cell_waited(wait)
+    assert sorted(log.waits(0.0)) == [0.1, 0.2, 0.3]
+    assert percentile([0.3, 0.1, 0.2], 0.5) == 0.2
+    assert percentile([float(n) for n in range(1, 101)], 0.99) == 99.0
+    assert percentile([], 0.5) is None
+
+
 def test_without_a_token_the_page_asks_for_one_and_its_data_is_refused(
     cluster: Cluster, browser: Browser
 ) -> None:
@@ -206,7 +222,10 @@ def test_without_a_token_the_page_asks_for_one_and_its_data_is_refused(
 
 
 def test_kernels_appear_and_follow_their_cells_without_a_reload(
-    cluster: Cluster, browser: Browser, portal: anyio.from_thread.BlockingPortal
+    cluster: Cluster,
+    browser: Browser,
+    portal: anyio.from_thread.BlockingPortal,
+    tmp_path: Path,
 ) -> None:
     sign_in(browser, cluster, "carol")
     holders = [start_kernel(cluster, user) for user in ("alice", "bob", "carol")]
@@ -232,6 +251,8 @@ def test_kernels_appear_and_follow_their_cells_without_a_reload(
             )
         last = portal.call(_send, waiting, "%%gpus 1\nprint('ran on a GPU')")
         wait_for(browser, "the waiting kernel", lambda: kernel_state(browser, waiter) == "waiting")
+        # Kept for a person to look at (the tests' tmp dir): every GPU held, one cell waiting.
+        assert browser.driver.save_screenshot(str(tmp_path / "waiting.png"))
         shown = state(cluster, "carol")
         row = next(k for k in shown["board"]["kernels"] if k["id"] == waiter)
         assert row["last_cell"]["waiting"] and row["last_cell"]["wait_s"] >= 0, row

@@ -176,7 +176,7 @@ function drawHost(host) {
       title: `GPU ${gpu.device}: ${gpu.state}${owner}`,
       "data-state": gpu.state,
       "data-kernel": gpu.kernel,
-    }, gpu.kernel ? gpu.kernel.slice(0, 6) : String(gpu.device));
+    }, gpu.kernel ? gpu.kernel.slice(0, 4) : String(gpu.device));
   });
   return el("div", { class: `host ${host.state}`, "data-host": host.id },
     el("div", {}, el("span", { class: "name" }, host.id), " ",
