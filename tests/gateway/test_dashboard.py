@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -53,17 +54,19 @@ class Cluster:
     log: Path
     tokens: dict[str, str]
     release: Path
+    users: Path
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("dashboard")
-    tokens = {name: new_token() for name in ("alice", "bob", "carol")}
+    tokens = {name: new_token() for name in ("alice", "bob", "carol", "dave")}
     users = tmp / "users.toml"
     users.write_text(
         users_file_entry("alice", tokens["alice"])
         + users_file_entry("bob", tokens["bob"])
         + users_file_entry("carol", tokens["carol"], "admin")
+        + users_file_entry("dave", tokens["dave"])
     )
     (control,) = free_loopback_ports(1)
     process, url, log = start_http_gateway(
@@ -75,7 +78,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "NBOS_GATEWAY__ADDRESS": f"127.0.0.1:{control}",
         },
     )
-    yield Cluster(url, f"127.0.0.1:{control}", log, tokens, tmp / "release")
+    yield Cluster(url, f"127.0.0.1:{control}", log, tokens, tmp / "release", users)
     stop(process)
 
 
@@ -338,3 +341,17 @@ async def _close(ws: KernelSocket) -> None:
 
 async def _finish(ws: KernelSocket, msg_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return await ws.finish(msg_id, timeout=DEADLINE_S)
+
+
+def test_the_feed_of_a_user_removed_from_the_users_file_ends(cluster: Cluster) -> None:
+    request = urllib.request.Request(f"{cluster.url}/dashboard/api/feed")
+    request.add_header("Authorization", f"token {cluster.tokens['dave']}")
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as response:
+        assert response.readline() == b"event: hello\n"
+        kept = cluster.users.read_text().split('[users."dave"]')[0]
+        cluster.users.write_text(kept)
+        removed = time.monotonic()
+        while response.readline():  # pushed every half second until the feed ends
+            assert time.monotonic() - removed < DEADLINE_S, "the feed went on"
+    status, _ = get(f"{cluster.url}/dashboard/api/state", cluster.tokens["dave"])
+    assert status == 403

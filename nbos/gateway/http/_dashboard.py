@@ -9,12 +9,14 @@ for a wrong one) and is the user's view (:meth:`~nbos.gateway._dashboard.Dashboa
 * ``GET /dashboard/api/state``: the cluster now, the event log and the time series, once;
 * ``GET /dashboard/api/feed``: the same, then pushed as server-sent events (``board``
   every :data:`PUSH_S` seconds, ``events`` and ``samples`` as they come), at most
-  :data:`MAX_FEEDS` at once.
+  :data:`MAX_FEEDS` at once; its token is checked again every :data:`RECHECK_S` seconds,
+  and the feed ends once it is refused.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from tornado import iostream, web
 
 from nbos.gateway._dashboard import Dashboard
 from nbos.gateway.auth import Authenticator
-from nbos.gateway.http._handlers import ApiHandler
+from nbos.gateway.http._handlers import ApiHandler, authenticate
 from nbos.gateway.http._kernels import ApiKernels
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,9 @@ STATIC = Path(__file__).parent / "static"
 PUSH_S = 0.5
 #: Feeds open at once; one more is refused (503): each costs the gateway a little CPU.
 MAX_FEEDS = 64
+#: How often an open feed checks its token again: a user removed from the users file (or
+#: no longer an admin) stops seeing what they no longer may within this time.
+RECHECK_S = 30.0
 #: The page may load only its own files and talk only to this gateway; no frame holds it.
 _PAGE_HEADERS = {
     "Content-Security-Policy": (
@@ -105,12 +110,19 @@ class DashboardFeed(_DashboardData):
         seq = dashboard.events.last_seq
         last_t = whole["samples"][-1].t if whole["samples"] else 0.0
         self._send("hello", whole)
+        recheck = time.monotonic() + RECHECK_S
         while not self._closed:
             try:
                 await self.flush()
             except iostream.StreamClosedError:
                 return
             await anyio.sleep(PUSH_S)
+            if time.monotonic() >= recheck:
+                recheck = time.monotonic() + RECHECK_S
+                try:
+                    self.user = user = await authenticate(self, self.authenticator)
+                except web.HTTPError:  # logged: the token was revoked meanwhile
+                    return
             self._send("board", dashboard.view(user))
             events = dashboard.events_for(user, seq)
             seq = dashboard.events.last_seq
