@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from nbos.core.errors import ConfigError, OverloadedError
+from nbos.metrics import ClusterEvent, events
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class StartAdmission:
         """The error refusing a start for ``reason`` (logged here, the one place)."""
         error = OverloadedError(reason, self.retry_after_s())
         log.info("kernel start refused: %s", error)
+        events().happened(ClusterEvent("refused", f"kernel start refused: {error}"))
         return error
 
     def check(self) -> None:

@@ -31,6 +31,7 @@ from nbos.core.wire.agent import (
 from nbos.gateway._host_liveness import HostLiveness
 from nbos.gateway._hosts import HostRecord, Hosts
 from nbos.gateway._rpc import RequestChannel
+from nbos.metrics import ClusterEvent, events
 from nbos.transport import received_messages
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,13 @@ class AgentSync:
             self._hosts.join(host)
             self._liveness.reported(host)
             log.info("host %s joined with %d GPUs", host_id, len(host.devices))
+            events().happened(
+                ClusterEvent(
+                    "host-joined",
+                    f"host {host_id} joined with {len(host.devices)} GPUs",
+                    host=host_id,
+                )
+            )
             self._release_foreign(host)
         else:
             if host.update(sender, status):

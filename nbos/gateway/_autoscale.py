@@ -34,6 +34,7 @@ from nbos.core.ids import HostId
 from nbos.gateway._directory import HostDirectory
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager
+from nbos.metrics import ClusterEvent, events
 from nbos.scaling import ScaleIn, ScaleOut
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class LiveAutoscaler:
             scheduler.ledger.ceiling_s += self._period
         if isinstance(decision, ScaleOut):
             scheduler.ledger.scale_outs += 1
+            events().happened(
+                ClusterEvent("scale-out", f"autoscaler: adding {decision.count} host(s)")
+            )
             for _ in range(decision.count):
                 self._provisioning += 1
                 tg.start_soon(self._add)
@@ -99,6 +103,9 @@ class LiveAutoscaler:
             for host in decision.hosts:
                 if host not in self._draining:
                     self._draining.add(host)
+                    events().happened(
+                        ClusterEvent("scale-in", f"autoscaler: draining host {host}", host=host)
+                    )
                     tg.start_soon(self._drain, host)
 
     async def _add(self) -> None:

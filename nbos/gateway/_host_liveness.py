@@ -32,6 +32,7 @@ import anyio
 
 from nbos.core.ids import HostId
 from nbos.gateway._hosts import HostRecord, Hosts
+from nbos.metrics import ClusterEvent, events
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,11 @@ class HostLiveness:
                 host.host_id,
                 why,
             )
+            events().happened(
+                ClusterEvent(
+                    "host-suspected", f"host {host.host_id} is suspected: {why}", host=host.host_id
+                )
+            )
             self._notify()
 
     def reported(self, host: HostRecord) -> None:
@@ -148,6 +154,11 @@ class HostLiveness:
         self._detector.heard(host.host_id, anyio.current_time())
         if host.suspected:
             log.info("host %s reports again", host.host_id)
+            events().happened(
+                ClusterEvent(
+                    "host-returned", f"host {host.host_id} reports again", host=host.host_id
+                )
+            )
             self._hosts.set_suspected(host, False)
 
     def forget(self, host_id: HostId) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -55,6 +56,7 @@ class Kernel:
         replacer: Replacer | None = None,
         retire: Callable[[], Awaitable[None]] | None = None,
         owner: str = "",
+        gpus: int = 0,
     ) -> None:
         # ``processes`` is shared with the cluster, which stops what it holds at the end.
         # ``retire`` records the shutdown before anything stops (the gateway's state).
@@ -62,6 +64,10 @@ class Kernel:
         self.front = front
         #: The user the kernel belongs to (``""``: the admins' only).
         self.owner = owner
+        #: The GPUs each of its cells asks for unless the cell says otherwise.
+        self.gpus = gpus
+        #: When this gateway started the kernel (or took it back), wall-clock seconds.
+        self.started_at = time.time()
         self._processes = processes
         self._scope = scope
         self._restart = restart
@@ -130,6 +136,11 @@ class Kernel:
             ReplicaInfo(node, h.host, getattr(h, "pid", None), node in alive)
             for node, h in sorted(self._processes.items())
         )
+
+    @property
+    def joining(self) -> tuple[int, HostId] | None:
+        """The replica joining the kernel now (a Raft learner catching up), and its host."""
+        return self._replacer.joining if self._replacer is not None else None
 
     @property
     def replacement_failures(self) -> Mapping[int, ReplacementError]:

@@ -796,6 +796,7 @@ class KernelManager:
                         replacer=replacer,
                         retire=partial(self._retire, kernel_id),
                         owner=replacing.owner,
+                        gpus=replacing.gpus,
                     )
 
                     async def after_exit(node: int, handle: ProcessHandle) -> None:

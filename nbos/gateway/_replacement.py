@@ -44,13 +44,15 @@ from nbos.core.compute_backend import ProcessHandle
 from nbos.core.errors import KernelError, NbosError, ReplacementError, ReplicationError
 from nbos.core.ids import HostId, KernelId
 from nbos.kernel.front import KernelFront, ReplicaEndpoint
-from nbos.metrics import events
+from nbos.metrics import ClusterEvent, EventKind, events
 
 log = logging.getLogger(__name__)
 
 _REQUEST_TIMEOUT_S = 5.0
 # How long stopping a removed replica may hold a replacement up (its agent retries on).
 _STOP_TIMEOUT_S = 30.0
+#: How the event log tells each kind of move.
+_MOVED = {"replacement": "was replaced by", "migration": "migrated to"}
 #: How long an abandoned replacement's removal from the membership may take (a loaded host).
 _ABANDON_TIMEOUT_S = 30.0
 _BACKOFF_START_S = 0.05
@@ -146,6 +148,8 @@ class Replacer:
         self._last_node = max(members, default=0)
         #: Dead replicas the policy gave up on, with why.
         self.failures: dict[int, ReplacementError] = {}
+        #: The new replica joining now (a Raft learner catching up), and its host.
+        self.joining: tuple[int, HostId] | None = None
 
     async def replace(
         self,
@@ -316,6 +320,7 @@ class Replacer:
             mover.replica_moving(dead, host)
         try:
             spawned = await self._spawn(node, host, peers)
+            self.joining = (node, host)
             try:
                 await self._join(node, address, spawned, reach, after)
                 # A voter now, the new replica may have won an election: ask it too.
@@ -324,6 +329,8 @@ class Replacer:
                 with anyio.CancelScope(shield=True):
                     await self._abandon(node, spawned.handle)
                 raise
+            finally:
+                self.joining = None
         except BaseException:
             for mover in self._movers:
                 mover.replica_not_moved(dead, host)
@@ -337,7 +344,16 @@ class Replacer:
         self._processes[node] = spawned.handle
         self._members[node] = address
         log.info("kernel %s: replica %d replaced by %d", self._kernel_id, dead, node)
-        events().replica_moved("replacement" if target is None else "migration")
+        kind: EventKind = "replacement" if target is None else "migration"
+        events().happened(
+            ClusterEvent(
+                kind,
+                f"kernel {self._kernel_id}: replica {dead} on {old.host} {_MOVED[kind]} "
+                f"replica {node} on {host}",
+                kernel=self._kernel_id,
+                host=host,
+            )
+        )
         # Stopped before the front gives up what it ran: a cell it was running is
         # reported lost only once it can no longer finish it.
         await self._stop_removed(dead, old)

@@ -59,6 +59,7 @@ from nbos.gateway._agent_sync import AgentSync
 from nbos.gateway._host_liveness import HostLiveness
 from nbos.gateway._hosts import Grant, HostRecord, Hosts
 from nbos.gateway._rpc import RequestChannel
+from nbos.metrics import ClusterEvent, events
 from nbos.scaling import (
     ClusterDecisions,
     ClusterModel,
@@ -307,6 +308,7 @@ class GpuScheduler:
         self._agents.removed(host_id)
         if self._hosts.leave(host_id):
             log.info("host %s removed", host_id)
+            events().happened(ClusterEvent("host-left", f"host {host_id} left", host=host_id))
         self._notify()
 
     # --- placement -------------------------------------------------------------------

@@ -75,6 +75,7 @@ from nbos.core.errors import (
 from nbos.core.identity import User, UserName
 from nbos.gateway._kernel_state import KernelState
 from nbos.gateway.auth import client_token
+from nbos.metrics import ClusterEvent, events
 from nbos.scaling.ledger import CellUsage, HostCount, Ledger, Totals
 
 log = logging.getLogger(__name__)
@@ -352,13 +353,11 @@ async def _reply_to(body: bytes, handle: Handler, authenticate: Authenticate) ->
     try:
         user = await authenticate(envelope.token)
     except (UnauthorizedError, IdentityProviderError) as exc:
-        log.warning("control: %s refused: %s", name, exc)
-        return ControlError("unauthorized", f"{name} refused: {exc}")
+        return _refused("unauthorized", f"{name} refused: {exc}")
     try:
         return await handle(user, envelope.request)
     except ForbiddenError as exc:
-        log.warning("control: %s of %s refused: %s", name, user.name, exc)
-        return ControlError("forbidden", str(exc))
+        return _refused("forbidden", f"{name} of {user.name} refused: {exc}", str(exc))
     except UnknownKernelError as exc:
         return ControlError("unknown", str(exc))
     except OverloadedError as exc:  # logged where it was refused
@@ -388,8 +387,15 @@ def _undecodable(body: bytes, exc: Exception) -> ControlError:
         log.warning("control: malformed request: %s", exc)
         return ControlError("malformed", str(exc))
     name = type(request).__name__
-    log.warning("control: %s refused: no credentials", name)
-    return ControlError("unauthorized", f"{name} refused: no credentials (a token is required)")
+    return _refused("unauthorized", f"{name} refused: no credentials (a token is required)")
+
+
+def _refused(kind: ControlErrorKind, why: str, message: str | None = None) -> ControlError:
+    """The answer refusing a request for ``why`` (logged, and in the event log); its
+    message is ``message``, else ``why``."""
+    log.warning("control: %s", why)
+    events().happened(ClusterEvent("refused", f"control: {why}"))
+    return ControlError(kind, why if message is None else message)
 
 
 async def call(

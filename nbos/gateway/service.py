@@ -84,6 +84,7 @@ from nbos.core.ids import KernelId
 from nbos.gateway._agent_backend import AgentBackend
 from nbos.gateway._autoscale import LiveAutoscaler
 from nbos.gateway._cluster_gpus import ClusterGpus
+from nbos.gateway._dashboard import EventLog
 from nbos.gateway._directory import HostDirectory
 from nbos.gateway._hosts import HostRecord
 from nbos.gateway._kernel import Kernel
@@ -123,10 +124,10 @@ from nbos.gateway.control_api import (
     WatchKernel,
     serve_control,
 )
-from nbos.gateway.http import HttpApi, serve_http
+from nbos.gateway.http import DashboardSources, HttpApi, serve_http
 from nbos.gateway.providers import LocalHostProvider, load_host_provider
 from nbos.gateway.runtime import RuntimeFile
-from nbos.metrics import installed
+from nbos.metrics import Fanout, installed
 from nbos.metrics.prometheus import (
     ClusterCollector,
     ClusterSample,
@@ -244,6 +245,8 @@ class GatewayService:
             )
             exit_plan = _Exit(state is None or shutdown_kernels_on_exit, stack)
             authenticator = _operator(settings, run_dir, control, stack)
+            # The dashboard's event log hears of hosts from their first registration on.
+            event_log = stack.enter_context(installed(EventLog()))
             # Read first: a state file that does not decode stops the start, before
             # anything runs that would be orphaned.
             loaded = state.load() if state is not None else None
@@ -319,10 +322,16 @@ class GatewayService:
             tg.start_soon(serve_control, socket, service.handle, authenticator.authenticate)
             tg.start_soon(service.expire_leases)
             if conf.metrics_address:
-                await _serve_metrics(service, conf.metrics_address, tg, stack)
+                await _serve_metrics(service, conf.metrics_address, tg, stack, event_log)
             if conf.http_address:
                 service.http = await stack.enter_async_context(
-                    serve_http(conf, kernel_manager, service.max_host_gpus, service.authenticator)
+                    serve_http(
+                        conf,
+                        kernel_manager,
+                        service.max_host_gpus,
+                        service.authenticator,
+                        DashboardSources(service.host_status, event_log),
+                    )
                 )
             log.info(
                 "gateway: control at %s, agents at %s (ready in %.1f s)",
@@ -554,12 +563,17 @@ def _signal_number(value: int) -> signal.Signals:
 
 
 async def _serve_metrics(
-    service: GatewayService, address: str, tg: anyio.abc.TaskGroup, stack: AsyncExitStack
+    service: GatewayService,
+    address: str,
+    tg: anyio.abc.TaskGroup,
+    stack: AsyncExitStack,
+    event_log: EventLog,
 ) -> None:
-    """Count this process's events and serve them, with the service's gauges, at ``address``."""
+    """Count this process's events (the event log still hearing of them) and serve them,
+    with the service's gauges, at ``address``."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(ClusterCollector(service.metrics_sample))
-    stack.enter_context(installed(PrometheusEvents(registry)))
+    stack.enter_context(installed(Fanout([event_log, PrometheusEvents(registry)])))
     # Once users may sign in, the cluster's figures are the operators'.
     authorize = service.may_read_metrics if service.authenticator.has_users else None
     await tg.start(partial(serve_metrics, address, registry, authorize=authorize))

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from nbos.core.errors import ConfigError, TransportError
-from nbos.metrics import MoveKind
+from nbos.metrics import ClusterEvent
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,9 @@ class PrometheusEvents:
     def cell_ran(self, seconds: float) -> None:
         self._ran.observe(seconds)
 
-    def replica_moved(self, kind: MoveKind) -> None:
-        self._moved.labels(kind).inc()
+    def happened(self, event: ClusterEvent) -> None:
+        if event.kind in ("replacement", "migration"):
+            self._moved.labels(event.kind).inc()
 
     def message_refused(self) -> None:
         self._refused.inc()

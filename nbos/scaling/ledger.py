@@ -167,6 +167,10 @@ class Ledger:
     def cells(self) -> list[CellUsage]:
         return list(self._cells.values())
 
+    def cell(self, kernel_id: KernelId, exec_index: int) -> CellUsage | None:
+        """The grant of one cell (``None``: it never asked for its executor)."""
+        return self._cells.get((kernel_id, exec_index))
+
     def hosts(self) -> list[HostCount]:
         """The host count at the start and at each change."""
         return list(self._hosts)

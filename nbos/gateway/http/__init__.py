@@ -8,9 +8,10 @@ Enterprise Gateway, served on ``[gateway] http_address`` (``docs/jupyter.md``):
 * :mod:`._kernels`: the API's kernels (restarts, activity, culling);
 * :mod:`._channels`: a client's channels on a kernel front, over ZeroMQ;
 * :mod:`._wsproto`: Jupyter messages in WebSocket frames;
+* :mod:`._dashboard`: the dashboard page and its data (``/dashboard/``);
 * :mod:`._handlers`, :mod:`._websocket`, :mod:`._server`: tornado.
 """
 
-from nbos.gateway.http._server import HttpApi, http_address, serve_http
+from nbos.gateway.http._server import DashboardSources, HttpApi, http_address, serve_http
 
-__all__ = ["HttpApi", "http_address", "serve_http"]
+__all__ = ["DashboardSources", "HttpApi", "http_address", "serve_http"]

@@ -38,6 +38,7 @@ from nbos.core.private_files import redact_tokens
 from nbos.gateway.auth import Authenticator
 from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_model
+from nbos.metrics import ClusterEvent, events
 
 log = logging.getLogger(__name__)
 _access_log = logging.getLogger("tornado.access")
@@ -154,16 +155,21 @@ async def authenticate(handler: web.RequestHandler, authenticator: Authenticator
         given = handler.get_query_argument("token", "")
     who = f"{handler.request.method} {handler.request.path} from {handler.request.remote_ip}"
     if not given.strip():
-        log.warning("refused %s: no token", who)
+        _refused(who, "no token")
         raise web.HTTPError(401, "a token is required")
     try:
         return await authenticator.authenticate(given.strip())
     except UnauthorizedError as exc:
-        log.warning("refused %s: %s", who, exc)
+        _refused(who, str(exc))
         raise web.HTTPError(403, "wrong token") from exc
     except IdentityProviderError as exc:
-        log.warning("refused %s: %s", who, exc)
+        _refused(who, str(exc))
         raise web.HTTPError(503, f"cannot tell who you are now: {exc}") from exc
+
+
+def _refused(who: str, why: str) -> None:
+    log.warning("refused %s: %s", who, why)
+    events().happened(ClusterEvent("refused", f"HTTP: refused {who}: {why}"))
 
 
 @contextmanager

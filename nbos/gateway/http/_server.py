@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import attrs
@@ -18,8 +19,11 @@ from tornado import httpserver, netutil, web
 
 from nbos.core.config import GatewaySettings
 from nbos.core.errors import ConfigError, TransportError
+from nbos.gateway._dashboard import Dashboard, EventLog
 from nbos.gateway._kernel_manager import KernelManager
 from nbos.gateway.auth import Authenticator
+from nbos.gateway.control_api import HostStatus
+from nbos.gateway.http import _dashboard as d
 from nbos.gateway.http import _handlers as h
 from nbos.gateway.http._kernels import ApiKernels
 from nbos.gateway.http._websocket import KernelChannels
@@ -36,10 +40,21 @@ _KERNEL = r"/api/kernels/(?P<kernel_id>[^/]+)"
 
 @attrs.frozen
 class HttpApi:
-    """A running API: where it listens (``http://`` or ``https://``) and its kernels."""
+    """A running API: where it listens (``http://`` or ``https://``), its kernels, and its
+    dashboard (``None`` if it serves none)."""
 
     url: str
     kernels: ApiKernels
+    dashboard: Dashboard | None = None
+
+
+@attrs.frozen
+class DashboardSources:
+    """What the dashboard reads beyond the kernel manager: the gateway's account of its
+    hosts, and the event log its events sink feeds."""
+
+    host_status: Callable[[], Sequence[HostStatus]]
+    event_log: EventLog
 
 
 def http_address(value: str) -> tuple[str, int]:
@@ -49,6 +64,19 @@ def http_address(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError("gateway.http_address", value, "HOST:PORT")
     return host, int(port)
+
+
+def _dashboard_routes(settings: dict[str, Any]) -> list[Any]:
+    return [
+        (r"/dashboard", web.RedirectHandler, {"url": "/dashboard/"}),
+        (r"/dashboard/api/state/?", d.DashboardState, settings),
+        (r"/dashboard/api/feed/?", d.DashboardFeed, settings),
+        (
+            r"/dashboard/(.*)",
+            d.DashboardFiles,
+            {"path": str(d.STATIC), "default_filename": "index.html"},
+        ),
+    ]
 
 
 def _tls(conf: GatewaySettings) -> ssl.SSLContext | None:
@@ -72,12 +100,15 @@ async def serve_http(
     kernel_manager: KernelManager,
     max_gpus: Callable[[], int],
     authenticator: Authenticator,
+    dashboard: DashboardSources | None = None,
 ) -> AsyncIterator[HttpApi]:
     """Serve the Kernel Gateway API at ``conf.http_address`` until the block exits.
 
     ``max_gpus`` tells the GPU count of the cluster's largest host (the kernelspecs
-    offered). Leaving closes the clients' channels; the kernels started through the API
-    are the kernel manager's to shut down or leave running, as all its kernels.
+    offered). With ``dashboard``, the dashboard is served at ``/dashboard/`` and its
+    figures sampled from now on. Leaving closes the clients' channels; the kernels
+    started through the API are the kernel manager's to shut down or leave running, as
+    all its kernels.
     """
     host, port = http_address(conf.http_address)
     if conf.cull_idle_timeout < 0:
@@ -90,8 +121,20 @@ async def serve_http(
         async with anyio.create_task_group() as tg:
             kernels = ApiKernels(kernel_manager, tg, ctx, max_gpus)
             settings = {"kernels": kernels, "authenticator": authenticator}
+            board = None
+            routes: list[Any] = []
+            if dashboard is not None:
+                board = Dashboard(
+                    kernel_manager,
+                    dashboard.host_status,
+                    dashboard.event_log,
+                    lambda: {api.kernel.kernel_id: api.kernel_id for api in kernels},
+                )
+                routes = _dashboard_routes({**settings, "dashboard": board})
+                tg.start_soon(board.run)
             app = web.Application(
                 [
+                    *routes,
                     (r"/api/?", h.ApiRoot, settings),
                     (r"/api/kernelspecs/?", h.KernelSpecs, settings),
                     (r"/api/kernelspecs/(?P<name>[^/]+)/?", h.KernelSpec, settings),
@@ -113,7 +156,7 @@ async def serve_http(
             bound = sockets[0].getsockname()[1]
             scheme = "https" if tls else "http"
             shown = f"[{host}]" if ":" in host else host
-            api = HttpApi(f"{scheme}://{shown}:{bound}", kernels)
+            api = HttpApi(f"{scheme}://{shown}:{bound}", kernels, board)
             if conf.cull_idle_timeout > 0:
                 tg.start_soon(kernels.cull_idle, conf.cull_idle_timeout)
             log.info("gateway: Kernel Gateway API at %s", api.url)
