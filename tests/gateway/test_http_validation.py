@@ -10,9 +10,9 @@ from contextlib import asynccontextmanager
 import pytest
 from tornado import httpclient, httpserver, netutil, web
 
-from nbos.core.errors import DecodeError
+from nbos.core.errors import DecodeError, HostUnreachableError
 from nbos.gateway.auth import Authenticator
-from nbos.gateway.http._handlers import ApiHandler, ApiRoot, log_request
+from nbos.gateway.http._handlers import ApiHandler, ApiRoot, api_errors, log_request
 from nbos.gateway.http._wsproto import _frame_legacy, decode
 from tests.gateway._http import call
 
@@ -26,12 +26,24 @@ class _Buggy(ApiHandler):
         raise ValueError("deadline must not be NaN")
 
 
+class _Unreachable(ApiHandler):
+    """A request whose host did not answer in time (an agent paused or overloaded)."""
+
+    async def post(self) -> None:
+        with api_errors():
+            raise HostUnreachableError("host-1", "no answer within 30 s")
+
+
 @asynccontextmanager
 async def _api(token: str) -> AsyncIterator[str]:
     """The API root and a buggy route on a free port, logged as the gateway logs; its URL."""
     settings = {"kernels": None, "authenticator": Authenticator(token)}
     app = web.Application(
-        [(r"/api/?", ApiRoot, settings), (r"/api/buggy", _Buggy, settings)],
+        [
+            (r"/api/?", ApiRoot, settings),
+            (r"/api/buggy", _Buggy, settings),
+            (r"/api/unreachable", _Unreachable, settings),
+        ],
         log_function=log_request,
     )
     server = httpserver.HTTPServer(app)
@@ -86,3 +98,17 @@ async def test_a_token_in_a_query_string_never_reaches_the_log(
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "s3cret-token" not in logged and "wrong-guess" not in logged, logged
     assert logged.count("token=[redacted]") >= 4, logged
+
+
+async def test_a_host_that_did_not_answer_is_a_503_to_ask_again_after() -> None:
+    async with _api(token="t") as url:
+        response = await httpclient.AsyncHTTPClient().fetch(
+            f"{url}/unreachable",
+            method="POST",
+            body=b"{}",
+            headers={"Authorization": "token t"},
+            raise_error=False,
+        )
+    assert response.code == 503, response.body
+    assert int(response.headers["Retry-After"]) >= 1
+    assert b"host-1" in response.body

@@ -25,6 +25,7 @@ from nbos._version import __version__
 from nbos.core.errors import (
     ConfigError,
     ForbiddenError,
+    HostUnreachableError,
     IdentityProviderError,
     NbosError,
     OverloadedError,
@@ -41,6 +42,8 @@ from nbos.gateway.http._specs import DEFAULT_SPEC, spec_gpus, spec_model, specs_
 from nbos.metrics import ClusterEvent, events
 
 log = logging.getLogger(__name__)
+#: When to ask again after a 503 that is no admission's refusal (a host unreachable now).
+_RETRY_AFTER_S = 5
 _access_log = logging.getLogger("tornado.access")
 
 
@@ -111,6 +114,8 @@ class ApiHandler(RedactedLogs):
         exc = kwargs.get("exc_info", (None, None, None))[1]
         if isinstance(exc, web.HTTPError) and isinstance(exc.__cause__, OverloadedError):
             self.set_header("Retry-After", str(math.ceil(exc.__cause__.retry_after_s)))
+        elif status_code == 503:
+            self.set_header("Retry-After", str(_RETRY_AFTER_S))
         self.set_header("Content-Type", "application/json")
         self.finish(msgspec.json.encode(error_body(self, kwargs)))
 
@@ -188,6 +193,10 @@ def api_errors() -> Iterator[None]:
         raise web.HTTPError(503, str(exc)) from exc
     except PlacementError as exc:
         log.warning("no room for a kernel: %s", exc)
+        raise web.HTTPError(503, str(exc)) from exc
+    except HostUnreachableError as exc:
+        # A host too slow or gone for now: the gateway's trouble, worth asking again.
+        log.warning("kernel request failed: %s", exc)
         raise web.HTTPError(503, str(exc)) from exc
     except StateWriteError as exc:
         # Logged by the gateway. A full disk is 507 Insufficient Storage; EIO and the
