@@ -81,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if errors is None or rest is not None:
             raise
         log.debug("command failed", exc_info=True)
-        for exc in _leaves(errors):
-            print(f"nbos: error: {exc}", file=sys.stderr)
+        for error in _leaves(errors):
+            print(f"nbos: error: {error}", file=sys.stderr)
         return 1
 
 

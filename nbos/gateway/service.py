@@ -325,14 +325,7 @@ class GatewayService:
             service.addresses["agents"] = transport.address.removeprefix("tcp://")
             tg.start_soon(serve_control, control_socket, service.handle, authenticator.authenticate)
             tg.start_soon(service.expire_leases)
-            if conf.metrics_address:
-                metrics_at = await _serve_metrics(service, conf.metrics_address, tg, stack)
-                service.addresses["metrics"] = f"http://{metrics_at}/metrics"
-            if conf.http_address:
-                service.http = await stack.enter_async_context(
-                    serve_http(conf, kernel_manager, service.max_host_gpus, service.authenticator)
-                )
-                service.addresses["http"] = service.http.url
+            await service._serve_http_endpoints(conf, tg, stack)
             log.info(
                 "gateway: control at %s, agents at %s (ready in %.1f s)",
                 control,
@@ -340,6 +333,19 @@ class GatewayService:
                 anyio.current_time() - begun,
             )
             yield service
+
+    async def _serve_http_endpoints(
+        self, conf: GatewaySettings, tg: anyio.abc.TaskGroup, stack: AsyncExitStack
+    ) -> None:
+        """The metrics and the Kernel Gateway API, where ``conf`` asks for them."""
+        if conf.metrics_address:
+            metrics_at = await _serve_metrics(self, conf.metrics_address, tg, stack)
+            self.addresses["metrics"] = f"http://{metrics_at}/metrics"
+        if conf.http_address:
+            self.http = await stack.enter_async_context(
+                serve_http(conf, self.kernel_manager, self.max_host_gpus, self.authenticator)
+            )
+            self.addresses["http"] = self.http.url
 
     # --- control -----------------------------------------------------------------
 
@@ -451,6 +457,7 @@ class GatewayService:
             for r in kernel.replicas
         ]
         front = kernel.front
+        terms = self.kernel_manager.terms(kernel.kernel_id)
         return KernelInfo(
             kernel.kernel_id,
             connection,
@@ -460,6 +467,9 @@ class GatewayService:
             last_exec_index=front.last_exec_index,
             state=kernel.state,
             owner=kernel.owner,
+            api_id=self.http.kernels.api_id(kernel.kernel_id) if self.http else None,
+            gpus=terms[0] if terms else None,
+            started_at=terms[1] if terms else None,
         )
 
     def _replica_ip(self, kernel: Kernel, node: int) -> str:

@@ -3,7 +3,9 @@ it refuses an address in use (issue 30)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import select
 import signal
 import socket
@@ -12,14 +14,17 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, ROOT
+from tests.gateway._http import call, start_http_gateway, stop
 
 pytestmark = pytest.mark.timeout(4 * DEADLINE)
 
+TOKEN = "operator-secret"
 _KEYS = ("address", "agent_address", "http_address", "metrics_address")
 
 
@@ -117,3 +122,100 @@ def test_an_address_in_use_is_one_line_naming_it_and_its_setting_before_any_agen
     assert not (tmp_path / "run" / "agents").exists() or not any(
         (tmp_path / "run" / "agents").iterdir()
     ), f"agents were started ({time.monotonic() - begun:.1f} s)"
+
+
+def _nbos(*argv: str, address: str) -> str:
+    """``nbos ARGV`` against the gateway at ``address``; its stdout (it must succeed)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "nbos", "--token", TOKEN, *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NBOS_GATEWAY__ADDRESS": address},
+        timeout=DEADLINE,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _warm_under(gateway: int) -> list[int]:
+    """The pre-started replicas of the gateway's local agents (its children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+            agent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            parent = int(
+                (Path("/proc") / str(agent) / "stat").read_text().rpartition(")")[2].split()[1]
+            )
+        except (OSError, ValueError):
+            continue  # not a process, or one that ended meanwhile
+        if argv[-1:] == [b"--warm"] and parent == gateway:
+            found.append(int(entry.name))
+    return found
+
+
+def _titles(replicas: list[dict[str, Any]]) -> dict[int, str]:
+    """What ``ps`` shows as each replica's command, by node."""
+    return {
+        r["node"]: subprocess.run(
+            ["ps", "-ww", "-o", "args=", "-p", str(r["pid"])],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for r in replicas
+    }
+
+
+@pytest.fixture
+def http_gateway(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+    """``nbos gateway --http`` with 3 local agents and their default pool of pre-started
+    replicas (those ps showed as ``--warm``): its control address, URL and log."""
+    (control,) = free_loopback_ports(1)
+    address = f"127.0.0.1:{control}"
+    env = {"NBOS_GATEWAY__ADDRESS": address, "NBOS_AGENT__WARM_REPLICAS": "1"}
+    process, url, log = start_http_gateway(tmp_path, TOKEN, env)
+    deadline = time.monotonic() + 2 * DEADLINE
+    while len(_warm_under(process.pid)) < 3:  # each agent's pool is full
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    yield address, url, log
+    stop(process)
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.anyio
+async def test_status_names_kernels_as_the_http_api_does_and_ps_names_each_replica(
+    http_gateway: tuple[str, str, Path],
+) -> None:
+    address, url, _ = http_gateway
+    code, model = await call(f"{url}/api/kernels", "POST", {"name": "nbos-gpu-1"}, TOKEN)
+    assert code == 201, model
+    api_id, first_id = model["id"], model["nbos"]["kernel_id"]
+    first = json.loads(_nbos("status", "--json", address=address))["kernels"]
+    assert [k["kernel_id"] for k in first] == [first_id]
+    for node, title in _titles(first[0]["replicas"]).items():
+        assert f"--kernel-id {first_id}" in title and f"--node-id {node}" in title, title
+
+    # An API restart: a new nbos kernel behind the same API id.
+    code, _ = await call(f"{url}/api/kernels/{api_id}/restart", "POST", token=TOKEN)
+    assert code == 200
+    now_id = (await call(f"{url}/api/kernels/{api_id}", token=TOKEN))[1]["nbos"]["kernel_id"]
+    assert now_id != first_id
+
+    (kernel,) = json.loads(_nbos("status", "--json", address=address))["kernels"]
+    assert (kernel["api_id"], kernel["kernel_id"]) == (api_id, now_id)
+    assert kernel["state"] == "idle" and kernel["gpus"] == 1 and kernel["owner"]
+    assert 0 <= kernel["age_s"] < 4 * DEADLINE
+    for node, title in _titles(kernel["replicas"]).items():
+        assert f"--kernel-id {now_id}" in title and f"--node-id {node}" in title, title
+
+    lines = _nbos("status", address=address).splitlines()
+    header = next(line for line in lines if line.startswith("KERNEL  "))
+    row = next(line for line in lines if line.startswith(api_id))
+    shown = dict(zip(re.split(r"\s{2,}", header), re.split(r"\s{2,}", row), strict=True))
+    assert shown["NBOS ID"] == now_id and shown["USER"] == kernel["owner"]
+    assert shown["STATE"] == "idle" and shown["GPUS"] == "1"
+    assert re.fullmatch(r"\d+[smhd]", shown["AGE"]), shown
