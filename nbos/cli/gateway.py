@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
 from nbos.core.config import Settings
 from nbos.core.private_files import keep_private
+
+if TYPE_CHECKING:
+    from nbos.gateway.service import GatewayService
 
 
 def register(subparsers: Any) -> None:
@@ -29,7 +33,9 @@ def register(subparsers: Any) -> None:
         "[cluster] (hosts, gpus_per_host, placement_policy, data_dir) and [store]. "
         "With a data_dir the gateway keeps its kernels there: started again after a stop, a "
         "crash or kill -9, it takes them back (agents and replicas run on). With [gateway] "
-        "idle_exit_s it also exits once it has had no kernel for that long. "
+        "idle_exit_s it also exits once it has had no kernel for that long. Once every "
+        "endpoint listens it prints one line to stderr, 'nbos gateway: ready: control "
+        "HOST:PORT, agents HOST:PORT[, http URL][, metrics URL]', at any --log-level. "
         "See docs/deploy.md and docs/jupyter.md.",
     )
     parser.add_argument(
@@ -69,6 +75,13 @@ def gateway_command(args: argparse.Namespace) -> int:
             settings,
             runtime_file,
             shutdown_kernels_on_exit=args.shutdown_kernels_on_exit,
+            on_ready=print_ready,
         )
     )
     return 0
+
+
+def print_ready(service: GatewayService) -> None:
+    """The one line a person starting the gateway waits for: it serves, and where."""
+    where = ", ".join(f"{name} {address}" for name, address in service.addresses.items())
+    print(f"nbos gateway: ready: {where}", file=sys.stderr, flush=True)

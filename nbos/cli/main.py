@@ -75,6 +75,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("command failed", exc_info=True)
         print(f"nbos: error: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:
+        # Task groups wrap what their tasks raise: nbos's own errors still read as one line.
+        errors, rest = group.split(NbosError)
+        if errors is None or rest is not None:
+            raise
+        log.debug("command failed", exc_info=True)
+        for error in _leaves(errors):
+            print(f"nbos: error: {error}", file=sys.stderr)
+        return 1
+
+
+def _leaves(group: BaseExceptionGroup[NbosError]) -> list[NbosError]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]
 
 
 if __name__ == "__main__":

@@ -5,20 +5,27 @@ with ``--hosts`` local agents and, unless ``--no-autoscale``, the ``local`` host
 provider) whose autoscaler runs with the simulator's defaults scaled down by
 ``--speedup``: a tick of 60 s of trace time, cooldowns of 120 s and 600 s, hosts idle
 for 600 s drained. ``--simulate`` adds the simulator's column for the same trace and
-cluster.
+cluster. What the kernels say of each cell (nbos's waiting-for-GPUs lines) goes to stderr
+a line each, and the progress too: a bar on a terminal, else a line every
+``--progress-every`` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import sys
+from collections.abc import Iterator
 
 import anyio
 import msgspec
 
+from nbos.cli._progress import progress_bar
 from nbos.cli.simulate import add_trace_arguments, fair_share, load, show
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
-from nbos.gateway.replay import ReplayConfig, replay
+from nbos.gateway.replay import ReplayConfig, ReplayProgress, ReplayWatch, replay
 from nbos.scaling.autoscaler import AutoscalerConfig
 from nbos.scaling.fair_share import FairShare
 from nbos.scaling.results import SimResult
@@ -52,6 +59,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--simulate", action="store_true", help="also simulate the trace (nbos mode) alongside"
     )
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="without a terminal on stderr, a progress line every S real seconds (30)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per column")
     p.add_argument("--plot", metavar="FILE", help="draw the columns as nbos simulate --plot")
     p.set_defaults(func=run)
@@ -62,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     trace = load(args)
     quotas = fair_share(args)
     config = ReplayConfig(speedup=args.speedup, policy=args.policy, fair_share=quotas)
-    if args.gateway:
-        result = anyio.run(replay, trace, args.gateway, config)
-    else:
-        result = anyio.run(_embedded, trace, _settings(args), config)
+    with _watch(trace, args.progress_every) as watch:
+        if args.gateway:
+            result = anyio.run(replay, trace, args.gateway, config, watch)
+        else:
+            result = anyio.run(_embedded, trace, _settings(args), config, watch)
     results = [result]
     if args.simulate:
         results.insert(0, simulate(trace, _sim_config(args, quotas)))
@@ -73,12 +88,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _embedded(trace: Trace, settings: Settings, config: ReplayConfig) -> SimResult:
+async def _embedded(
+    trace: Trace, settings: Settings, config: ReplayConfig, watch: ReplayWatch
+) -> SimResult:
     from nbos.gateway.service import GatewayService
 
     # A gateway of its own, for this replay: nothing it started outlives it.
     async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
-        return await replay(trace, service.control_address, config)
+        return await replay(trace, service.control_address, config, watch)
+
+
+@contextlib.contextmanager
+def _watch(trace: Trace, every: float) -> Iterator[ReplayWatch]:
+    """What the kernels say, a line each, and the progress on stderr: a bar of trace hours
+    on a terminal (with tqdm), else a line every ``every`` seconds."""
+    if not (math.isfinite(every) and every > 0):
+        raise ConfigError("--progress-every", every, "positive seconds")
+    with progress_bar(max(1, round(trace.end / 3600)), "replaying", "h") as bar:
+        if bar is None:
+            yield ReplayWatch(_say, lambda p: _say(p.line()), every)
+            return
+
+        def advance(progress: ReplayProgress) -> None:
+            hours = min(bar.total, int(progress.trace_time // 3600))
+            if hours > bar.n:
+                bar.update(hours - bar.n)
+
+        yield ReplayWatch(bar.write, advance, min(every, 1.0))
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _settings(args: argparse.Namespace) -> Settings:

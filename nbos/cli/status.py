@@ -1,13 +1,16 @@
 """``nbos status``: the gateway's hosts, GPUs by state, kernels (and their states) and
-replicas, as tables."""
+replicas, as tables or as JSON."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import msgspec
 
 from nbos.core.config import Settings
 from nbos.core.errors import TransportError
@@ -27,6 +30,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="S", help="how long to wait (default 10)"
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the gateway's reply as one JSON object ({hosts: [...], kernels: [...]}, "
+        "the control API's fields, each kernel with its age_s) instead of tables",
+    )
     parser.set_defaults(func=status_command)
 
 
@@ -42,12 +51,43 @@ def status_command(args: argparse.Namespace) -> int:
         raise TransportError(f"the gateway refused: {reply.message}")
     if not isinstance(reply, ClusterStatus):
         raise TransportError(f"the gateway answered {type(reply).__name__}")
-    print(render(reply))
+    print(as_json(reply, time.time()) if args.json else render(reply))
     return 0
 
 
-def render(status: ClusterStatus) -> str:
-    """The status as three plain-text tables: hosts, kernels, replicas."""
+def as_json(status: ClusterStatus, now: float) -> str:
+    """The status as JSON: the control API's fields (less its type tags), with ages."""
+    plain = _untagged(msgspec.to_builtins(status))
+    for kernel in plain["kernels"]:
+        started = kernel["started_at"]
+        kernel["age_s"] = None if started is None else round(max(0.0, now - started), 1)
+    return json.dumps(plain, indent=2)
+
+
+def _untagged(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _untagged(v) for k, v in value.items() if k != "t"}
+    if isinstance(value, list):
+        return [_untagged(v) for v in value]
+    return value
+
+
+def age(started_at: float | None, now: float) -> str:
+    """How long ago ``started_at`` was, in its largest unit (``-``: not known)."""
+    if started_at is None:
+        return "-"
+    seconds = int(max(0.0, now - started_at))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def render(status: ClusterStatus, now: float | None = None) -> str:
+    """The status as three plain-text tables: hosts, kernels, replicas. A kernel is named
+    by the id the HTTP API shows (JupyterLab's) where it has one; NBOS ID is the one the
+    control requests take. Ages are to ``now`` (UNIX seconds; default: the clock's)."""
+    now = time.time() if now is None else now
     hosts = table(
         ["HOST", "ADDRESS", "STATE", "GPUS", "IDLE", "PRE-COMMITTED", "COMMITTED", "RESIDENT"],
         [
@@ -56,12 +96,25 @@ def render(status: ClusterStatus) -> str:
         ],
     )
     kernels = table(
-        ["KERNEL", "USER", "STATE", "ALIVE", "LAST CELL", "RUNNING ON"],
+        [
+            "KERNEL",
+            "NBOS ID",
+            "USER",
+            "STATE",
+            "GPUS",
+            "AGE",
+            "ALIVE",
+            "LAST CELL",
+            "RUNNING ON",
+        ],
         [
             [
+                k.api_id or k.kernel_id,
                 k.kernel_id,
                 k.owner or "-",
                 k.state or "-",
+                "-" if k.gpus is None else k.gpus,
+                age(k.started_at, now),
                 f"{sum(r.alive for r in k.replicas)}/{len(k.replicas)}",
                 k.last_exec_index,
                 "-" if k.running_on is None else k.running_on,
@@ -72,7 +125,14 @@ def render(status: ClusterStatus) -> str:
     replicas = table(
         ["KERNEL", "NODE", "HOST", "IP", "PID", "ALIVE"],
         [
-            [k.kernel_id, r.node, r.host, r.ip, r.pid or "-", "yes" if r.alive else "no"]
+            [
+                k.api_id or k.kernel_id,
+                r.node,
+                r.host,
+                r.ip,
+                r.pid or "-",
+                "yes" if r.alive else "no",
+            ]
             for k in status.kernels
             for r in k.replicas
         ],

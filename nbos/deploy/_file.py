@@ -8,6 +8,7 @@ run directory can move together. The layout is documented in ``docs/deploy.md``.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,7 @@ import msgspec
 from nbos.agent import tcp_address
 from nbos.core.config import convert_strictly, read_toml
 from nbos.core.errors import ConfigError
+from nbos.gateway.http import http_address
 from nbos.transport.keys import check_host_name
 
 StartKind = Literal["local", "ssh", "docker"]
@@ -26,7 +28,9 @@ class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 class GatewayTable(_Table, frozen=True):
-    """``[gateway]``: where it listens, its keys, its run directory, its metrics."""
+    """``[gateway]``: where it listens, its keys, its run directory, its metrics, and the
+    Kernel Gateway HTTP API (``jupyter lab --gateway-url``), as ``nbos gateway``'s
+    ``[gateway]`` keys of the same names (certificate paths from the file's directory)."""
 
     address: str = "127.0.0.1:7070"
     agent_address: str = "127.0.0.1:7071"
@@ -35,6 +39,11 @@ class GatewayTable(_Table, frozen=True):
     metrics_address: str = ""
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 5
+    http_address: str = ""
+    auth_token: str = ""
+    http_certfile: str = ""
+    http_keyfile: str = ""
+    cull_idle_timeout: float = 0.0
 
 
 class StoreTable(_Table, frozen=True):
@@ -119,6 +128,11 @@ class ClusterFile(_Table, frozen=True):
                 "missed_heartbeats": g.missed_heartbeats,
                 "local_agents": False,
                 "metrics_address": g.metrics_address,
+                "http_address": g.http_address,
+                "auth_token": g.auth_token,
+                "http_certfile": str(base / g.http_certfile) if g.http_certfile else "",
+                "http_keyfile": str(base / g.http_keyfile) if g.http_keyfile else "",
+                "cull_idle_timeout": g.cull_idle_timeout,
             },
             "cluster": {
                 "placement_policy": self.placement.policy,
@@ -152,6 +166,7 @@ def _check(cluster: ClusterFile) -> None:
         raise ConfigError("gateway.missed_heartbeats", g.missed_heartbeats, "at least 1")
     if not g.run_dir:
         raise ConfigError("gateway.run_dir", g.run_dir, "a directory")
+    _check_http(g)
     if not cluster.hosts:
         raise ConfigError("hosts", [], "at least one [[hosts]] entry")
     if cluster.placement.replicas_per_kernel < 1:
@@ -164,6 +179,20 @@ def _check(cluster: ClusterFile) -> None:
             raise ConfigError(f"hosts[{i}].name", host.name, "a name no other host has")
         names.add(host.name)
     _check_store(cluster)
+
+
+def _check_http(g: GatewayTable) -> None:
+    """The HTTP API's keys, refused here as ``nbos gateway`` would refuse them at its start."""
+    if g.http_address:
+        http_address(g.http_address)
+    else:  # they would do nothing (auth_token, the operator's token, serves every endpoint)
+        for key in ("http_certfile", "http_keyfile", "cull_idle_timeout"):
+            if getattr(g, key):
+                raise ConfigError(f"gateway.{key}", getattr(g, key), "gateway.http_address set")
+    if not (math.isfinite(g.cull_idle_timeout) and g.cull_idle_timeout >= 0):
+        raise ConfigError("gateway.cull_idle_timeout", g.cull_idle_timeout, "seconds, 0 for never")
+    if g.http_keyfile and not g.http_certfile:
+        raise ConfigError("gateway.http_keyfile", g.http_keyfile, "set with http_certfile")
 
 
 def _check_host(key: str, host: HostTable) -> None:

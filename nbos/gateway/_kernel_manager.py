@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -298,6 +299,14 @@ class KernelManager:
         """The kernels that are not shut down."""
         return tuple(k for k in self._kernels.values() if not k.closed.is_set())
 
+    def terms(self, kernel_id: str) -> tuple[int, float] | None:
+        """A running kernel's GPUs per cell and when it was first started (UNIX seconds,
+        kept across gateway restarts); ``None`` for a kernel not (or no longer) tracked."""
+        tracked = self._tracked.get(KernelId(kernel_id))
+        if tracked is None:
+            return None
+        return tracked.replacing.gpus, tracked.replacing.started_at
+
     def kernel(self, kernel_id: str) -> Kernel:
         """A running kernel; :class:`UnknownKernelError` for any other id."""
         kernel = self._kernels.get(KernelId(kernel_id))
@@ -411,7 +420,9 @@ class KernelManager:
                 heartbeat=self.options.heartbeat,
                 identity=_restart_identity(connection),
             )
-            replacing = _Replacing(members, chooser, gpus, placed, self._persist_soon, env, owner)
+            replacing = _Replacing(
+                members, chooser, gpus, placed, self._persist_soon, env, owner, time.time()
+            )
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         except BaseException:
             self._starting.pop(kernel_id, None)
@@ -564,7 +575,15 @@ class KernelManager:
             await self._restart_without_majority(kernel_id, launches, handles)
             self.gpus.scheduler.adopt_placement(kernel_id, placed.values(), record.gpus)
             replacing = _Replacing(
-                members, chooser, record.gpus, placed, self._persist_soon, env, record.owner
+                members,
+                chooser,
+                record.gpus,
+                placed,
+                self._persist_soon,
+                env,
+                record.owner,
+                # A state file from before start times: known from the take-back on.
+                record.started_at or time.time(),
             )
             kernel = await self._serve(kernel_id, front, handles, launches, replacing)
         # The front's start fails inside the kernel's task group: an exception group.
@@ -727,6 +746,7 @@ class KernelManager:
             front=front,
             replicas=replicas,
             owner=tracked.replacing.owner,
+            started_at=tracked.replacing.started_at,
         )
 
     async def _connection(
@@ -1058,7 +1078,8 @@ class _Replacing:
     """What replacing a kernel's replicas needs: peer addresses (the replacer keeps them
     up to date), chooser, GPUs per cell, the node -> host map that the GPU eviction
     routes read (kept up to date), who hears that the kernel's replicas changed, the
-    replicas' extra environment, and the user the kernel belongs to."""
+    replicas' extra environment, the user the kernel belongs to, and when it was started
+    (UNIX seconds)."""
 
     members: dict[int, str]
     chooser: ExecutorChooser
@@ -1067,6 +1088,7 @@ class _Replacing:
     changed: Callable[[], None]
     env: Mapping[str, str]
     owner: str
+    started_at: float
 
     def replica_replaced(self, dead: int, node: int, host: HostId) -> None:
         self.hosts.pop(dead, None)

@@ -97,14 +97,16 @@ class ReplicaRecord(_Record, frozen=True, omit_defaults=True):
 
 
 class KernelRecord(_Record, frozen=True):
-    """A kernel that runs: its GPUs per cell, its front, its replicas, and the user it
-    belongs to (``""``: nobody's but the admins', as a kernel from before users)."""
+    """A kernel that runs: its GPUs per cell, its front, its replicas, the user it
+    belongs to (``""``: nobody's but the admins', as a kernel from before users), and
+    when it was started (UNIX seconds; 0: a record from before start times)."""
 
     kernel_id: str
     gpus: int
     front: FrontRecord
     replicas: list[ReplicaRecord]
     owner: str = ""
+    started_at: float = 0.0
 
 
 class StartRecord(_Record, frozen=True):

@@ -218,6 +218,11 @@ class KernelInfo(_Msg):
     the last cell; ``last_exec_index``: the index of the last cell the front settled;
     ``state``: the kernel's state (``docs/kernel.md``, Kernel states; ``None`` from a
     gateway older than states).
+
+    ``api_id``: the id the Kernel Gateway HTTP API (and so JupyterLab) shows for it,
+    which an API restart keeps while ``kernel_id`` changes (``None``: not started
+    through the API); ``gpus``: its GPUs per cell; ``started_at``: when it was started,
+    UNIX seconds, kept across gateway restarts (each ``None`` from an older gateway).
     """
 
     kernel_id: str
@@ -228,6 +233,9 @@ class KernelInfo(_Msg):
     last_exec_index: int = 0
     state: KernelState | None = None
     owner: str = ""
+    api_id: str | None = None
+    gpus: int | None = None
+    started_at: float | None = None
 
 
 class KernelList(_Msg):

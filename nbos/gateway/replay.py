@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
-from typing import cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import anyio
 import attrs
@@ -81,28 +81,69 @@ class ReplayConfig:
 @attrs.define
 class ReplayRun:
     """One replay: the gateway's accounting at its start and end, the real times it
-    began and ended, and each session's kernel id."""
+    began and ended, each session's kernel id, and the cells sent and answered so far."""
 
     before: Usage
     t0: float
     after: Usage | None = None
     ended: float = 0.0
     kernels: dict[str, str] = attrs.Factory(dict)
+    cells_sent: int = 0
+    cells_done: int = 0
 
 
-async def replay(trace: Trace, address: str, config: ReplayConfig) -> SimResult:
-    """Replay ``trace`` on the gateway whose control endpoint is ``address``.
+@attrs.frozen
+class ReplayProgress:
+    """Where a replay is: trace seconds replayed of ``trace_end``, cells sent (their
+    request went to the kernel) and answered of ``cells``, kernels running."""
+
+    trace_time: float
+    trace_end: float
+    cells_sent: int
+    cells_done: int
+    cells: int
+    kernels: int
+
+    def line(self) -> str:
+        return (
+            f"replay: {self.trace_time / 3600:.2f} of {self.trace_end / 3600:.2f} trace hours, "
+            f"cells {self.cells_done} done, {self.cells_sent - self.cells_done} running "
+            f"of {self.cells}, {self.kernels} kernels"
+        )
+
+
+@attrs.frozen
+class ReplayWatch:
+    """Who hears of a replay as it goes: ``note`` gets each thing the kernels said about
+    a cell (nbos's waiting-for-GPUs lines, a cell's output), one line each, prefixed with
+    its session; ``progress`` a :class:`ReplayProgress` every ``every`` real seconds."""
+
+    note: Callable[[str], None] | None = None
+    progress: Callable[[ReplayProgress], None] | None = None
+    every: float = 30.0
+
+
+async def replay(
+    trace: Trace, address: str, config: ReplayConfig, watch: ReplayWatch | None = None
+) -> SimResult:
+    """Replay ``trace`` on the gateway whose control endpoint is ``address``, telling
+    ``watch`` (else the log, at INFO) how it goes.
 
     Raises :class:`TransportError` when the gateway does not answer.
     """
+    watch = watch or ReplayWatch()
     run = ReplayRun(await _usage(address), time.time())
     limit = trace.end / config.speedup + max(
         config.overrun_limit / config.speedup, _OVERRUN_FLOOR_S
     )
     with anyio.move_on_after(limit):
         async with anyio.create_task_group() as tg:
-            for session in trace.sessions:
-                tg.start_soon(_session, session, address, config, run)
+            if watch.progress is not None:
+                tg.start_soon(_report_progress, watch.progress, watch.every, trace, config, run)
+            async with anyio.create_task_group() as sessions:
+                for session in trace.sessions:
+                    sessions.start_soon(_session, session, address, config, run, watch.note)
+            tg.cancel_scope.cancel()
     run.ended = time.time()
     run.after = await _usage(address)
     return result(trace, run, config)
@@ -119,7 +160,35 @@ async def _at(t0: float, trace_time: float, speedup: float) -> None:
     await anyio.sleep(max(0.0, t0 + trace_time / speedup - time.time()))
 
 
-async def _session(session: Session, address: str, config: ReplayConfig, run: ReplayRun) -> None:
+async def _report_progress(
+    progress: Callable[[ReplayProgress], None],
+    every: float,
+    trace: Trace,
+    config: ReplayConfig,
+    run: ReplayRun,
+) -> None:
+    cells = sum(len(s.cells) for s in trace.sessions)
+    while True:
+        await anyio.sleep(every)
+        progress(
+            ReplayProgress(
+                min(trace.end, (time.time() - run.t0) * config.speedup),
+                trace.end,
+                run.cells_sent,
+                run.cells_done,
+                cells,
+                len(run.kernels),
+            )
+        )
+
+
+async def _session(
+    session: Session,
+    address: str,
+    config: ReplayConfig,
+    run: ReplayRun,
+    note: Callable[[str], None] | None,
+) -> None:
     t0 = run.t0
     await _at(t0, session.start, config.speedup)
     info = await _start(session, address, config, t0)
@@ -132,9 +201,12 @@ async def _session(session: Session, address: str, config: ReplayConfig, run: Re
         client.load_connection_info(cast(KernelConnectionInfo, dict(info.connection)))
         client.start_channels()
         try:
-            for cell in session.cells:
+            for i, cell in enumerate(session.cells, start=1):
                 await _at(t0, cell.start, config.speedup)
-                await _cell(client, session, cell, config.speedup)
+                run.cells_sent += 1
+                said = _Lines(f"session {session.id} cell {i}", note)
+                await _cell(client, session, cell, config.speedup, said)
+                run.cells_done += 1
         finally:
             client.stop_channels()
         await _at(t0, session.stop, config.speedup)
@@ -163,13 +235,48 @@ async def _start(
         await anyio.sleep(config.retry / config.speedup)
 
 
-async def _cell(client: AsyncKernelClient, session: Session, cell: Cell, speedup: float) -> None:
+@attrs.frozen
+class _Lines:
+    """A cell's output as lines of their own, each after ``prefix``: to ``note``, else the
+    log (not the process's stdout, where a client would print it, lines run together)."""
+
+    prefix: str
+    note: Callable[[str], None] | None
+
+    def __call__(self, message: dict[str, Any]) -> None:
+        content = message["content"]
+        match message["msg_type"]:
+            case "stream":
+                text = content.get("text", "")
+            case "display_data" | "update_display_data" | "execute_result":
+                text = content.get("data", {}).get("text/plain", "")
+            case "error":
+                text = f"{content.get('ename', '')}: {content.get('evalue', '')}"
+            case _:
+                return
+        for line in str(text).splitlines():
+            if line.strip():
+                self._say(f"{self.prefix}: {line.strip()}")
+
+    def _say(self, line: str) -> None:
+        if self.note is not None:
+            self.note(line)
+        else:
+            log.info("%s", line)
+
+
+async def _cell(
+    client: AsyncKernelClient, session: Session, cell: Cell, speedup: float, said: _Lines
+) -> None:
     gpus = session.cell_gpus(cell)
     code = f"import time\ntime.sleep({cell.duration / speedup!r})"
     if gpus:
         code = f"%%gpus {gpus}\n{code}"
     reply = await client.execute_interactive(
-        code, timeout=cell.duration / speedup + _CELL_SLACK_S, store_history=False
+        code,
+        timeout=cell.duration / speedup + _CELL_SLACK_S,
+        store_history=False,
+        output_hook=said,
     )
     if reply["content"].get("status") != "ok":
         log.warning("session %s: a cell ended %s", session.id, reply["content"].get("status"))
@@ -183,37 +290,51 @@ def result(trace: Trace, run: ReplayRun, config: ReplayConfig) -> SimResult:
     at the end less those at the start), in trace seconds."""
     assert run.after is not None
     after, t0, ended, k = run.after, run.t0, run.ended, config.speedup
-    delays, busy, used, by_user = _cells(trace, run, k)
-    samples = _samples(used, after.hosts, t0, ended, k)
+    cells = _cells(trace, run, k)
+    samples = _samples(cells.used, after.hosts, t0, ended, k)
     measured = Run(
         mode="replay",
         policy=config.policy,
         interactive_within=config.interactive_within,
         seconds=(ended - t0) * k,
         totals=(after.totals - run.before.totals).scaled(k),
-        delays=delays,
-        busy_gpu_s=busy,
+        delays=cells.delays,
+        busy_gpu_s=cells.busy,
         peak_gpus_committed=max((s.gpus_committed for s in samples), default=0),
         hosts_timeline=tuple(((h.time - t0) * k, h.hosts) for h in _within(after.hosts, t0, ended)),
         samples=samples,
-        user_cells=by_user,
+        user_cells=cells.by_user,
         fair_share=config.fair_share,
+        speedup=k,
+        overheads=cells.overheads,
     )
     return sim_result(trace, measured)
 
 
-def _cells(
-    trace: Trace, run: ReplayRun, k: float
-) -> tuple[list[float], float, list[CellUsage], list[UserCell]]:
+@attrs.define
+class _CellFigures:
+    """What :func:`_cells` finds (see there)."""
+
+    delays: list[float] = attrs.Factory(list)
+    overheads: list[float] = attrs.Factory(list)
+    busy: float = 0.0
+    used: list[CellUsage] = attrs.Factory(list)
+    by_user: list[UserCell] = attrs.Factory(list)
+
+
+def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
     """Each trace cell that got its GPUs: its delay (trace seconds) against the start it
-    would have had on an unlimited cluster, the work (GPU-seconds) of all, their grants,
-    and each as its session's user's."""
+    would have had on an unlimited cluster, the replay's own share of that delay (real
+    seconds from the cell's due time to its GPU request reaching the gateway's scheduler,
+    the rest being the wait for GPUs), the work (GPU-seconds) of all, their grants, and
+    each as its session's user's.
+
+    A cell's work is its duration, or the time it held its GPUs if shorter (the run ended
+    while it ran, or it ended early): never more than what was reserved for it.
+    """
     assert run.after is not None
     by_cell = {(c.kernel_id, c.exec_index): c for c in run.after.cells}
-    delays: list[float] = []
-    busy = 0.0
-    used: list[CellUsage] = []
-    by_user: list[UserCell] = []
+    found = _CellFigures()
     for session in trace.sessions:
         kernel = run.kernels.get(session.id)
         ideal_end = -math.inf
@@ -224,15 +345,19 @@ def _cells(
             if usage is None or usage.started is None:
                 continue
             # Real clocks jitter: a cell is never early.
-            delays.append(max(0.0, (usage.started - run.t0) * k - ideal))
+            delay = max(0.0, (usage.started - run.t0) * k - ideal)
+            found.delays.append(delay)
+            due = run.t0 + ideal / k
+            found.overheads.append(min(delay / k, max(0.0, usage.ready - due)))
             gpus = session.cell_gpus(cell)
-            busy += gpus * cell.duration
-            used.append(usage)
+            held = (usage.ended if usage.ended is not None else run.ended) - usage.started
+            found.busy += gpus * min(cell.duration, max(0.0, held) * k)
+            found.used.append(usage)
             start = (usage.started - run.t0) * k
             end = (usage.ended - run.t0) * k if usage.ended is not None else start + cell.duration
             ready = min((usage.ready - run.t0) * k, start)
-            by_user.append(UserCell(session.owner, gpus, ready, start, end))
-    return delays, busy, used, by_user
+            found.by_user.append(UserCell(session.owner, gpus, ready, start, end))
+    return found
 
 
 def _within(hosts: Sequence[HostCount], t0: float, end: float) -> list[HostCount]:

@@ -51,6 +51,7 @@ import logging
 import math
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from collections import Counter
@@ -210,6 +211,9 @@ class GatewayService:
         self.autoscaler = autoscaler
         #: The Kernel Gateway API, when ``http_address`` is set.
         self.http: HttpApi | None = None
+        #: Where each endpoint listens, by name (``control``, ``agents``, and ``metrics``
+        #: and ``http`` when set): the ports bound, not the settings' 0s.
+        self.addresses: dict[str, str] = {}
 
     @classmethod
     @asynccontextmanager
@@ -226,6 +230,7 @@ class GatewayService:
         control = tcp_address(conf.address, "gateway.address")
         agents_at = tcp_address(conf.agent_address, "gateway.agent_address")
         _check_timing(conf)
+        _check_addresses_free(conf)
         keys = KeyDirectory(conf.keys) if conf.keys else None
         begun = anyio.current_time()
         scaling = _autoscaler_config(settings)
@@ -299,7 +304,7 @@ class GatewayService:
             exit_plan.stop_on_exit(kernel_manager.shutdown_kernels)
             if loaded is not None:
                 await _take_back(loaded, kernel_manager, backend, conf)
-            socket = _bind_control(control, stack)
+            control_socket = _bind_control(control, stack)
             live = None
             if provider is not None:
                 live = LiveAutoscaler(
@@ -319,20 +324,11 @@ class GatewayService:
                 authenticator=authenticator,
                 autoscaler=live,
             )
-            tg.start_soon(serve_control, socket, service.handle, authenticator.authenticate)
+            service.addresses["control"] = control.removeprefix("tcp://")
+            service.addresses["agents"] = transport.address.removeprefix("tcp://")
+            tg.start_soon(serve_control, control_socket, service.handle, authenticator.authenticate)
             tg.start_soon(service.expire_leases)
-            if conf.metrics_address:
-                await _serve_metrics(service, conf.metrics_address, tg, stack, event_log)
-            if conf.http_address:
-                service.http = await stack.enter_async_context(
-                    serve_http(
-                        conf,
-                        kernel_manager,
-                        service.max_host_gpus,
-                        service.authenticator,
-                        DashboardSources(service.host_status, event_log),
-                    )
-                )
+            await service._serve_http_endpoints(conf, tg, stack, event_log)
             log.info(
                 "gateway: control at %s, agents at %s (ready in %.1f s)",
                 control,
@@ -340,6 +336,31 @@ class GatewayService:
                 anyio.current_time() - begun,
             )
             yield service
+
+    async def _serve_http_endpoints(
+        self,
+        conf: GatewaySettings,
+        tg: anyio.abc.TaskGroup,
+        stack: AsyncExitStack,
+        event_log: EventLog,
+    ) -> None:
+        """The metrics and the Kernel Gateway API with its dashboard, where ``conf`` asks
+        for them."""
+        if conf.metrics_address:
+            metrics_at = await _serve_metrics(self, conf.metrics_address, tg, stack, event_log)
+            self.addresses["metrics"] = f"http://{metrics_at}/metrics"
+        if conf.http_address:
+            self.http = await stack.enter_async_context(
+                serve_http(
+                    conf,
+                    self.kernel_manager,
+                    self.max_host_gpus,
+                    self.authenticator,
+                    DashboardSources(self.host_status, event_log),
+                )
+            )
+            self.addresses["http"] = self.http.url
+            self.addresses["dashboard"] = f"{self.http.url}/dashboard/"
 
     # --- control -----------------------------------------------------------------
 
@@ -451,6 +472,7 @@ class GatewayService:
             for r in kernel.replicas
         ]
         front = kernel.front
+        terms = self.kernel_manager.terms(kernel.kernel_id)
         return KernelInfo(
             kernel.kernel_id,
             connection,
@@ -460,6 +482,9 @@ class GatewayService:
             last_exec_index=front.last_exec_index,
             state=kernel.state,
             owner=kernel.owner,
+            api_id=self.http.kernels.api_id(kernel.kernel_id) if self.http else None,
+            gpus=terms[0] if terms else None,
+            started_at=terms[1] if terms else None,
         )
 
     def _replica_ip(self, kernel: Kernel, node: int) -> str:
@@ -568,15 +593,16 @@ async def _serve_metrics(
     tg: anyio.abc.TaskGroup,
     stack: AsyncExitStack,
     event_log: EventLog,
-) -> None:
+) -> str:
     """Count this process's events (the event log still hearing of them) and serve them,
-    with the service's gauges, at ``address``."""
+    with the service's gauges, at ``address``; the ``HOST:PORT`` bound."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(ClusterCollector(service.metrics_sample))
     stack.enter_context(installed(Fanout([event_log, PrometheusEvents(registry)])))
     # Once users may sign in, the cluster's figures are the operators'.
     authorize = service.may_read_metrics if service.authenticator.has_users else None
-    await tg.start(partial(serve_metrics, address, registry, authorize=authorize))
+    bound: str = await tg.start(partial(serve_metrics, address, registry, authorize=authorize))
+    return bound
 
 
 def _run_dir(settings: Settings, stack: AsyncExitStack) -> Path:
@@ -595,6 +621,37 @@ def _store(settings: Settings, run_dir: Path) -> str:
     if settings.store.kind == "redis":
         return settings.store.redis_url
     return settings.store.path or str(run_dir / "store")
+
+
+def _check_addresses_free(conf: GatewaySettings) -> None:
+    """:class:`ConfigError` naming the setting whose address another process listens on,
+    before anything starts (no agent started only to be stopped again).
+
+    A test bind, as the endpoints themselves bind (``SO_REUSEADDR``: a port that only
+    lingers in ``TIME_WAIT`` is free). One that a process takes between this check and the
+    endpoint's own bind is still refused there, as a :class:`TransportError`.
+    """
+    for key in ("address", "agent_address", "http_address", "metrics_address"):
+        value: str = getattr(conf, key)
+        host, sep, port = value.removeprefix("tcp://").rpartition(":")
+        if not value or not sep or not port.isdigit():
+            continue  # unset, or malformed: refused with its own message where it is used
+        refused = _listen_refused(host.removeprefix("[").removesuffix("]"), int(port))
+        if refused is not None:
+            raise ConfigError(f"gateway.{key}", value, f"an address free to listen on: {refused}")
+
+
+def _listen_refused(host: str, port: int) -> str | None:
+    """Why listening at ``host:port`` fails now, or ``None`` if it would not."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(where)
+            probe.listen(1)
+    except (OSError, UnicodeError) as exc:
+        return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+    return None
 
 
 def _check_timing(conf: GatewaySettings) -> None:
@@ -649,14 +706,14 @@ def _operator(
 
 
 def _bind_control(control: str, stack: AsyncExitStack) -> zmq.asyncio.Socket:
-    socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-    stack.callback(socket.close, _REPLY_LINGER_MS)
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # before bind: listeners copy it
+    bound = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    stack.callback(bound.close, _REPLY_LINGER_MS)
+    bound.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # before bind: listeners copy it
     try:
-        socket.bind(control)
+        bound.bind(control)
     except zmq.ZMQError as exc:
         raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
-    return socket
+    return bound
 
 
 def _run_autoscaler(live: LiveAutoscaler, tg: anyio.abc.TaskGroup, stack: AsyncExitStack) -> None:
@@ -710,11 +767,13 @@ async def run_until_signalled(
     runtime_file: Path | None = None,
     *,
     shutdown_kernels_on_exit: bool = False,
+    on_ready: Callable[[GatewayService], None] | None = None,
 ) -> None:
     """Serve ``settings`` in the foreground until SIGINT or SIGTERM, a
     :class:`ShutdownCluster` request, or until idle for ``[gateway] idle_exit_s``;
-    announced in ``runtime_file`` meanwhile, if given. The exit leaves kernels running
-    where :meth:`GatewayService.serve` says."""
+    announced in ``runtime_file`` meanwhile, if given, and to ``on_ready`` once every
+    endpoint listens (``nbos gateway`` prints its ready line there). The exit leaves
+    kernels running where :meth:`GatewayService.serve` says."""
     runtime = RuntimeFile(runtime_file) if runtime_file is not None else None
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with GatewayService.serve(
@@ -723,6 +782,8 @@ async def run_until_signalled(
             try:
                 if runtime is not None:
                     runtime.write(service.control_address.removeprefix("tcp://"))
+                if on_ready is not None:
+                    on_ready(service)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_until_signalled, signals, tg.cancel_scope)
                     tg.start_soon(_until_set, service.stop_requested, tg.cancel_scope)

@@ -49,6 +49,7 @@ from nbos.gateway.control_api import (
     WatchKernel,
     call,
 )
+from nbos.jupyter._front_file import front_info_path
 from nbos.jupyter.local_gateway import gateway_address
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,6 @@ START_TIMEOUT_S = 120.0
 _WATCH_S = 1.0
 _PARENT_POLL_S = 0.5
 _PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
-
-
-def front_info_path(connection_file: Path) -> Path:
-    """Where the host writes the front's connection info for ``connection_file``."""
-    return connection_file.with_name(connection_file.name + ".front")
 
 
 def write_connection_file(path: Path, kernel: KernelInfo, gateway: str) -> None:

@@ -36,7 +36,7 @@ from traitlets import Int
 from nbos.core.errors import KernelError, TransportError
 from nbos.gateway.control_api import ShutdownKernel, call
 from nbos.gateway.requests import kernel_gpus
-from nbos.jupyter.host import front_info_path
+from nbos.jupyter._front_file import front_info_path
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import attrs
 from nbos.core.ids import HostId
 from nbos.core.placement import ClusterView, HostView
 
-_Load = tuple[int, int, HostId]
+_Load = tuple[int, int, int, HostId]
 _Room = tuple[int, HostId]
 
 
@@ -73,7 +73,7 @@ class HostIndex:
         """Per GPU count of at least ``gpus``: its hosts outside ``exclude``, least loaded first."""
         for total, entries in self._load.items():
             if total >= gpus:
-                yield (self._views[h] for _, _, h in entries if h not in exclude)
+                yield (self._views[h] for *_, h in entries if h not in exclude)
 
     def most_room(self, gpus: int, exclude: frozenset[HostId]) -> Iterator[list[HostView]]:
         """Per idle count of at least ``gpus``, most idle first: the least subscribed host
@@ -124,7 +124,7 @@ def _rank(view: HostView) -> int:
 
 
 def _load(view: HostView) -> _Load:
-    return (_rank(view), view.gpus_committed, view.host_id)
+    return (_rank(view), view.gpus_committed, view.replicas, view.host_id)
 
 
 def _first(entries: Iterable[_Room], exclude: frozenset[HostId]) -> HostId | None:

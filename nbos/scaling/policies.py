@@ -66,7 +66,8 @@ class _AdmittingPolicy(abc.ABC):
 
 class LeastLoadedPolicy(_AdmittingPolicy):
     """The paper's policy: spread replicas over the admitted hosts with the lowest
-    subscription ratio (ties: fewer committed GPUs, then host id).
+    subscription ratio (ties: fewer committed GPUs, then fewer replicas, then host id).
+    Kernels without GPUs leave every ratio as it was: the replica count spreads them.
 
     A migration goes to the host with the most idle GPUs, which leaves the most
     room for the next cell there.
@@ -105,7 +106,12 @@ class LeastLoadedPolicy(_AdmittingPolicy):
     ) -> Sequence[HostView]:
         ranked = sorted(
             candidates,
-            key=lambda h: (ratio_after(h, request, cluster), h.gpus_committed, h.host_id),
+            key=lambda h: (
+                ratio_after(h, request, cluster),
+                h.gpus_committed,
+                h.replicas,
+                h.host_id,
+            ),
         )
         return ranked[: request.replicas]
 

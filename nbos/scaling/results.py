@@ -69,15 +69,32 @@ class SimResult:
     users: tuple[UserFigures, ...] = ()
     #: Jain's fairness index of the users' GPU-hours over their fair shares (1: in proportion).
     jain_index: float = 1.0
+    #: A replay's trace seconds per real second (``None``: simulated, no real time).
+    speedup: float | None = None
+    #: A replay's own overhead per started cell, real seconds, sorted: from the cell's due
+    #: time to its GPU request reaching the scheduler (the part of its delay that is not
+    #: a wait for GPUs: kernel start, client, front, the executor's claim).
+    overheads: tuple[float, ...] = ()
 
     def summary(self) -> dict[str, Any]:
-        """The figures as plain values (no samples or delays), with the two shares."""
+        """The figures as plain values (no samples, delays or overheads), with the two
+        shares and, for a replay, the percentiles in real seconds."""
         fields = attrs.fields(SimResult)
-        data = attrs.asdict(self, filter=attrs.filters.exclude(fields.samples, fields.delays))
+        data = attrs.asdict(
+            self, filter=attrs.filters.exclude(fields.samples, fields.delays, fields.overheads)
+        )
         data["hosts_timeline"] = [list(point) for point in self.hosts_timeline]
         data["busy_share"] = self.busy_share
         data["utilisation"] = self.utilisation
+        if self.speedup is not None:
+            data["delay_real_s"] = self.real_delays()
+            data["overhead_real_s"] = _percentiles(self.overheads)
         return data
+
+    def real_delays(self) -> tuple[float, float, float]:
+        """The delay percentiles p50, p95, p99 in real seconds (a replay's only)."""
+        k = self.speedup or 1.0
+        return (self.delay_p50 / k, self.delay_p95 / k, self.delay_p99 / k)
 
     @property
     def busy_share(self) -> float:
@@ -112,6 +129,10 @@ class Run:
     user_cells: Sequence[UserCell] = ()
     #: The quotas the run kept to (``None``: none), for the users' fair shares.
     fair_share: FairShare | None = None
+    #: A replay's speed-up, and its own overhead per started cell in real seconds
+    #: (:attr:`SimResult.overheads`).
+    speedup: float | None = None
+    overheads: Sequence[float] = ()
 
 
 def sim_result(trace: Trace, run: Run) -> SimResult:
@@ -150,7 +171,18 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         delays=tuple(delays),
         users=users,
         jain_index=jain_index([u.gpu_hours / u.fair_gpu_hours for u in users if u.fair_gpu_hours]),
+        speedup=run.speedup,
+        overheads=tuple(sorted(run.overheads)),
     )
+
+
+def _percentiles(values: Sequence[float]) -> tuple[float, float, float]:
+    ordered = sorted(values)
+    return (percentile(ordered, 0.50), percentile(ordered, 0.95), percentile(ordered, 0.99))
+
+
+def _three(values: tuple[float, float, float] | None) -> str:
+    return "-" if values is None else " / ".join(f"{v:.1f}" for v in values)
 
 
 def _share(part: float, whole: float) -> float:
@@ -173,6 +205,14 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
         lambda r: f"{r.delay_p50:.1f} / {r.delay_p95:.1f} / {r.delay_p99:.1f}",
     ),
     (
+        "cell delay p50 / p95 / p99 (real s)",
+        lambda r: _three(r.real_delays() if r.speedup is not None else None),
+    ),
+    (
+        "replay overhead p50 / p95 / p99 (real s)",
+        lambda r: _three(_percentiles(r.overheads) if r.speedup is not None else None),
+    ),
+    (
         "interactive (start within)",
         lambda r: f"{r.interactive_share:.1%} ({r.interactive_within:g} s)",
     ),
@@ -188,7 +228,9 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
 def metrics_table(results: Sequence[SimResult]) -> str:
     """The results side by side, one column per run, as plain text."""
     header = ("metric", *(r.mode for r in results))
-    return _columns([header, *((label, *(fmt(r) for r in results)) for label, fmt in _ROWS)])
+    replayed = any(r.speedup is not None for r in results)
+    rows = [(label, fmt) for label, fmt in _ROWS if replayed or "real s" not in label]
+    return _columns([header, *((label, *(fmt(r) for r in results)) for label, fmt in rows)])
 
 
 def users_table(result: SimResult) -> str:

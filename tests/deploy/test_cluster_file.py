@@ -55,6 +55,27 @@ def test_defaults_and_the_gateway_settings_they_make(tmp_path: Path) -> None:
     assert settings.cluster.data_dir == str(tmp_path / "run" / "gateway")
 
 
+HTTP = '[gateway]\nhttp_address = "127.0.0.1:8888"\n'
+
+
+def test_the_gateway_table_takes_the_http_apis_settings(tmp_path: Path) -> None:
+    text = (
+        HTTP
+        + 'auth_token = "secret"\nhttp_certfile = "tls/c.pem"\nhttp_keyfile = "tls/k.pem"\n'
+        + "cull_idle_timeout = 600\n"
+        + MINIMAL
+    )
+    gateway = Settings.load(env=Cluster(write(tmp_path, text)).gateway_env()).gateway
+    assert (gateway.http_address, gateway.auth_token, gateway.cull_idle_timeout) == (
+        "127.0.0.1:8888",
+        "secret",
+        600,
+    )
+    # Paths from the file's directory, as its keys and run directory.
+    assert gateway.http_certfile == str(tmp_path / "tls" / "c.pem")
+    assert gateway.http_keyfile == str(tmp_path / "tls" / "k.pem")
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [
@@ -77,6 +98,11 @@ def test_defaults_and_the_gateway_settings_they_make(tmp_path: Path) -> None:
         ('[gateway]\naddress = "7070"\n' + MINIMAL, "gateway.address"),
         ('[gateway]\nmetrics_address = "*:9100"\n' + MINIMAL, "gateway.metrics_address"),
         ("[gateway]\nheartbeat_s = 0\n" + MINIMAL, "gateway.heartbeat_s"),
+        ('[gateway]\nhttp_address = "8888"\n' + MINIMAL, "gateway.http_address"),
+        ('[gateway]\nhttp_certfile = "c.pem"\n' + MINIMAL, "gateway.http_certfile"),
+        ("[gateway]\ncull_idle_timeout = 60\n" + MINIMAL, "gateway.cull_idle_timeout"),
+        (HTTP + "cull_idle_timeout = -1\n" + MINIMAL, "gateway.cull_idle_timeout"),
+        (HTTP + 'http_keyfile = "k.pem"\n' + MINIMAL, "gateway.http_keyfile"),
         ("[placement]\nreplicas_per_kernel = 0\n" + MINIMAL, "placement.replicas_per_kernel"),
         ('[store]\nkind = "s3"\n' + MINIMAL, "store.kind"),
         ('[store]\nkind = "redis"\nredis_url = "http://x"\n' + MINIMAL, "store.redis_url"),

@@ -28,12 +28,14 @@ from nbos.gateway.control_api import KernelInfo, StartKernel
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import ROOT, alive
 from tests.deploy.test_cluster_up import NBOS, nbos
+from tests.gateway._http import call
 from tests.gateway._service import ask, run_cell, status_when
 
 # Gateway starts, agents and replicas, each a Python start: slow on a loaded machine.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
 
 HOSTS = ("h1", "h2")
+TOKEN = "cluster-secret"
 
 
 @attrs.frozen
@@ -85,6 +87,8 @@ class LocalCluster:
 
     path: Path
     address: str
+    #: The gateway's Kernel Gateway API (``jupyter lab --gateway-url``).
+    url: str
 
     @property
     def root(self) -> Path:
@@ -93,7 +97,7 @@ class LocalCluster:
 
 @pytest.fixture
 def local_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    control, agents = free_loopback_ports(2)
+    control, agents, http = free_loopback_ports(3)
     hosts = "".join(
         f"""
 [[hosts]]
@@ -114,13 +118,15 @@ agent_address = "127.0.0.1:{agents}"
 heartbeat_s = 0.5
 # A loaded machine may keep a host silent for seconds: no replacement in this test.
 missed_heartbeats = 60
+http_address = "127.0.0.1:{http}"
+auth_token = "{TOKEN}"
 
 [placement]
 replicas_per_kernel = 2
 """
         + hosts
     )
-    yield LocalCluster(path, f"127.0.0.1:{control}")
+    yield LocalCluster(path, f"127.0.0.1:{control}", f"http://127.0.0.1:{http}")
     for pid in running(tmp_path).pids:  # what a failed test left
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -137,6 +143,10 @@ async def test_up_again_restart_and_down_keep_one_cluster_and_its_kernel(
     await cluster("up", path)
     first = running(root)
     assert len(first.gateways) == 1 and sorted(first.agents) == list(HOSTS), first
+    # The cluster file's [gateway] http_address and auth_token: a --gateway-url to serve.
+    specs = f"{local_cluster.url}/api/kernelspecs"
+    assert (await call(specs))[0] == 401
+    assert (await call(specs, token=TOKEN))[0] == 200
     # Up on a cluster that runs starts nothing.
     await cluster("up", path)
     assert running(root) == first

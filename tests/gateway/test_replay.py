@@ -9,6 +9,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nbos.cli import replay as replay_cli
 from nbos.cli import simulate as simulate_cli
@@ -146,3 +148,98 @@ def test_a_replays_figures_are_the_gateways_ledger_over_the_run_in_trace_seconds
     assert r.gpu_hours_reserved == pytest.approx(120 * 60 / 3600)
     assert r.gpu_hours_busy == pytest.approx(2.0)
     assert r.peak_gpus_committed == 2
+
+
+# Four 2-GPU sessions on 3 hosts of 2 GPUs: the last cell waits for the first to end.
+WAIT = Trace(tuple(Session(f"w{i}", 0, 4 * 3600, 2, (Cell(60 + 60 * i, 3600),)) for i in range(4)))
+
+
+async def test_a_replay_says_each_wait_on_its_own_line_and_its_progress_in_lines(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "trace.json"
+    path.write_bytes(dump_json(WAIT))
+    async with GatewayService.serve(
+        local_settings(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
+        shown = await anyio.run_process(
+            [sys.executable, "-m", "nbos", "replay", str(path), "--speedup", "1800",
+             "--gateway", service.control_address, "--progress-every", "0.5"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )  # fmt: skip
+    err = shown.stderr.decode()
+    assert shown.returncode == 0, err
+    lines = err.splitlines()
+    # nbos's line of a waiting cell, said by its kernel: on a line of its own, named.
+    waits = [line for line in lines if "wait" in line and not line.startswith("replay: ")]
+    assert waits, err
+    assert all(re.match(r"session w\d cell 1: ", line) for line in waits), err
+    assert all(line.count("nbos") <= 1 for line in lines), err
+    # Not a terminal: progress as lines of their own.
+    progress = [line for line in lines if line.startswith("replay: ")]
+    assert progress and all("trace hours" in line for line in progress), err
+    out = shown.stdout.decode()
+    assert not any(w.partition(": ")[2] in out for w in waits), out  # stdout: the table only
+    # Delays in real seconds too, and the replay's own overhead apart.
+    rows = _table(shown.stdout.decode())
+    assert len(rows["cell delay p50 / p95 / p99 (real s)"]) == 5
+    assert len(rows["replay overhead p50 / p95 / p99 (real s)"]) == 5
+
+
+def test_a_replays_delays_in_real_seconds_and_its_own_overhead_apart() -> None:
+    # Due at t0 + 1 s (a minute of trace, a minute a second); the gateway heard of the
+    # cell 0.4 s late (the replay's overhead) and it got its GPUs 0.1 s after that.
+    trace = Trace((Session("a", 0, 120, 2, (Cell(60, 3600),)),))
+    before = Usage(0.0, 100.0, [], [HostCount(0.0, 2, 16)], Totals())
+    after = Usage(
+        0.0,
+        200.0,
+        [CellUsage("k-a", 1, 2, 101.4, 101.5, 161.5)],
+        [HostCount(0.0, 2, 16)],
+        Totals(committed_gpu_s=120.0),
+    )
+    run = ReplayRun(before, 100.0, after, 200.0, {"a": "k-a"})
+    r = replay.result(trace, run, ReplayConfig(speedup=60.0))
+    assert r.delays == pytest.approx((30.0,))
+    assert r.real_delays() == pytest.approx((0.5, 0.5, 0.5))
+    assert r.overheads == pytest.approx((0.4,))
+    table = results.metrics_table([r])
+    assert "cell delay p50 / p95 / p99 (real s)" in table and "0.4 / 0.4 / 0.4" in table
+    assert "(real s)" not in results.metrics_table([simulator.simulate(trace)])
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 4),  # GPUs
+            st.floats(0, 50),  # due, trace seconds after t0 ... as real seconds below
+            st.floats(0, 5),  # real seconds until it got its GPUs
+            st.floats(1, 7200),  # the trace's duration
+            st.one_of(st.none(), st.floats(0, 200)),  # real seconds held (None: still)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.floats(1, 3600),
+)
+def test_busy_gpu_hours_never_exceed_reserved(
+    cells: list[tuple[int, float, float, float, float | None]], k: float
+) -> None:
+    # Cells cut short (the run ended while they ran, or they ended early) held their GPUs
+    # for less than their duration: busy counts what they held, as reserved does.
+    t0, end = 1000.0, 1300.0
+    sessions, usages, committed = [], [], 0.0
+    for i, (gpus, due, wait, duration, held) in enumerate(cells):
+        sessions.append(Session(f"s{i}", 0, 10**6, gpus, (Cell(due * k, duration),)))
+        started = t0 + due + wait
+        ended = None if held is None else started + held
+        committed += gpus * ((ended if ended is not None else end) - started)
+        usages.append(CellUsage(f"k{i}", 1, gpus, started, started, ended))
+    before = Usage(0.0, t0, [], [HostCount(0.0, 2, 16)], Totals())
+    after = Usage(0.0, end, usages, [HostCount(0.0, 2, 16)], Totals(committed_gpu_s=committed))
+    run = ReplayRun(before, t0, after, end, {f"s{i}": f"k{i}" for i in range(len(cells))})
+    r = replay.result(Trace(tuple(sessions)), run, ReplayConfig(speedup=k))
+    assert r.gpu_hours_busy <= r.gpu_hours_reserved * (1 + 1e-9)
+    assert r.busy_share <= 1 + 1e-9

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nbos.core.errors import PlacementError
 from nbos.core.ids import HostId, KernelId
@@ -77,3 +79,31 @@ def test_a_failed_placement_counts_once_and_work_waiting_at_the_ceiling_is_told(
         False,
         True,
     )
+
+
+def test_kernels_without_gpus_spread_over_the_hosts_by_replicas() -> None:
+    # Issue 30: three 0-GPU kernels on 4 hosts all went to the same 3 (their ratios tie).
+    m = model(H0, H1, H2, H3)
+    decisions = ClusterDecisions.load("least-loaded", 3)
+    for i in range(3):
+        kernel = KernelId(f"k{i}")
+        m.place(kernel, decisions.place(m.view(), kernel, 0), 0)
+    assert sorted(m.host(h).replicas for h in (H0, H1, H2, H3)) == [2, 2, 2, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(3, 8), st.lists(st.integers(0, 1), min_size=1, max_size=12))
+def test_least_loaded_keeps_replicas_per_host_within_one_among_equal_hosts(
+    hosts: int, kernels: list[int]
+) -> None:
+    # Equal hosts, kernels of 0 or 1 GPU in any order, no cell running: every host ends
+    # with as many replicas as any other, give or take one.
+    ids = [HostId(f"h{i}") for i in range(hosts)]
+    m = model(*ids, gpus=8)
+    decisions = ClusterDecisions.load("least-loaded", 3)
+    for i, gpus in enumerate(kernels):
+        kernel = KernelId(f"k{i}")
+        m.place(kernel, decisions.place(m.view(), kernel, gpus), gpus)
+    if len(set(kernels)) == 1:
+        counts = [m.host(h).replicas for h in ids]
+        assert max(counts) - min(counts) <= 1, counts

@@ -139,6 +139,11 @@ class ApiKernels:
     def __iter__(self) -> Iterator[ApiKernel]:
         return iter(list(self._kernels.values()))
 
+    def api_id(self, kernel_id: str) -> str | None:
+        """The API's id of the nbos kernel ``kernel_id`` (an API restart starts a new nbos
+        kernel behind the same API id); ``None`` for a kernel not started through the API."""
+        return next((api.kernel_id for api in self if api.kernel.kernel_id == kernel_id), None)
+
     def visible(self, user: User) -> list[ApiKernel]:
         """The kernels ``user`` may see: their own, or all for an admin."""
         return [api for api in self if user.may_see(api.kernel.owner)]

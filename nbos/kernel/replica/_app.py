@@ -284,6 +284,19 @@ def wait_for_assignment() -> list[str]:
     return assignment.argv
 
 
+def show_assignment(argv: list[str]) -> None:
+    """Title the process as the replica started cold with ``argv`` (``--kernel-id K
+    --node-id N`` ...), where ``ps`` showed every pre-started one as ``--warm``.
+
+    One string in place of the argv: ``ps`` and ``/proc/PID/cmdline`` read it whole
+    (``setproctitle`` overwrites the argv and environment area on Linux).
+    """
+    import setproctitle  # only pre-started replicas need it
+
+    started_as = sys.orig_argv[:-1]  # python -m nbos.kernel.replica, less its --warm
+    setproctitle.setproctitle(" ".join([*started_as, *argv]))
+
+
 def import_ipykernel_debugger_without_debugpy() -> None:
     """Have ipykernel find debugpy missing, which keeps its debugger off.
 
@@ -318,6 +331,7 @@ def main(argv: list[str] | None = None) -> Any:
     import_ipykernel_debugger_without_debugpy()
     if argv is None and sys.argv[1:] == [WARM_FLAG]:
         argv = wait_for_assignment()
+        show_assignment(argv)
     try:
         ReplicaApp.launch_instance(argv=argv)
     except (RaftStateMissingError, StorageCorruptError) as exc:
