@@ -4,16 +4,22 @@ A port found free by binding port 0 comes from the kernel's ephemeral range, the
 range outgoing connections take their local ports from: between our check and the
 process's bind, any ``connect()`` on the machine may take it. Ports are therefore
 picked below that range, where only listeners live, checked free by a bind, and never
-handed out twice by one process. :func:`bind_port` binds a ZeroMQ socket so, trying
-another such port where one was taken meanwhile.
+handed out twice on one machine within :data:`CLAIM_S`: each pick is claimed by a file
+created exclusively in a directory every process of this user shares (the agents of a
+machine pick Raft and Jupyter ports for replicas that bind them seconds later; two picking
+the same one cost a replica its start). :func:`bind_port` binds a ZeroMQ socket so,
+trying another such port where one was taken meanwhile.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +30,9 @@ from nbos.core.errors import TransportError
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOOPBACK = "127.0.0.1"
 _LOWEST = 10_000
+#: How long a port picked by one process is not picked by another (seconds): far longer
+#: than a replica takes to bind the ports it was told.
+CLAIM_S = 300.0
 _issued: set[int] = set()
 _lock = threading.Lock()
 _rng = random.Random()
@@ -79,7 +88,7 @@ def _pick(ip: str) -> int:
     highest = _ephemeral_start() - 1
     for _ in range(1000):
         port = _rng.randint(_LOWEST, highest)
-        if port not in _issued and _bindable(ip, port):
+        if port not in _issued and _bindable(ip, port) and _claim(port):
             _issued.add(port)
             return port
     raise TransportError(f"no free port found on {ip} in {_LOWEST}-{highest}")
@@ -100,3 +109,31 @@ def _bindable(ip: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for this process machine-wide; ``False`` if another process holds a
+    claim younger than :data:`CLAIM_S`. A directory that cannot be written claims nothing
+    and refuses nothing (the bind check alone then guards the pick)."""
+    claims = Path(tempfile.gettempdir()) / f"nbos-ports-{os.getuid()}"
+    path = claims / str(port)
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime < CLAIM_S:
+                    return False
+                path.unlink()  # a stale claim: taken again below
+            except FileNotFoundError:
+                pass
+        except FileNotFoundError:
+            try:
+                claims.mkdir(mode=0o700, exist_ok=True)
+            except OSError:
+                return True
+        except OSError:
+            return True
+        else:
+            return True
+    return False

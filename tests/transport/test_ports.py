@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import errno
+import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 import zmq
 
 from nbos.transport.ports import bind_port, free_loopback_address, free_loopback_ports
+from tests.agent._daemons import ROOT
 
 EPHEMERAL_START = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 
@@ -77,3 +82,30 @@ def test_a_kept_port_that_is_taken_raises(ctx: zmq.Context[zmq.Socket[bytes]]) -
     with pytest.raises(zmq.ZMQError) as failed:
         bind_port(_binder(ctx.socket(zmq.ROUTER)), "127.0.0.1", taken, keep=True)
     assert failed.value.errno == errno.EADDRINUSE
+
+
+def test_two_processes_picking_at_once_never_pick_the_same_port() -> None:
+    """Agents of one machine pick ports for replicas that bind them seconds later: each pick
+    is claimed machine-wide, so no two processes are handed one port (each picks 600 here,
+    enough for dozens of shared ones without the claims)."""
+    script = (
+        "import json, sys; from nbos.transport.ports import free_ports; "
+        "sys.stdin.readline(); print(json.dumps(free_ports(600)))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        for _ in range(2)
+    ]
+    for p in procs:  # both started (imports done or not): let them pick at once
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+    picked = [set(json.loads(p.communicate(timeout=120)[0])) for p in procs]
+    assert all(len(ports) == 600 for ports in picked)
+    assert picked[0].isdisjoint(picked[1]), sorted(picked[0] & picked[1])
