@@ -26,6 +26,8 @@ from tests._digests import assert_replicas_agree
 from tests.kernel.conftest import connected_client, replica_client
 
 pytestmark = pytest.mark.anyio
+#: A request's reply on a loaded machine (a first completion imports jedi: seconds of CPU).
+REPLY_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -134,23 +136,23 @@ async def test_kernel_info_complete_inspect_is_complete_history(
     client: AsyncKernelClient,
 ) -> None:
     await run(client, "some_long_name = 1")
-    info = await client.kernel_info(reply=True, timeout=10)
+    info = await client.kernel_info(reply=True, timeout=REPLY_S)
     assert info["content"]["status"] == "ok"
     assert info["content"]["protocol_version"] >= "5.3"
-    complete = await client.complete("some_lo", reply=True, timeout=10)
+    complete = await client.complete("some_lo", reply=True, timeout=REPLY_S)
     assert "some_long_name" in complete["content"]["matches"]
-    inspect = await client.inspect("len", reply=True, timeout=10)
+    inspect = await client.inspect("len", reply=True, timeout=REPLY_S)
     assert inspect["content"]["found"] is True
-    is_complete = await client.is_complete("for i in x:", reply=True, timeout=10)
+    is_complete = await client.is_complete("for i in x:", reply=True, timeout=REPLY_S)
     assert is_complete["content"]["status"] == "incomplete"
-    history = await client.history(hist_access_type="tail", n=5, reply=True, timeout=10)
+    history = await client.history(hist_access_type="tail", n=5, reply=True, timeout=REPLY_S)
     assert history["content"]["status"] == "ok"
 
 
 async def test_the_replicas_leave_debugpy_out_as_their_kernelspec_offers_no_debugger(
     client: AsyncKernelClient,
 ) -> None:
-    info = await client.kernel_info(reply=True, timeout=10)
+    info = await client.kernel_info(reply=True, timeout=REPLY_S)
     assert "debugger" not in info["content"].get("supported_features", [])
     loaded = "import sys\nprint(sorted(m for m in sys.modules if 'pydev' in m or 'debugpy' in m))"
     _, messages = await run(client, loaded)
