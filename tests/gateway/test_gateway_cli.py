@@ -88,6 +88,7 @@ def test_a_gateway_says_it_is_ready_and_where_at_the_default_log_level(
         "agents": at["agent_address"],
         "metrics": f"http://{at['metrics_address']}/metrics",
         "http": f"http://{at['http_address']}",
+        "dashboard": f"http://{at['http_address']}/dashboard/",
     }
     # Every one listens.
     for address in at.values():

@@ -322,7 +322,10 @@ async def test_a_kernel_whose_replicas_were_all_killed_is_dead_everywhere_and_sa
     )
     assert shown.returncode == 0, shown.stderr
     (row,) = [line for line in shown.stdout.decode().splitlines() if "0/3" in line]
-    assert row.split()[:4] == [kernel_id, "operator", "dead", "0/3"], shown.stdout.decode()
+    kernel, _, user, state, _, _, alive = row.split()[:7]  # KERNEL NBOS-ID USER STATE GPUS AGE
+    assert [kernel, user, state, alive] == [kernel_id, "operator", "dead", "0/3"], (
+        shown.stdout.decode()
+    )
 
     # A Jupyter client of the front: the cell is refused at once, with the protocol's
     # busy, error output, idle; a kernel_info_request gets an error reply, not silence.
