@@ -64,6 +64,7 @@ def cluster_file(tmp_path: Path) -> Iterator[Path]:
         assert down.returncode == 0, down.stderr[-3000:]
 
 
+@pytest.mark.long  # over a minute of chaos: `make test` keeps the netns and control-plane ones
 def test_chaos_against_a_cluster_kills_its_gateway_an_agent_and_a_replica(
     cluster_file: Path, tmp_path: Path
 ) -> None:

@@ -136,6 +136,7 @@ async def cluster(*argv: str) -> str:
     return await anyio.to_thread.run_sync(nbos, ["cluster", *argv])
 
 
+@pytest.mark.long  # a whole cluster up, restarted and down: most of a minute
 async def test_up_again_restart_and_down_keep_one_cluster_and_its_kernel(
     local_cluster: LocalCluster,
 ) -> None:

@@ -343,6 +343,7 @@ async def _finish(ws: KernelSocket, msg_id: str) -> tuple[dict[str, Any], list[d
     return await ws.finish(msg_id, timeout=DEADLINE_S)
 
 
+@pytest.mark.long  # the feed rechecks its token every 30 s
 def test_the_feed_of_a_user_removed_from_the_users_file_ends(cluster: Cluster) -> None:
     request = urllib.request.Request(f"{cluster.url}/dashboard/api/feed")
     request.add_header("Authorization", f"token {cluster.tokens['dave']}")

@@ -196,6 +196,7 @@ async def test_a_host_killed_with_its_replicas_has_its_replica_replaced_state_in
     assert await cluster.ask(op="cell", code="print(x + 2)") == {"status": "ok", "stdout": "42\n"}
 
 
+@pytest.mark.long  # over a minute; `make test` keeps the kill and the chaos cut
 async def test_a_host_cut_off_is_replaced_and_its_replica_stopped_when_it_returns(
     cluster: Cluster,
 ) -> None:
