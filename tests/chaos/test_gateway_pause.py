@@ -132,6 +132,7 @@ def agent_pids(log: Path) -> list[int]:
     ]
 
 
+@pytest.mark.long
 async def test_agents_silent_past_the_limit_are_suspected_but_no_replica_is_stopped(
     gateway: tuple[str, Path, subprocess.Popen[bytes]],
 ) -> None:

@@ -96,6 +96,7 @@ def sshd(net: Netns, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshSe
     )
 
 
+@pytest.mark.long
 def test_ssh_host_up_cell_down(net: Netns, sshd: SshServer, tmp_path: Path) -> None:
     s1 = net.address("s1")
     path = tmp_path / "cluster.toml"

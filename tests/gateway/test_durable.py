@@ -270,6 +270,7 @@ async def test_a_gateway_killed_and_started_again_takes_its_kernels_back(
     assert b'"kernels":[]' in gateway.state()
 
 
+@pytest.mark.long
 async def test_a_gateway_stopped_by_sigterm_leaves_its_kernels_running_for_its_next_start(
     gateway: Gateway,
 ) -> None:
@@ -474,6 +475,7 @@ async def test_a_restart_stops_the_replicas_its_record_dropped_or_never_acknowle
     assert all(alive(p) for p in kept)
 
 
+@pytest.mark.long
 async def test_a_gateway_that_lost_its_state_or_has_an_older_copy_adopts_what_it_finds(
     gateway: Gateway,
 ) -> None:

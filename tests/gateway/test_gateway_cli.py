@@ -187,6 +187,7 @@ def http_gateway(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
     assert "Traceback" not in log.read_text()
 
 
+@pytest.mark.long
 @pytest.mark.anyio
 async def test_status_names_kernels_as_the_http_api_does_and_ps_names_each_replica(
     http_gateway: tuple[str, str, Path],

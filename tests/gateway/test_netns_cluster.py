@@ -184,6 +184,7 @@ async def cluster(tmp_path: Path, net: Netns, host_gpus: dict[str, int]) -> Asyn
             end_replicas(agent.state_dir)
 
 
+@pytest.mark.long
 async def test_a_host_killed_with_its_replicas_has_its_replica_replaced_state_intact(
     cluster: Cluster,
 ) -> None:
@@ -295,6 +296,7 @@ async def test_two_clients_contend_for_the_one_gpu_and_the_second_waits_with_a_s
     assert usage[second]["started"] >= usage[first]["ended"]
 
 
+@pytest.mark.long
 async def test_chaos_cuts_a_host_off_with_the_users_commands_and_every_check_holds(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -154,6 +154,7 @@ def test_a_replays_figures_are_the_gateways_ledger_over_the_run_in_trace_seconds
 WAIT = Trace(tuple(Session(f"w{i}", 0, 4 * 3600, 2, (Cell(60 + 60 * i, 3600),)) for i in range(4)))
 
 
+@pytest.mark.long
 async def test_a_replay_says_each_wait_on_its_own_line_and_its_progress_in_lines(
     tmp_path: Path,
 ) -> None:

@@ -196,6 +196,7 @@ def test_a_killed_clients_kernel_goes_away_after_the_grace_period(runtime_dir: P
             client.wait()
 
 
+@pytest.mark.long
 def test_the_gateway_exits_once_it_had_no_kernel_for_its_idle_time(runtime_dir: Path) -> None:
     announced = runtime(runtime_dir).read()
     assert announced is not None

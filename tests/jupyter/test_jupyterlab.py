@@ -146,6 +146,7 @@ def open_notebook(browser: Browser, lab: JupyterLab, name: str, cell_count: int)
     browser.driver.find_element(By.CSS_SELECTOR, f"{SHOWN} .jp-Cell .jp-InputPrompt").click()
 
 
+@pytest.mark.long
 def test_a_notebook_shows_its_executor_lost_mid_cell_and_runs_on(
     browser: Browser, lab: JupyterLab, tmp_path: Path
 ) -> None:
@@ -174,6 +175,7 @@ def test_a_notebook_shows_its_executor_lost_mid_cell_and_runs_on(
     assert screenshot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.long
 def test_two_users_notebooks_contend_for_one_gpu_and_the_waiting_one_says_so(
     browser: Browser, lab: JupyterLab, gateway: Gateway, release: Path, tmp_path: Path
 ) -> None:
