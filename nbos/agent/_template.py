@@ -19,6 +19,7 @@ its process from scratch: a template's trouble never fails a start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -124,7 +125,6 @@ class ReplicaTemplate:
         self._tg = tg
         self._python = python
         self._control: socket.socket | None = None
-        self._process: LocalProcessHandle | None = None
         self._lock = anyio.Lock()
         # The fork asked for (its log), and where the template's answer goes.
         self._pending: Path | None = None
@@ -132,11 +132,6 @@ class ReplicaTemplate:
         self._forked: dict[int, ForkedProcess] = {}
         self._not_before = 0.0
         self._closed = False
-
-    @property
-    def pid(self) -> int | None:
-        """The template's pid while it runs."""
-        return self._process.pid if self._control is not None and self._process else None
 
     async def fork(self, label: str) -> ForkedProcess | None:
         """A new pre-started process, forked; ``None`` when no template can fork now."""
@@ -149,6 +144,7 @@ class ReplicaTemplate:
         """Let the template go (its end of the socket closes and it exits); its forks stay."""
         self._closed = True
         if self._control is not None:
+            anyio.notify_closing(self._control)  # its listener's wait ends
             self._control.close()
             self._control = None
 
@@ -169,7 +165,7 @@ class ReplicaTemplate:
         finally:
             theirs.close()
         ours.setblocking(False)
-        self._control, self._process = ours, process
+        self._control = ours
         log.info("host %s: replica template pid %d (%s)", self._host, process.pid, process.log_path)
         self._tg.start_soon(self._listen, ours, process, time.monotonic())
         return True
@@ -248,7 +244,8 @@ class ReplicaTemplate:
             self._control = None
         control.close()
         if self._answer is not None:
-            self._answer.send_nowait(None)
+            with contextlib.suppress(anyio.WouldBlock):  # its answer came before the end
+                self._answer.send_nowait(None)
         orphans, self._forked = self._forked, {}
         for forked in orphans.values():
             self._tg.start_soon(forked.wait_unreaped)

@@ -197,7 +197,8 @@ class AgentSettings(_Section, frozen=True):
     imported IPython, ipykernel and nbos and waits to be told which replica to be);
     a kernel's start takes one per replica and the agent starts another in the
     background. Each costs the memory of an idle Python with those imports (about
-    60 MiB resident, 40 MiB proportional); 0 starts every replica from scratch. Only
+    60 MiB resident, 32 MiB proportional; a few MiB of its own when forked, below); 0
+    starts every replica from scratch. Only
     the ``process`` runtime has a pool: unset, it means 2 there and 0 with ``docker``,
     where any other value is refused.
 

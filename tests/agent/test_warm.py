@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -213,11 +214,15 @@ async def test_a_template_killed_fails_no_start_and_the_pool_refills(
     os.kill(template, signal.SIGKILL)
     # Its fork waits on (reparented), and starts follow at once, while the agent finds
     # its template gone: each becomes a kernel all the same.
-    for n in (1, 2):
-        spec = replica_spec(tmp_path / str(n))
-        reply = await gateway.call("h1/agent", lambda rid: ReplicaStart(rid, f"k1-{n}", spec))
+    for replica_id in ("k1-1", "k2-1"):
+        spec = msgspec.structs.replace(
+            replica_spec(tmp_path), label=replica_id, workdir=f"{replica_id}/replica-1"
+        )
+        reply = await gateway.call(
+            "h1/agent", partial(ReplicaStart, replica_id=replica_id, spec=spec)
+        )
         assert isinstance(reply, ReplicaState) and reply.replica.running
-        await bound(gateway, f"k1-{n}")
+        await bound(gateway, replica_id)
     assert alive(warm)
     await pools_full(agents=1, size=1, without={warm})
 

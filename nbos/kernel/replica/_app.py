@@ -19,6 +19,8 @@ restarted in place keeps its connection file, and with it what its clients speak
 ``docs/deploy.md``): it imports everything a replica needs, then waits for one
 :class:`~nbos.core.wire.agent.WarmAssignment` line on its stdin and runs as the
 replica it names; at end of file (its agent went away) it exits without a word.
+``python -m nbos.kernel.replica --template`` is the process such pre-started replicas are
+forked from (:mod:`nbos.kernel.replica._template`): each fork goes on as ``--warm`` would.
 """
 
 from __future__ import annotations
