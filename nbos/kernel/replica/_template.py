@@ -4,8 +4,11 @@ are forked from (``[agent] fork_replicas``, ``docs/deploy.md``).
 It imports everything a replica needs once, then forks each pre-started replica on its
 agent's request, as Android's zygote or :mod:`multiprocessing`'s forkserver do: the
 forks share the interpreter's and the libraries' pages with it (copy on write), where
-processes started one by one each hold their own copy. ``gc.freeze()`` before the first
-fork keeps the collector from writing to (and so copying) every imported object.
+processes started one by one each hold their own copy. As Python's ``gc`` documentation
+advises, the collector is off in the template from its first import (objects it frees
+would leave holes in the shared pages, which a fork's objects fill, copying them) and
+``gc.freeze()`` before the first fork keeps a fork's collections from writing to (and so
+copying) every imported object; a fork turns it back on for its own objects.
 
 The agent talks to it over a ``SOCK_SEQPACKET`` socket on its stdin. A request
 (:data:`~nbos.core.wire.agent.FORK_REQUEST`) carries the new process's stdin and log
@@ -78,7 +81,6 @@ def serve_forks() -> None:
         os._exit(THREADED_STATUS)
     control = socket.socket(fileno=os.dup(0))
     _stdin_from_devnull()
-    gc.collect()
     gc.freeze()
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
@@ -121,6 +123,7 @@ def _become_replica(
     for pidfd in children:
         os.close(pidfd)
     children.clear()
+    gc.enable()  # its own objects; the template's stay frozen
     os.dup2(stdin, 0)
     os.dup2(output, 1)
     os.dup2(output, 2)
