@@ -202,7 +202,7 @@ async def test_forks_share_their_template_s_pages_and_the_agent_stops_them_by_pi
     assert (info.exit_code, info.signal) != (None, None), info
 
 
-async def test_a_template_killed_fails_no_start_and_the_pool_refills(
+async def test_a_template_killed_mid_fork_fails_no_start_and_the_pool_refills(
     tmp_path: Path, gateway: FakeGateway, agents: list[AgentProcess]
 ) -> None:
     agents.append(
@@ -211,20 +211,28 @@ async def test_a_template_killed_fails_no_start_and_the_pool_refills(
     await gateway.welcome("h1")
     [warm] = await pools_full(agents=1, size=1)
     template = _parent(warm)
-    os.kill(template, signal.SIGKILL)
-    # Its fork waits on (reparented), and starts follow at once, while the agent finds
-    # its template gone: each becomes a kernel all the same.
-    for replica_id in ("k1-1", "k2-1"):
-        spec = msgspec.structs.replace(
-            replica_spec(tmp_path), label=replica_id, workdir=f"{replica_id}/replica-1"
-        )
-        reply = await gateway.call(
-            "h1/agent", partial(ReplicaStart, replica_id=replica_id, spec=spec)
-        )
-        assert isinstance(reply, ReplicaState) and reply.replica.running
-        await bound(gateway, replica_id)
+    # Stopped, the template leaves the refill's fork request unanswered; killed then, it
+    # ends with that request (or before it came) in its socket.
+    os.kill(template, signal.SIGSTOP)
+    await start_and_bind(gateway, tmp_path, "k1-1")
     assert alive(warm)
-    await pools_full(agents=1, size=1, without={warm})
+    os.kill(template, signal.SIGKILL)
+    # The refill falls back to a process started from scratch (or a new template), and
+    # starts go on: each becomes a kernel.
+    [refill] = await pools_full(agents=1, size=1, without={warm})
+    assert refill != template
+    await start_and_bind(gateway, tmp_path, "k2-1")
+    assert alive(warm)
+
+
+async def start_and_bind(gateway: FakeGateway, tmp_path: Path, replica_id: str) -> None:
+    """Start a one-member replica ``replica_id`` and wait until its kernel bound its ports."""
+    spec = msgspec.structs.replace(
+        replica_spec(tmp_path), label=replica_id, workdir=f"{replica_id}/replica-1"
+    )
+    reply = await gateway.call("h1/agent", partial(ReplicaStart, replica_id=replica_id, spec=spec))
+    assert isinstance(reply, ReplicaState) and reply.replica.running
+    await bound(gateway, replica_id)
 
 
 def test_the_setting_is_validated_where_it_is_read() -> None:
