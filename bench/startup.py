@@ -67,7 +67,7 @@ def settings(run_dir: Path) -> Settings:
 
 async def nbos_start(service: GatewayService) -> float:
     begun = time.perf_counter()
-    kernel = await service.gateway.start_kernel()
+    kernel = await service.kernel_manager.start_kernel()
     try:
         result = await kernel.execute(CELL, timeout=120)
         took = time.perf_counter() - begun

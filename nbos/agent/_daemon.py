@@ -72,7 +72,6 @@ from nbos.core.wire.agent import (
     ReplicaStop,
 )
 from nbos.gpu import GpuPool, Inventory, discover_gpus
-from nbos.kernel.jupyter_requests import control_request
 from nbos.kernel.protocol import EVICT_DEVICES, EVICT_REQUEST
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink
@@ -405,6 +404,10 @@ class AgentDaemon:
     async def _evict(self, kernel_id: KernelId, devices: tuple[int, ...]) -> None:
         """Have ``kernel_id``'s replica here move its tensors off ``devices``, which another
         kernel's cell is to get (lazy eviction); raises :class:`GpuError` if it does not."""
+        # Imported here: jupyter_client is some 7 MiB of every agent's memory, for a request
+        # only hosts of oversubscribed GPUs ever make.
+        from nbos.kernel.jupyter_requests import control_request
+
         for replica_id in self.replicas.of_kernel(kernel_id):
             info = await self.replicas.connection(replica_id)
             if not info:

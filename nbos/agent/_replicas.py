@@ -27,7 +27,9 @@ acknowledged its end.
 
 With ``[agent] warm_replicas`` above 0 (processes only) the service keeps that many
 pre-started replica processes (:class:`~nbos.agent._warm.WarmPool`) and starts a
-replica by handing one out.
+replica by handing one out; with ``fork_replicas`` (the default) they are forks of a
+template process (:mod:`nbos.agent._template`): their exit status comes from the
+template, which reaps them, and is unknown if the template ended first.
 
 Leaving the agent does not stop replicas (the backend is not closed), so a
 restarted agent takes them back; :meth:`ReplicaService.stop_all` is the way to
@@ -55,6 +57,7 @@ import msgspec
 
 from nbos.agent._pids import process_start_ticks, read_boot_id
 from nbos.agent._runtime import container_env, docker_backend
+from nbos.agent._template import ForkedProcess
 from nbos.agent._warm import WarmPool
 from nbos.backends import LocalProcessBackend
 from nbos.backends.workdir import (
@@ -165,7 +168,26 @@ class _Adopted:
             raise BackendError(f"cannot signal process group {self.pid}: {exc}") from exc
 
 
-_Process = _Child | _Adopted
+class _Forked:
+    """A replica forked by the host's template, which reaps it and tells its exit status."""
+
+    def __init__(self, process: ForkedProcess) -> None:
+        self._process = process
+
+    def running(self) -> bool:
+        return self._process.running()
+
+    async def wait(self) -> ExitStatus:
+        returncode = await self._process.wait()
+        return (
+            ExitStatus(None, None) if returncode is None else ExitStatus.from_returncode(returncode)
+        )
+
+    async def signal(self, signum: int) -> None:
+        await self._process.signal(signum)
+
+
+_Process = _Child | _Adopted | _Forked
 
 
 @attrs.define
@@ -229,7 +251,9 @@ class ReplicaService:
         self._docker: DockerBackend | None = None
         if settings.runtime == "docker":
             self._docker = docker_backend(host, settings, self._work)
-        self._warm = WarmPool(self._backend, host, settings.pool_size, tg, python=self._python)
+        self._warm = WarmPool(
+            self._backend, host, settings.pool_size, tg, python=self._python, fork=settings.forks
+        )
         self._report = report
         self._tg = tg
         self._replicas: dict[str, _Replica] = {}
@@ -331,13 +355,16 @@ class ReplicaService:
             local = await self._warm.take(argv, spec.env) or await self._backend.start(
                 self._host, ProcessSpec(argv, spec.env, label)
             )
-            handle: ProcessHandle = local
+            process: _Process = (
+                _Forked(local) if isinstance(local, ForkedProcess) else _Child(local)
+            )
             pid, container, where = local.pid, "", str(local.log_path)
         else:
             started = await self._docker.start(
                 self._host, ProcessSpec(argv, container_env(spec.env), label)
             )
-            handle, container, where = started, started.container_id, f"container {started.name}"
+            process = _Child(started)
+            container, where = started.container_id, f"container {started.name}"
             try:
                 pid = await started.host_pid()
             except BackendError:  # logged by the backend; the container runs all the same
@@ -353,7 +380,7 @@ class ReplicaService:
             container=container,
             spec=spec,
         )
-        replica = self._replicas[replica_id] = _Replica(record, _Child(handle), adopted=False)
+        replica = self._replicas[replica_id] = _Replica(record, process, adopted=False)
         await self._save(record)
         log.info("replica %s started: pid %d (%s)", replica_id, pid, where)
         self._tg.start_soon(self._watch, replica)

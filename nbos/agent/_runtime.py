@@ -38,6 +38,10 @@ def check_agent_settings(settings: AgentSettings) -> None:
     # A Struct built in code skips the checks of its fields' constraints: the section's
     # own conversion makes both ways in take the same values.
     convert_strictly({"agent": msgspec.to_builtins(settings)}, Settings)
+    if settings.fork_replicas is not None and not settings.pool_size:
+        raise ConfigError(
+            "agent.fork_replicas", settings.fork_replicas, "unset without pre-started replicas"
+        )
     if settings.runtime != "docker":
         default = AgentSettings()
         for key in ("docker_engine", "docker_image", "docker_mounts"):

@@ -157,14 +157,21 @@ class LocalProcessBackend:
         return self._hosts
 
     async def start(
-        self, host: HostId, spec: ProcessSpec, *, stdin_pipe: bool = False
+        self,
+        host: HostId,
+        spec: ProcessSpec,
+        *,
+        stdin_pipe: bool = False,
+        stdin_fd: int | None = None,
     ) -> LocalProcessHandle:
         """Start ``spec`` on ``host``; ``stdin_pipe``: its stdin is a pipe whose write end
-        is the handle's ``stdin`` (else ``/dev/null``)."""
+        is the handle's ``stdin``; ``stdin_fd``: its stdin is that descriptor (a socket);
+        else ``/dev/null``."""
         check_start(self.name, self._closed, host, self._hosts, spec)
-        log_path, log = await self._open_log(host, spec)
+        log_path, log = await self.open_log(host, spec)
+        stdin = subprocess.PIPE if stdin_pipe else subprocess.DEVNULL
         try:
-            process = await self._spawn(host, spec, log, stdin_pipe)
+            process = await self._spawn(host, spec, log, stdin if stdin_fd is None else stdin_fd)
         finally:
             # The child holds its own copy of the descriptor.
             log.close()
@@ -188,13 +195,13 @@ class LocalProcessBackend:
         self._handles.clear()
 
     async def _spawn(
-        self, host: HostId, spec: ProcessSpec, log: BinaryIO, stdin_pipe: bool
+        self, host: HostId, spec: ProcessSpec, log: BinaryIO, stdin: int
     ) -> anyio.abc.Process:
         env = {**os.environ, **process_env(host, spec.env)}
         try:
             return await anyio.open_process(
                 list(spec.argv),
-                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                stdin=stdin,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -204,7 +211,9 @@ class LocalProcessBackend:
             logger.warning("cannot start %r on %s: %s", spec.argv[0], host, exc)
             raise BackendError(f"cannot start {spec.argv[0]!r} on {host}: {exc}") from exc
 
-    async def _open_log(self, host: HostId, spec: ProcessSpec) -> tuple[Path, BinaryIO]:
+    async def open_log(self, host: HostId, spec: ProcessSpec) -> tuple[Path, BinaryIO]:
+        """A new log file for ``spec`` on ``host`` (private), for a process started by other
+        means than :meth:`start` (a fork of a replica template)."""
         try:
             if self._run_dir is None:
                 self._run_dir = Path(

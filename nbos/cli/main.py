@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from nbos._version import __version__
 from nbos.core.errors import NbosError
@@ -32,11 +33,21 @@ _COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="nbos",
-        description="Replicated, GPU-on-demand Jupyter kernels over a cluster of GPU hosts.",
+def build_parser(commands: Sequence[str] = _COMMANDS) -> argparse.ArgumentParser:
+    """The parser of ``commands`` (each imports its module: all for help and errors)."""
+    parser = _global_options(
+        argparse.ArgumentParser(
+            prog="nbos",
+            description="Replicated, GPU-on-demand Jupyter kernels over a cluster of GPU hosts.",
+        )
     )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in commands:
+        importlib.import_module(f"nbos.cli.{module}").register(subparsers)
+    return parser
+
+
+def _global_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nbos {__version__}")
     parser.add_argument(
         "--log-level",
@@ -50,14 +61,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="your token for the gateway's control endpoint (default: $NBOS_TOKEN, else the "
         "operator token a gateway you run left in Jupyter's runtime directory)",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in _COMMANDS:
-        importlib.import_module(f"nbos.cli.{module}").register(subparsers)
     return parser
 
 
+def _named_command(argv: Sequence[str] | None) -> list[str]:
+    """The command ``argv`` names, alone: a daemon imports its own command's code only
+    (every command's would cost each ``nbos agent`` some 25 MiB); all of them when it
+    names none (help, errors)."""
+    before = _global_options(_Peek(add_help=False))
+    before.add_argument("command", nargs="?")
+    try:
+        known, _ = before.parse_known_args(argv)
+    except _Unparsed:  # the whole parser says what is wrong
+        return list(_COMMANDS)
+    return [known.command] if known.command in _COMMANDS else list(_COMMANDS)
+
+
+class _Unparsed(Exception):
+    pass
+
+
+class _Peek(argparse.ArgumentParser):
+    """A parser that raises on bad arguments instead of printing them and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _Unparsed(message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_named_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     if args.token:

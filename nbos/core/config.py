@@ -197,9 +197,15 @@ class AgentSettings(_Section, frozen=True):
     imported IPython, ipykernel and nbos and waits to be told which replica to be);
     a kernel's start takes one per replica and the agent starts another in the
     background. Each costs the memory of an idle Python with those imports (about
-    60 MiB resident, 40 MiB proportional); 0 starts every replica from scratch. Only
+    60 MiB resident, 32 MiB proportional; a few MiB of its own when forked, below); 0
+    starts every replica from scratch. Only
     the ``process`` runtime has a pool: unset, it means 2 there and 0 with ``docker``,
     where any other value is refused.
+
+    ``fork_replicas``: whether the pre-started replicas are forks of one template
+    process that imported all that once (unset: yes), sharing its memory pages, or each
+    started from scratch (``false``). Only where there is a pool: set elsewhere, it is
+    refused.
     """
 
     runtime: Literal["process", "docker"] = "process"
@@ -208,6 +214,7 @@ class AgentSettings(_Section, frozen=True):
     docker_mounts: list[str] = msgspec.field(default_factory=list)
     python: str = ""
     warm_replicas: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+    fork_replicas: bool | None = None
 
     @property
     def pool_size(self) -> int:
@@ -215,6 +222,12 @@ class AgentSettings(_Section, frozen=True):
         if self.warm_replicas is not None:
             return self.warm_replicas
         return 2 if self.runtime == "process" else 0
+
+    @property
+    def forks(self) -> bool:
+        """Whether the pre-started replicas are forked from a template (``fork_replicas``
+        resolved)."""
+        return self.pool_size > 0 and self.fork_replicas is not False
 
 
 class Settings(_Section, frozen=True):

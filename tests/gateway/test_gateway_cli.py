@@ -141,20 +141,29 @@ def _nbos(*argv: str, address: str) -> str:
 
 
 def _warm_under(gateway: int) -> list[int]:
-    """The pre-started replicas of the gateway's local agents (its children)."""
-    found = []
+    """The pre-started replicas below the gateway (its local agents' children, or their
+    templates' forks, which retitle themselves with one string)."""
+    parents: dict[int, int] = {}
+    warm = []
     for entry in Path("/proc").iterdir():
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
-            agent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            parent = int(
-                (Path("/proc") / str(agent) / "stat").read_text().rpartition(")")[2].split()[1]
+            words = (entry / "cmdline").read_bytes().replace(b"\0", b" ").split()
+            parents[int(entry.name)] = int(
+                (entry / "stat").read_text().rpartition(")")[2].split()[1]
             )
         except (OSError, ValueError):
             continue  # not a process, or one that ended meanwhile
-        if argv[-1:] == [b"--warm"] and parent == gateway:
-            found.append(int(entry.name))
-    return found
+        if words[-1:] == [b"--warm"]:
+            warm.append(int(entry.name))
+
+    def below(pid: int) -> bool:
+        for _ in range(3):  # agent, template
+            pid = parents.get(pid, 0)
+            if pid == gateway:
+                return True
+        return False
+
+    return [pid for pid in warm if below(pid)]
 
 
 def _titles(replicas: list[dict[str, Any]]) -> dict[int, str]:

@@ -424,3 +424,28 @@ class WarmAssignment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     argv: list[str]
     env: dict[str, str] = {}
+
+
+#: The only argument of a replica template (``python -m nbos.kernel.replica --template``).
+TEMPLATE_FLAG = "--template"
+#: An agent's request to its template: fork a pre-started replica. It carries two
+#: descriptors (``SCM_RIGHTS``): the replica's stdin, then its log (stdout and stderr).
+FORK_REQUEST = b"fork"
+
+
+class TemplateForked(msgspec.Struct, frozen=True, tag="forked", forbid_unknown_fields=True):
+    """A template's answer to a fork request: the new process, whose pidfd comes with it."""
+
+    pid: int
+
+
+class TemplateExited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=True):
+    """A process the template forked ended (and was reaped): its exit status, ``-N`` for
+    signal ``N``, as :attr:`subprocess.Popen.returncode` has it."""
+
+    pid: int
+    returncode: int
+
+
+#: What a template tells its agent, one datagram each (never leaves the host).
+TemplateReport = TemplateForked | TemplateExited

@@ -19,11 +19,12 @@ restarted in place keeps its connection file, and with it what its clients speak
 ``docs/deploy.md``): it imports everything a replica needs, then waits for one
 :class:`~nbos.core.wire.agent.WarmAssignment` line on its stdin and runs as the
 replica it names; at end of file (its agent went away) it exits without a word.
+``python -m nbos.kernel.replica --template`` is the process such pre-started replicas are
+forked from (:mod:`nbos.kernel.replica._template`): each fork goes on as ``--warm`` would.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
@@ -48,11 +49,12 @@ from nbos.core.errors import (
 from nbos.core.ids import KernelId, NodeId
 from nbos.core.object_store import ObjectStore
 from nbos.core.private_files import keep_private
-from nbos.core.wire.agent import WARM_FLAG, WarmAssignment
+from nbos.core.wire.agent import TEMPLATE_FLAG, WARM_FLAG, WarmAssignment
 from nbos.kernel.protocol import RAFT_STATE_GONE_STATUS
 from nbos.kernel.replica._kernel import NoShellChannelThread, ReplicaKernel
 from nbos.kernel.replica._member_thread import RaftMemberThread
 from nbos.kernel.replica._session import ReplicaSession
+from nbos.kernel.replica._template import import_startup_modules, serve_forks
 from nbos.store.local import LocalObjectStore
 from nbos.transport.keys import take_kernel_keys
 from nbos.transport.ports import bind_port
@@ -242,21 +244,6 @@ def _log_only_what_is_shown(log: logging.Logger | logging.LoggerAdapter[Any]) ->
         logger.setLevel(max(logger.level, min(levels)))
 
 
-# What ipykernel and IPython import only while a kernel starts (to start sooner
-# themselves; found with ``python -X importtime``): a pre-started replica has the time
-# before its assignment. One that is not installed is ipykernel's concern, not ours.
-_STARTUP_IMPORTS = (
-    "anyio._core._sockets",
-    "anyio._core._streams",
-    "argcomplete",
-    "IPython.core.debugger",
-    "IPython.core.oinspect",
-    "psutil",
-    "sqlite3",
-    "tornado.platform.asyncio",
-)
-
-
 def wait_for_assignment() -> list[str]:
     """The argv a pre-started replica was assigned on its stdin, with its environment set.
 
@@ -264,9 +251,7 @@ def wait_for_assignment() -> list[str]:
     a line that does not decode, with status 2. Stdin is /dev/null afterwards, as a
     replica started cold has it, so the agent's pipe does not stay open.
     """
-    for name in _STARTUP_IMPORTS:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
+    import_startup_modules()
     line = sys.stdin.buffer.readline()
     if not line:
         os._exit(0)
@@ -293,7 +278,8 @@ def show_assignment(argv: list[str]) -> None:
     """
     import setproctitle  # only pre-started replicas need it
 
-    started_as = sys.orig_argv[:-1]  # python -m nbos.kernel.replica, less its --warm
+    # python -m nbos.kernel.replica, less its --warm (or its template's --template)
+    started_as = sys.orig_argv[:-1]
     setproctitle.setproctitle(" ".join([*started_as, *argv]))
 
 
@@ -322,14 +308,18 @@ def main(argv: list[str] | None = None) -> Any:
     at a pipe that becomes cell output, where they do not belong.
     """
     keep_private()  # its Raft log and snapshots hold the kernel's cells
-    handler = logging.StreamHandler(os.fdopen(os.dup(2), "w", buffering=1))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     nbos_log = logging.getLogger("nbos")
-    nbos_log.addHandler(handler)
     nbos_log.setLevel(logging.INFO)
     nbos_log.propagate = False
     import_ipykernel_debugger_without_debugpy()
-    if argv is None and sys.argv[1:] == [WARM_FLAG]:
+    if argv is None and sys.argv[1:] == [TEMPLATE_FLAG]:
+        template_log = logging.StreamHandler(sys.stderr)  # fd 2: a fork's is its own log
+        nbos_log.addHandler(template_log)
+        serve_forks()  # returns in a forked process: a pre-started replica
+        nbos_log.removeHandler(template_log)
+        show_assignment([WARM_FLAG])
+    _log_to_stderr(nbos_log)
+    if argv is None and sys.argv[1:] in ([WARM_FLAG], [TEMPLATE_FLAG]):
         argv = wait_for_assignment()
         show_assignment(argv)
     try:
@@ -347,6 +337,12 @@ def main(argv: list[str] | None = None) -> Any:
     # was closed: nothing is left to save.
     log.info("replica shut down")
     _exit_now(0)
+
+
+def _log_to_stderr(nbos_log: logging.Logger) -> None:
+    handler = logging.StreamHandler(os.fdopen(os.dup(2), "w", buffering=1))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    nbos_log.addHandler(handler)
 
 
 def _exit_now(status: int) -> NoReturn:
