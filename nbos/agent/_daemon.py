@@ -97,7 +97,7 @@ _UNWELCOMED_WARNING_S = 30.0
 # SIGTERM to SIGKILL, for replicas stopped with the agent.
 _STOP_GRACE = 5.0
 # Told to stop, an agent that hears nothing from the gateway for this long goes.
-_LEAVE_SILENCE_S = 10.0
+_LEAVE_SILENCE_S = 5.0
 _WILDCARDS = ("0.0.0.0", "*", "[::]", "::")
 # The most ports one request may ask for (a kernel's replica needs two).
 _MAX_PORTS = 64
@@ -332,11 +332,14 @@ class AgentDaemon:
     async def leave(self) -> None:
         """Told to stop (SIGTERM): return once the gateway says this agent may go
         (``nbos.gateway._leave``): at once, leaving the replicas running, unless the host's
-        node is being drained; then once the gateway moved them off. A gateway silent for
-        :data:`_LEAVE_SILENCE_S`, or one this agent is not registered with, moves nothing."""
+        node is being drained; then once the gateway moved them off. An agent that runs no
+        replica, stops its own, or is not registered goes at once; one whose gateway is
+        silent for :data:`_LEAVE_SILENCE_S` goes then (a gateway that is down moves
+        nothing)."""
         host = self.config.host_id
-        if not self.welcomed:
-            return
+        holds = any(r.running for r in self.replicas.infos())
+        if not self.welcomed or not holds or self.config.stop_replicas_on_exit:
+            return  # nothing the gateway could move
         heard, said = anyio.current_time(), ""
         while anyio.current_time() - heard < _LEAVE_SILENCE_S:
             self._advised = anyio.Event()
