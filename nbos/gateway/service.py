@@ -232,7 +232,7 @@ class GatewayService:
         conf = settings.gateway
         control = tcp_address(conf.address, "gateway.address")
         agents_at = tcp_address(conf.agent_address, "gateway.agent_address")
-        _check_timing(conf)
+        _check_values(conf)
         _check_addresses_free(conf)
         keys, joins = _keys(conf, agents_at)
         begun = anyio.current_time()
@@ -664,6 +664,9 @@ def _keys(conf: GatewaySettings, agents_at: str) -> tuple[KeyDirectory | None, J
     return keys, _join_settings(conf, keys, agents_at)
 
 
+_ENGINE_SCHEMES = ("unix", "tcp", "http", "https")
+
+
 def _join_settings(
     conf: GatewaySettings, keys: KeyDirectory | None, agents_at: str
 ) -> JoinSettings | None:
@@ -677,6 +680,13 @@ def _join_settings(
     if conf.join_address:
         return JoinSettings(tcp_address(conf.join_address, "gateway.join_address"), keys, token)
     return JoinSettings(default_join_address(agents_at), keys, token)
+
+
+def _check_values(conf: GatewaySettings) -> None:
+    """:class:`ConfigError` for the first ``[gateway]`` value that cannot take effect."""
+    _check_timing(conf)
+    if conf.swarm_engine and conf.swarm_engine.partition("://")[0] not in _ENGINE_SCHEMES:
+        raise ConfigError("gateway.swarm_engine", conf.swarm_engine, "a unix:// or tcp:// URL")
 
 
 def _check_timing(conf: GatewaySettings) -> None:

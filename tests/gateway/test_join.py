@@ -10,7 +10,9 @@ are refused with their reasons, and the agent endpoint still admits no other key
 
 from __future__ import annotations
 
+import os
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from nbos.transport.join import JoinToken, join_proof, make_join_token, new_nonc
 from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from nbos.transport.zmq import curve_client
-from tests.agent._daemons import DEADLINE, AgentProcess, start_agent
+from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, start_agent
 from tests.gateway._service import local_settings
 from tests.gateway.test_curve import _handshake
 
@@ -164,7 +166,17 @@ async def test_agents_join_with_their_own_keys_and_the_gateway_pins_them(tmp_pat
 async def test_a_token_of_another_gateway_or_a_malformed_one_is_refused(tmp_path: Path) -> None:
     keys, other = tmp_path / "keys", tmp_path / "other"
     generate_keys(keys, [])
-    token_file, _ = make_join_token(other)
+    made = await anyio.run_process(
+        [sys.executable, "-m", "nbos", "keys", str(other), "--join-token"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    token_file = other / "join.token"
+    assert made.stdout.decode().split() == [
+        str(other / "gateway.key"),
+        str(other / "gateway.key_secret"),
+        str(token_file),
+    ]
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     settings = local_settings(
         tmp_path, keys=str(keys), join_token_file=str(token_file), local_agents=False
     )
