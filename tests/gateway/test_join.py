@@ -36,7 +36,7 @@ from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, start_agent
 from tests.gateway._service import local_settings
 from tests.gateway.test_curve import _handshake
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 
 HOSTS = ("j-1", "j-2", "j-3")
 
@@ -69,7 +69,7 @@ def _join(token: JoinToken, host: str, *, at: float | None = None) -> AgentJoin:
 
 
 async def _exited(agent: AgentProcess) -> int:
-    with anyio.fail_after(DEADLINE):
+    with anyio.fail_after(3 * DEADLINE):
         while agent.process.poll() is None:  # noqa: ASYNC110 (another process's end: polled)
             await anyio.sleep(0.2)
     return agent.process.returncode
@@ -96,7 +96,7 @@ async def test_agents_join_with_their_own_keys_and_the_gateway_pins_them(tmp_pat
     try:
         async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
             agents = [start_agent(h, gateway, tmp_path, extra=joining) for h in HOSTS]
-            await service.directory.wait_for_hosts(3, timeout=DEADLINE)
+            await service.directory.wait_for_hosts(3, timeout=3 * DEADLINE)
             for agent in agents:
                 own = agent.state_dir / "keys" / "agent.key_secret"
                 assert stat.S_IMODE(own.stat().st_mode) == 0o600
@@ -110,10 +110,10 @@ async def test_agents_join_with_their_own_keys_and_the_gateway_pins_them(tmp_pat
             agents[0].kill()
             agents[0].wait()
             agents[0] = start_agent(HOSTS[0], gateway, tmp_path, extra=joining)
-            with anyio.fail_after(DEADLINE):
+            with anyio.fail_after(3 * DEADLINE):
                 while "joined the gateway" not in agents[0].log_text():  # noqa: ASYNC110
                     await anyio.sleep(0.2)
-            await service.directory.wait_for_hosts(3, timeout=DEADLINE)
+            await service.directory.wait_for_hosts(3, timeout=3 * DEADLINE)
             result = await kernel.execute("print(x + 1)")
             assert (result.status, result.stdout) == ("ok", "42\n")
 
