@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 Availability = Literal["active", "pause", "drain"]
 _SCHEMES = ("unix", "tcp", "http", "https")
+# What a request to an engine that is gone, slow or refusing raises.
+_ENGINE_ERRORS = (aiodocker.DockerError, aiohttp.ClientError, OSError, TimeoutError)
 
 
 @attrs.frozen
@@ -70,7 +72,7 @@ class SwarmNodes:
     async def _list(self, filters: Mapping[str, str]) -> list[SwarmNode]:
         try:
             raw = await self._docker().nodes.list(filters=dict(filters))
-        except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+        except _ENGINE_ERRORS as exc:
             raise BackendError(f"swarm manager at {self.engine}: list nodes: {exc}") from exc
         return sorted((SwarmNode.of(n) for n in raw), key=lambda n: n.hostname)
 
@@ -84,7 +86,7 @@ class SwarmNodes:
         spec = {**node.spec, "Availability": availability}
         try:
             await self._docker().nodes.update(node_id=node.node_id, version=node.version, spec=spec)
-        except (aiodocker.DockerError, aiohttp.ClientError) as exc:
+        except _ENGINE_ERRORS as exc:
             raise BackendError(
                 f"swarm manager at {self.engine}: node {node.hostname} {availability}: {exc}"
             ) from exc
