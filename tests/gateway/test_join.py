@@ -32,7 +32,7 @@ from nbos.transport.join import JoinToken, join_proof, make_join_token, new_nonc
 from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from nbos.transport.zmq import curve_client
-from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, start_agent
+from tests.agent._daemons import DEADLINE, ROOT, AgentProcess, end_replicas, start_agent
 from tests.gateway._service import local_settings
 from tests.gateway.test_curve import _handshake
 
@@ -161,6 +161,7 @@ async def test_agents_join_with_their_own_keys_and_the_gateway_pins_them(tmp_pat
         for agent in agents:
             agent.kill()
             agent.wait()
+            end_replicas(agent.state_dir)  # those a killed agent left, if the test failed
 
 
 async def test_a_token_of_another_gateway_or_a_malformed_one_is_refused(tmp_path: Path) -> None:
