@@ -35,6 +35,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from nbos._version import __version__
 from nbos.agent._agent import EVICT_TIMEOUT_S, HostAgent
+from nbos.agent._join import join_gateway
 from nbos.agent._replicas import ReplicaService, UnknownReplicaError
 from nbos.agent._runtime import check_agent_settings
 from nbos.core.config import AgentSettings
@@ -53,9 +54,11 @@ from nbos.core.wire.agent import (
     AgentErrorKind,
     AgentHello,
     AgentHelloRequest,
+    AgentLeaving,
     AgentRequest,
     AgentWelcome,
     GpuInfo,
+    LeaveAdvice,
     PortsGranted,
     PortsRequest,
     ReplicaConnection,
@@ -75,8 +78,10 @@ from nbos.gpu import GpuPool, Inventory, discover_gpus
 from nbos.kernel.protocol import EVICT_DEVICES, EVICT_REQUEST
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink
+from nbos.transport.join import JoinToken, agent_key_pair, default_join_address
 from nbos.transport.keys import KeyDirectory, check_host_name
 from nbos.transport.ports import free_ports
+from nbos.transport.zmq import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,8 @@ _INBOX_SIZE = 1024
 _UNWELCOMED_WARNING_S = 30.0
 # SIGTERM to SIGKILL, for replicas stopped with the agent.
 _STOP_GRACE = 5.0
+# Told to stop, an agent that hears nothing from the gateway for this long goes.
+_LEAVE_SILENCE_S = 5.0
 _WILDCARDS = ("0.0.0.0", "*", "[::]", "::")
 # The most ports one request may ask for (a kernel's replica needs two).
 _MAX_PORTS = 64
@@ -144,6 +151,9 @@ class AgentConfig:
     stop_replicas_on_exit: bool = False
     #: Without keys, listen on an address other hosts reach all the same.
     insecure: bool = False
+    #: The gateway's join endpoint (``HOST:PORT``; empty: the port after ``gateway``'s),
+    #: where an agent with ``settings.join_token_file`` joins.
+    join_address: str = ""
     #: Built in code, an agent keeps no pre-started replicas unless told to.
     settings: AgentSettings = attrs.field(factory=lambda: AgentSettings(warm_replicas=0))
 
@@ -152,16 +162,48 @@ class AgentConfig:
         check_agent_settings(self.settings)
         tcp_address(self.address, "address")
         tcp_address(self.gateway_address, "gateway")
-        if self.keys is None and not self.insecure and not _loopback(address_ip(self.address)):
+        if self.keys is not None and self.settings.join_token_file:
+            raise ConfigError(
+                "agent.join_token_file",
+                self.settings.join_token_file,
+                "no join token with --keys (a key pair from nbos keys, or a join token)",
+            )
+        if self.join_address and not self.settings.join_token_file:
+            raise ConfigError("join_address", self.join_address, "a join token to join with")
+        if self.settings.join_token_file:
+            self.joins_at()
+        secure = self.keys is not None or bool(self.settings.join_token_file)
+        if not secure and not self.insecure and not _loopback(address_ip(self.address)):
             # Whoever reaches a keyless agent has it start any argv, as the agent's user.
             raise ConfigError(
                 "address",
                 self.address,
-                "a loopback address without keys (--keys), or --insecure on a private network",
+                "a loopback address without keys (--keys or a join token), or --insecure on a "
+                "private network",
             )
         for key in ("heartbeat_interval", "precommit_ttl"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, getattr(self, key), "a positive number of seconds")
+
+    def joins_at(self) -> str:
+        """The join endpoint's ZeroMQ address (meaningful with a join token)."""
+        if self.join_address:
+            return tcp_address(self.join_address, "join_address")
+        return default_join_address(tcp_address(self.gateway_address, "gateway"))
+
+    async def curve(self) -> tuple[CurveKeys | None, bytes | None]:
+        """This agent's CURVE keys and the gateway's public key (``None`` without keys);
+        with a join token, once the gateway took the agent's own key."""
+        if self.keys is not None:
+            keys = KeyDirectory(self.keys)
+            return keys.host_curve(self.host_id), keys.gateway_public()
+        if not self.settings.join_token_file:
+            return None, None
+        token = JoinToken.read(self.settings.join_token_file)
+        public, secret = agent_key_pair(self.state_dir)
+        curve = CurveKeys(secret, public, frozenset({token.gateway_public}))
+        await join_gateway(token, self.joins_at(), self.host_id, curve)
+        return curve, token.gateway_public
 
 
 class AgentDaemon:
@@ -179,6 +221,8 @@ class AgentDaemon:
         self._inventory = inventory
         self._public_key = public_key.decode()
         self._welcomed: str | None = None
+        self._advice: LeaveAdvice | None = None
+        self._advised = anyio.Event()
         self._gpu: HostAgent | None = None
         self._replicas: ReplicaService | None = None
         self._zmq = zmq.asyncio.Context()
@@ -187,9 +231,8 @@ class AgentDaemon:
     @asynccontextmanager
     async def serve(cls, config: AgentConfig) -> AsyncIterator[AgentDaemon]:
         """Run the agent until the block exits; replicas keep running unless configured."""
-        keys = KeyDirectory(config.keys) if config.keys is not None else None
-        curve = keys.host_curve(config.host_id) if keys is not None else None
-        server_keys = {GATEWAY_PEER: keys.gateway_public()} if keys is not None else {}
+        curve, gateway_public = await config.curve()
+        server_keys = {GATEWAY_PEER: gateway_public} if gateway_public is not None else {}
         inventory = await anyio.to_thread.run_sync(_discover, config)
         inbox_in, inbox_out = anyio.create_memory_object_stream[tuple[PeerId, bytes]](_INBOX_SIZE)
         async with await ZmqTransport.open(
@@ -285,6 +328,39 @@ class AgentDaemon:
             request_id=request_id,
         )
 
+    async def leave(self) -> None:
+        """Told to stop (SIGTERM): return once the gateway says this agent may go
+        (``nbos.gateway._leave``): at once, leaving the replicas running, unless the host's
+        node is being drained; then once the gateway moved them off. An agent that runs no
+        replica, stops its own, or is not registered goes at once; one whose gateway is
+        silent for :data:`_LEAVE_SILENCE_S` goes then (a gateway that is down moves
+        nothing)."""
+        host = self.config.host_id
+        holds = any(r.running for r in self.replicas.infos())
+        if not self.welcomed or not holds or self.config.stop_replicas_on_exit:
+            return  # nothing the gateway could move
+        heard, said = anyio.current_time(), ""
+        while anyio.current_time() - heard < _LEAVE_SILENCE_S:
+            self._advised = anyio.Event()
+            await self._send(AgentLeaving(host, self.incarnation))
+            with anyio.move_on_after(self.config.heartbeat_interval):
+                await self._advised.wait()
+            advice = self._advice
+            if not self._advised.is_set() or advice is None:
+                continue
+            heard = anyio.current_time()
+            if advice.reason != said:
+                said = advice.reason
+                log.info(
+                    "host %s stops: %s (%s)",
+                    host,
+                    advice.reason,
+                    "waits" if advice.wait else "goes",
+                )
+            if not advice.wait:
+                return
+        log.warning("host %s: no word from the gateway for %g s: goes", host, _LEAVE_SILENCE_S)
+
     # --- loops -------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
@@ -350,6 +426,9 @@ class AgentDaemon:
                 await self._send(self.hello(rid))
             case ReplicaExitAck(replica_id=replica_id):
                 await self.replicas.acknowledge(replica_id)
+            case LeaveAdvice(host_id=host) if host == self.config.host_id:
+                self._advice = message
+                self._advised.set()
             case _:
                 request_id = getattr(message, "request_id", None)
                 await self._error(
@@ -483,7 +562,24 @@ async def run_until_signalled(config: AgentConfig) -> None:
         _state_dir_lock(config.state_dir),
         anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
     ):
-        async with AgentDaemon.serve(config):
+        async with AgentDaemon.serve(config) as daemon:
             async for signum in signals:
                 log.info("agent of host %s: %s, stopping", config.host_id, signal.strsignal(signum))
+                if signum == signal.SIGTERM:
+                    await _leave_unless_signalled(daemon, signals)
                 return
+
+
+async def _leave_unless_signalled(daemon: AgentDaemon, signals: AsyncIterator[int]) -> None:
+    """:meth:`AgentDaemon.leave`, cut short by another signal (an operator's second ^C or
+    ``kill``)."""
+    async with anyio.create_task_group() as tg:
+
+        async def cut_short() -> None:
+            async for _ in signals:
+                log.warning("agent of host %s: stops without waiting", daemon.config.host_id)
+                tg.cancel_scope.cancel()
+
+        tg.start_soon(cut_short)
+        await daemon.leave()
+        tg.cancel_scope.cancel()

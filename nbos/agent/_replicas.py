@@ -56,7 +56,7 @@ import attrs
 import msgspec
 
 from nbos.agent._pids import process_start_ticks, read_boot_id
-from nbos.agent._runtime import container_env, docker_backend
+from nbos.agent._runtime import container_env, docker_backend, replica_labels
 from nbos.agent._template import ForkedProcess
 from nbos.agent._warm import WarmPool
 from nbos.backends import LocalProcessBackend
@@ -361,7 +361,9 @@ class ReplicaService:
             pid, container, where = local.pid, "", str(local.log_path)
         else:
             started = await self._docker.start(
-                self._host, ProcessSpec(argv, container_env(spec.env), label)
+                self._host,
+                ProcessSpec(argv, container_env(spec.env), label),
+                labels=replica_labels(replica_id, spec),
             )
             process = _Child(started)
             container, where = started.container_id, f"container {started.name}"

@@ -88,10 +88,12 @@ from nbos.gateway._cluster_gpus import ClusterGpus
 from nbos.gateway._dashboard import EventLog
 from nbos.gateway._directory import HostDirectory
 from nbos.gateway._hosts import HostRecord
+from nbos.gateway._join import JoinSettings, gateway_join_token
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
+from nbos.gateway._leave import LeaveAdvisor
 from nbos.gateway._state import GatewayState, StateFile
 from nbos.gateway._strays import settle_strays
 from nbos.gateway.auth import (
@@ -138,6 +140,7 @@ from nbos.metrics.prometheus import (
 )
 from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions, FairShare, HostLimits
 from nbos.transport import ZmqTransport
+from nbos.transport.join import default_join_address
 from nbos.transport.keys import KeyDirectory
 
 log = logging.getLogger(__name__)
@@ -229,9 +232,9 @@ class GatewayService:
         conf = settings.gateway
         control = tcp_address(conf.address, "gateway.address")
         agents_at = tcp_address(conf.agent_address, "gateway.agent_address")
-        _check_timing(conf)
+        _check_values(conf)
         _check_addresses_free(conf)
-        keys = KeyDirectory(conf.keys) if conf.keys else None
+        keys, joins = _keys(conf, agents_at)
         begun = anyio.current_time()
         scaling = _autoscaler_config(settings)
         limits = HostLimits.of(settings.cluster)
@@ -255,11 +258,7 @@ class GatewayService:
             # Read first: a state file that does not decode stops the start, before
             # anything runs that would be orphaned.
             loaded = state.load() if state is not None else None
-            transport = await stack.enter_async_context(
-                await ZmqTransport.open(
-                    "gateway", agents_at, curve=keys.gateway_curve() if keys else None
-                )
-            )
+            transport = await _agent_endpoint(stack, agents_at, keys, joins)
             directory = await stack.enter_async_context(
                 HostDirectory.serve(
                     transport,
@@ -305,17 +304,9 @@ class GatewayService:
             if loaded is not None:
                 await _take_back(loaded, kernel_manager, backend, conf)
             control_socket = _bind_control(control, stack)
-            live = None
-            if provider is not None:
-                live = LiveAutoscaler(
-                    directory,
-                    kernel_manager,
-                    provider,
-                    agent,
-                    period=conf.autoscale_period_s,
-                    host_timeout=conf.host_start_timeout_s,
-                )
-                _run_autoscaler(live, tg, stack)
+            live = await _autoscale_and_drain(
+                conf, directory, kernel_manager, provider=provider, agent=agent, tg=tg, stack=stack
+            )
             service = cls(
                 directory,
                 kernel_manager,
@@ -654,6 +645,50 @@ def _listen_refused(host: str, port: int) -> str | None:
     return None
 
 
+async def _agent_endpoint(
+    stack: AsyncExitStack, address: str, keys: KeyDirectory | None, joins: JoinSettings | None
+) -> ZmqTransport:
+    """The gateway's endpoint for agents (CURVE with keys), and its join endpoint."""
+    curve = keys.gateway_curve() if keys else None
+    transport = await stack.enter_async_context(
+        await ZmqTransport.open("gateway", address, curve=curve)
+    )
+    if joins is not None:
+        await stack.enter_async_context(joins.serve(transport))
+    return transport
+
+
+def _keys(conf: GatewaySettings, agents_at: str) -> tuple[KeyDirectory | None, JoinSettings | None]:
+    """The key directory and the join endpoint's settings, checked (``None``: none)."""
+    keys = KeyDirectory(conf.keys) if conf.keys else None
+    return keys, _join_settings(conf, keys, agents_at)
+
+
+_ENGINE_SCHEMES = ("unix", "tcp", "http", "https")
+
+
+def _join_settings(
+    conf: GatewaySettings, keys: KeyDirectory | None, agents_at: str
+) -> JoinSettings | None:
+    if not conf.join_token_file:
+        if conf.join_address:
+            raise ConfigError("gateway.join_address", conf.join_address, "a join_token_file")
+        return None
+    if keys is None:
+        raise ConfigError("gateway.keys", conf.keys, "a key directory, with join_token_file")
+    token = gateway_join_token(keys, conf.join_token_file)
+    if conf.join_address:
+        return JoinSettings(tcp_address(conf.join_address, "gateway.join_address"), keys, token)
+    return JoinSettings(default_join_address(agents_at), keys, token)
+
+
+def _check_values(conf: GatewaySettings) -> None:
+    """:class:`ConfigError` for the first ``[gateway]`` value that cannot take effect."""
+    _check_timing(conf)
+    if conf.swarm_engine and conf.swarm_engine.partition("://")[0] not in _ENGINE_SCHEMES:
+        raise ConfigError("gateway.swarm_engine", conf.swarm_engine, "a unix:// or tcp:// URL")
+
+
 def _check_timing(conf: GatewaySettings) -> None:
     if conf.missed_heartbeats < 1:
         raise ConfigError("gateway.missed_heartbeats", conf.missed_heartbeats, "at least 1")
@@ -714,6 +749,50 @@ def _bind_control(control: str, stack: AsyncExitStack) -> zmq.asyncio.Socket:
     except zmq.ZMQError as exc:
         raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
     return bound
+
+
+async def _autoscale_and_drain(
+    conf: GatewaySettings,
+    directory: HostDirectory,
+    kernel_manager: KernelManager,
+    *,
+    provider: HostProvider | None,
+    agent: AgentCommand,
+    tg: anyio.abc.TaskGroup,
+    stack: AsyncExitStack,
+) -> LiveAutoscaler | None:
+    """The live autoscaler (with a provider) and what agents told to stop are answered:
+    with ``swarm_engine``, a host whose swarm node is drained is emptied first."""
+    live = None
+    if provider is not None:
+        live = LiveAutoscaler(
+            directory,
+            kernel_manager,
+            provider,
+            agent,
+            period=conf.autoscale_period_s,
+            host_timeout=conf.host_start_timeout_s,
+        )
+        _run_autoscaler(live, tg, stack)
+    nodes = None
+    if conf.swarm_engine:
+        from nbos.backends.swarm import SwarmNodes
+
+        nodes = SwarmNodes(conf.swarm_engine)
+        stack.push_async_callback(nodes.aclose)
+    # Its own task group, ended before the kernels: no drain runs while they shut down.
+    drains = await stack.enter_async_context(anyio.create_task_group())
+    stack.callback(drains.cancel_scope.cancel)
+    advisor = LeaveAdvisor(
+        directory,
+        kernel_manager,
+        nodes,
+        drains,
+        period=conf.autoscale_period_s,
+        busy=(lambda h: h in live.draining) if live is not None else (lambda _: False),
+    )
+    directory.leave_advice = advisor.advise
+    return live
 
 
 def _run_autoscaler(live: LiveAutoscaler, tg: anyio.abc.TaskGroup, stack: AsyncExitStack) -> None:

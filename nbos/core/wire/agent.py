@@ -38,6 +38,8 @@ GpuSource = Literal["nvml", "virtual"]
 #: ``unknown_replica``: no such replica here; ``start_failed``: the backend could not start
 #: it; ``invalid``: a request with bad values.
 AgentErrorKind = Literal["malformed", "unexpected", "unknown_replica", "start_failed", "invalid"]
+#: Why a gateway refused an :class:`AgentJoin` (``docs/deploy.md``, "Join token").
+JoinRefusalKind = Literal["malformed", "bad_proof", "expired", "replayed", "host_taken"]
 
 
 class GpuReservation(Message):
@@ -374,6 +376,59 @@ class AgentError(Message):
     replica_id: str = ""
 
 
+# --- an agent told to stop (SIGTERM): leave at once, or once its host is emptied ---------
+
+
+class AgentLeaving(Message):
+    """The agent of ``host_id`` was told to stop (SIGTERM): may it go now? Sent every
+    heartbeat until the gateway says so (``docs/deploy.md``, "Draining a node")."""
+
+    host_id: str
+    incarnation: str
+
+
+class LeaveAdvice(Message):
+    """``wait``: the gateway is moving the host's replicas off (its node is being drained),
+    so the agent stays until told otherwise; else it may go, leaving its replicas
+    running (a restart or an upgrade: the next agent takes them back)."""
+
+    host_id: str
+    wait: bool
+    reason: str
+
+
+# --- joining with a token (agent -> the gateway's join endpoint, and its answer) ----------
+
+
+class AgentJoin(Message):
+    """An agent with a key pair of its own asks to be admitted as ``host_id``.
+
+    ``proof`` is :func:`nbos.transport.join.join_proof` over the other fields (the join
+    token's secret as the HMAC key); ``timestamp`` is the agent's time (seconds since
+    the epoch) and ``nonce`` fresh for each try, so that a join cannot be replayed.
+    """
+
+    host_id: str
+    public_key: str
+    nonce: str
+    timestamp: float
+    proof: str
+
+
+class AgentJoined(Message):
+    """The gateway pinned ``public_key`` for ``host_id``: its agent may say hello now."""
+
+    host_id: str
+    public_key: str
+
+
+class JoinRefused(Message):
+    """The gateway refused a join; ``host_taken``: another key is pinned for that host."""
+
+    kind: JoinRefusalKind
+    message: str
+
+
 AgentRequest = (
     GpuPrecommit
     | GpuCommit
@@ -394,9 +449,9 @@ ReplicaRequest = (
 )
 ReplicaReply = ReplicaState | ReplicaList | ReplicaConnection | PortsGranted | AgentError
 #: What a gateway sends an agent besides :data:`AgentRequest`.
-AgentControl = ReplicaRequest | AgentHelloRequest | AgentWelcome | ReplicaExitAck
+AgentControl = ReplicaRequest | AgentHelloRequest | AgentWelcome | ReplicaExitAck | LeaveAdvice
 #: What an agent sends a gateway besides :data:`AgentReply`.
-AgentReport = ReplicaReply | AgentHello | ReplicaExited
+AgentReport = ReplicaReply | AgentHello | ReplicaExited | AgentLeaving
 AgentMessage = (
     AgentRequest
     | AgentReply
@@ -407,6 +462,9 @@ AgentMessage = (
     | ReplicaSpec
     | ReplicaOwner
     | ReplicaInfo
+    | AgentJoin
+    | AgentJoined
+    | JoinRefused
 )
 
 
