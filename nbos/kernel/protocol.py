@@ -67,17 +67,23 @@ PROGRESS_REQUEST = "nbos_progress_request"
 EVICT_REQUEST = "nbos_evict_request"
 #: A Raft membership change, for replacing a dead replica.
 MEMBER_REQUEST = "nbos_member_request"
+#: The process of replica :data:`GONE_NODE` ended (proof, never suspicion): if it led the
+#: kernel's Raft group, campaign at once; the reply says whether it did (:data:`CAMPAIGNED`).
+LEADER_GONE_REQUEST = "nbos_leader_gone_request"
 
 #: Content fields: of :data:`LOST_REQUEST` (the cell to settle), of
-#: :data:`DIGEST_REQUEST` (the cell to wait for) and of :data:`EVICT_REQUEST`.
+#: :data:`DIGEST_REQUEST` (the cell to wait for), of :data:`EVICT_REQUEST` and of
+#: :data:`LEADER_GONE_REQUEST` (the replica whose process ended).
 LOST_INDEX = "exec_index"
 DIGEST_AFTER = "after"
 EVICT_DEVICES = "devices"
+GONE_NODE = "node"
 #: Content fields of the replies the front reads.
 CELL_STATUS = "cell_status"
 EXECUTION_COUNT = "execution_count"
 LAST_DONE = "last_done"
 NEXT_CLAIMED_BY = "next_claimed_by"
+CAMPAIGNED = "campaigned"
 
 
 def reply_of(request_type: str) -> str:

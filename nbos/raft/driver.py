@@ -251,6 +251,11 @@ class RaftReplicatedLog:
     async def transfer_leadership(self, node: NodeId) -> None:
         await self._call(lambda: self._node.transfer_leadership(int(node)))
 
+    async def campaign_for_dead_leader(self, dead: NodeId) -> bool:
+        """Campaign at once if ``dead``, whose process is known to have ended, is this
+        node's leader; whether it did (:meth:`RaftNode.campaign_for_dead_leader`)."""
+        return await self._call(lambda: self._node.campaign_for_dead_leader(int(dead)))
+
     async def aclose(self) -> None:
         error = LogClosedError("the replicated log was closed")
         self._proposals.close(error)

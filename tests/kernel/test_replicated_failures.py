@@ -5,6 +5,8 @@ Each test kills replicas, so each gets a kernel of its own (on one shared cluste
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 import signal
 from collections.abc import AsyncIterator
@@ -145,6 +147,52 @@ async def test_an_idle_kernel_takes_no_cpu_and_survives_the_death_of_its_executo
     assert result.stdout == "3.14159\n"
 
 
+CAMPAIGNS = "campaigns for the Raft leadership of replica"
+
+
+async def test_the_executors_exit_has_a_survivor_campaign_and_the_next_cell_runs_once(
+    kernel: Kernel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nbos.kernel.front")
+    executor = await run_cells(kernel, [*STATE, "count = 0"])
+    await until_idle(kernel)
+    pid = next(r.pid for r in kernel.replicas if r.node == executor)
+    assert pid is not None
+    # Killed from outside, as a crash: the cluster learns of it from the process exit,
+    # and the cell sent at once may reach the dead replica first (then it is lost).
+    os.kill(pid, signal.SIGKILL)
+    replies = [await kernel.execute("count += 1")]
+    while replies[-1].status != "ok":
+        assert replies[-1].error is not None and replies[-1].error[0] == "CellLostError"
+        assert len(replies) < 5, [r.reply for r in replies]
+        replies.append(await kernel.execute("count += 1"))
+    # The exit is proof: the survivor that cells go to first campaigned at once, as
+    # the dead leader's successor, rather than after an election timeout.
+    survivor = min(r.node for r in kernel.replicas if r.node != executor)
+    assert f"replica {survivor} {CAMPAIGNS} {executor}" in caplog.text
+    assert replies[-1].executor == survivor
+    # Each acknowledged cell ran once, a lost one not at all, on both survivors alike.
+    check = await kernel.execute(CHECK + "\nprint(count)")
+    assert (check.status, check.stdout) == ("ok", "3.14159\n1\n"), check.reply
+    await assert_replicas_agree(kernel, replicas=2)
+
+
+async def test_a_leader_gone_request_with_bad_content_gets_an_error_reply(kernel: Kernel) -> None:
+    executor = await run_cells(kernel, ["count = 1"])
+    for bad in ({}, {"node": "1"}, {"node": True}, {"node": None}):
+        reply = await kernel.front.control_request(
+            executor, "nbos_leader_gone_request", bad, timeout=30
+        )
+        assert reply is not None and reply["content"]["status"] == "error", bad
+    # Naming itself: a replica never campaigns for its own death.
+    reply = await kernel.front.control_request(
+        executor, "nbos_leader_gone_request", {"node": executor}, timeout=30
+    )
+    assert reply is not None and reply["content"] == {"status": "ok", "campaigned": False}
+    result = await kernel.execute("count += 1\nprint(count)")
+    assert (result.status, result.stdout, result.executor) == ("ok", "2\n", executor)
+
+
 async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
     await run_cells(kernel, STATE)
     before = await kernel.digests()
@@ -165,8 +213,9 @@ async def test_kill_the_executor_mid_cell(kernel: Kernel) -> None:
 
 
 async def test_a_frozen_executor_keeps_its_cell_and_once_thawed_finishes_it(
-    kernel: Kernel,
+    kernel: Kernel, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="nbos.kernel.front")
     await run_cells(kernel, STATE)
     async with connected_client(kernel) as client:
         msg_id = await start_cell(client, "import time\ntime.sleep(1)\nxs.append('late')")
@@ -190,6 +239,8 @@ async def test_a_frozen_executor_keeps_its_cell_and_once_thawed_finishes_it(
     assert (result.status, result.stdout) == ("ok", "late\n"), result.reply
     after = await kernel.digests()
     assert len(set(after.values())) == 1 and len(after) == 3, after
+    # Suspicion deposes no leader: nobody was asked to campaign in its place.
+    assert CAMPAIGNS not in caplog.text
 
 
 async def test_a_restarted_replica_catches_up_from_its_log_and_a_snapshot() -> None:

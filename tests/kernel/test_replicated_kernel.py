@@ -722,10 +722,11 @@ async def test_an_unknown_control_request_never_blocks_the_control_channel(
         async with connected_client(k) as c:
             await c.wait_for_ready(timeout=30)
             refused = k.front.refused
-            for msg_type in ("bogus_request", "execute_request", "nbos_digest_request"):
-                content = {"code": "x = 1"} if msg_type == "execute_request" else {}
+            internal = ("nbos_digest_request", "nbos_leader_gone_request")
+            for msg_type in ("bogus_request", "execute_request", *internal):
+                content = {"code": "x = 1"} if msg_type == "execute_request" else {"node": 1}
                 assert await requested(c, msg_type, content, control=True) is None
-            assert k.front.refused == refused + 3
+            assert k.front.refused == refused + 4
             info = await requested(c, "kernel_info_request", {}, control=True)
             assert info is not None and info["content"]["status"] == "ok"
             assert "kernel subshells" not in info["content"].get("supported_features", [])

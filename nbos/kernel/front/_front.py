@@ -249,7 +249,12 @@ class KernelFront:
         self._membership.suspect(replica, reason)
 
     def mark_dead(self, replica: int, reason: str) -> None:
-        """Stop using ``replica``; requests in flight there end as lost."""
+        """``replica``'s process ended (proof, never suspicion: see :meth:`suspect`): stop
+        using it; requests in flight there end as lost, and if it led the kernel's Raft
+        group a survivor campaigns at once rather than after an election timeout."""
+        # The campaign's request first: a settle of a cell lost with the replica waits
+        # for a leader, and a replica serves its control requests one at a time.
+        self._membership.process_ended(replica)
         self._liveness.mark_dead(replica, reason)
 
     async def revive(self, replica: int, *, timeout: float = READY_TIMEOUT_S) -> None:

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from nbos.core.errors import KernelError, NbosError, QuorumLostError
+from nbos.kernel import protocol
 from nbos.kernel.front._cells import Cells
 from nbos.kernel.front._liveness import Liveness
 from nbos.kernel.front._relay import Relay
@@ -89,6 +90,41 @@ class Membership:
             # leader again now (it may be the dead one), not when the next cell comes.
             for survivor in self._liveness.alive:
                 self._tg.start_soon(self._wake_replica, survivor)
+
+    def process_ended(self, replica: int) -> None:
+        """``replica``'s process ended: if it led the Raft group, one survivor campaigns
+        now, the one a cell or a settle goes to first (the lowest-numbered: see
+        ``LastExecutorChooser``), so the new leader is the next executor. Called before
+        the replica is marked dead, so that this request leaves before a settle's.
+
+        Only on proof: a replica that is merely silent may be a live leader, which an
+        election would depose for nothing. One survivor only, so that two do not split
+        the vote; if it cannot win (its log is behind), the others' election timeouts
+        elect one as before.
+        """
+        up = self._upstreams.get(replica)
+        if up is None or self._tg is None or self._liveness.closing:
+            return
+        if not (up.alive or self._liveness.unresponsive(replica)):
+            return  # its end was told already
+        survivors = [r for r in self._liveness.alive if r != replica]
+        if 2 * len(survivors) > len(self._liveness.voters):
+            self._tg.start_soon(self._campaign_for, survivors[0], replica)
+
+    async def _campaign_for(self, survivor: int, dead: int) -> None:
+        reply = await self._relay.control_request(
+            survivor,
+            protocol.LEADER_GONE_REQUEST,
+            {protocol.GONE_NODE: dead},
+            timeout=_WAKE_TIMEOUT_S,
+        )
+        if reply is not None and reply["content"].get(protocol.CAMPAIGNED):
+            log.info(
+                "kernel %s: replica %d campaigns for the Raft leadership of replica %d",
+                self._kernel_id,
+                survivor,
+                dead,
+            )
 
     async def _wake_replica(self, replica: int) -> None:
         """Any request wakes a replica's Raft member; a kernel_info one is harmless."""

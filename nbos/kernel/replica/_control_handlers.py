@@ -17,15 +17,19 @@ import signal
 from typing import Any
 
 from nbos.core.errors import NbosError
+from nbos.core.ids import NodeId
 from nbos.core.wire.entries import Done
 from nbos.kernel.protocol import (
+    CAMPAIGNED,
     CELL_STATUS,
     DIGEST_AFTER,
     DIGEST_REQUEST,
     EVICT_DEVICES,
     EVICT_REQUEST,
     EXECUTION_COUNT,
+    GONE_NODE,
     LAST_DONE,
+    LEADER_GONE_REQUEST,
     LOST_INDEX,
     LOST_REQUEST,
     MEMBER_REQUEST,
@@ -41,6 +45,12 @@ from nbos.kernel.replica._membership import member_reply
 log = logging.getLogger(__name__)
 
 
+def _node_id(value: object) -> NodeId:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{GONE_NODE!r} must be a node id, not {value!r}")
+    return NodeId(value)
+
+
 class ControlHandlers(Applier):
     """The replica kernel's control handlers (see the module doc)."""
 
@@ -50,6 +60,7 @@ class ControlHandlers(Applier):
         self.control_handlers[PROGRESS_REQUEST] = self._progress_request
         self.control_handlers[EVICT_REQUEST] = self._evict_request
         self.control_handlers[MEMBER_REQUEST] = self._member_request
+        self.control_handlers[LEADER_GONE_REQUEST] = self._leader_gone_request
 
     async def _lost_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Commit ``Done(index, lost)`` for a cell whose executor died; reply what counts."""
@@ -68,6 +79,19 @@ class ControlHandlers(Applier):
             log.warning("nbos_lost_request failed: %s", exc)
             content = error_content(exc, self.execution_count)
         self._session.send(stream, reply_of(LOST_REQUEST), content, parent, ident=ident)
+
+    async def _leader_gone_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        """Replica ``node``'s process ended: campaign at once if it was the Raft leader."""
+        assert self._raft is not None
+        content: dict[str, Any]
+        try:
+            node = _node_id(parent["content"][GONE_NODE])
+            campaigned = await self._raft.campaign_for_dead_leader(node)
+            content = {"status": "ok", CAMPAIGNED: campaigned}
+        except (KeyError, TypeError, NbosError) as exc:
+            log.warning("%s failed: %s", LEADER_GONE_REQUEST, exc)
+            content = error_content(exc, self.execution_count)
+        self._session.send(stream, reply_of(LEADER_GONE_REQUEST), content, parent, ident=ident)
 
     async def _progress_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Reply where the kernel's cells stand, as committed when the request came: the

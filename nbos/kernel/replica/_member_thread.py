@@ -275,6 +275,14 @@ class RaftMemberThread:
             return
         self._submit(raft_log.ask_for_leadership())
 
+    async def campaign_for_dead_leader(self, dead: NodeId) -> bool:
+        """Campaign at once if ``dead``, whose process ended, led this member's group;
+        whether it did (the front asks one survivor on proof of a replica's death)."""
+        raft_log = self._log
+        if raft_log is None:
+            raise LogClosedError("the replica's Raft member is not running")
+        return await _result(self._submit(raft_log.campaign_for_dead_leader(dead)))
+
     def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Run ``coro`` on the member's loop; the caller's thread does not wait for that loop.
 

@@ -232,6 +232,25 @@ class RaftNode:
         if self.progress[to].match == self.log.last_index():
             self._send(RaftTimeoutNow(self.id, to, self.term))
 
+    def campaign_for_dead_leader(self, dead: int) -> bool:
+        """Campaign now: the process of node ``dead`` is known to have ended (proof, never
+        suspicion: a silent leader may only be slow). Whether this node campaigned.
+
+        Only while ``dead`` is the leader this node follows (not once an election is
+        under way): a leadership transfer made on the dead leader's behalf, skipping the
+        election timeout and, as ``RaftTimeoutNow`` does, pre-vote and the other voters'
+        leases, which are leases on the dead leader. Votes are granted by the usual
+        rules (up-to-date log, one vote per term), so safety is Raft's own; a second
+        survivor that campaigns too splits the vote at worst, and the randomized
+        timeouts settle it.
+        """
+        self._check_input()
+        if dead == self.id or self.leader_id != dead or not self.promotable():
+            return False
+        log.info("node %d: leader %d is gone, campaigning at once", self.id, dead)
+        self._campaign(transfer=True)
+        return True
+
     def compact(self, index: int, data: bytes) -> None:
         """The application snapshotted its state at ``index`` into ``data``: drop the log up to it.
 
