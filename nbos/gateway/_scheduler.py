@@ -165,6 +165,8 @@ class GpuScheduler:
         self._users: dict[KernelId, str] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
         self.ledger = Ledger()
+        #: Hosts the autoscaler asked for that have not joined yet (it keeps the count).
+        self.provisioning = 0
         self._version = 0
         self._changed = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -668,6 +670,20 @@ class GpuScheduler:
         return None
 
     # --- wake-ups --------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Goes up whenever the cluster changes (hosts, placements, grants)."""
+        return self._version
+
+    def notify(self) -> None:
+        """Wake whatever waits for the cluster to change (e.g. the provisioning count did)."""
+        self._notify()
+
+    async def changed(self, since: int) -> None:
+        """Return once the cluster changed after :attr:`version` was ``since``, or after the
+        poll interval (a view's figures also drift without an event)."""
+        await self._wait_change(since)
 
     def _notify(self) -> None:
         live = [h for h in self._hosts.records() if not h.suspected]
