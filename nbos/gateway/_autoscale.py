@@ -94,8 +94,8 @@ class LiveAutoscaler:
             events().happened(
                 ClusterEvent("scale-out", f"autoscaler: adding {decision.count} host(s)")
             )
+            scheduler.hosts_asked(decision.count)
             for _ in range(decision.count):
-                scheduler.provisioning += 1
                 tg.start_soon(self._add)
         elif isinstance(decision, ScaleIn):
             scheduler.ledger.scale_ins += 1
@@ -113,8 +113,7 @@ class LiveAutoscaler:
             host = await self._provider.add_host(self._agent)
         except NbosError as exc:
             log.warning("autoscaler: %s could not add a host: %s", self._provider.name, exc)
-            scheduler.provisioning -= 1
-            scheduler.notify()
+            scheduler.hosts_arrived(1)
             return
         try:
             await scheduler.wait_for_host(host, self._host_timeout)
@@ -127,8 +126,7 @@ class LiveAutoscaler:
             )
             await self._remove(host)
         finally:
-            scheduler.provisioning -= 1
-            scheduler.notify()  # starts waiting for this host look again
+            scheduler.hosts_arrived(1)
 
     async def _drain(self, host: HostId) -> None:
         scheduler = self._directory.scheduler

@@ -389,7 +389,13 @@ class KernelManager:
         try:
             with self.admission.slot():
                 return await self._start_kernel(
-                    kernel_id, placed, chooser, gpus, connection, env, owner
+                    kernel_id,
+                    placed,
+                    chooser=chooser,
+                    gpus=gpus,
+                    connection=connection,
+                    env=env,
+                    owner=owner,
                 )
         except OverloadedError:
             # No slot once it was placed: its placement goes, nothing of it started.
@@ -450,6 +456,7 @@ class KernelManager:
         self,
         kernel_id: KernelId,
         placed: dict[int, HostId],
+        *,
         chooser: ExecutorChooser | None,
         gpus: int,
         connection: Mapping[str, Any] | None,
