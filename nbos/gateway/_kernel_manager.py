@@ -100,8 +100,9 @@ from nbos.transport.keys import kernel_keys_env
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
-#: How long a start that no host has room for waits for the autoscaler to add one.
-HOST_WAIT_S = 300.0
+#: How long a start that no host has room for waits for the autoscaler to add one: within
+#: the control API clients' timeouts (120 s), so that none gives up on a start that goes on.
+HOST_WAIT_S = 60.0
 # How long after a state write failed the gateway tries again (a full disk may be freed).
 _RETRY_WRITE_S = 5.0
 #: The waits between rounds of restarts in place of a kernel without a majority (doubling):

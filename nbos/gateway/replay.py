@@ -26,6 +26,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.errors import ConfigError, TransportError
+from nbos.gateway._kernel_manager import HOST_WAIT_S
 from nbos.gateway.control_api import (
     ControlError,
     KernelInfo,
@@ -227,7 +228,8 @@ async def _start(
     while True:
         # The session's user owns its kernel, so the gateway's quotas count its cells.
         start = StartKernel(gpus=session.gpus, user=session.user)
-        reply = await call(address, start, timeout=_CONTROL_TIMEOUT_S)
+        # A start may wait for a host the autoscaler adds before it starts.
+        reply = await call(address, start, timeout=_CONTROL_TIMEOUT_S + HOST_WAIT_S)
         if isinstance(reply, KernelInfo):
             return reply
         log.info(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
@@ -19,7 +20,14 @@ from nbos.gateway.auth import Authenticator
 from nbos.gateway.http import serve_http
 from nbos.gateway.service import GatewayService
 from tests.agent._daemons import DEADLINE
-from tests.gateway._http import KernelSocket, call, stdout
+from tests.gateway._http import (
+    KernelSocket,
+    call,
+    start_http_gateway,
+    start_jupyter_server,
+    stdout,
+    stop,
+)
 from tests.gateway._service import local_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -90,3 +98,49 @@ async def test_the_http_api_answers_a_waiting_start_at_once_and_its_websocket_wa
         assert status == 200 and model["nbos"]["state"] == "idle", model
         status, refused = await call(kernels, "POST", {}, token="t")
         assert status == 503 and "max_hosts=2" in refused["message"], refused
+
+
+@pytest.mark.long  # a gateway and a Jupyter Server, each a process of its own
+async def test_jupyter_server_gets_a_waiting_start_within_its_request_timeout(
+    tmp_path: Path,
+) -> None:
+    growing = {
+        "NBOS_CLUSTER__HOSTS": "1",
+        "NBOS_CLUSTER__REPLICAS_PER_KERNEL": "1",
+        "NBOS_CLUSTER__MAX_REPLICAS_PER_HOST": "1",
+        "NBOS_GATEWAY__AUTOSCALE": "true",
+        "NBOS_GATEWAY__MIN_HOSTS": "1",
+        "NBOS_GATEWAY__MAX_HOSTS": "2",
+        "NBOS_GATEWAY__AUTOSCALE_PERIOD_S": "0.3",
+        "NBOS_GATEWAY__SCALE_OUT_COOLDOWN_S": "0",
+        "NBOS_GATEWAY__SCALE_IN_COOLDOWN_S": "0",
+        "NBOS_GATEWAY__IDLE_GRACE_S": "600",
+    }
+    for place in ("gateway", "jupyter"):
+        (tmp_path / place).mkdir()
+    # Both wait for their servers with blocking clients: off the test's event loop.
+    gateway, gateway_url, log = await anyio.to_thread.run_sync(
+        start_http_gateway, tmp_path / "gateway", "g", growing
+    )
+    try:
+        # Jupyter Server's own default: a start must be answered within 42 s.
+        server, url, _ = await anyio.to_thread.run_sync(
+            start_jupyter_server, tmp_path / "jupyter", gateway_url, "g", "j", 42.0
+        )
+        try:
+            kernels = f"{url}/api/kernels"
+            assert (await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j"))[0] == 201
+            code, model = await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j")
+            assert code == 201, model
+            channels = f"{kernels}/{model['id']}/channels?token=j"
+            ws = await KernelSocket.open(channels)
+            try:
+                reply, outputs = await ws.run("%%gpus 1\nprint(6 * 7)", timeout=2 * DEADLINE)
+                assert reply["content"]["status"] == "ok" and stdout(outputs) == "42\n"
+            finally:
+                ws.close()
+        finally:
+            await anyio.to_thread.run_sync(stop, server)
+    finally:
+        await anyio.to_thread.run_sync(stop, gateway)
+    assert "waiting for a host" in log.read_text()
