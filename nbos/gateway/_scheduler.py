@@ -502,6 +502,7 @@ class GpuScheduler:
         host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
         replica = self._replica_on(host, replicas, last_executor)
         self.ledger.cell_started(kernel_id, exec_index)
+        _count_delay(self.ledger.cell(kernel_id, exec_index))
         return Grant(kernel_id, exec_index, replica, host, (), "")
 
     def _ahead(self, queue: Mapping[object, Waiter], ticket: object) -> str | None:
