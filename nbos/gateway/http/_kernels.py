@@ -8,7 +8,7 @@ clients' channels follow. The API id is the first nbos kernel's id; the current 
 is in the model's ``nbos.kernel_id``, its state (``docs/kernel.md``, Kernel states) in
 ``nbos.state``.
 
-A start that waits for a host the autoscaler adds (``docs/placement.md``) is answered at
+A start that waits for a host the autoscaler adds (``docs/deploy.md``, Admission) is answered at
 once: the kernel is ``starting``, the model's ``nbos.waiting`` says why, and a client's
 WebSocket (with what it sends on it) and its requests wait for the start, at most
 :data:`START_WAIT_S`, then fail with the start's error.
