@@ -248,6 +248,8 @@ class ApiKernels:
                 )
             if api.start_scope.cancelled_caught:
                 api.start_error = KernelError("it was shut down while it started")
+            else:
+                api.touch()  # idle from its start on, not from the request (the culler)
         except NbosError as exc:
             api.start_error = exc
             if api.waiting is not None:  # answered already: logged here
