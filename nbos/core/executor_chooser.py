@@ -20,7 +20,8 @@ class ChoiceRequest:
     ``code`` and ``metadata`` are the ``execute_request``'s (a chooser reads the cell's
     GPU request from them); ``notify(text)`` shows ``text`` (why the cell waits) to the
     client as the cell's wait status, one output that each call replaces
-    (:mod:`nbos.kernel.front._status`).
+    (:mod:`nbos.kernel.front._status`). ``arrived``: when the request reached the front
+    (``time.time()``; ``None``: not known), which the delay's split starts from.
     """
 
     exec_index: int
@@ -29,6 +30,7 @@ class ChoiceRequest:
     code: str = ""
     metadata: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     notify: Callable[[str], Awaitable[None]] | None = attrs.field(default=None, hash=False)
+    arrived: float | None = attrs.field(default=None, hash=False)
 
 
 @attrs.frozen

@@ -62,7 +62,6 @@ class LiveAutoscaler:
         self._agent = agent
         self._period = period
         self._host_timeout = host_timeout
-        self._provisioning = 0
         self._draining: set[HostId] = set()
 
     @property
@@ -84,8 +83,8 @@ class LiveAutoscaler:
             scheduler.view(),
             anyio.current_time(),
             cells_waiting=bool(scheduler.waiting()),
-            kernels_waiting=False,  # a kernel not placed is refused at once, not kept waiting
-            provisioning=self._provisioning,
+            kernels_waiting=bool(self._kernel_manager.starts_waiting),
+            provisioning=scheduler.provisioning,
         )
         decision = step.decision
         if step.at_ceiling:
@@ -95,8 +94,8 @@ class LiveAutoscaler:
             events().happened(
                 ClusterEvent("scale-out", f"autoscaler: adding {decision.count} host(s)")
             )
+            scheduler.hosts_asked(decision.count)
             for _ in range(decision.count):
-                self._provisioning += 1
                 tg.start_soon(self._add)
         elif isinstance(decision, ScaleIn):
             scheduler.ledger.scale_ins += 1
@@ -109,14 +108,15 @@ class LiveAutoscaler:
                     tg.start_soon(self._drain, host)
 
     async def _add(self) -> None:
+        scheduler = self._directory.scheduler
         try:
             host = await self._provider.add_host(self._agent)
         except NbosError as exc:
             log.warning("autoscaler: %s could not add a host: %s", self._provider.name, exc)
-            self._provisioning -= 1
+            scheduler.hosts_arrived(1)
             return
         try:
-            await self._directory.scheduler.wait_for_host(host, self._host_timeout)
+            await scheduler.wait_for_host(host, self._host_timeout)
             log.info("autoscaler: host %s joined", host)
         except TimeoutError:
             log.warning(
@@ -126,7 +126,7 @@ class LiveAutoscaler:
             )
             await self._remove(host)
         finally:
-            self._provisioning -= 1
+            scheduler.hosts_arrived(1)
 
     async def _drain(self, host: HostId) -> None:
         started = anyio.current_time()

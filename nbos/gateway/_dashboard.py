@@ -87,6 +87,9 @@ class EventLog:
     def cell_ran(self, seconds: float) -> None:
         pass
 
+    def cell_delayed(self, cause: str, seconds: float) -> None:
+        pass
+
     def message_refused(self) -> None:
         pass
 

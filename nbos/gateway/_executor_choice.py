@@ -160,8 +160,12 @@ class GpuChooser:
                 f"moves to {outcome.target}"
             )
         source = next(n for n, h in replicas.items() if h == outcome.source)
+        began = time.time()
         with self._scheduler.holding(outcome.target, gpus):
             node = await self._migrate(source, outcome.target, request.exec_index - 1)
+        self._scheduler.ledger.cell_migrated(
+            self._kernel_id, request.exec_index, time.time() - began
+        )
         # The source was fenced (or, failed early, is spared): the cell waits for the others.
         survivors = {n: h for n, h in self._hosts.items() if n in replicas and n != source}
         if node is not None:
@@ -203,6 +207,7 @@ class GpuChooser:
                 on_wait=on_wait,
                 on_migrate=on_migrate if migrating else None,
                 user=self._user,
+                arrived=request.arrived,
             )
         assert planned is not None
         return planned

@@ -62,6 +62,7 @@ from nbos.core.errors import (
     ConfigError,
     HostUnreachableError,
     NbosError,
+    OverloadedError,
     PlacementError,
     PolicyContractError,
     QuorumLostError,
@@ -99,6 +100,9 @@ from nbos.transport.keys import kernel_keys_env
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
+#: How long a start that no host has room for waits for the autoscaler to add one: within
+#: the control API clients' timeouts (120 s), so that none gives up on a start that goes on.
+HOST_WAIT_S = 60.0
 # How long after a state write failed the gateway tries again (a full disk may be freed).
 _RETRY_WRITE_S = 5.0
 #: The waits between rounds of restarts in place of a kernel without a majority (doubling):
@@ -241,6 +245,8 @@ class KernelManager:
         self._tracked: dict[KernelId, _Tracked] = {}
         # Starts not acknowledged yet, and their hosts: recorded as starting.
         self._starting: dict[KernelId, list[HostId]] = {}
+        # Starts waiting for a host, with why.
+        self._waiting_starts: dict[KernelId, str] = {}
         # Kernels whose shutdown is being recorded: in no record any more.
         self._ending: set[KernelId] = set()
         #: How many starts run at once (``[gateway] max_starting``); restores are not starts.
@@ -350,6 +356,8 @@ class KernelManager:
         connection: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         owner: str = "",
+        kernel_id: KernelId | None = None,
+        on_wait: Callable[[str], None] | None = None,
     ) -> Kernel:
         """Start a kernel's replicas and its front; returns once every replica answered.
 
@@ -359,38 +367,104 @@ class KernelManager:
         ``key`` and ports (``shell_port`` ...) of a kernel it replaces (a restart).
         ``env`` goes into the environment of every replica process of the kernel
         (replacements too). ``owner``: the user it belongs to (kept in the state file).
+        ``kernel_id``: the id to give it (default: a new one).
+
+        A kernel no host has room for now waits for one while the autoscaler may add
+        hosts (:meth:`~nbos.scaling.ClusterDecisions.may_grow`, as in the simulator):
+        it is in :attr:`starts_waiting` with why, ``on_wait(why)`` is called once, and it
+        is placed when a host joins (or room frees up), for at most :data:`HOST_WAIT_S`.
 
         Raises :class:`~nbos.core.errors.OverloadedError` at once, starting nothing, when
-        ``[gateway] max_starting`` starts run already or no host has room for the
-        replicas (the placement failed), :class:`~nbos.core.errors.PolicyContractError`
+        ``[gateway] max_starting`` starts run already, or when no host has room for the
+        replicas and none can be added (no autoscaler, its ceiling ``max_hosts``, or the
+        wait for a host ran out), :class:`~nbos.core.errors.PolicyContractError`
         for a policy that broke its contract, and
         :class:`~nbos.core.errors.StateWriteError` when the gateway's state holding it
         could not be written (nothing of it is left running then).
         """
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
             raise ConfigError("gpus", gpus, "a non-negative number of GPUs per cell")
-        with self.admission.slot():
-            return await self._start_kernel(chooser, gpus, connection, env, owner)
+        self.admission.check()
+        kernel_id = kernel_id if kernel_id is not None else new_kernel_id()
+        placed = dict(enumerate(await self._placement(kernel_id, gpus, on_wait), start=1))
+        try:
+            with self.admission.slot():
+                return await self._start_kernel(
+                    kernel_id,
+                    placed,
+                    chooser=chooser,
+                    gpus=gpus,
+                    connection=connection,
+                    env=env,
+                    owner=owner,
+                )
+        except OverloadedError:
+            # No slot once it was placed: its placement goes, nothing of it started.
+            await self.gpus.kernel_gone(kernel_id)
+            raise
+
+    @property
+    def starts_waiting(self) -> Mapping[KernelId, str]:
+        """Starts waiting for a host, with why (the autoscaler counts them as placement failed)."""
+        return dict(self._waiting_starts)
+
+    async def _placement(
+        self, kernel_id: KernelId, gpus: int, on_wait: Callable[[str], None] | None
+    ) -> tuple[HostId, ...]:
+        """Hosts for the kernel's replicas, waiting for one while the autoscaler may add it;
+        :class:`OverloadedError` when none has room and none can be added."""
+        scheduler = self.gpus.scheduler
+        deadline = anyio.current_time() + HOST_WAIT_S
+        try:
+            while True:
+                version = scheduler.version
+                try:
+                    return scheduler.place(kernel_id, gpus)
+                except PolicyContractError:
+                    raise
+                except PlacementError as exc:
+                    failed = exc
+                view = scheduler.view()
+                grows = scheduler.decisions.may_grow(view, gpus, scheduler.provisioning)
+                if not grows or anyio.current_time() >= deadline:
+                    raise self.admission.refuse(self._no_room(failed, gpus, grows)) from failed
+                if kernel_id not in self._waiting_starts:
+                    why = f"waiting for a host: {failed}"
+                    self._waiting_starts[kernel_id] = why
+                    log.info("kernel %s %s", kernel_id, why)
+                    if on_wait is not None:
+                        on_wait(why)
+                await scheduler.changed(version)
+        finally:
+            self._waiting_starts.pop(kernel_id, None)
+
+    def _no_room(self, failed: PlacementError, gpus: int, grows: bool) -> str:
+        """Why a start is refused for want of room: the placement's error, the full hosts,
+        and what keeps the autoscaler from adding one."""
+        scheduler = self.gpus.scheduler
+        full = scheduler.model.full_hosts()
+        why = f"{failed}; hosts at their limits: {', '.join(full)}" if full else str(failed)
+        autoscaler = scheduler.decisions.autoscaler
+        if grows:
+            why += f"; no host joined within {HOST_WAIT_S:g} s"
+        elif autoscaler is not None and gpus > autoscaler.config.new_host_gpus:
+            why += f"; a new host of {autoscaler.config.new_host_gpus} GPUs could not take it"
+        elif autoscaler is not None:
+            why += f"; the autoscaler is at its ceiling (max_hosts={autoscaler.config.max_hosts})"
+        return f"no room for the kernel's replicas ({why})"
 
     async def _start_kernel(
         self,
+        kernel_id: KernelId,
+        placed: dict[int, HostId],
+        *,
         chooser: ExecutorChooser | None,
         gpus: int,
         connection: Mapping[str, Any] | None,
         env: Mapping[str, str] | None,
         owner: str,
     ) -> Kernel:
-        kernel_id = new_kernel_id()
         scheduler = self.gpus.scheduler
-        try:
-            placed = dict(enumerate(scheduler.place(kernel_id, gpus), start=1))
-        except PolicyContractError:
-            raise
-        except PlacementError as exc:
-            # A full cluster now; hosts free up, or the autoscaler adds some.
-            full = scheduler.model.full_hosts()
-            why = f"{exc}; hosts at their limits: {', '.join(full)}" if full else str(exc)
-            raise self.admission.refuse(f"no room for the kernel's replicas ({why})") from exc
         handles: dict[int, ProcessHandle] = {}
         launches: dict[int, _Launch] = {}
         front: KernelFront | None = None

@@ -72,7 +72,8 @@ from nbos.scaling import (
     Yield,
     check_cell_gpus,
 )
-from nbos.scaling.ledger import Ledger
+from nbos.scaling.delays import CAUSES, ScaleOutClock
+from nbos.scaling.ledger import CellUsage, Ledger
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ class GpuScheduler:
         self._users: dict[KernelId, str] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
         self.ledger = Ledger()
+        #: The hosts the autoscaler asked for that have not joined yet, and for how long
+        #: there were any (the part of a cell's wait that is a scale-out's).
+        self.scale_outs = ScaleOutClock()
         self._version = 0
         self._changed = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -267,6 +271,22 @@ class GpuScheduler:
             user = self._users.get(grant.kernel_id, "")
             held[user] = held.get(user, 0) + len(grant.devices)
         return held
+
+    @property
+    def provisioning(self) -> int:
+        """Hosts the autoscaler asked for that have not joined (nor been given up) yet."""
+        return self.scale_outs.provisioning
+
+    def hosts_asked(self, hosts: int) -> None:
+        """The autoscaler asked for ``hosts`` more."""
+        self.scale_outs.asked(hosts)
+        self._notify()
+
+    def hosts_arrived(self, hosts: int) -> None:
+        """``hosts`` the autoscaler asked for joined, or were given up: starts waiting for a
+        host look again."""
+        self.scale_outs.arrived(hosts)
+        self._notify()
 
     def waiting(self) -> Mapping[tuple[KernelId, int], str]:
         """Cells waiting for GPUs now, by ``(kernel, exec_index)``, with the reason shown."""
@@ -389,6 +409,7 @@ class GpuScheduler:
         on_wait: WaitCallback | None = None,
         on_migrate: MigrateCallback | None = None,
         user: str = "",
+        arrived: float | None = None,
     ) -> Grant:
         """Choose the executor of a cell and pre-commit its GPUs on that replica's host.
 
@@ -400,7 +421,8 @@ class GpuScheduler:
         :class:`MigrationPlan` (carrying it out is the caller's). ``user`` owns the
         kernel (``""``: nobody): its GPUs count against that user's quota, and a cell
         that would borrow beyond it waits while another user's within-quota cell waits
-        (the reason names both users). Raises
+        (the reason names both users). ``arrived``: when the cell's request reached the
+        kernel (wall-clock), for its delay's split (:meth:`Ledger.cell_waited`). Raises
         :class:`InsufficientGpusError` at once if no known host has ``gpus`` GPUs,
         :class:`GpuError` for a negative count and :class:`QuorumLostError` for no
         replicas.
@@ -414,24 +436,17 @@ class GpuScheduler:
         self._users[kernel_id] = user
         staying = self._decisions.off_draining(tuple(replicas.values()), self.model.is_draining)
         replicas = {n: h for n, h in replicas.items() if h in staying}
-        self.ledger.cell_ready(kernel_id, exec_index, gpus)
+        self.ledger.cell_ready(kernel_id, exec_index, gpus, arrived)
         if gpus == 0:
-            # Nothing to pre-commit, but the executor is still the decision's, which looks
-            # up the replicas' hosts alone in the model's view: a cell without GPUs never
-            # waits nor migrates, and its cost must not grow with the cluster.
-            order = [replicas[r] for r in sorted(replicas)]
-            last = replicas.get(last_executor) if last_executor is not None else None
-            choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
-            host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
-            replica = self._replica_on(host, replicas, last_executor)
-            self.ledger.cell_started(kernel_id, exec_index)
-            return Grant(kernel_id, exec_index, replica, host, (), "")
+            return self._without_gpus(kernel_id, exec_index, replicas, last_executor)
         key = frozenset(replicas.values())
         queue = self._queues.setdefault(key, {})
         ticket = object()
         queue[ticket] = Waiter(user, gpus, next(self._arrivals))
         shown: str | None = None
         proposed: MigrationPlan | None = None
+        # When the cell began to wait (wall clock, and the scale-out clock's reading).
+        waited_from: tuple[float, float] | None = None
         try:
             while True:
                 version = self._version
@@ -452,13 +467,43 @@ class GpuScheduler:
                     log.info("kernel %s cell %d: %s", kernel_id, exec_index, outcome)
                     if on_wait is not None:
                         await on_wait(outcome)
+                if waited_from is None:
+                    waited_from = (self.ledger.now(), self.scale_outs.reading())
                 await self._wait_change(version)
         finally:
+            if waited_from is not None:
+                began, scaling = waited_from
+                self.ledger.cell_waited(
+                    kernel_id,
+                    exec_index,
+                    self.ledger.now() - began,
+                    self.scale_outs.reading() - scaling,
+                )
             del queue[ticket]
             if not queue:
                 del self._queues[key]
             self._waiting.pop((kernel_id, exec_index), None)
             self._notify()
+
+    def _without_gpus(
+        self,
+        kernel_id: KernelId,
+        exec_index: int,
+        replicas: Mapping[int, HostId],
+        last_executor: int | None,
+    ) -> Grant:
+        """The grant of a cell that asks for no GPUs: nothing to pre-commit, but the executor
+        is still the decision's, which looks up the replicas' hosts alone in the model's
+        view: such a cell never waits nor migrates, and its cost must not grow with the
+        cluster."""
+        order = [replicas[r] for r in sorted(replicas)]
+        last = replicas.get(last_executor) if last_executor is not None else None
+        choice = self._decisions.cell(self.view(), kernel_id, order, last, 0)
+        host = choice.host if isinstance(choice, Execute) else replicas[min(replicas)]
+        replica = self._replica_on(host, replicas, last_executor)
+        self.ledger.cell_started(kernel_id, exec_index)
+        _count_delay(self.ledger.cell(kernel_id, exec_index))
+        return Grant(kernel_id, exec_index, replica, host, (), "")
 
     def _ahead(self, queue: Mapping[object, Waiter], ticket: object) -> str | None:
         """Why the cell of ``ticket`` may not try for GPUs now (``None``: it may): it would
@@ -511,6 +556,7 @@ class GpuScheduler:
                 self._hosts.keep(grant)
                 self._hosts.committed.add(res)
                 self.ledger.cell_started(grant.kernel_id, grant.exec_index)
+                _count_delay(self.ledger.cell(grant.kernel_id, grant.exec_index))
             return grant
         raise _refusal_error(reply, n, host.host_id)
 
@@ -669,6 +715,16 @@ class GpuScheduler:
 
     # --- wake-ups --------------------------------------------------------------------
 
+    @property
+    def version(self) -> int:
+        """Goes up whenever the cluster changes (hosts, placements, grants)."""
+        return self._version
+
+    async def changed(self, since: int) -> None:
+        """Return once the cluster changed after :attr:`version` was ``since``, or after the
+        poll interval (a view's figures also drift without an event)."""
+        await self._wait_change(since)
+
     def _notify(self) -> None:
         live = [h for h in self._hosts.records() if not h.suspected]
         self.ledger.hosts_changed(len(live), sum(len(h.devices) for h in live))
@@ -686,6 +742,15 @@ class GpuScheduler:
     def _spawn(self, func: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
         if self._tg is not None:
             self._tg.start_soon(func, *args)
+
+
+def _count_delay(cell: CellUsage | None) -> None:
+    """Tell the metrics where a started cell's delay went, cause by cause."""
+    split = cell.split() if cell is not None else None
+    if split is None:
+        return
+    for cause, seconds in zip(CAUSES, split.values(), strict=True):
+        events().cell_delayed(cause, seconds)
 
 
 def _wait_reason(decided: Wait | MigrationPlan, gpus: int) -> str:

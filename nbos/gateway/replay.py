@@ -21,10 +21,12 @@ from typing import Any, cast
 
 import anyio
 import attrs
+import msgspec
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
 from nbos.core.errors import ConfigError, TransportError
+from nbos.gateway._kernel_manager import HOST_WAIT_S
 from nbos.gateway.control_api import (
     ControlError,
     KernelInfo,
@@ -34,6 +36,7 @@ from nbos.gateway.control_api import (
     UsageRequest,
     call,
 )
+from nbos.scaling.delays import DelaySplit
 from nbos.scaling.fair_share import FairShare
 from nbos.scaling.fairness import UserCell
 from nbos.scaling.ledger import CellUsage, HostCount
@@ -88,6 +91,8 @@ class ReplayRun:
     after: Usage | None = None
     ended: float = 0.0
     kernels: dict[str, str] = attrs.Factory(dict)
+    #: When each cell's request was sent (real seconds), by session id and cell number.
+    sent: dict[tuple[str, int], float] = attrs.Factory(dict)
     cells_sent: int = 0
     cells_done: int = 0
 
@@ -203,6 +208,7 @@ async def _session(
         try:
             for i, cell in enumerate(session.cells, start=1):
                 await _at(t0, cell.start, config.speedup)
+                run.sent[(session.id, i)] = time.time()
                 run.cells_sent += 1
                 said = _Lines(f"session {session.id} cell {i}", note)
                 await _cell(client, session, cell, config.speedup, said)
@@ -222,7 +228,8 @@ async def _start(
     while True:
         # The session's user owns its kernel, so the gateway's quotas count its cells.
         start = StartKernel(gpus=session.gpus, user=session.user)
-        reply = await call(address, start, timeout=_CONTROL_TIMEOUT_S)
+        # A start may wait for a host the autoscaler adds before it starts.
+        reply = await call(address, start, timeout=_CONTROL_TIMEOUT_S + HOST_WAIT_S)
         if isinstance(reply, KernelInfo):
             return reply
         log.info(
@@ -307,6 +314,8 @@ def result(trace: Trace, run: ReplayRun, config: ReplayConfig) -> SimResult:
         fair_share=config.fair_share,
         speedup=k,
         overheads=cells.overheads,
+        splits=cells.splits,
+        delays_1x=cells.delays_1x,
     )
     return sim_result(trace, measured)
 
@@ -317,6 +326,8 @@ class _CellFigures:
 
     delays: list[float] = attrs.Factory(list)
     overheads: list[float] = attrs.Factory(list)
+    splits: list[DelaySplit] = attrs.Factory(list)
+    delays_1x: list[float] = attrs.Factory(list)
     busy: float = 0.0
     used: list[CellUsage] = attrs.Factory(list)
     by_user: list[UserCell] = attrs.Factory(list)
@@ -338,15 +349,35 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
     for session in trace.sessions:
         kernel = run.kernels.get(session.id)
         ideal_end = -math.inf
+        before: CellUsage | None = None
+        # The previous cell's delay and its delay at 1x (None: it did not start).
+        carry: tuple[float, float] | None = None
         for i, cell in enumerate(session.cells, start=1):
             ideal = max(cell.start, ideal_end)
-            ideal_end = ideal + cell.duration
+            previous_end, ideal_end = ideal_end, ideal + cell.duration
             usage = by_cell.get((kernel, i)) if kernel is not None else None
+            earlier, before = before, usage
+            carried, carry = carry, None
             if usage is None or usage.started is None:
                 continue
+            sent = run.sent.get((session.id, i), usage.ready)
+            split = _split(usage, run.t0 + ideal / k, sent, earlier).scaled(k)
+            late, late_1x = (
+                (0.0, 0.0) if carried is None else _carried(previous_end, carried, ideal)
+            )
+            # Waiting behind the previous cell is what its delay carried over; the rest of
+            # that wait (it held its GPUs past its duration, its reply) is nbos's own.
+            queue = min(split.queue, late)
+            split = msgspec.structs.replace(
+                split, queue=queue, overhead=split.overhead + split.queue - queue
+            )
+            found.splits.append(split)
+            at_1x = late_1x + split.gpus + split.own / k
             # Real clocks jitter: a cell is never early.
             delay = max(0.0, (usage.started - run.t0) * k - ideal)
             found.delays.append(delay)
+            found.delays_1x.append(at_1x)
+            carry = (delay, at_1x)
             due = run.t0 + ideal / k
             found.overheads.append(min(delay / k, max(0.0, usage.ready - due)))
             gpus = session.cell_gpus(cell)
@@ -358,6 +389,29 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
             ready = min((usage.ready - run.t0) * k, start)
             found.by_user.append(UserCell(session.owner, gpus, ready, start, end))
     return found
+
+
+def _carried(previous_end: float, delays: tuple[float, float], ideal: float) -> tuple[float, float]:
+    """How long a cell due at ``ideal`` waits behind its session's previous cell, which
+    would have ended at ``previous_end`` but was late by ``delays`` (as replayed, and at
+    1x): what of that lateness reaches past ``ideal``."""
+    replayed, at_1x = delays
+    return max(0.0, previous_end + replayed - ideal), max(0.0, previous_end + at_1x - ideal)
+
+
+def _split(usage: CellUsage, due: float, sent: float, earlier: CellUsage | None) -> DelaySplit:
+    """Where a replayed cell's delay went, in real seconds: from its due time to its request
+    being sent, waiting behind its session's previous cell while that ran (``queue``) and the
+    rest (that cell's reply, or for a session's first cell its kernel's start) nbos's own;
+    the request's way to the front nbos's own; from there the gateway's split
+    (:meth:`CellUsage.split`)."""
+    late = max(0.0, sent - due)
+    ran_until = earlier.ended if earlier is not None and earlier.ended is not None else due
+    behind = min(late, max(0.0, min(ran_until, sent) - due))
+    arrived = usage.arrived if usage.arrived is not None else sent
+    own = DelaySplit(queue=behind, overhead=late - behind + max(0.0, arrived - sent))
+    gateway = usage.split()
+    return own + gateway if gateway is not None else own
 
 
 def _within(hosts: Sequence[HostCount], t0: float, end: float) -> list[HostCount]:

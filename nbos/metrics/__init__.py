@@ -64,6 +64,10 @@ class Events(Protocol):
     def cell_ran(self, seconds: float) -> None:
         """A cell held its executor (and GPUs) for ``seconds``."""
 
+    def cell_delayed(self, cause: str, seconds: float) -> None:
+        """A cell that started waited ``seconds`` for ``cause`` (one of
+        ``nbos.scaling.delays.CAUSES``: queue, gpus, migration, scale_out, overhead)."""
+
     def message_refused(self) -> None:
         """A client message was refused (unsigned, wrongly signed, malformed)."""
 
@@ -78,6 +82,9 @@ class NoEvents:
         pass
 
     def cell_ran(self, seconds: float) -> None:
+        pass
+
+    def cell_delayed(self, cause: str, seconds: float) -> None:
         pass
 
     def message_refused(self) -> None:
@@ -100,6 +107,10 @@ class Fanout:
     def cell_ran(self, seconds: float) -> None:
         for sink in self.sinks:
             sink.cell_ran(seconds)
+
+    def cell_delayed(self, cause: str, seconds: float) -> None:
+        for sink in self.sinks:
+            sink.cell_delayed(cause, seconds)
 
     def message_refused(self) -> None:
         for sink in self.sinks:

@@ -61,6 +61,15 @@ class PrometheusEvents:
         )
         for kind in ("replacement", "migration"):
             self._moved.labels(kind)  # shown as 0 before the first one
+        self._delayed = Counter(
+            "nbos_cell_delay_seconds",
+            "Seconds started cells waited from their request to their start, by cause: "
+            "queue (behind earlier cells of the kernel), gpus, migration, scale_out, overhead.",
+            ["cause"],
+            registry=registry,
+        )
+        for cause in ("queue", "gpus", "migration", "scale_out", "overhead"):
+            self._delayed.labels(cause)  # shown as 0 before the first cell
         self._refused = Counter(
             "nbos_messages_refused",
             "Client messages refused: unsigned, wrongly signed or malformed.",
@@ -72,6 +81,9 @@ class PrometheusEvents:
 
     def cell_ran(self, seconds: float) -> None:
         self._ran.observe(seconds)
+
+    def cell_delayed(self, cause: str, seconds: float) -> None:
+        self._delayed.labels(cause).inc(max(0.0, seconds))
 
     def happened(self, event: ClusterEvent) -> None:
         if event.kind in ("replacement", "migration"):

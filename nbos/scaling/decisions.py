@@ -211,6 +211,19 @@ class ClusterDecisions:
         ceiling = self._autoscaler.config.max_hosts
         return ScaleStep(decision, failed and len(cluster.hosts) + provisioning >= ceiling)
 
+    def may_grow(self, cluster: ClusterView, gpus: int, provisioning: int) -> bool:
+        """Whether a kernel asking ``gpus`` per cell that cannot be placed now waits for a
+        host rather than being refused: the autoscaler may still add one (hosts are on
+        their way, or the cluster is below ``max_hosts``) and a new host could take its
+        replica. The simulator keeps every such start waiting; the gateway refuses the
+        others (the ceiling is a real limit, and its client asks again)."""
+        if self._autoscaler is None:
+            return False
+        config = self._autoscaler.config
+        if gpus > config.new_host_gpus:
+            return False
+        return provisioning > 0 or len(cluster.hosts) < config.max_hosts
+
     @staticmethod
     def removable(host: HostView) -> bool:
         """Whether a draining host may leave: it holds no replica and no committed GPU."""

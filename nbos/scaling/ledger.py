@@ -21,14 +21,18 @@ from collections.abc import Callable
 import msgspec
 
 from nbos.core.ids import KernelId
+from nbos.scaling.delays import DelaySplit, split_wait
 
 
 class CellUsage(msgspec.Struct, forbid_unknown_fields=True):
     """One cell's GPUs as the scheduler granted them.
 
+    ``arrived``: its ``execute_request`` reached the kernel's front (``None``: not known);
     ``ready``: the front asked for its executor (the previous cell had settled);
     ``started``: its GPUs were committed (``None``: it never got them); ``ended``: they
-    were released (``None``: still running, or a cell of no GPUs).
+    were released (``None``: still running, or a cell of no GPUs). Between ``ready`` and
+    ``started`` it waited ``gpus_s`` for GPUs, ``scale_out_s`` for hosts being added and
+    ``migration_s`` for a replica to move (:mod:`nbos.scaling.delays`).
     """
 
     kernel_id: str
@@ -37,6 +41,25 @@ class CellUsage(msgspec.Struct, forbid_unknown_fields=True):
     ready: float
     started: float | None = None
     ended: float | None = None
+    arrived: float | None = None
+    gpus_s: float = 0.0
+    scale_out_s: float = 0.0
+    migration_s: float = 0.0
+
+    def split(self) -> DelaySplit | None:
+        """Where the cell's delay from its arrival to its start went (``None``: not started);
+        ``overhead`` is what the waits leave of the time from ``ready`` to ``started``."""
+        if self.started is None:
+            return None
+        arrived = self.ready if self.arrived is None else min(self.arrived, self.ready)
+        waits = self.gpus_s + self.scale_out_s + self.migration_s
+        return DelaySplit(
+            queue=self.ready - arrived,
+            gpus=self.gpus_s,
+            migration=self.migration_s,
+            scale_out=self.scale_out_s,
+            overhead=max(0.0, self.started - self.ready - waits),
+        )
 
 
 class HostCount(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -132,10 +155,31 @@ class Ledger:
 
     # --- cells' grants (the gateway) ----------------------------------------------------
 
-    def cell_ready(self, kernel_id: KernelId, exec_index: int, gpus: int) -> None:
+    def cell_ready(
+        self, kernel_id: KernelId, exec_index: int, gpus: int, arrived: float | None = None
+    ) -> None:
         key = (kernel_id, exec_index)
         if key not in self._cells:  # a cell that migrated asks again: it was ready before
-            self._cells[key] = CellUsage(kernel_id, exec_index, gpus, self._clock())
+            self._cells[key] = CellUsage(
+                kernel_id, exec_index, gpus, self._clock(), arrived=arrived
+            )
+
+    def cell_waited(
+        self, kernel_id: KernelId, exec_index: int, waited: float, scale_out: float
+    ) -> None:
+        """The cell waited ``waited`` seconds for GPUs, ``scale_out`` of them while hosts
+        were being added (:func:`~nbos.scaling.delays.split_wait`)."""
+        cell = self._cells.get((kernel_id, exec_index))
+        if cell is not None:
+            gpus, scaling = split_wait(waited, scale_out)
+            cell.gpus_s += gpus
+            cell.scale_out_s += scaling
+
+    def cell_migrated(self, kernel_id: KernelId, exec_index: int, seconds: float) -> None:
+        """The cell waited ``seconds`` for a replica to move to a host with its GPUs."""
+        cell = self._cells.get((kernel_id, exec_index))
+        if cell is not None:
+            cell.migration_s += max(0.0, seconds)
 
     def cell_started(self, kernel_id: KernelId, exec_index: int) -> None:
         cell = self._cells.get((kernel_id, exec_index))

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
+import msgspec
 
+from nbos.scaling.delays import DelaySplit
 from nbos.scaling.fair_share import FairShare
 from nbos.scaling.fairness import UserCell, UserFigures, jain_index, percentile, user_figures
 from nbos.scaling.ledger import Totals
@@ -75,6 +77,11 @@ class SimResult:
     #: time to its GPU request reaching the scheduler (the part of its delay that is not
     #: a wait for GPUs: kernel start, client, front, the executor's claim).
     overheads: tuple[float, ...] = ()
+    #: Where the started cells' delays went, summed (trace seconds; :mod:`nbos.scaling.delays`).
+    delay_split: DelaySplit = attrs.field(factory=DelaySplit)
+    #: A replay's share of cells that a user at 1x would have seen start within
+    #: ``interactive_within`` (:attr:`Run.delays_1x`); ``None``: simulated.
+    interactive_share_1x: float | None = None
 
     def summary(self) -> dict[str, Any]:
         """The figures as plain values (no samples, delays or overheads), with the two
@@ -84,6 +91,7 @@ class SimResult:
             self, filter=attrs.filters.exclude(fields.samples, fields.delays, fields.overheads)
         )
         data["hosts_timeline"] = [list(point) for point in self.hosts_timeline]
+        data["delay_split"] = msgspec.structs.asdict(self.delay_split)
         data["busy_share"] = self.busy_share
         data["utilisation"] = self.utilisation
         if self.speedup is not None:
@@ -133,6 +141,11 @@ class Run:
     #: (:attr:`SimResult.overheads`).
     speedup: float | None = None
     overheads: Sequence[float] = ()
+    #: Every started cell's delay by cause (:class:`DelaySplit`), as ``delays``.
+    splits: Sequence[DelaySplit] = ()
+    #: A replay's delays as a user would feel them at 1x: the waits other cells caused
+    #: in trace seconds, nbos's own time in real seconds (``nbos.gateway.replay``).
+    delays_1x: Sequence[float] = ()
 
 
 def sim_result(trace: Trace, run: Run) -> SimResult:
@@ -173,7 +186,19 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         jain_index=jain_index([u.gpu_hours / u.fair_gpu_hours for u in users if u.fair_gpu_hours]),
         speedup=run.speedup,
         overheads=tuple(sorted(run.overheads)),
+        delay_split=sum(run.splits, DelaySplit()),
+        interactive_share_1x=(
+            None
+            if run.speedup is None
+            else _share(sum(1 for d in run.delays_1x if d <= run.interactive_within), cells)
+        ),
     )
+
+
+def _per_cell(r: SimResult) -> str:
+    """The delay split as seconds per started cell, cause by cause."""
+    started = len(r.delays)
+    return " / ".join(f"{v / started if started else 0.0:.1f}" for v in r.delay_split.values())
 
 
 def _percentiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -216,6 +241,15 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
         "interactive (start within)",
         lambda r: f"{r.interactive_share:.1%} ({r.interactive_within:g} s)",
     ),
+    (
+        "interactive at 1x (start within)",
+        lambda r: (
+            "-"
+            if r.interactive_share_1x is None
+            else f"{r.interactive_share_1x:.1%} ({r.interactive_within:g} s)"
+        ),
+    ),
+    ("delay by cause (s per cell): queue/GPUs/migr./scale-out/own", _per_cell),
     ("migrations / drain moves", lambda r: f"{r.migrations} / {r.drain_moves}"),
     ("scale-outs / scale-ins", lambda r: f"{r.scale_outs} / {r.scale_ins}"),
     ("hosts mean / max", lambda r: f"{r.hosts_mean:.1f} / {r.hosts_max}"),
@@ -229,7 +263,11 @@ def metrics_table(results: Sequence[SimResult]) -> str:
     """The results side by side, one column per run, as plain text."""
     header = ("metric", *(r.mode for r in results))
     replayed = any(r.speedup is not None for r in results)
-    rows = [(label, fmt) for label, fmt in _ROWS if replayed or "real s" not in label]
+    rows = [
+        (label, fmt)
+        for label, fmt in _ROWS
+        if replayed or ("real s" not in label and "at 1x" not in label)
+    ]
     return _columns([header, *((label, *(fmt(r) for r in results)) for label, fmt in rows)])
 
 

@@ -60,6 +60,7 @@ from nbos.core.ids import HostId, KernelId
 from nbos.gpu.pool import GpuPool
 from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, ScaleOut
 from nbos.scaling.decisions import ClusterDecisions
+from nbos.scaling.delays import DelaySplit, ScaleOutClock, split_wait
 from nbos.scaling.executor import Execute, Wait
 from nbos.scaling.fair_share import FairShare, UserGpus, Waiter, Yield
 from nbos.scaling.fairness import UserCell
@@ -191,6 +192,8 @@ class _Kernel:
     arrival: int | None = None
     #: When the kernel's last cell ended.
     last_end: float = 0.0
+    #: The scale-out clock's reading when the head cell became ready (its wait's start).
+    ready_mark: float = 0.0
 
     @property
     def user(self) -> str:
@@ -246,6 +249,9 @@ class _Simulation:
         self._gpus_busy = 0
         self._busy_gpu_s = 0.0
         self._delays: list[float] = []
+        self._splits: list[DelaySplit] = []
+        # How long hosts were being added: the scale-out part of a cell's wait.
+        self._scale_outs = ScaleOutClock(lambda: self._now)
         self._user_cells: list[UserCell] = []
         self._fair = config.fair_share
         self._user_gpus = UserGpus()
@@ -388,6 +394,8 @@ class _Simulation:
         ideal_start = max(self._now, kernel.ideal_end)
         kernel.ideal_end = ideal_start + cell.duration
         kernel.queue.append((cell, ideal_start))
+        if len(kernel.queue) == 1:
+            kernel.ready_mark = self._scale_outs.reading()
         self._try_run(kernel)
 
     def _try_run(self, kernel: _Kernel) -> None:
@@ -457,6 +465,10 @@ class _Simulation:
         self._delays.append(at - ideal_start)
         self._busy_gpu_s += gpus * cell.duration
         ready = min(max(cell.start, kernel.last_end), at)
+        waited, scaling = split_wait(
+            self._now - ready, self._scale_outs.reading() - kernel.ready_mark
+        )
+        self._splits.append(DelaySplit(ready - ideal_start, waited, at - self._now, scaling))
         self._user_cells.append(UserCell(kernel.user, gpus, ready, at, at + cell.duration))
         if at > self._now:
             self._at(at, _END, lambda: self._busy(gpus))
@@ -471,6 +483,7 @@ class _Simulation:
         self._gpus_busy -= gpus
         kernel.last, kernel.executing_on, kernel.last_end = host, None, self._now
         kernel.queue.popleft()
+        kernel.ready_mark = self._scale_outs.reading()
         if reservation is not None:
             self._release(host, reservation, resident=True)
             self._user_gpus.remove(kernel.user, gpus)
@@ -519,6 +532,7 @@ class _Simulation:
             self.ledger.scale_outs += 1
             count = decision.count
             self._provisioning += count
+            self._scale_outs.asked(count)
             self._at(self._now + self._cfg.host_startup, _HOST, lambda: self._join(count))
         elif isinstance(decision, ScaleIn):
             self.ledger.scale_ins += 1
@@ -543,6 +557,7 @@ class _Simulation:
 
     def _join(self, count: int) -> None:
         self._provisioning -= count
+        self._scale_outs.arrived(count)
         for _ in range(count):
             self._new_host()
         self._mark_hosts()
@@ -627,6 +642,7 @@ class _Simulation:
             seconds=self._now,
             totals=self.ledger.totals(),
             delays=self._delays,
+            splits=self._splits,
             busy_gpu_s=self._busy_gpu_s,
             peak_gpus_committed=self.ledger.peak_committed,
             hosts_timeline=tuple((h.time, h.hosts) for h in self.ledger.hosts()),

@@ -192,11 +192,16 @@ def start_http_gateway(
 
 
 def start_jupyter_server(
-    tmp: Path, gateway_url: str | None, gateway_token: str, token: str
+    tmp: Path,
+    gateway_url: str | None,
+    gateway_token: str,
+    token: str,
+    request_timeout: float = 120.0,
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
     """``jupyter server --gateway-url`` (Jupyter Server's own gateway client); process, URL, log.
 
     Without ``gateway_url``, a plain Jupyter Server with its own local kernels.
+    ``request_timeout``: its ``GatewayClient.request_timeout`` (its own default is 42 s).
     """
     (port,) = free_loopback_ports(1)
     root = tmp / "notebooks"
@@ -217,7 +222,7 @@ def start_jupyter_server(
         argv += [
             f"--gateway-url={gateway_url}",
             f"--GatewayClient.auth_token={gateway_token}",
-            "--GatewayClient.request_timeout=120",
+            f"--GatewayClient.request_timeout={request_timeout:g}",
             "--GatewayClient.connect_timeout=60",
         ]
     log = tmp / "jupyter-server.log"

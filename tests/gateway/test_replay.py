@@ -211,6 +211,31 @@ def test_a_replays_delays_in_real_seconds_and_its_own_overhead_apart() -> None:
     assert "(real s)" not in results.metrics_table([simulator.simulate(trace)])
 
 
+def test_a_replays_delay_split_scales_the_waits_and_counts_its_own_time_real_at_1x() -> None:
+    # A minute of trace a second from t0 = 100. Cell 1 is due at 101 s, sent then, reaches
+    # the front 0.1 s later and gets its GPUs 0.4 s after that (nbos's own time: 30 s of
+    # trace); cell 2, due at 111 s once cell 1 would have ended, waits behind cell 1 (which
+    # ended 0.5 s late) and its reply (0.1 s), then 0.1 s more of nbos's own.
+    trace = Trace((Session("a", 0, 1200, 2, (Cell(60, 600), Cell(120, 60))),))
+    before = Usage(0.0, 100.0, [], [HostCount(0.0, 2, 16)], Totals())
+    cells = [
+        CellUsage("k-a", 1, 2, 101.1, 101.5, 111.5, arrived=101.1),
+        CellUsage("k-a", 2, 2, 111.65, 111.7, 112.7, arrived=111.65),
+    ]
+    after = Usage(0.0, 200.0, cells, [HostCount(0.0, 2, 16)], Totals())
+    sent = {("a", 1): 101.0, ("a", 2): 111.6}
+    run = ReplayRun(before, 100.0, after, 200.0, {"a": "k-a"}, sent=sent)
+    r = replay.result(trace, run, ReplayConfig(speedup=60.0))
+    assert r.delays == pytest.approx((30.0, 42.0))
+    split = r.delay_split
+    assert (split.queue, split.overhead) == (pytest.approx(30.0), pytest.approx(42.0))
+    assert (split.gpus, split.migration, split.scale_out) == (0.0, 0.0, 0.0)
+    # As replayed, no cell started within a second; at 1x nbos's own 0.5 s and the 0.5 s
+    # cell 2 waited behind cell 1 (plus its own 0.2 s) would have: both did.
+    assert (r.interactive_share, r.interactive_share_1x) == (0.0, 1.0)
+    assert "100.0% (1 s)" in results.metrics_table([r])
+
+
 @given(
     st.lists(
         st.tuples(

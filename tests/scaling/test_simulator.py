@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from nbos.cli import simulate as simulate_cli
@@ -27,6 +28,7 @@ from nbos.scaling import (
     synthetic_trace,
 )
 from nbos.scaling.decisions import ClusterDecisions
+from nbos.scaling.delays import DelaySplit
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.registry import load_policy
 from nbos.scaling.trace import dump_csv, dump_json, parse_csv, parse_json
@@ -335,3 +337,24 @@ def test_a_user_policy_from_an_entry_point_runs_in_the_simulator() -> None:
     assert result.cells_unserved == 0
     assert result.gpu_hours_busy == pytest.approx(trace.gpu_hours_busy())
     assert simulate(trace, config) == result  # the user policy replays too
+
+
+def test_the_delay_split_counts_gpus_the_host_being_added_and_the_migration() -> None:
+    config = SimConfig(hosts=3, gpus_per_host=1, autoscaler=AutoscalerConfig())
+    r = simulate(migration_trace(), config)
+    # k's cell waits from 20 s; the autoscaler asks for a host at 60 s, which joins at
+    # 120 s; the replica's move takes 10 s: 40 s for GPUs, 60 s for the host, 10 s moving.
+    assert r.delay_split == DelaySplit(gpus=40.0, scale_out=60.0, migration=10.0)
+    assert r.delay_split.total == pytest.approx(sum(r.delays))
+
+
+def test_a_cell_behind_a_late_cell_of_its_kernel_is_split_as_queue() -> None:
+    base = migration_trace()
+    k = base.sessions[-1]
+    trace = Trace(
+        (*base.sessions[:-1], msgspec.structs.replace(k, cells=(Cell(20, 30), Cell(25, 5))))
+    )
+    r = simulate(trace, fixed("nbos"))
+    # k's first cell waits 20..10010 for a GPU; its second was due at 50 (after the first's
+    # ideal end) and is ready once the first ended at 10040: it waited behind it.
+    assert r.delay_split == DelaySplit(queue=10040.0 - 50.0, gpus=9990.0)

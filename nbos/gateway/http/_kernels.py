@@ -8,6 +8,11 @@ clients' channels follow. The API id is the first nbos kernel's id; the current 
 is in the model's ``nbos.kernel_id``, its state (``docs/kernel.md``, Kernel states) in
 ``nbos.state``.
 
+A start that waits for a host the autoscaler adds (``docs/deploy.md``, Admission) is answered at
+once: the kernel is ``starting``, the model's ``nbos.waiting`` says why, and a client's
+WebSocket (with what it sends on it) and its requests wait for the start, at most
+:data:`START_WAIT_S`, then fail with the start's error.
+
 Activity is read the way Jupyter Server reads it: every IOPub message is activity,
 and ``status`` messages say whether the kernel is busy, except those answering requests
 that tools send on their own (``kernel_info_request`` and the like). The model's
@@ -32,11 +37,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from nbos.core.errors import ConfigError, KernelError, UnknownKernelError
+from nbos.core.errors import ConfigError, KernelError, NbosError, UnknownKernelError
 from nbos.core.identity import User, UserName
-from nbos.core.ids import KernelId
+from nbos.core.ids import KernelId, new_kernel_id
 from nbos.gateway._kernel import Kernel
-from nbos.gateway._kernel_manager import KernelManager
+from nbos.gateway._kernel_manager import HOST_WAIT_S, KernelManager
 from nbos.gateway._kernel_state import JupyterState, KernelState, jupyter_state
 from nbos.gateway.auth import acting_for
 from nbos.gateway.http._channels import ChannelBridge, Sink
@@ -45,6 +50,9 @@ from nbos.kernel.jupyter_requests import channel_url, control_request, session_f
 log = logging.getLogger(__name__)
 
 _INTERRUPT_TIMEOUT_S = 30.0
+#: How long what a client asks of a kernel still starting waits for it: the wait for a
+#: host, and then the start itself.
+START_WAIT_S = HOST_WAIT_S + 120.0
 #: Requests whose busy/idle are not the user's activity (tools send them by themselves).
 _UNTRACKED = frozenset(
     {"kernel_info_request", "comm_info_request", "interrupt_request", "shutdown_request"}
@@ -60,12 +68,19 @@ def _now() -> datetime.datetime:
 class ApiKernel:
     """One kernel of the API: its current nbos kernel, its activity, its clients."""
 
-    def __init__(self, name: str, gpus: int, env: Mapping[str, str], kernel: Kernel) -> None:
-        self.kernel_id: str = kernel.kernel_id
+    def __init__(self, name: str, gpus: int, env: Mapping[str, str], owner: str) -> None:
+        self.kernel_id: str = new_kernel_id()
         self.name = name
         self.gpus = gpus
         self.env = dict(env)
-        self.kernel = kernel
+        self.owner = owner
+        #: The nbos kernel; ``None`` while its first start runs.
+        self._kernel: Kernel | None = None
+        #: Set once the first start ended, started or not (then ``start_error`` says why).
+        self.started = anyio.Event()
+        self.start_error: Exception | None = None
+        #: Why the first start waits (for a host), while it does.
+        self.waiting: str | None = None
         self.generation = 0
         #: What the kernel's IOPub last said (``idle``, ``busy``), or ``restarting``.
         self.activity = "idle"
@@ -77,6 +92,36 @@ class ApiKernel:
         self.ending = False
         self.lock = anyio.Lock()
         self._changed = anyio.Event()
+        #: The first start's scope, to call it off while it waits for a host.
+        self.start_scope: anyio.CancelScope | None = None
+
+    @property
+    def kernel(self) -> Kernel:
+        """The nbos kernel; :class:`KernelError` while it starts (:meth:`wait_started`)."""
+        if self._kernel is None:
+            raise KernelError(f"kernel {self.kernel_id} is starting: {self.waiting or 'starting'}")
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: Kernel) -> None:
+        self._kernel = kernel
+
+    @property
+    def is_started(self) -> bool:
+        return self._kernel is not None
+
+    async def wait_started(self) -> Kernel:
+        """The nbos kernel once its first start ended; :class:`KernelError` if it failed, or
+        if it still starts after :data:`START_WAIT_S`."""
+        with anyio.move_on_after(START_WAIT_S):
+            await self.started.wait()
+        if self._kernel is not None:
+            return self._kernel
+        if self.start_error is not None:
+            raise KernelError(f"kernel {self.kernel_id} did not start: {self.start_error}")
+        raise KernelError(
+            f"kernel {self.kernel_id} still starts after {START_WAIT_S:g} s ({self.waiting})"
+        )
 
     @property
     def connection_info(self) -> Mapping[str, Any]:
@@ -84,8 +129,10 @@ class ApiKernel:
 
     @property
     def state(self) -> KernelState:
-        """The nbos kernel's state; ``starting`` while the API restarts it."""
-        return "starting" if self.activity == "restarting" else self.kernel.state
+        """The nbos kernel's state; ``starting`` while it starts or the API restarts it."""
+        if self._kernel is None or self.activity == "restarting":
+            return "starting"
+        return self._kernel.state
 
     @property
     def execution_state(self) -> JupyterState:
@@ -94,18 +141,22 @@ class ApiKernel:
 
     def model(self) -> dict[str, Any]:
         state = self.state
+        kernel = self._kernel
+        nbos: dict[str, Any] = {
+            "kernel_id": kernel.kernel_id if kernel is not None else self.kernel_id,
+            "gpus": self.gpus,
+            "state": state,
+            "replicas_alive": len(kernel.front.alive) if kernel is not None else 0,
+        }
+        if kernel is None and self.waiting is not None:
+            nbos["waiting"] = self.waiting
         return {
             "id": self.kernel_id,
             "name": self.name,
             "last_activity": self.last_activity.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "execution_state": jupyter_state(state, self.activity),
             "connections": len(self.sinks),
-            "nbos": {
-                "kernel_id": self.kernel.kernel_id,
-                "gpus": self.gpus,
-                "state": state,
-                "replicas_alive": len(self.kernel.front.alive),
-            },
+            "nbos": nbos,
         }
 
     def touch(self) -> None:
@@ -142,17 +193,20 @@ class ApiKernels:
     def api_id(self, kernel_id: str) -> str | None:
         """The API's id of the nbos kernel ``kernel_id`` (an API restart starts a new nbos
         kernel behind the same API id); ``None`` for a kernel not started through the API."""
-        return next((api.kernel_id for api in self if api.kernel.kernel_id == kernel_id), None)
+        return next(
+            (api.kernel_id for api in self if api.is_started and api.kernel.kernel_id == kernel_id),
+            None,
+        )
 
     def visible(self, user: User) -> list[ApiKernel]:
         """The kernels ``user`` may see: their own, or all for an admin."""
-        return [api for api in self if user.may_see(api.kernel.owner)]
+        return [api for api in self if user.may_see(api.owner)]
 
     def get(self, kernel_id: str, user: User) -> ApiKernel:
         """``user``'s kernel ``kernel_id``; :class:`UnknownKernelError` for none, and for
         another user's (as if it did not exist)."""
         api = self._kernels.get(kernel_id)
-        if api is None or api.ending or not user.may_see(api.kernel.owner):
+        if api is None or api.ending or not user.may_see(api.owner):
             raise UnknownKernelError(KernelId(kernel_id))
         return api
 
@@ -164,15 +218,58 @@ class ApiKernels:
         named = passed.get("KERNEL_USERNAME") if user.is_admin else None
         owner = acting_for(user, _user_name(named) if named else None)
         passed["KERNEL_USERNAME"] = owner
-        kernel = await self.kernel_manager.start_kernel(gpus=gpus, env=passed, owner=owner)
-        api = ApiKernel(name, gpus, passed, kernel)
+        api = ApiKernel(name, gpus, passed, owner)
         self._kernels[api.kernel_id] = api
-        self._tg.start_soon(self._supervise, api)
-        log.info("kernel %s (%s) started for %s", api.kernel_id, name, owner)
+        answered = anyio.Event()
+
+        def waits(why: str) -> None:
+            api.waiting = why
+            answered.set()
+
+        self._tg.start_soon(self._first_start, api, waits)
+        await _first(api.started.wait, answered.wait)
+        if api.start_error is not None:
+            raise api.start_error
+        if not api.is_started:
+            log.info("kernel %s (%s) for %s: %s", api.kernel_id, name, owner, api.waiting)
         return api
+
+    async def _first_start(self, api: ApiKernel, waits: Callable[[str], None]) -> None:
+        """Start ``api``'s nbos kernel (under its API id) and watch it; a start that fails
+        forgets ``api``, which the clients waiting for it hear (:meth:`ApiKernel.wait_started`)."""
+        try:
+            with anyio.CancelScope() as api.start_scope:
+                api.kernel = await self.kernel_manager.start_kernel(
+                    gpus=api.gpus,
+                    env=api.env,
+                    owner=api.owner,
+                    kernel_id=KernelId(api.kernel_id),
+                    on_wait=waits,
+                )
+            if api.start_scope.cancelled_caught:
+                api.start_error = KernelError("it was shut down while it started")
+            else:
+                api.touch()  # idle from its start on, not from the request (the culler)
+        except NbosError as exc:
+            api.start_error = exc
+            if api.waiting is not None:  # answered already: logged here
+                log.warning("kernel %s did not start: %s", api.kernel_id, exc)
+        finally:
+            api.waiting = None
+            api.started.set()
+            if not api.is_started:
+                self._let_go(api)
+        if not api.is_started:
+            return
+        if api.ending:  # deleted while it started
+            await api.kernel.shutdown()
+            return
+        self._tg.start_soon(self._supervise, api)
+        log.info("kernel %s (%s) started for %s", api.kernel_id, api.name, api.owner)
 
     async def restart(self, api: ApiKernel) -> None:
         """A fresh nbos kernel behind ``api`` (the old one shut down first)."""
+        await api.wait_started()
         async with api.lock:
             if api.ending:  # deleted while this waited for the lock
                 raise UnknownKernelError(KernelId(api.kernel_id))
@@ -198,6 +295,7 @@ class ApiKernels:
 
     async def interrupt(self, api: ApiKernel) -> None:
         """``interrupt_request`` through the front (which sends it to the cell's executor)."""
+        await api.wait_started()
         async with api.lock:
             reply = await control_request(
                 self._ctx, api.connection_info, "interrupt_request", {}, _INTERRUPT_TIMEOUT_S
@@ -206,6 +304,14 @@ class ApiKernels:
             raise KernelError(f"kernel {api.kernel_id} did not answer an interrupt")
 
     async def shutdown(self, api: ApiKernel) -> None:
+        if not api.is_started:
+            # Still starting: the start is called off (or, placed already, shut down
+            # once it ends).
+            self._let_go(api)
+            if api.start_scope is not None and api.waiting is not None:
+                api.start_scope.cancel()
+            log.info("kernel %s shut down while it started", api.kernel_id)
+            return
         async with api.lock:
             if api.ending:
                 return
@@ -221,7 +327,9 @@ class ApiKernels:
     # --- clients ----------------------------------------------------------------
 
     async def connect(self, api: ApiKernel, sink: Sink, session_key: str) -> ChannelBridge:
-        """A bridge for a new WebSocket: the held one of ``session_key``, else a new one."""
+        """A bridge for a new WebSocket: the held one of ``session_key``, else a new one.
+        Waits for a kernel that starts (:meth:`ApiKernel.wait_started`)."""
+        await api.wait_started()
         held, api.detached = api.detached, None
         if held is not None and session_key and held.session_key == session_key:
             bridge = held
@@ -263,7 +371,7 @@ class ApiKernels:
             now = _now()
             for api in self:
                 idle_s = (now - api.last_activity).total_seconds()
-                if api.sinks or api.execution_state == "busy" or idle_s < timeout:
+                if api.sinks or api.execution_state in ("busy", "starting") or idle_s < timeout:
                     continue
                 log.info("kernel %s idle for %.0fs with no client: culled", api.kernel_id, idle_s)
                 await self.shutdown(api)

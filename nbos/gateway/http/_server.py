@@ -128,7 +128,9 @@ async def serve_http(
                     kernel_manager,
                     dashboard.host_status,
                     dashboard.event_log,
-                    lambda: {api.kernel.kernel_id: api.kernel_id for api in kernels},
+                    lambda: {
+                        api.kernel.kernel_id: api.kernel_id for api in kernels if api.is_started
+                    },
                 )
                 routes = _dashboard_routes({**settings, "dashboard": board})
                 tg.start_soon(board.run)

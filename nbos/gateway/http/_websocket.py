@@ -20,7 +20,7 @@ from typing import Any
 
 from tornado import websocket
 
-from nbos.core.errors import DecodeError
+from nbos.core.errors import DecodeError, KernelError
 from nbos.gateway.auth import Authenticator
 from nbos.gateway.http._channels import ChannelBridge
 from nbos.gateway.http._handlers import RedactedLogs, api_errors, authenticate, error_body
@@ -28,6 +28,9 @@ from nbos.gateway.http._kernels import ApiKernel, ApiKernels
 from nbos.gateway.http._wsproto import V1_PROTOCOL, WireMsg, decode, encode
 
 log = logging.getLogger(__name__)
+
+#: A WebSocket close frame's reason holds at most this many bytes (RFC 6455).
+_MAX_REASON = 120
 
 
 class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
@@ -53,6 +56,13 @@ class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
         self.set_nodelay(True)
         self.protocol = self.selected_subprotocol or ""
         session_key = self.get_query_argument("session_id", "")
+        try:
+            # A kernel still starting (waiting for a host): what the client sends waits too.
+            await self.api.wait_started()
+        except KernelError as exc:
+            log.warning("kernel %s: client not connected: %s", self.api.kernel_id, exc)
+            self.close(1011, str(exc).encode()[:_MAX_REASON].decode(errors="ignore"))
+            return
         with api_errors():
             self.bridge = await self.kernels.connect(self.api, self, session_key)
         self.api.touch()

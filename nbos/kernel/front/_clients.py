@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,6 +86,8 @@ class ClientChannels:
         identity: FrontIdentity | None,
     ) -> None:
         self._kernel_id = kernel_id
+        #: When each ``execute_request`` not yet handled arrived (``time.time()``), by msg id.
+        self.arrived: dict[str, float] = {}
         self.key = identity.key if identity is not None else secrets.token_hex(32)
         self._signer = _wire.Signer(
             {"key": self.key},
@@ -142,11 +145,15 @@ class ClientChannels:
     def parse(self, frames: list[bytes]) -> Incoming | None:
         """A client's message, or ``None`` if it is refused."""
         try:
-            return self._signer.parse(frames)
+            incoming = self._signer.parse(frames)
         except (AuthenticationError, DecodeError) as exc:
             self.refuse()
             log.warning("kernel %s: client message refused: %s", self._kernel_id, exc)
             return None
+        header = incoming[1].get("header")
+        if isinstance(header, dict) and header.get("msg_type") == "execute_request":
+            self.arrived[str(header.get("msg_id", ""))] = time.time()
+        return incoming
 
     async def screen(self, idents: list[bytes], msg: _wire.Msg, channel: _requests.Channel) -> bool:
         """Whether the front serves ``msg``; if not, it is counted, logged and, when it is

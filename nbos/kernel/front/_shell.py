@@ -115,6 +115,7 @@ class ShellWorker:
             log.exception("kernel %s: %s failed", self._kernel_id, msg_type)
             return False
         finally:
+            self._clients.arrived.pop(str(msg["header"].get("msg_id", "")), None)
             await self._idle.flush()
 
     async def _execute(self, idents: list[bytes], msg: _wire.Msg) -> str:
@@ -190,6 +191,7 @@ class ShellWorker:
             code=code if isinstance(code, str) else "",
             metadata=msg["metadata"],
             notify=wait.waits,
+            arrived=self._clients.arrived.get(str(msg["header"].get("msg_id", ""))),
         )
 
     async def _execute_on(

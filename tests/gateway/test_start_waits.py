@@ -1,0 +1,146 @@
+"""A kernel start beyond the cluster's capacity waits for the host the autoscaler adds.
+
+One host of two GPUs that takes one replica (``max_replicas_per_host = 1``), kernels of one
+replica, the autoscaler allowed a second host: the first kernel takes the host, the
+second waits for the host the autoscaler adds (its client sees it ``starting``, and why)
+and then runs a cell; a third is refused at once with the ceiling named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from nbos.core.config import GatewaySettings, Settings
+from nbos.core.errors import OverloadedError
+from nbos.gateway.auth import Authenticator
+from nbos.gateway.http import serve_http
+from nbos.gateway.service import GatewayService
+from tests.agent._daemons import DEADLINE
+from tests.gateway._http import (
+    KernelSocket,
+    call,
+    start_http_gateway,
+    start_jupyter_server,
+    stdout,
+    stop,
+)
+from tests.gateway._service import local_settings
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+HTTP = GatewaySettings(http_address="127.0.0.1:0")
+
+
+def one_host_growing_to_two(tmp_path: Path) -> Settings:
+    settings = local_settings(
+        tmp_path,
+        autoscale=True,
+        min_hosts=1,
+        max_hosts=2,
+        autoscale_period_s=0.3,
+        scale_out_cooldown_s=0.0,
+        scale_in_cooldown_s=0.0,
+        idle_grace_s=600.0,
+    )
+    cluster = msgspec.structs.replace(
+        settings.cluster, hosts=1, replicas_per_kernel=1, max_replicas_per_host=1
+    )
+    return msgspec.structs.replace(settings, cluster=cluster)
+
+
+async def test_a_start_waits_for_the_host_the_autoscaler_adds_and_the_ceiling_refuses(
+    tmp_path: Path,
+) -> None:
+    async with GatewayService.serve(
+        one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
+        manager = service.kernel_manager
+        first = await manager.start_kernel(gpus=1)
+        waits: list[str] = []
+        second = await manager.start_kernel(gpus=1, on_wait=waits.append)
+        assert len(waits) == 1 and waits[0].startswith("waiting for a host"), waits
+        assert {r.host for r in second.replicas}.isdisjoint(r.host for r in first.replicas)
+        assert service.directory.scheduler.ledger.scale_outs >= 1
+        assert not manager.starts_waiting
+        assert (await second.execute("%%gpus 1\nprint(6 * 7)")).stdout == "42\n"
+        with pytest.raises(OverloadedError, match=r"ceiling \(max_hosts=2\)"):
+            await manager.start_kernel(gpus=1)
+
+
+async def test_the_http_api_answers_a_waiting_start_at_once_and_its_websocket_waits(
+    tmp_path: Path,
+) -> None:
+    async with (
+        GatewayService.serve(
+            one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
+        ) as service,
+        serve_http(HTTP, service.kernel_manager, lambda: 2, Authenticator("t")) as api,
+    ):
+        kernels = f"{api.url}/api/kernels"
+        status, taken = await call(kernels, "POST", {}, token="t")
+        assert status == 201 and taken["execution_state"] == "idle", taken
+        status, model = await call(kernels, "POST", {}, token="t")
+        assert status == 201, model
+        assert model["execution_state"] == "starting", model
+        assert model["nbos"]["waiting"].startswith("waiting for a host"), model
+        # The client connects and sends a cell at once: both wait for the kernel.
+        ws = await KernelSocket.open(f"{kernels}/{model['id']}/channels", "t", v1=True)
+        try:
+            reply, outputs = await ws.run("print(6 * 7)", timeout=2 * DEADLINE)
+            assert reply["content"]["status"] == "ok" and stdout(outputs) == "42\n"
+        finally:
+            ws.close()
+        status, model = await call(f"{kernels}/{model['id']}", token="t")
+        assert status == 200 and model["nbos"]["state"] == "idle", model
+        status, refused = await call(kernels, "POST", {}, token="t")
+        assert status == 503 and "max_hosts=2" in refused["message"], refused
+
+
+@pytest.mark.long  # a gateway and a Jupyter Server, each a process of its own
+async def test_jupyter_server_gets_a_waiting_start_within_its_request_timeout(
+    tmp_path: Path,
+) -> None:
+    growing = {
+        "NBOS_CLUSTER__HOSTS": "1",
+        "NBOS_CLUSTER__REPLICAS_PER_KERNEL": "1",
+        "NBOS_CLUSTER__MAX_REPLICAS_PER_HOST": "1",
+        "NBOS_GATEWAY__AUTOSCALE": "true",
+        "NBOS_GATEWAY__MIN_HOSTS": "1",
+        "NBOS_GATEWAY__MAX_HOSTS": "2",
+        "NBOS_GATEWAY__AUTOSCALE_PERIOD_S": "0.3",
+        "NBOS_GATEWAY__SCALE_OUT_COOLDOWN_S": "0",
+        "NBOS_GATEWAY__SCALE_IN_COOLDOWN_S": "0",
+        "NBOS_GATEWAY__IDLE_GRACE_S": "600",
+    }
+    for place in ("gateway", "jupyter"):
+        (tmp_path / place).mkdir()
+    # Both wait for their servers with blocking clients: off the test's event loop.
+    gateway, gateway_url, log = await anyio.to_thread.run_sync(
+        start_http_gateway, tmp_path / "gateway", "g", growing
+    )
+    try:
+        # Jupyter Server's own default: a start must be answered within 42 s.
+        server, url, _ = await anyio.to_thread.run_sync(
+            start_jupyter_server, tmp_path / "jupyter", gateway_url, "g", "j", 42.0
+        )
+        try:
+            kernels = f"{url}/api/kernels"
+            assert (await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j"))[0] == 201
+            code, model = await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j")
+            assert code == 201, model
+            channels = f"{kernels}/{model['id']}/channels?token=j"
+            ws = await KernelSocket.open(channels)
+            try:
+                reply, outputs = await ws.run("%%gpus 1\nprint(6 * 7)", timeout=2 * DEADLINE)
+                assert reply["content"]["status"] == "ok" and stdout(outputs) == "42\n"
+            finally:
+                ws.close()
+        finally:
+            await anyio.to_thread.run_sync(stop, server)
+    finally:
+        await anyio.to_thread.run_sync(stop, gateway)
+    assert "waiting for a host" in log.read_text()
