@@ -57,6 +57,7 @@ class Kernel:
         retire: Callable[[], Awaitable[None]] | None = None,
         owner: str = "",
         gpus: int = 0,
+        heals: bool = False,
     ) -> None:
         # ``processes`` is shared with the cluster, which stops what it holds at the end.
         # ``retire`` records the shutdown before anything stops (the gateway's state).
@@ -71,6 +72,8 @@ class Kernel:
         self._processes = processes
         self._scope = scope
         self._restart = restart
+        # Whether a lost majority is restarted in place (a durable cluster that replaces).
+        self._heals = heals and restart is not None
         self._replacer = replacer
         self._retire = retire
         self._retired = False
@@ -104,7 +107,7 @@ class Kernel:
             unanswering=sum(node not in alive and not self._exited(node) for node in voters),
             cell=front.cell,
             started=front.started,
-            recovering=self._recoveries > 0 or self.recovering,
+            recovering=self._recoveries > 0 or self.recovering or self._recovery_due(),
             replacing=self._replacer is not None and self._replacer.recovering,
             closed=self.closed.is_set() or front.is_closing,
         )
@@ -123,6 +126,13 @@ class Kernel:
             yield
         finally:
             self._recoveries -= 1
+
+    def _recovery_due(self) -> bool:
+        """Whether the kernel lost its majority and will restart its dead in place: the
+        exits are known to the front a moment before the cluster's watch of them sets
+        :attr:`recovering`, and meanwhile the kernel must not read ``dead``."""
+        front = self.front
+        return self._heals and self.lost is None and not (front.is_closing or front.has_quorum)
 
     def _exited(self, node: int) -> bool:
         """Whether replica ``node``'s process is known to have ended (or is gone)."""

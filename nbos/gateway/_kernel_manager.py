@@ -881,6 +881,7 @@ class KernelManager:
                         return Spawned(handle, info)
 
                     replacer = self._replacer(kernel_id, front, handles, replacing, spawn)
+                    heals = options.durable and options.replace_after_s is not None
                     kernel = Kernel(
                         kernel_id,
                         front,
@@ -891,11 +892,11 @@ class KernelManager:
                         retire=partial(self._retire, kernel_id),
                         owner=replacing.owner,
                         gpus=replacing.gpus,
+                        heals=heals,
                     )
 
                     async def after_exit(node: int, handle: ProcessHandle) -> None:
                         replace = partial(self._replace_dead, replacer)
-                        heals = options.durable and options.replace_after_s is not None
                         if not (
                             heals and self._brings_back(tg, kernel, handles, launches, replace)
                         ):
