@@ -29,6 +29,7 @@ _COMMANDS = (
     "cluster",
     "replay",
     "users",
+    "swarm",
 )
 
 
