@@ -35,6 +35,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from nbos._version import __version__
 from nbos.agent._agent import EVICT_TIMEOUT_S, HostAgent
+from nbos.agent._join import join_gateway
 from nbos.agent._replicas import ReplicaService, UnknownReplicaError
 from nbos.agent._runtime import check_agent_settings
 from nbos.core.config import AgentSettings
@@ -76,8 +77,10 @@ from nbos.kernel.jupyter_requests import control_request
 from nbos.kernel.protocol import EVICT_DEVICES, EVICT_REQUEST
 from nbos.transport import ZmqTransport
 from nbos.transport.inbox import InboxLink
+from nbos.transport.join import JoinToken, agent_key_pair, default_join_address
 from nbos.transport.keys import KeyDirectory, check_host_name
 from nbos.transport.ports import free_ports
+from nbos.transport.zmq import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,9 @@ class AgentConfig:
     stop_replicas_on_exit: bool = False
     #: Without keys, listen on an address other hosts reach all the same.
     insecure: bool = False
+    #: The gateway's join endpoint (``HOST:PORT``; empty: the port after ``gateway``'s),
+    #: where an agent with ``settings.join_token_file`` joins.
+    join_address: str = ""
     #: Built in code, an agent keeps no pre-started replicas unless told to.
     settings: AgentSettings = attrs.field(factory=lambda: AgentSettings(warm_replicas=0))
 
@@ -153,16 +159,48 @@ class AgentConfig:
         check_agent_settings(self.settings)
         tcp_address(self.address, "address")
         tcp_address(self.gateway_address, "gateway")
-        if self.keys is None and not self.insecure and not _loopback(address_ip(self.address)):
+        if self.keys is not None and self.settings.join_token_file:
+            raise ConfigError(
+                "agent.join_token_file",
+                self.settings.join_token_file,
+                "no join token with --keys (a key pair from nbos keys, or a join token)",
+            )
+        if self.join_address and not self.settings.join_token_file:
+            raise ConfigError("join_address", self.join_address, "a join token to join with")
+        if self.settings.join_token_file:
+            self.joins_at()
+        secure = self.keys is not None or bool(self.settings.join_token_file)
+        if not secure and not self.insecure and not _loopback(address_ip(self.address)):
             # Whoever reaches a keyless agent has it start any argv, as the agent's user.
             raise ConfigError(
                 "address",
                 self.address,
-                "a loopback address without keys (--keys), or --insecure on a private network",
+                "a loopback address without keys (--keys or a join token), or --insecure on a "
+                "private network",
             )
         for key in ("heartbeat_interval", "precommit_ttl"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, getattr(self, key), "a positive number of seconds")
+
+    def joins_at(self) -> str:
+        """The join endpoint's ZeroMQ address (meaningful with a join token)."""
+        if self.join_address:
+            return tcp_address(self.join_address, "join_address")
+        return default_join_address(tcp_address(self.gateway_address, "gateway"))
+
+    async def curve(self) -> tuple[CurveKeys | None, bytes | None]:
+        """This agent's CURVE keys and the gateway's public key (``None`` without keys);
+        with a join token, once the gateway took the agent's own key."""
+        if self.keys is not None:
+            keys = KeyDirectory(self.keys)
+            return keys.host_curve(self.host_id), keys.gateway_public()
+        if not self.settings.join_token_file:
+            return None, None
+        token = JoinToken.read(self.settings.join_token_file)
+        public, secret = agent_key_pair(self.state_dir)
+        curve = CurveKeys(secret, public, frozenset({token.gateway_public}))
+        await join_gateway(token, self.joins_at(), self.host_id, curve)
+        return curve, token.gateway_public
 
 
 class AgentDaemon:
@@ -188,9 +226,8 @@ class AgentDaemon:
     @asynccontextmanager
     async def serve(cls, config: AgentConfig) -> AsyncIterator[AgentDaemon]:
         """Run the agent until the block exits; replicas keep running unless configured."""
-        keys = KeyDirectory(config.keys) if config.keys is not None else None
-        curve = keys.host_curve(config.host_id) if keys is not None else None
-        server_keys = {GATEWAY_PEER: keys.gateway_public()} if keys is not None else {}
+        curve, gateway_public = await config.curve()
+        server_keys = {GATEWAY_PEER: gateway_public} if gateway_public is not None else {}
         inventory = await anyio.to_thread.run_sync(_discover, config)
         inbox_in, inbox_out = anyio.create_memory_object_stream[tuple[PeerId, bytes]](_INBOX_SIZE)
         async with await ZmqTransport.open(

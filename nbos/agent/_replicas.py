@@ -54,7 +54,7 @@ import attrs
 import msgspec
 
 from nbos.agent._pids import process_start_ticks, read_boot_id
-from nbos.agent._runtime import container_env, docker_backend
+from nbos.agent._runtime import container_env, docker_backend, replica_labels
 from nbos.agent._warm import WarmPool
 from nbos.backends import LocalProcessBackend
 from nbos.backends.workdir import (
@@ -335,7 +335,9 @@ class ReplicaService:
             pid, container, where = local.pid, "", str(local.log_path)
         else:
             started = await self._docker.start(
-                self._host, ProcessSpec(argv, container_env(spec.env), label)
+                self._host,
+                ProcessSpec(argv, container_env(spec.env), label),
+                labels=replica_labels(replica_id, spec),
             )
             handle, container, where = started, started.container_id, f"container {started.name}"
             try:

@@ -6,7 +6,9 @@ Docker client): the host network, so a replica binds the host's address and the
 ports the agent handed out as a process would; the agent's ``STATE/work`` bind
 mounted at its own path, so the replica's working directory (connection file,
 Raft log) is on the host where a restarted agent or replica finds it; Docker's
-init as PID 1, which passes signals on and exits as the replica did.
+init as PID 1, which passes signals on and exits as the replica did. Each container is
+labelled with its host (``nbos.host``), replica (``nbos.replica``) and kernel
+(``nbos.kernel``), so ``docker ps --filter label=nbos.kernel=ID`` on a node shows them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import msgspec
 from nbos.core.config import AgentSettings, Settings, convert_strictly
 from nbos.core.errors import ConfigError
 from nbos.core.ids import HostId
+from nbos.core.wire.agent import ReplicaSpec
 
 if TYPE_CHECKING:  # the docker extra (aiodocker) is needed only with runtime = "docker"
     from nbos.backends.docker import DockerBackend
@@ -83,3 +86,9 @@ def container_env(spec_env: Mapping[str, str]) -> dict[str, str]:
         k: v for k, v in os.environ.items() if k.startswith(_INHERITED_PREFIX) or k in _INHERITED
     }
     return {**inherited, **spec_env}
+
+
+def replica_labels(replica_id: str, spec: ReplicaSpec) -> dict[str, str]:
+    """The labels of a replica's container besides its host's: the replica, its kernel."""
+    kernel = spec.owner.kernel_id if spec.owner is not None else spec.workdir.partition("/")[0]
+    return {"nbos.replica": replica_id, "nbos.kernel": kernel}

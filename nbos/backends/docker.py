@@ -188,19 +188,27 @@ class DockerBackend:
         return tuple(self._urls)
 
     async def start(
-        self, host: HostId, spec: ProcessSpec, *, files: Mapping[str, bytes] | None = None
+        self,
+        host: HostId,
+        spec: ProcessSpec,
+        *,
+        files: Mapping[str, bytes] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> DockerProcessHandle:
         """Start ``spec`` in a new container on ``host``'s engine.
 
         ``files`` maps absolute paths to contents written into the container (mode
         0600, directories 0700) before it starts: secrets reach a remote engine so,
-        never through its file system or the container's environment.
+        never through its file system or the container's environment. ``labels``: more
+        container labels (``docker ps --filter label=...`` finds it by them).
         """
         check_start(self.name, self._closed, host, self._urls, spec)
         client = self._client(host)
         name = f"nbos-{self.instance}-{next(self._seq)}"
         try:
-            container = await self._create_and_start(client, name, host, spec, files or {})
+            container = await self._create_and_start(
+                client, name, host, spec, files=files or {}, labels=labels or {}
+            )
         except (aiodocker.DockerError, aiohttp.ClientError) as exc:
             raise _translate(host, f"start {spec.argv[0]!r} ({self._image})", exc) from exc
         handle = DockerProcessHandle(host, container, name)
@@ -273,13 +281,16 @@ class DockerBackend:
         name: str,
         host: HostId,
         spec: ProcessSpec,
+        *,
         files: Mapping[str, bytes],
+        labels: Mapping[str, str],
     ) -> DockerContainer:
+        own = {BACKEND_LABEL: self.instance, "nbos.host": host, "nbos.label": spec.label}
         config = {
             "Image": self._image,
             "Cmd": list(spec.argv),
             "Env": [f"{k}={v}" for k, v in process_env(host, spec.env).items()],
-            "Labels": {BACKEND_LABEL: self.instance, "nbos.host": host, "nbos.label": spec.label},
+            "Labels": {**labels, **own},
             "HostConfig": self._host_config,
             **self._extra,
         }

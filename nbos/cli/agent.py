@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from nbos.agent import AgentConfig, run_until_signalled
 from nbos.core.config import Settings
@@ -49,6 +50,19 @@ def register(subparsers: Any) -> None:
         "without it the links are plain TCP",
     )
     parser.add_argument(
+        "--join-token-file",
+        type=Path,
+        metavar="FILE",
+        help="join with the cluster's token from nbos keys DIR --join-token instead of --keys: "
+        "the agent makes its own key pair in --state-dir (default: [agent] join_token_file)",
+    )
+    parser.add_argument(
+        "--join-address",
+        default="",
+        metavar="HOST:PORT",
+        help="the gateway's join endpoint (default: --gateway's host, the port after its)",
+    )
+    parser.add_argument(
         "--insecure",
         action="store_true",
         help="without --keys, listen on an address other than loopback all the same: whoever "
@@ -84,6 +98,8 @@ def agent_command(args: argparse.Namespace) -> int:
     agent = settings.agent
     if args.agent_settings is not None:
         agent = Settings.load(args.agent_settings, env={}).agent
+    if args.join_token_file is not None:
+        agent = msgspec.structs.replace(agent, join_token_file=str(args.join_token_file))
     config = AgentConfig(
         host_id=args.host,
         address=route_address(args.address, args.gateway),
@@ -96,6 +112,7 @@ def agent_command(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat,
         stop_replicas_on_exit=args.stop_replicas_on_exit,
         insecure=args.insecure,
+        join_address=args.join_address,
         settings=agent,
     )
     keep_private()

@@ -86,7 +86,12 @@ class GatewaySettings(_Section, frozen=True):
     address kernel fronts bind; ``agent_address``: where agents register. Both
     ``HOST:PORT``, bound as given and told to peers, so not a wildcard.
     ``keys``: the key directory of ``nbos keys`` (CURVE with agents; empty: plain
-    TCP). An agent silent for ``missed_heartbeats`` times ``heartbeat_s`` (the
+    TCP). ``join_token_file``: the token of ``nbos keys DIR --join-token`` (needs
+    ``keys``, whose gateway key it must name; empty: no joins): agents holding it join
+    with key pairs of their own at ``join_address`` (``HOST:PORT``; empty: the agent
+    endpoint's host and the port after ``agent_address``'s), and the gateway pins each
+    host's key in ``keys``'s ``hosts/NAME.key``. An agent silent for
+    ``missed_heartbeats`` times ``heartbeat_s`` (the
     agents' interval) is given up and its replicas replaced. ``local_agents``:
     start ``[cluster] hosts`` agents with ``[cluster] gpus_per_host`` virtual GPUs
     on this machine, else wait for agents started elsewhere.
@@ -128,6 +133,8 @@ class GatewaySettings(_Section, frozen=True):
     address: str = "127.0.0.1:7070"
     agent_address: str = "127.0.0.1:7071"
     keys: str = ""
+    join_token_file: str = ""
+    join_address: str = ""
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 5
     local_agents: bool = True
@@ -200,6 +207,11 @@ class AgentSettings(_Section, frozen=True):
     60 MiB resident, 40 MiB proportional); 0 starts every replica from scratch. Only
     the ``process`` runtime has a pool: unset, it means 2 there and 0 with ``docker``,
     where any other value is refused.
+
+    ``join_token_file``: the cluster's join token (``nbos keys DIR --join-token``; empty:
+    none). With it the agent makes its own CURVE key pair (kept in its state directory)
+    and joins the gateway by proving the token's secret, instead of holding a key pair
+    from ``nbos keys`` (``--keys``).
     """
 
     runtime: Literal["process", "docker"] = "process"
@@ -208,6 +220,7 @@ class AgentSettings(_Section, frozen=True):
     docker_mounts: list[str] = msgspec.field(default_factory=list)
     python: str = ""
     warm_replicas: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+    join_token_file: str = ""
 
     @property
     def pool_size(self) -> int:

@@ -98,6 +98,15 @@ class UnknownPeerError(TransportError):
         super().__init__(f"unknown peer {peer!r}")
 
 
+class JoinRefusedError(NbosError):
+    """The gateway refused an agent's join (``docs/deploy.md``, "Join token"); ``kind`` is
+    the refusal's (``bad_proof``, ``expired``, ``replayed``, ``host_taken``, ``malformed``)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+
 # --- object stores -------------------------------------------------------------
 
 

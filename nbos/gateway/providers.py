@@ -11,6 +11,9 @@ Each built-in provider runs a host's ``nbos agent`` as a process of a compute ba
 * ``ssh`` (:class:`SshHostProvider`): a standby pool of machines listed in the settings,
   each reached over SSH; a host is a pool machine not in use, named as in the pool.
 
+One does not start agents itself: ``swarm`` (:class:`SwarmHostProvider`) makes a standby
+node of a Docker Swarm active, and Swarm starts the agent service's task there.
+
 A user's package registers its own (a cloud API) the same way: see
 ``examples/host_provider`` and ``docs/deploy.md``.
 """
@@ -32,16 +35,19 @@ import msgspec
 
 from nbos.agent import ProcessIdentity
 from nbos.core.compute_backend import ComputeBackend, ProcessHandle, ProcessSpec
-from nbos.core.errors import BackendError
+from nbos.core.errors import BackendError, ConfigError
 from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.core.ids import HostId
 from nbos.core.plugins import PluginGroup
+from nbos.transport.keys import check_host_name
 
 log = logging.getLogger(__name__)
 
 GROUP = "nbos.host_providers"
 _PROVIDERS = PluginGroup[HostProvider](GROUP, HostProvider)
 
+#: The engine of the machine the gateway runs on (a swarm manager's, for ``swarm``).
+DEFAULT_ENGINE = "unix:///var/run/docker.sock"
 #: How long an agent may take to stop its replicas on SIGTERM before it is killed.
 AGENT_STOP_S = 15.0
 
@@ -305,3 +311,64 @@ class SshHostProvider(_AgentProcesses):
     async def aclose(self) -> None:
         await super().aclose()
         await self._backend.aclose()
+
+
+class SwarmHostProvider:
+    """Standby nodes of a Docker Swarm: nodes labelled ``label`` whose availability is
+    ``drain``, through the manager's engine at ``engine``.
+
+    ``add_host`` makes the first standby node (by hostname, ``ready`` ones only) active:
+    Swarm then starts the agent's global service task there, which registers with the
+    node's hostname as its host id, returned here. ``remove_host`` drains the node again
+    (the gateway moved its replicas off first), and Swarm stops that agent. ``aclose``
+    (the gateway shutting everything down) drains the nodes this provider made active.
+    """
+
+    def __init__(
+        self, engine: str = "unix:///var/run/docker.sock", label: str = "nbos.gpu"
+    ) -> None:
+        from nbos.backends.swarm import SwarmNodes
+
+        if not label:
+            raise ConfigError("label", label, "the node label of the agent service's nodes")
+        self._nodes = SwarmNodes(engine)
+        self._label = label
+        self._added: list[HostId] = []
+
+    @property
+    def name(self) -> str:
+        return "swarm"
+
+    async def add_host(self, agent: AgentCommand) -> HostId:
+        nodes = await self._nodes.labelled(self._label)
+        standby = [n for n in nodes if n.availability == "drain" and n.state == "ready"]
+        if not standby:
+            raise BackendError(
+                f"no standby swarm node: none of the {len(nodes)} nodes labelled "
+                f"{self._label} is ready with availability drain"
+            )
+        node = standby[0]
+        host_id = HostId(check_host_name(node.hostname))
+        await self._nodes.set_availability(node, "active")
+        self._added.append(host_id)
+        return host_id
+
+    async def remove_host(self, host_id: HostId) -> None:
+        node = await self._nodes.by_hostname(host_id, self._label)
+        if host_id in self._added:
+            self._added.remove(host_id)
+        if node is None:
+            log.info("host %s is no swarm node labelled %s: nothing to drain", host_id, self._label)
+            return
+        if node.availability != "drain":
+            await self._nodes.set_availability(node, "drain")
+
+    async def aclose(self) -> None:
+        try:
+            for host_id in list(self._added):
+                try:
+                    await self.remove_host(host_id)
+                except BackendError as exc:
+                    log.warning("swarm node %s not drained: %s", host_id, exc)
+        finally:
+            await self._nodes.aclose()

@@ -88,6 +88,7 @@ from nbos.gateway._cluster_gpus import ClusterGpus
 from nbos.gateway._dashboard import EventLog
 from nbos.gateway._directory import HostDirectory
 from nbos.gateway._hosts import HostRecord
+from nbos.gateway._join import JoinSettings, gateway_join_token
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._kernel_state import KERNEL_STATES
@@ -138,6 +139,7 @@ from nbos.metrics.prometheus import (
 )
 from nbos.scaling import Autoscaler, AutoscalerConfig, ClusterDecisions, FairShare, HostLimits
 from nbos.transport import ZmqTransport
+from nbos.transport.join import default_join_address
 from nbos.transport.keys import KeyDirectory
 
 log = logging.getLogger(__name__)
@@ -231,7 +233,7 @@ class GatewayService:
         agents_at = tcp_address(conf.agent_address, "gateway.agent_address")
         _check_timing(conf)
         _check_addresses_free(conf)
-        keys = KeyDirectory(conf.keys) if conf.keys else None
+        keys, joins = _keys(conf, agents_at)
         begun = anyio.current_time()
         scaling = _autoscaler_config(settings)
         limits = HostLimits.of(settings.cluster)
@@ -255,11 +257,7 @@ class GatewayService:
             # Read first: a state file that does not decode stops the start, before
             # anything runs that would be orphaned.
             loaded = state.load() if state is not None else None
-            transport = await stack.enter_async_context(
-                await ZmqTransport.open(
-                    "gateway", agents_at, curve=keys.gateway_curve() if keys else None
-                )
-            )
+            transport = await _agent_endpoint(stack, agents_at, keys, joins)
             directory = await stack.enter_async_context(
                 HostDirectory.serve(
                     transport,
@@ -652,6 +650,40 @@ def _listen_refused(host: str, port: int) -> str | None:
     except (OSError, UnicodeError) as exc:
         return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
     return None
+
+
+async def _agent_endpoint(
+    stack: AsyncExitStack, address: str, keys: KeyDirectory | None, joins: JoinSettings | None
+) -> ZmqTransport:
+    """The gateway's endpoint for agents (CURVE with keys), and its join endpoint."""
+    curve = keys.gateway_curve() if keys else None
+    transport = await stack.enter_async_context(
+        await ZmqTransport.open("gateway", address, curve=curve)
+    )
+    if joins is not None:
+        await stack.enter_async_context(joins.serve(transport))
+    return transport
+
+
+def _keys(conf: GatewaySettings, agents_at: str) -> tuple[KeyDirectory | None, JoinSettings | None]:
+    """The key directory and the join endpoint's settings, checked (``None``: none)."""
+    keys = KeyDirectory(conf.keys) if conf.keys else None
+    return keys, _join_settings(conf, keys, agents_at)
+
+
+def _join_settings(
+    conf: GatewaySettings, keys: KeyDirectory | None, agents_at: str
+) -> JoinSettings | None:
+    if not conf.join_token_file:
+        if conf.join_address:
+            raise ConfigError("gateway.join_address", conf.join_address, "a join_token_file")
+        return None
+    if keys is None:
+        raise ConfigError("gateway.keys", conf.keys, "a key directory, with join_token_file")
+    token = gateway_join_token(keys, conf.join_token_file)
+    if conf.join_address:
+        return JoinSettings(tcp_address(conf.join_address, "gateway.join_address"), keys, token)
+    return JoinSettings(default_join_address(agents_at), keys, token)
 
 
 def _check_timing(conf: GatewaySettings) -> None:

@@ -63,7 +63,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.lowlevel
@@ -77,6 +77,7 @@ from nbos.core.ids import PeerId
 from nbos.transport._endpoint import Endpoint
 
 log = logging.getLogger(__name__)
+_Auth = TypeVar("_Auth", bound=zmq.auth.Authenticator)
 
 #: Payloads at least this large are handed to ZeroMQ without a copy.
 ZERO_COPY_THRESHOLD = 64 * 1024
@@ -133,7 +134,10 @@ class _KeyRing:
 
     def __init__(self, local: str, admitted: frozenset[bytes]) -> None:
         self._local = local
-        self._admitted = admitted
+        self._admitted = set(admitted)
+
+    def admit(self, key: bytes) -> None:
+        self._admitted.add(key)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self._admitted:
@@ -148,10 +152,7 @@ def start_authenticator(
     """Start a ZAP handler on ``context`` (a task of the running asyncio loop) under which
     its CURVE servers admit only ``curve.admitted`` and log every other key; ``stop()`` it
     before the context ends. Start it before such a server binds."""
-    auth = zmq.auth.asyncio.AsyncioAuthenticator(context, log=log)
-    auth.start()
-    auth.configure_curve_callback("*", _KeyRing(local, curve.admitted))
-    return auth
+    return _start(zmq.auth.asyncio.AsyncioAuthenticator(context, log=log), local, curve)
 
 
 def start_thread_authenticator(
@@ -159,10 +160,21 @@ def start_thread_authenticator(
 ) -> zmq.auth.thread.ThreadAuthenticator:
     """:func:`start_authenticator` for a context without an asyncio loop: the ZAP handler
     runs on a thread of its own (a replica's Jupyter sockets, served by ipykernel)."""
-    auth = zmq.auth.thread.ThreadAuthenticator(context, log=log)
+    return _start(zmq.auth.thread.ThreadAuthenticator(context, log=log), local, curve)
+
+
+def _start(auth: _Auth, local: str, curve: CurveKeys) -> _Auth:
     auth.start()
     auth.configure_curve_callback("*", _KeyRing(local, curve.admitted))
     return auth
+
+
+def admit_client(auth: zmq.auth.Authenticator, key: bytes) -> None:
+    """Have ``auth`` (of :func:`start_authenticator`) admit client ``key`` from now on."""
+    _check_key("client key", key)
+    keyring = auth.credentials_providers["*"]
+    assert isinstance(keyring, _KeyRing)
+    keyring.admit(key)
 
 
 def _batch_io_threads(context: zmq.Context[Any]) -> None:
@@ -308,6 +320,12 @@ class ZmqTransport(Endpoint):
         dealer = self._dealer(peer, address, server_key)
         self.remove_peer(peer)
         self._dealers[peer] = (dealer, address, server_key)
+
+    def admit_client(self, key: bytes) -> None:
+        """Admit CURVE client ``key`` too (a host that joined with a token); without CURVE
+        nothing (every client is admitted)."""
+        if self._auth is not None:
+            admit_client(self._auth, key)
 
     def remove_peer(self, peer: PeerId) -> None:
         entry = self._dealers.pop(peer, None)

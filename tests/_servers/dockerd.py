@@ -81,14 +81,17 @@ class DockerDaemon:
             _unmount_under(self.workdir)
 
 
-def start_dockerd(workdir: Path, ready_timeout_s: float = 30.0) -> DockerDaemon:
-    """The system engine if it answers, else a private ``dockerd`` (needs root) in ``workdir``.
+def start_dockerd(
+    workdir: Path, ready_timeout_s: float = 30.0, *, private: bool = False
+) -> DockerDaemon:
+    """The system engine if it answers (and not ``private``), else a private ``dockerd``
+    (needs root) in ``workdir``.
 
     Raises :class:`DockerdUnavailableError` when neither works (the message says why,
     quoting the daemon's log).
     """
     system = DockerDaemon(SYSTEM_SOCKET)
-    if SYSTEM_SOCKET.is_socket() and system.answers():
+    if not private and SYSTEM_SOCKET.is_socket() and system.answers():
         return system
     binary = shutil.which("dockerd")
     if binary is None:

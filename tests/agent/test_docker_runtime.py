@@ -37,6 +37,19 @@ class DockerCluster:
     daemon: DockerDaemon
     address: str
     agents: list[AgentProcess]
+    #: How the agents were started (the gateway's agent endpoint, their directory, settings).
+    gateway: str
+    tmp: Path
+    config: Path
+
+    def restart_agent(self, host: str) -> AgentProcess:
+        """``kill -9`` host's agent and start it again on the same state directory (as
+        Swarm restarts a killed agent container on its node)."""
+        index = [a.host for a in self.agents].index(host)
+        self.agents[index].kill()
+        self.agents[index].wait()
+        self.agents[index] = start_agent(host, self.gateway, self.tmp, config=self.config)
+        return self.agents[index]
 
     def containers(self) -> dict[int, dict[str, Any]]:
         """This cluster's running replica containers, by their first process's host PID."""
@@ -87,7 +100,9 @@ docker_mounts = {json.dumps(docker_mounts(tmp))}
 """
     )
     started = [start_agent(h, f"127.0.0.1:{agents}", tmp, config=config) for h in HOSTS]
-    made = DockerCluster(docker_daemon, f"127.0.0.1:{control}", started)
+    made = DockerCluster(
+        docker_daemon, f"127.0.0.1:{control}", started, f"127.0.0.1:{agents}", tmp, config
+    )
     try:
         yield made
     finally:
@@ -159,6 +174,51 @@ async def test_replicas_run_as_containers_and_a_killed_one_is_seen_dead_and_repl
     (new,) = set(replicas_of(replaced, kernel.kernel_id)) - {r.node for r in kernel.replicas}
     assert replicas_of(replaced, kernel.kernel_id)[new][0] in cluster.containers()
     assert await run_cell(kernel, "print(x + 2)") == {"status": "ok", "stdout": "42\n"}
+
+
+async def test_replica_containers_are_labelled_and_outlive_their_agent(
+    cluster: DockerCluster,
+) -> None:
+    await status_when(cluster.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    kernel = await ask(cluster.address, StartKernel())
+    assert isinstance(kernel, KernelInfo), kernel
+    assert (await run_cell(kernel, "y = 'kept'"))["status"] == "ok"
+    filters = urllib.parse.quote(json.dumps({"label": [f"nbos.kernel={kernel.kernel_id}"]}))
+    status, body = cluster.daemon.request("GET", f"/containers/json?filters={filters}")
+    assert status == 200, body
+    labelled = {c["Labels"]["nbos.host"]: c for c in json.loads(body)}
+    assert sorted(labelled) == sorted(r.host for r in kernel.replicas)
+    assert all(c["Labels"]["nbos.replica"] for c in labelled.values())
+
+    # The agent of one replica's host is killed and started again: it takes the container
+    # back, and the kernel keeps its replicas (none replaced) and its namespace.
+    before = replicas_of(await ask_status(cluster), kernel.kernel_id)
+    host = kernel.replicas[0].host
+    agent = cluster.restart_agent(host)
+    with anyio.fail_after(DEADLINE):
+        while "taken back" not in agent.log_text():  # noqa: ASYNC110 (another process's log)
+            await anyio.sleep(0.2)
+    after = await status_when(
+        cluster.address,
+        lambda s: (
+            sum(h.state == "up" for h in s.hosts) == 3
+            and all(alive for _, alive in replicas_of(s, kernel.kernel_id).values())
+        ),
+    )
+    assert replicas_of(after, kernel.kernel_id) == before
+    assert labelled[host]["Id"] in {c["Id"] for c in running(cluster)}
+    assert await run_cell(kernel, "print(y)") == {"status": "ok", "stdout": "kept\n"}
+
+
+async def ask_status(cluster: DockerCluster) -> ClusterStatus:
+    return await status_when(cluster.address, lambda _: True)
+
+
+def running(cluster: DockerCluster) -> list[dict[str, Any]]:
+    status, body = cluster.daemon.request("GET", "/containers/json")
+    assert status == 200, body
+    listed: list[dict[str, Any]] = json.loads(body)
+    return listed
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,8 @@ GpuSource = Literal["nvml", "virtual"]
 #: ``unknown_replica``: no such replica here; ``start_failed``: the backend could not start
 #: it; ``invalid``: a request with bad values.
 AgentErrorKind = Literal["malformed", "unexpected", "unknown_replica", "start_failed", "invalid"]
+#: Why a gateway refused an :class:`AgentJoin` (``docs/deploy.md``, "Join token").
+JoinRefusalKind = Literal["malformed", "bad_proof", "expired", "replayed", "host_taken"]
 
 
 class GpuReservation(Message):
@@ -374,6 +376,38 @@ class AgentError(Message):
     replica_id: str = ""
 
 
+# --- joining with a token (agent -> the gateway's join endpoint, and its answer) ----------
+
+
+class AgentJoin(Message):
+    """An agent with a key pair of its own asks to be admitted as ``host_id``.
+
+    ``proof`` is :func:`nbos.transport.join.join_proof` over the other fields (the join
+    token's secret as the HMAC key); ``timestamp`` is the agent's time (seconds since
+    the epoch) and ``nonce`` fresh for each try, so that a join cannot be replayed.
+    """
+
+    host_id: str
+    public_key: str
+    nonce: str
+    timestamp: float
+    proof: str
+
+
+class AgentJoined(Message):
+    """The gateway pinned ``public_key`` for ``host_id``: its agent may say hello now."""
+
+    host_id: str
+    public_key: str
+
+
+class JoinRefused(Message):
+    """The gateway refused a join; ``host_taken``: another key is pinned for that host."""
+
+    kind: JoinRefusalKind
+    message: str
+
+
 AgentRequest = (
     GpuPrecommit
     | GpuCommit
@@ -407,6 +441,9 @@ AgentMessage = (
     | ReplicaSpec
     | ReplicaOwner
     | ReplicaInfo
+    | AgentJoin
+    | AgentJoined
+    | JoinRefused
 )
 
 
