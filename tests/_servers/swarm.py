@@ -30,6 +30,7 @@ the engines left under the work directory and deletes the namespaces.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -100,13 +101,15 @@ class Swarm:
     nodes: dict[str, SwarmNode] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, names: Sequence[str], workdir: Path) -> Swarm:
+    def create(cls, names: Sequence[str], workdir: Path, clients: Sequence[str] = ()) -> Swarm:
+        """Nodes ``names`` in a swarm; ``clients``: namespaces on the same bridge with no
+        engine, where a test runs what reaches the nodes' addresses."""
         if os.geteuid() != 0:
             raise SwarmUnavailableError("a swarm of namespaces needs root")
         for binary in ("dockerd", "docker", "unshare", "nsenter"):
             if shutil.which(binary) is None:
                 raise SwarmUnavailableError(f"{binary} is not installed (scripts/system-deps.sh)")
-        net = Netns.create(names)
+        net = Netns.create([*names, *clients])
         swarm = cls(net, workdir)
         try:
             for name in names:
@@ -171,8 +174,8 @@ class Swarm:
 
     def stop(self) -> None:
         """SIGKILL everything in the nodes' namespaces, unmount, delete the namespaces."""
-        for host in self.net.hosts.values():
-            self._kill_all(host.netns)
+        for name in self.nodes:
+            self._kill_all(self.net.hosts[name].netns)
         for node in self.nodes.values():
             if node.process is not None:
                 node.process.wait(30)
@@ -203,8 +206,6 @@ class Swarm:
             if not pids:
                 return
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.1)
