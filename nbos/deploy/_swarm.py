@@ -38,19 +38,38 @@ import msgspec
 
 from nbos.core.config import Settings, convert_strictly, read_toml
 from nbos.core.errors import ConfigError, NbosError
+from nbos.transport.join import TOKEN_FILE
 
 GATEWAY_LABEL = "nbos.gateway"
 GPU_LABEL = "nbos.gpu"
 #: Where the settings file and the secrets appear in every container.
 SETTINGS_PATH = "/etc/nbos/nbos.toml"
-KEYS_DIR = "/run/secrets/nbos-keys"
-JOIN_TOKEN_SECRET = "/run/secrets/nbos-join-token"
+JOIN_TOKEN_SECRET = f"/run/secrets/{TOKEN_FILE.replace('.', '-')}"
+#: The files of ``nbos keys DIR --join-token`` the stack takes as secrets.
+_GATEWAY_PAIR = ("gateway.key", "gateway.key_secret")
+_KEY_FILES = (*_GATEWAY_PAIR, TOKEN_FILE)
 #: Settings the stack sets itself; a swarm file that sets them is refused.
 STACK_OWNED = {
-    "gateway": ("address", "agent_address", "keys", "local_agents", "http_address", "auth_token"),
+    "gateway": (
+        "address",
+        "agent_address",
+        "keys",
+        "join_token_file",
+        "join_address",
+        "local_agents",
+        "http_address",
+        "auth_token",
+    ),
     "cluster": ("data_dir",),
     "store": ("kind", "path", "redis_url"),
-    "agent": ("runtime", "docker_engine", "docker_image", "python", "warm_replicas"),
+    "agent": (
+        "runtime",
+        "docker_engine",
+        "docker_image",
+        "python",
+        "warm_replicas",
+        "join_token_file",
+    ),
 }
 
 _Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -112,7 +131,7 @@ def load_swarm_file(path: str | Path) -> SwarmFile:
         raise ConfigError("swarm.insecure", True, "false with keys")
     swarm_file = SwarmFile(path, swarm, raw)
     if swarm_file.keys is not None:
-        for name in ("gateway.key_secret", "join.token"):
+        for name in _KEY_FILES:
             if not (swarm_file.keys / name).is_file():
                 raise ConfigError("swarm.keys", swarm.keys, f"a directory holding {name}")
     return swarm_file
@@ -178,24 +197,42 @@ def render_stack(swarm_file: SwarmFile, gateway_ip: str) -> tuple[dict[str, Any]
     }
     keys = swarm_file.keys
     if keys is not None:
-        _add_secrets(stack, keys, table.stack)
+        _add_secrets(stack, keys, table)
     return stack, settings_text
 
 
-def _add_secrets(stack: dict[str, Any], keys: Path, name: str) -> None:
-    secrets = {"gateway_key": keys / "gateway.key_secret", "join_token": keys / "join.token"}
+def _add_secrets(stack: dict[str, Any], keys: Path, table: SwarmTable) -> None:
+    """The gateway's key pair and the join token as Docker secrets. The gateway copies its
+    pair into its key directory on its node's disk at each start: that directory must be
+    writable, as the gateway pins there the key each agent joins with."""
     stack["secrets"] = {
-        key: {"name": f"{name}-{key}-{_file_digest(path)}", "file": str(path)}
-        for key, path in secrets.items()
+        _secret(name): {
+            "name": f"{table.stack}-{_secret(name)}-{_file_digest(keys / name)}",
+            "file": str(keys / name),
+        }
+        for name in _KEY_FILES
     }
     services = stack["services"]
     services["gateway"]["secrets"] = [
-        {"source": "gateway_key", "target": f"{KEYS_DIR}/gateway.key_secret", "mode": 0o400},
-        {"source": "join_token", "target": JOIN_TOKEN_SECRET, "mode": 0o400},
+        {"source": _secret(name), "target": f"/run/secrets/{_secret(name)}", "mode": 0o400}
+        for name in _KEY_FILES
     ]
+    directory = _gateway_keys(table)
+    copies = [f"cp /run/secrets/{_secret(name)} {directory}/{name}" for name in _GATEWAY_PAIR]
+    install = " && ".join([f"install -d -m 700 {directory} {directory}/hosts", *copies])
+    command = " ".join(services["gateway"]["command"])
+    services["gateway"]["command"] = ["sh", "-c", f"{install} && exec {command}"]
     services["agent"]["secrets"] = [
-        {"source": "join_token", "target": JOIN_TOKEN_SECRET, "mode": 0o400}
+        {"source": _secret(TOKEN_FILE), "target": JOIN_TOKEN_SECRET, "mode": 0o400}
     ]
+
+
+def _secret(name: str) -> str:
+    return name.replace(".", "-").replace("_", "-")
+
+
+def _gateway_keys(table: SwarmTable) -> str:
+    return f"{table.state_dir}/gateway/keys"
 
 
 def services_settings(swarm_file: SwarmFile, gateway_ip: str) -> dict[str, Any]:
@@ -219,7 +256,7 @@ def services_settings(swarm_file: SwarmFile, gateway_ip: str) -> dict[str, Any]:
         },
     }
     if swarm_file.keys is not None:
-        owned["gateway"]["keys"] = KEYS_DIR
+        owned["gateway"]["keys"] = _gateway_keys(table)
         owned["gateway"]["join_token_file"] = JOIN_TOKEN_SECRET
     for section, values in owned.items():
         settings.setdefault(section, {}).update(values)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nbos.cli.agent import route_address
+from nbos.cli.main import main
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
 from nbos.deploy import load_swarm_file, render_stack, write_stack
@@ -74,6 +75,7 @@ def test_the_services_settings_are_the_files_tables_plus_the_stacks(tmp_path: Pa
         ),
         (INSECURE.replace("virtual_gpus = 2", "virtual_gpus = -1"), "virtual_gpus"),
         ('[swarm]\nkeys = "nowhere"\n', "swarm.keys"),
+        (INSECURE + "[gateway]\njoin_token_file = 't'\n", "gateway.join_token_file"),
     ],
 )
 def test_a_bad_swarm_file_is_refused_by_its_key(tmp_path: Path, text: str, key: str) -> None:
@@ -84,19 +86,23 @@ def test_a_bad_swarm_file_is_refused_by_its_key(tmp_path: Path, text: str, key: 
 
 def test_keys_become_docker_secrets(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    keys.mkdir()
-    (keys / "gateway.key_secret").write_text("secret")
-    (keys / "join.token").write_text("NBOSJ1-x-y")
+    main(["keys", str(keys), "--join-token"])
     stack, settings = render_stack(
         load_swarm_file(swarm_file(tmp_path, '[swarm]\nkeys = "keys"\n')), "10.0.0.1"
     )
-    assert set(stack["secrets"]) == {"gateway_key", "join_token"}
-    assert stack["secrets"]["join_token"]["file"] == str(keys / "join.token")
-    assert [s["source"] for s in stack["services"]["agent"]["secrets"]] == ["join_token"]
+    assert set(stack["secrets"]) == {"gateway-key", "gateway-key-secret", "join-token"}
+    assert stack["secrets"]["join-token"]["file"] == str(keys / "join.token")
+    gateway, agent = stack["services"]["gateway"], stack["services"]["agent"]
+    assert [s["target"] for s in agent["secrets"]] == ["/run/secrets/join-token"]
+    assert "--join-token-file /run/secrets/join-token" in agent["command"][2]
+    assert "--insecure" not in agent["command"][2]
+    # The gateway's key directory is on its node's disk (it pins the agents' keys there).
     assert (
-        "--join-token-file /run/secrets/nbos-join-token" in stack["services"]["agent"]["command"][2]
+        "cp /run/secrets/gateway-key-secret /var/lib/nbos/gateway/keys/gateway.key_secret"
+        in (gateway["command"][2])
     )
-    assert '"keys" = "/run/secrets/nbos-keys"' in settings
+    assert '"keys" = "/var/lib/nbos/gateway/keys"' in settings
+    assert '"join_token_file" = "/run/secrets/join-token"' in settings
 
 
 def test_an_agent_address_auto_is_this_machines_address_towards_the_gateway() -> None:
