@@ -198,6 +198,10 @@ def render_stack(swarm_file: SwarmFile, gateway_ip: str) -> tuple[dict[str, Any]
     keys = swarm_file.keys
     if keys is not None:
         _add_secrets(stack, keys, table)
+    if swarm_file.settings.get("gateway", {}).get("host_provider") == "swarm":
+        # The swarm host provider activates and drains standby nodes through a manager's
+        # engine: the gateway's node's own, which must then be a manager.
+        services["gateway"]["volumes"].append({"type": "bind", "source": socket, "target": socket})
     return stack, settings_text
 
 

@@ -110,3 +110,14 @@ def test_an_agent_address_auto_is_this_machines_address_towards_the_gateway() ->
     assert route_address("10.0.0.5:7100", "127.0.0.1:7071") == "10.0.0.5:7100"
     with pytest.raises(ConfigError):
         route_address("auto:7100", "no-such-host.invalid:7071")
+
+
+def test_the_swarm_host_provider_gets_the_managers_engine(tmp_path: Path) -> None:
+    autoscale = "[gateway]\nautoscale = true\nhost_provider = 'swarm'\n"
+    stack, _ = render_stack(load_swarm_file(swarm_file(tmp_path, INSECURE + autoscale)), "10.0.0.1")
+    sockets = [v["source"] for v in stack["services"]["gateway"]["volumes"]]
+    assert "/var/run/docker.sock" in sockets
+    plain, _ = render_stack(load_swarm_file(swarm_file(tmp_path, INSECURE)), "10.0.0.1")
+    assert all(
+        v["source"] != "/var/run/docker.sock" for v in plain["services"]["gateway"]["volumes"]
+    )
