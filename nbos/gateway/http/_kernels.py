@@ -40,6 +40,7 @@ from nbos.gateway._kernel_manager import KernelManager
 from nbos.gateway._kernel_state import JupyterState, KernelState, jupyter_state
 from nbos.gateway.auth import acting_for
 from nbos.gateway.http._channels import ChannelBridge, Sink
+from nbos.gateway.http._specs import spec_name
 from nbos.kernel.jupyter_requests import channel_url, control_request, session_for
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,22 @@ class ApiKernels:
         self._tg.start_soon(self._supervise, api)
         log.info("kernel %s (%s) started for %s", api.kernel_id, name, owner)
         return api
+
+    def take_back(self) -> None:
+        """Serve the kernels the gateway holds already: at the API's start, those it took
+        back from its data dir after a restart, so that their clients (JupyterLab through
+        Jupyter Server) reconnect to them. Each comes back under its nbos kernel id, which
+        is its API id unless the API restarted it (a restart's API id lives in memory
+        only), with the kernelspec of its GPUs per cell; a kernel started through the
+        control API is then served too."""
+        for kernel in self.kernel_manager.kernels:
+            if kernel.kernel_id in self._kernels:
+                continue
+            name = spec_name(kernel.gpus)
+            api = ApiKernel(name, kernel.gpus, {"KERNEL_USERNAME": kernel.owner}, kernel)
+            self._kernels[api.kernel_id] = api
+            self._tg.start_soon(self._supervise, api)
+            log.info("kernel %s (%s) of %s taken back", api.kernel_id, name, kernel.owner)
 
     async def restart(self, api: ApiKernel) -> None:
         """A fresh nbos kernel behind ``api`` (the old one shut down first)."""
