@@ -54,9 +54,11 @@ from nbos.core.wire.agent import (
     AgentErrorKind,
     AgentHello,
     AgentHelloRequest,
+    AgentLeaving,
     AgentRequest,
     AgentWelcome,
     GpuInfo,
+    LeaveAdvice,
     PortsGranted,
     PortsRequest,
     ReplicaConnection,
@@ -94,6 +96,8 @@ _INBOX_SIZE = 1024
 _UNWELCOMED_WARNING_S = 30.0
 # SIGTERM to SIGKILL, for replicas stopped with the agent.
 _STOP_GRACE = 5.0
+# Told to stop, an agent that hears nothing from the gateway for this long goes.
+_LEAVE_SILENCE_S = 5.0
 _WILDCARDS = ("0.0.0.0", "*", "[::]", "::")
 # The most ports one request may ask for (a kernel's replica needs two).
 _MAX_PORTS = 64
@@ -218,6 +222,8 @@ class AgentDaemon:
         self._inventory = inventory
         self._public_key = public_key.decode()
         self._welcomed: str | None = None
+        self._advice: LeaveAdvice | None = None
+        self._advised = anyio.Event()
         self._gpu: HostAgent | None = None
         self._replicas: ReplicaService | None = None
         self._zmq = zmq.asyncio.Context()
@@ -323,6 +329,39 @@ class AgentDaemon:
             request_id=request_id,
         )
 
+    async def leave(self) -> None:
+        """Told to stop (SIGTERM): return once the gateway says this agent may go
+        (``nbos.gateway._leave``): at once, leaving the replicas running, unless the host's
+        node is being drained; then once the gateway moved them off. An agent that runs no
+        replica, stops its own, or is not registered goes at once; one whose gateway is
+        silent for :data:`_LEAVE_SILENCE_S` goes then (a gateway that is down moves
+        nothing)."""
+        host = self.config.host_id
+        holds = any(r.running for r in self.replicas.infos())
+        if not self.welcomed or not holds or self.config.stop_replicas_on_exit:
+            return  # nothing the gateway could move
+        heard, said = anyio.current_time(), ""
+        while anyio.current_time() - heard < _LEAVE_SILENCE_S:
+            self._advised = anyio.Event()
+            await self._send(AgentLeaving(host, self.incarnation))
+            with anyio.move_on_after(self.config.heartbeat_interval):
+                await self._advised.wait()
+            advice = self._advice
+            if not self._advised.is_set() or advice is None:
+                continue
+            heard = anyio.current_time()
+            if advice.reason != said:
+                said = advice.reason
+                log.info(
+                    "host %s stops: %s (%s)",
+                    host,
+                    advice.reason,
+                    "waits" if advice.wait else "goes",
+                )
+            if not advice.wait:
+                return
+        log.warning("host %s: no word from the gateway for %g s: goes", host, _LEAVE_SILENCE_S)
+
     # --- loops -------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
@@ -388,6 +427,9 @@ class AgentDaemon:
                 await self._send(self.hello(rid))
             case ReplicaExitAck(replica_id=replica_id):
                 await self.replicas.acknowledge(replica_id)
+            case LeaveAdvice(host_id=host) if host == self.config.host_id:
+                self._advice = message
+                self._advised.set()
             case _:
                 request_id = getattr(message, "request_id", None)
                 await self._error(
@@ -517,7 +559,24 @@ async def run_until_signalled(config: AgentConfig) -> None:
         _state_dir_lock(config.state_dir),
         anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
     ):
-        async with AgentDaemon.serve(config):
+        async with AgentDaemon.serve(config) as daemon:
             async for signum in signals:
                 log.info("agent of host %s: %s, stopping", config.host_id, signal.strsignal(signum))
+                if signum == signal.SIGTERM:
+                    await _leave_unless_signalled(daemon, signals)
                 return
+
+
+async def _leave_unless_signalled(daemon: AgentDaemon, signals: AsyncIterator[int]) -> None:
+    """:meth:`AgentDaemon.leave`, cut short by another signal (an operator's second ^C or
+    ``kill``)."""
+    async with anyio.create_task_group() as tg:
+
+        async def cut_short() -> None:
+            async for _ in signals:
+                log.warning("agent of host %s: stops without waiting", daemon.config.host_id)
+                tg.cancel_scope.cancel()
+
+        tg.start_soon(cut_short)
+        await daemon.leave()
+        tg.cancel_scope.cancel()

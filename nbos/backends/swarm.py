@@ -61,8 +61,15 @@ class SwarmNodes:
 
     async def labelled(self, label: str) -> list[SwarmNode]:
         """The nodes that carry ``label`` (any value), by hostname."""
+        return await self._list({"node.label": label})
+
+    async def named(self, hostname: str) -> SwarmNode | None:
+        """The node whose hostname is ``hostname`` (the agent's host id there), or ``None``."""
+        return next((n for n in await self._list({}) if n.hostname == hostname), None)
+
+    async def _list(self, filters: Mapping[str, str]) -> list[SwarmNode]:
         try:
-            raw = await self._docker().nodes.list(filters={"node.label": label})
+            raw = await self._docker().nodes.list(filters=dict(filters))
         except (aiodocker.DockerError, aiohttp.ClientError) as exc:
             raise BackendError(f"swarm manager at {self.engine}: list nodes: {exc}") from exc
         return sorted((SwarmNode.of(n) for n in raw), key=lambda n: n.hostname)

@@ -90,7 +90,10 @@ class GatewaySettings(_Section, frozen=True):
     ``keys``, whose gateway key it must name; empty: no joins): agents holding it join
     with key pairs of their own at ``join_address`` (``HOST:PORT``; empty: the agent
     endpoint's host and the port after ``agent_address``'s), and the gateway pins each
-    host's key in ``keys``'s ``hosts/NAME.key``. An agent silent for
+    host's key in ``keys``'s ``hosts/NAME.key``. ``swarm_engine``: a Docker Swarm
+    manager's engine (``unix://``, ``tcp://``; empty: none): an agent told to stop whose
+    node is drained there waits while the gateway moves its replicas off (a rolling
+    upgrade's stop moves nothing). An agent silent for
     ``missed_heartbeats`` times ``heartbeat_s`` (the
     agents' interval) is given up and its replicas replaced. ``local_agents``:
     start ``[cluster] hosts`` agents with ``[cluster] gpus_per_host`` virtual GPUs
@@ -135,6 +138,7 @@ class GatewaySettings(_Section, frozen=True):
     keys: str = ""
     join_token_file: str = ""
     join_address: str = ""
+    swarm_engine: str = ""
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 5
     local_agents: bool = True

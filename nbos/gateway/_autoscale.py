@@ -129,17 +129,10 @@ class LiveAutoscaler:
             self._provisioning -= 1
 
     async def _drain(self, host: HostId) -> None:
-        scheduler = self._directory.scheduler
         started = anyio.current_time()
         log.info("autoscaler: draining host %s", host)
         try:
-            scheduler.set_schedulable(host, False)
-            while True:
-                for kernel in self._kernel_manager.kernels:
-                    await self._move_off(kernel, host)
-                if scheduler.decisions.removable(scheduler.view().host(host)):
-                    break
-                await anyio.sleep(self._period)
+            await empty_host(self._directory, self._kernel_manager, host, self._period)
         except KeyError:
             log.info("autoscaler: host %s went away while draining", host)
         else:
@@ -148,39 +141,58 @@ class LiveAutoscaler:
             self._draining.discard(host)
         await self._remove(host)
 
-    async def _move_off(self, kernel: Kernel, host: HostId) -> None:
-        for replica in kernel.replicas:
-            if replica.host != host:
-                continue
-            # A cell running there would be lost with the replica: let it end. New cells
-            # go to the kernel's other replicas (the scheduler avoids draining hosts).
-            await _cell_over(kernel, replica.node)
-            try:
-                node = await kernel.replace_replica(replica.node)
-            except NbosError as exc:
-                log.warning(
-                    "autoscaler: replica %d of kernel %s not moved off %s (retried): %s",
-                    replica.node,
-                    kernel.kernel_id,
-                    host,
-                    exc,
-                )
-                continue
-            self._directory.scheduler.ledger.drain_moves += 1
-            log.info(
-                "autoscaler: kernel %s replica %d moved off %s as %d",
-                kernel.kernel_id,
-                replica.node,
-                host,
-                node,
-            )
-
     async def _remove(self, host: HostId) -> None:
         self._directory.remove(host)
         try:
             await self._provider.remove_host(host)
         except NbosError as exc:
             log.warning("autoscaler: %s could not stop host %s: %s", self._provider.name, host, exc)
+
+
+async def empty_host(
+    directory: HostDirectory, kernel_manager: KernelManager, host: HostId, period: float
+) -> None:
+    """Drain ``host``: make it unschedulable (no new replicas; cells go to the kernels'
+    other replicas), then move each replica there to a host the policy picks, retrying
+    every ``period`` until the decisions find it removable (no replica, no committed GPU).
+    Raises ``KeyError`` when the host leaves the scheduler meanwhile. The autoscaler's
+    scale-in and a swarm node's drain (:mod:`nbos.gateway._leave`) both drain so."""
+    scheduler = directory.scheduler
+    scheduler.set_schedulable(host, False)
+    while True:
+        for kernel in kernel_manager.kernels:
+            await _move_off(directory, kernel, host)
+        if scheduler.decisions.removable(scheduler.view().host(host)):
+            return
+        await anyio.sleep(period)
+
+
+async def _move_off(directory: HostDirectory, kernel: Kernel, host: HostId) -> None:
+    for replica in kernel.replicas:
+        if replica.host != host:
+            continue
+        # A cell running there would be lost with the replica: let it end. New cells
+        # go to the kernel's other replicas (the scheduler avoids draining hosts).
+        await _cell_over(kernel, replica.node)
+        try:
+            node = await kernel.replace_replica(replica.node)
+        except NbosError as exc:
+            log.warning(
+                "drain: replica %d of kernel %s not moved off %s (retried): %s",
+                replica.node,
+                kernel.kernel_id,
+                host,
+                exc,
+            )
+            continue
+        directory.scheduler.ledger.drain_moves += 1
+        log.info(
+            "drain: kernel %s replica %d moved off %s as %d",
+            kernel.kernel_id,
+            replica.node,
+            host,
+            node,
+        )
 
 
 async def _cell_over(kernel: Kernel, node: int) -> None:

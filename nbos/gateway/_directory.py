@@ -52,10 +52,12 @@ from nbos.core.wire.agent import (
     AgentError,
     AgentHello,
     AgentHelloRequest,
+    AgentLeaving,
     AgentReply,
     AgentStatus,
     AgentWelcome,
     GpuInfo,
+    LeaveAdvice,
     ReplicaExitAck,
     ReplicaExited,
     ReplicaInfo,
@@ -140,6 +142,9 @@ class HostDirectory:
         self._scheduler: GpuScheduler | None = None
         # Unregistered agents asked for a hello, and when (see _ask_to_register).
         self._asked: dict[PeerId, float] = {}
+        #: What an agent told to stop is answered (``nbos.gateway._leave``); by default:
+        #: go, its replicas stay.
+        self.leave_advice: Callable[[HostId, str], LeaveAdvice] = _go
 
     @classmethod
     @asynccontextmanager
@@ -232,6 +237,12 @@ class HostDirectory:
         self.scheduler.remove_host(host_id)
         self._notify()
 
+    async def tell(self, host_id: HostId, message: AnyMessage) -> None:
+        """Send ``message`` to ``host_id``'s agent, if it is registered (no reply expected)."""
+        host = self._hosts.get(host_id)
+        if host is not None:
+            await self._send(host.peer, message)
+
     def add_listener(self, listener: HostListener) -> None:
         self._listeners.append(listener)
 
@@ -312,6 +323,9 @@ class HostDirectory:
             for listener in self._listeners:
                 listener.replica_exited(host.host_id, message.replica)
             await self._send(sender, ReplicaExitAck(message.replica.replica_id))
+        elif isinstance(message, AgentLeaving):
+            advice = self.leave_advice(host.host_id, message.incarnation)
+            await self._send(sender, advice)
         elif isinstance(message, AgentError) and message.request_id is None:
             log.warning("host %s: %s (%s)", host.host_id, message.message, message.kind)
         elif isinstance(message, ReplicaReply):
@@ -442,3 +456,7 @@ class HostDirectory:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+def _go(host: HostId, incarnation: str) -> LeaveAdvice:
+    return LeaveAdvice(host, False, "no drain watch: replicas stay")

@@ -93,6 +93,7 @@ from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
+from nbos.gateway._leave import LeaveAdvisor
 from nbos.gateway._state import GatewayState, StateFile
 from nbos.gateway._strays import settle_strays
 from nbos.gateway.auth import (
@@ -303,17 +304,9 @@ class GatewayService:
             if loaded is not None:
                 await _take_back(loaded, kernel_manager, backend, conf)
             control_socket = _bind_control(control, stack)
-            live = None
-            if provider is not None:
-                live = LiveAutoscaler(
-                    directory,
-                    kernel_manager,
-                    provider,
-                    agent,
-                    period=conf.autoscale_period_s,
-                    host_timeout=conf.host_start_timeout_s,
-                )
-                _run_autoscaler(live, tg, stack)
+            live = await _autoscale_and_drain(
+                conf, directory, kernel_manager, provider=provider, agent=agent, tg=tg, stack=stack
+            )
             service = cls(
                 directory,
                 kernel_manager,
@@ -746,6 +739,50 @@ def _bind_control(control: str, stack: AsyncExitStack) -> zmq.asyncio.Socket:
     except zmq.ZMQError as exc:
         raise TransportError(f"cannot bind the control endpoint {control}: {exc}") from exc
     return bound
+
+
+async def _autoscale_and_drain(
+    conf: GatewaySettings,
+    directory: HostDirectory,
+    kernel_manager: KernelManager,
+    *,
+    provider: HostProvider | None,
+    agent: AgentCommand,
+    tg: anyio.abc.TaskGroup,
+    stack: AsyncExitStack,
+) -> LiveAutoscaler | None:
+    """The live autoscaler (with a provider) and what agents told to stop are answered:
+    with ``swarm_engine``, a host whose swarm node is drained is emptied first."""
+    live = None
+    if provider is not None:
+        live = LiveAutoscaler(
+            directory,
+            kernel_manager,
+            provider,
+            agent,
+            period=conf.autoscale_period_s,
+            host_timeout=conf.host_start_timeout_s,
+        )
+        _run_autoscaler(live, tg, stack)
+    nodes = None
+    if conf.swarm_engine:
+        from nbos.backends.swarm import SwarmNodes
+
+        nodes = SwarmNodes(conf.swarm_engine)
+        stack.push_async_callback(nodes.aclose)
+    # Its own task group, ended before the kernels: no drain runs while they shut down.
+    drains = await stack.enter_async_context(anyio.create_task_group())
+    stack.callback(drains.cancel_scope.cancel)
+    advisor = LeaveAdvisor(
+        directory,
+        kernel_manager,
+        nodes,
+        drains,
+        period=conf.autoscale_period_s,
+        busy=(lambda h: h in live.draining) if live is not None else (lambda _: False),
+    )
+    directory.leave_advice = advisor.advise
+    return live
 
 
 def _run_autoscaler(live: LiveAutoscaler, tg: anyio.abc.TaskGroup, stack: AsyncExitStack) -> None:

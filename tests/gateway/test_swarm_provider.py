@@ -7,9 +7,7 @@ left (or none labelled) adding is refused, and nothing else changes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -17,9 +15,8 @@ from nbos.core.errors import BackendError, ConfigError
 from nbos.core.host_provider import AgentCommand
 from nbos.core.ids import HostId
 from nbos.gateway.providers import SwarmHostProvider
-from nbos.transport.ports import free_loopback_ports
-from tests._servers._process import serve_or_skip
-from tests._servers.dockerd import DockerDaemon, start_dockerd
+from tests._servers.dockerd import DockerDaemon
+from tests.gateway._swarm import node, set_node, swarm_manager
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -34,31 +31,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerDaemon]:
-    """A private engine made a one-node swarm's manager (never the system's engine)."""
-    for daemon in serve_or_skip(
-        lambda: start_dockerd(tmp_path_factory.mktemp("swarm"), private=True), "a dockerd"
-    ):
-        (port,) = free_loopback_ports(1)
-        where = json.dumps({"ListenAddr": f"127.0.0.1:{port}", "AdvertiseAddr": "127.0.0.1"})
-        status, body = daemon.request("POST", "/swarm/init", where.encode())
-        if status != 200:
-            pytest.skip(f"needs a swarm: swarm init answered {status} {body[-300:]!r}")
-        yield daemon
-
-
-def node(daemon: DockerDaemon) -> dict[str, Any]:
-    (only,) = json.loads(daemon.request("GET", "/nodes")[1])
-    assert isinstance(only, dict)
-    return only
-
-
-def set_node(daemon: DockerDaemon, **spec: Any) -> None:
-    now = node(daemon)
-    body = json.dumps({**now["Spec"], **spec}).encode()
-    status, answer = daemon.request(
-        "POST", f"/nodes/{now['ID']}/update?version={now['Version']['Index']}", body
-    )
-    assert status == 200, answer
+    yield from swarm_manager(tmp_path_factory.mktemp("swarm"))
 
 
 async def test_standby_nodes_are_made_active_and_drained_again(manager: DockerDaemon) -> None:

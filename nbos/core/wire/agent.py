@@ -376,6 +376,27 @@ class AgentError(Message):
     replica_id: str = ""
 
 
+# --- an agent told to stop (SIGTERM): leave at once, or once its host is emptied ---------
+
+
+class AgentLeaving(Message):
+    """The agent of ``host_id`` was told to stop (SIGTERM): may it go now? Sent every
+    heartbeat until the gateway says so (``docs/deploy.md``, "Draining a node")."""
+
+    host_id: str
+    incarnation: str
+
+
+class LeaveAdvice(Message):
+    """``wait``: the gateway is moving the host's replicas off (its node is being drained),
+    so the agent stays until told otherwise; else it may go, leaving its replicas
+    running (a restart or an upgrade: the next agent takes them back)."""
+
+    host_id: str
+    wait: bool
+    reason: str
+
+
 # --- joining with a token (agent -> the gateway's join endpoint, and its answer) ----------
 
 
@@ -428,9 +449,9 @@ ReplicaRequest = (
 )
 ReplicaReply = ReplicaState | ReplicaList | ReplicaConnection | PortsGranted | AgentError
 #: What a gateway sends an agent besides :data:`AgentRequest`.
-AgentControl = ReplicaRequest | AgentHelloRequest | AgentWelcome | ReplicaExitAck
+AgentControl = ReplicaRequest | AgentHelloRequest | AgentWelcome | ReplicaExitAck | LeaveAdvice
 #: What an agent sends a gateway besides :data:`AgentReply`.
-AgentReport = ReplicaReply | AgentHello | ReplicaExited
+AgentReport = ReplicaReply | AgentHello | ReplicaExited | AgentLeaving
 AgentMessage = (
     AgentRequest
     | AgentReply
