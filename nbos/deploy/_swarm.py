@@ -59,6 +59,7 @@ STACK_OWNED = {
         "local_agents",
         "http_address",
         "auth_token",
+        "swarm_engine",
     ),
     "cluster": ("data_dir",),
     "store": ("kind", "path", "redis_url"),
@@ -167,7 +168,10 @@ def render_stack(swarm_file: SwarmFile, gateway_ip: str) -> tuple[dict[str, Any]
             "image": table.image,
             "command": [*nbos, "gateway"],
             "networks": ["host"],
-            "volumes": [state],
+            # Its node's engine, a manager's: it reads which nodes are drained (an agent
+            # stopped there has its replicas moved off first) and, with the swarm host
+            # provider, activates and drains standby nodes.
+            "volumes": [state, {"type": "bind", "source": socket, "target": socket}],
             "configs": settings_ref,
             "stop_grace_period": "30s",
             "deploy": {"placement": on_gateway, "restart_policy": restart},
@@ -182,6 +186,8 @@ def render_stack(swarm_file: SwarmFile, gateway_ip: str) -> tuple[dict[str, Any]
                 {"type": "bind", "source": socket, "target": socket},
             ],
             "configs": settings_ref,
+            # An agent stopped on a drained node waits while the gateway moves its replicas.
+            "stop_grace_period": "300s",
             "deploy": {
                 "mode": "global",
                 "placement": {"constraints": [f"node.labels.{GPU_LABEL}==true"]},
@@ -198,10 +204,6 @@ def render_stack(swarm_file: SwarmFile, gateway_ip: str) -> tuple[dict[str, Any]
     keys = swarm_file.keys
     if keys is not None:
         _add_secrets(stack, keys, table)
-    if swarm_file.settings.get("gateway", {}).get("host_provider") == "swarm":
-        # The swarm host provider activates and drains standby nodes through a manager's
-        # engine: the gateway's node's own, which must then be a manager.
-        services["gateway"]["volumes"].append({"type": "bind", "source": socket, "target": socket})
     return stack, settings_text
 
 
@@ -249,6 +251,7 @@ def services_settings(swarm_file: SwarmFile, gateway_ip: str) -> dict[str, Any]:
             "agent_address": f"{gateway_ip}:{table.agent_endpoint_port}",
             "local_agents": False,
             "http_address": f"0.0.0.0:{table.http_port}",
+            "swarm_engine": "unix:///var/run/docker.sock",
         },
         "cluster": {"data_dir": f"{table.state_dir}/gateway"},
         "store": {"kind": "redis", "redis_url": f"redis://{gateway_ip}:{table.redis_port}/0"},
@@ -318,7 +321,7 @@ def write_stack(swarm_file: SwarmFile, gateway_ip: str, directory: Path) -> Path
 
 def gateway_node_ip(docker: Sequence[str] = ("docker",)) -> str:
     """The address of the one node labelled ``nbos.gateway=true``; refuses none or several,
-    and a swarm with no node labelled ``nbos.gpu=true``."""
+    one that is not a manager, and a swarm with no node labelled ``nbos.gpu=true``."""
     labelled = _run(
         [*docker, "node", "ls", "-q", "--filter", f"node.label={GATEWAY_LABEL}=true"]
     ).split()
@@ -332,7 +335,16 @@ def gateway_node_ip(docker: Sequence[str] = ("docker",)) -> str:
             f"no node is labelled {GPU_LABEL}=true, so no agent would run "
             f"(docker node update --label-add {GPU_LABEL}=true NODE)"
         )
-    return _run([*docker, "node", "inspect", labelled[0], "--format", "{{.Status.Addr}}"]).strip()
+    role, address = _run(
+        [*docker, "node", "inspect", labelled[0], "--format", "{{.Spec.Role}} {{.Status.Addr}}"]
+    ).split()
+    if role != "manager":
+        raise SwarmError(
+            f"the node labelled {GATEWAY_LABEL}=true is a {role}: the gateway reads the nodes' "
+            "availability through its node's engine, which must be a manager's "
+            "(docker node promote NODE)"
+        )
+    return address
 
 
 def swarm_deploy(path: str | Path, docker: Sequence[str] = ("docker",)) -> str:

@@ -35,6 +35,8 @@ def test_the_stack_pins_the_gateway_and_runs_an_agent_on_every_gpu_node(tmp_path
             "node.labels.nbos.gateway==true"
         ]
         assert services[name]["deploy"]["restart_policy"]["condition"] == "any"
+    # The gateway reads the nodes' availability through its node's (a manager's) engine.
+    assert "/var/run/docker.sock" in [v["source"] for v in services["gateway"]["volumes"]]
     agent = services["agent"]
     assert agent["deploy"]["mode"] == "global"
     assert agent["deploy"]["placement"]["constraints"] == ["node.labels.nbos.gpu==true"]
@@ -57,6 +59,7 @@ def test_the_services_settings_are_the_files_tables_plus_the_stacks(tmp_path: Pa
     assert not settings.gateway.local_agents
     assert settings.store.redis_url == "redis://10.0.0.1:6379/0"
     assert settings.cluster.data_dir == "/var/lib/nbos/gateway"
+    assert settings.gateway.swarm_engine == "unix:///var/run/docker.sock"
     assert (settings.agent.runtime, settings.agent.docker_image) == ("docker", "nbos:test")
 
 
@@ -110,14 +113,3 @@ def test_an_agent_address_auto_is_this_machines_address_towards_the_gateway() ->
     assert route_address("10.0.0.5:7100", "127.0.0.1:7071") == "10.0.0.5:7100"
     with pytest.raises(ConfigError):
         route_address("auto:7100", "no-such-host.invalid:7071")
-
-
-def test_the_swarm_host_provider_gets_the_managers_engine(tmp_path: Path) -> None:
-    autoscale = "[gateway]\nautoscale = true\nhost_provider = 'swarm'\n"
-    stack, _ = render_stack(load_swarm_file(swarm_file(tmp_path, INSECURE + autoscale)), "10.0.0.1")
-    sockets = [v["source"] for v in stack["services"]["gateway"]["volumes"]]
-    assert "/var/run/docker.sock" in sockets
-    plain, _ = render_stack(load_swarm_file(swarm_file(tmp_path, INSECURE)), "10.0.0.1")
-    assert all(
-        v["source"] != "/var/run/docker.sock" for v in plain["services"]["gateway"]["volumes"]
-    )
