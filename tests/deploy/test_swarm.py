@@ -126,15 +126,17 @@ class User:
         return answer
 
 
+def nbos(swarm: Swarm, *args: str) -> None:
+    """``nbos ARGS`` with the swarm's manager as the docker CLI's engine."""
+    env = {**os.environ, "DOCKER_HOST": f"unix://{swarm.manager.socket}", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "nbos", *args], env=env, check=True)
+
+
 def deploy(swarm: Swarm, tmp_path: Path) -> Path:
     swarm_file = tmp_path / "swarm.toml"
     swarm_file.write_text(SWARM_FILE)
-    env = {**os.environ, "DOCKER_HOST": f"unix://{swarm.manager.socket}", "PYTHONPATH": str(ROOT)}
-    nbos = [sys.executable, "-m", "nbos"]
-    subprocess.run([*nbos, "keys", str(tmp_path / "keys"), "--join-token"], env=env, check=True)
-    subprocess.run(
-        [sys.executable, "-m", "nbos", "swarm", "deploy", str(swarm_file)], env=env, check=True
-    )
+    nbos(swarm, "keys", str(tmp_path / "keys"), "--join-token")
+    nbos(swarm, "swarm", "deploy", str(swarm_file))
     return swarm_file
 
 
@@ -211,7 +213,7 @@ class Cells:
 
 def test_kernel_runs_through_engine_failures_and_upgrades(swarm: Swarm, tmp_path: Path) -> None:
     started = time.monotonic()
-    deploy(swarm, tmp_path)
+    swarm_file = deploy(swarm, tmp_path)
     user = User(swarm, tmp_path / "client", operator_token(swarm))
     wait_for("4 agents up", lambda: hosts_up(user) == set(GPU_NODES))
     assert not replica_containers(swarm.nodes[STANDBY])
@@ -286,6 +288,13 @@ def test_kernel_runs_through_engine_failures_and_upgrades(swarm: Swarm, tmp_path
     cells.run()
     cells.check()
     print(f"swarm test body: {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+    # nbos swarm rm: the stack's services, its config and its secrets go.
+    nbos(swarm, "swarm", "rm", str(swarm_file))
+    manager = swarm.manager
+    wait_for("the stack's services gone", lambda: not manager.docker("service", "ls", "-q").split())
+    assert not manager.docker("secret", "ls", "-q").split()
+    wait_for("the stack's config gone", lambda: not manager.docker("config", "ls", "-q").split())
 
 
 def _restarted(node: SwarmNode, service: str, old: str) -> bool:
