@@ -9,6 +9,9 @@ command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || need+=(docker.io)
 # network namespaces for the multi-host tests: ip netns, veth, a bridge, iptables partitions
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || need+=(iproute2)
 command -v iptables >/dev/null || [ -x /usr/sbin/iptables ] || need+=(iptables)
+# the swarm's image (scripts/build-image.sh): a Debian base made with debootstrap;
+# nsenter and unshare (util-linux) make the nodes of tests/_servers/swarm.py
+command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 # the CPU-hog nemesis (nbos chaos cpu-hog, tests/chaos): stress-ng on every core
 command -v stress-ng >/dev/null || need+=(stress-ng)
 # the browser end-to-end tests: Debian's Chromium and its WebDriver, driven by selenium

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import msgspec
 
 from nbos.agent import AgentConfig, run_until_signalled
 from nbos.core.config import Settings
+from nbos.core.errors import ConfigError
 from nbos.core.private_files import keep_private
 
 
@@ -29,7 +31,9 @@ def register(subparsers: Any) -> None:
         "--address",
         required=True,
         metavar="HOST:PORT",
-        help="where the gateway reaches this agent (bound as given; port 0 picks one)",
+        help="where the gateway reaches this agent (bound as given; port 0 picks one); "
+        "auto:PORT: this machine's address on its route to the gateway (a Swarm service's "
+        "node address)",
     )
     parser.add_argument("--gateway", required=True, metavar="HOST:PORT", help="the gateway")
     parser.add_argument(
@@ -98,7 +102,7 @@ def agent_command(args: argparse.Namespace) -> int:
         agent = msgspec.structs.replace(agent, join_token_file=str(args.join_token_file))
     config = AgentConfig(
         host_id=args.host,
-        address=args.address,
+        address=route_address(args.address, args.gateway),
         gateway_address=args.gateway,
         state_dir=args.state_dir,
         keys=args.keys,
@@ -114,3 +118,20 @@ def agent_command(args: argparse.Namespace) -> int:
     keep_private()
     anyio.run(run_until_signalled, config)
     return 0
+
+
+def route_address(address: str, gateway: str) -> str:
+    """``address``, or for ``auto:PORT`` the local address this machine's routes use to
+    reach ``gateway`` (one agent command for every node of a Swarm service)."""
+    host, _, port = address.rpartition(":")
+    if host != "auto":
+        return address
+    gateway_host = gateway.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        family = socket.getaddrinfo(gateway_host, None)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((gateway_host, 9))  # a datagram socket's connect sends nothing
+            local: str = probe.getsockname()[0]
+    except OSError as exc:
+        raise ConfigError("address", address, f"a route to the gateway {gateway} ({exc})") from exc
+    return f"[{local}]:{port}" if ":" in local else f"{local}:{port}"

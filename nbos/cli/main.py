@@ -30,6 +30,7 @@ _COMMANDS = (
     "cluster",
     "replay",
     "users",
+    "swarm",
 )
 
 

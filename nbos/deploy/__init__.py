@@ -5,10 +5,21 @@
 :func:`cluster_restart` restarts one of them and :func:`cluster_down` shuts its
 kernels down and stops them (:mod:`nbos.deploy._up`); :class:`DeployedCluster` kills
 and restarts them for
-``nbos chaos --cluster FILE``. See ``docs/deploy.md``.
+``nbos chaos --cluster FILE``. :func:`swarm_deploy` and :func:`swarm_rm` run nbos as a
+Docker Swarm stack instead (:mod:`nbos.deploy._swarm`). See ``docs/deploy.md``.
 """
 
 from nbos.deploy._file import ClusterFile, HostTable, load_cluster_file
+from nbos.deploy._swarm import (
+    SwarmError,
+    SwarmFile,
+    gateway_node_ip,
+    load_swarm_file,
+    render_stack,
+    swarm_deploy,
+    swarm_rm,
+    write_stack,
+)
 from nbos.deploy._up import (
     DeployedCluster,
     Deployment,
@@ -22,8 +33,16 @@ __all__ = [
     "DeployedCluster",
     "Deployment",
     "HostTable",
+    "SwarmError",
+    "SwarmFile",
     "cluster_down",
     "cluster_restart",
     "cluster_up",
+    "gateway_node_ip",
     "load_cluster_file",
+    "load_swarm_file",
+    "render_stack",
+    "swarm_deploy",
+    "swarm_rm",
+    "write_stack",
 ]

@@ -51,7 +51,7 @@ from nbos.transport.keys import generate_keys
 from nbos.transport.ports import free_loopback_ports
 from tests.agent._daemons import DEADLINE, alive, end_replicas
 from tests.gateway._full_disk import fill, free_pages, pages_for, small_tmpfs
-from tests.gateway._http import call
+from tests.gateway._http import KernelSocket, call, stdout
 from tests.gateway._service import ask, local_settings, run_cell, start_gateway, status_when
 
 # Two gateway starts and a kernel's start, each a Python start: slow on a busy machine.
@@ -522,3 +522,38 @@ async def test_a_gateway_that_lost_its_state_or_has_an_older_copy_adopts_what_it
     ), gateway.said("replica")
     [again] = [k for k in status.kernels if k.kernel_id == later.kernel_id]
     assert await run_cell(again, "print(z + 1)") == {"status": "ok", "stdout": "2\n"}
+
+
+async def test_a_restarted_gateways_http_api_serves_the_kernels_it_took_back(
+    gateway: Gateway,
+) -> None:
+    """JupyterLab (through Jupyter Server's ``--gateway-url``) holds a kernel by its API
+    id: after a SIGKILL and a new start (a Swarm restart), that id still leads to the
+    kernel and its namespace."""
+    (http,) = free_loopback_ports(1)
+    url = f"http://127.0.0.1:{http}/api/kernels"
+    gateway.env |= {
+        "NBOS_GATEWAY__HTTP_ADDRESS": f"127.0.0.1:{http}",
+        "NBOS_GATEWAY__AUTH_TOKEN": "secret",
+    }
+    gateway.start()
+    await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    code, model = await call(url, "POST", {"name": "nbos-gpu-1"}, token="secret")
+    assert code == 201, (code, model)
+    socket = await KernelSocket.open(f"{url}/{model['id']}/channels", "secret")
+    reply, _ = await socket.run("x = 41")
+    assert reply["content"]["status"] == "ok", reply
+    socket.close()
+
+    gateway.kill()
+    gateway.start()
+    await status_when(gateway.address, lambda s: sum(h.state == "up" for h in s.hosts) == 3)
+    code, again = await call(f"{url}/{model['id']}", token="secret")
+    assert code == 200, (code, again)
+    assert (again["id"], again["name"]) == (model["id"], "nbos-gpu-1")
+    socket = await KernelSocket.open(f"{url}/{model['id']}/channels", "secret")
+    reply, outputs = await socket.run("print(x + 1)")
+    socket.close()
+    assert reply["content"]["status"] == "ok", reply
+    assert stdout(outputs) == "42\n"
+    gateway.kill()

@@ -45,6 +45,7 @@ from nbos.gateway._kernel_manager import HOST_WAIT_S, KernelManager
 from nbos.gateway._kernel_state import JupyterState, KernelState, jupyter_state
 from nbos.gateway.auth import acting_for
 from nbos.gateway.http._channels import ChannelBridge, Sink
+from nbos.gateway.http._specs import spec_name
 from nbos.kernel.jupyter_requests import channel_url, control_request, session_for
 
 log = logging.getLogger(__name__)
@@ -68,16 +69,27 @@ def _now() -> datetime.datetime:
 class ApiKernel:
     """One kernel of the API: its current nbos kernel, its activity, its clients."""
 
-    def __init__(self, name: str, gpus: int, env: Mapping[str, str], owner: str) -> None:
-        self.kernel_id: str = new_kernel_id()
+    def __init__(
+        self,
+        name: str,
+        gpus: int,
+        env: Mapping[str, str],
+        owner: str,
+        kernel: Kernel | None = None,
+    ) -> None:
+        # A kernel the gateway holds already (taken back) keeps its id; a new one gets
+        # the id its start will be made under.
+        self.kernel_id: str = new_kernel_id() if kernel is None else kernel.kernel_id
         self.name = name
         self.gpus = gpus
         self.env = dict(env)
         self.owner = owner
         #: The nbos kernel; ``None`` while its first start runs.
-        self._kernel: Kernel | None = None
+        self._kernel: Kernel | None = kernel
         #: Set once the first start ended, started or not (then ``start_error`` says why).
         self.started = anyio.Event()
+        if kernel is not None:
+            self.started.set()
         self.start_error: Exception | None = None
         #: Why the first start waits (for a host), while it does.
         self.waiting: str | None = None
@@ -266,6 +278,24 @@ class ApiKernels:
             return
         self._tg.start_soon(self._supervise, api)
         log.info("kernel %s (%s) started for %s", api.kernel_id, api.name, api.owner)
+
+    def take_back(self) -> None:
+        """Serve the kernels the gateway holds already: at the API's start, those it took
+        back from its data dir after a restart, so that their clients (JupyterLab through
+        Jupyter Server) reconnect to them. Each comes back under its nbos kernel id, which
+        is its API id unless the API restarted it (a restart's API id lives in memory
+        only), with the kernelspec of its GPUs per cell; a kernel started through the
+        control API is then served too."""
+        for kernel in self.kernel_manager.kernels:
+            if kernel.kernel_id in self._kernels:
+                continue
+            name = spec_name(kernel.gpus)
+            api = ApiKernel(
+                name, kernel.gpus, {"KERNEL_USERNAME": kernel.owner}, kernel.owner, kernel
+            )
+            self._kernels[api.kernel_id] = api
+            self._tg.start_soon(self._supervise, api)
+            log.info("kernel %s (%s) of %s taken back", api.kernel_id, name, kernel.owner)
 
     async def restart(self, api: ApiKernel) -> None:
         """A fresh nbos kernel behind ``api`` (the old one shut down first)."""

@@ -120,6 +120,7 @@ async def serve_http(
     try:
         async with anyio.create_task_group() as tg:
             kernels = ApiKernels(kernel_manager, tg, ctx, max_gpus)
+            kernels.take_back()
             settings = {"kernels": kernels, "authenticator": authenticator}
             board = None
             routes: list[Any] = []

@@ -30,6 +30,11 @@ def spec_gpus(name: str, max_gpus: int) -> int | None:
     return int(name.removeprefix(_GPU_PREFIX)) if name != DEFAULT_SPEC else 0
 
 
+def spec_name(gpus: int) -> str:
+    """The kernelspec of ``gpus`` GPUs per cell."""
+    return f"{_GPU_PREFIX}{gpus}" if gpus else DEFAULT_SPEC
+
+
 def spec_model(name: str, gpus: int) -> dict[str, Any]:
     """``GET /api/kernelspecs/NAME``'s answer, as Jupyter Server gives it."""
     title = "nbos (replicated Python)" if gpus == 0 else f"nbos, {gpus} GPU(s) per cell"

@@ -1,0 +1,95 @@
+"""A Jupyter user of the swarm's gateway, inside a network namespace, driven from stdin.
+
+Run as ``python -m tests.deploy._swarm_client GATEWAY_URL CONTROL TOKEN WORKDIR`` where the
+gateway's node address is reachable (nothing outside the namespaces reaches it). It starts
+``jupyter server --gateway-url GATEWAY_URL`` on its loopback and speaks to the kernel as a
+Jupyter client does, through that server's REST API and kernel WebSocket. Each stdin line
+is a JSON command, each answer one JSON line on stdout:
+
+* ``{"op": "start"}``: a new kernel of one GPU (``nbos-gpu-1``) through the server;
+  ``{"kernel": ID}`` (the gateway's id);
+* ``{"op": "send", "code": C}``: sends the cell, ``{"msg_id": M}`` at once;
+* ``{"op": "finish", "msg_id": M}``: that cell's ``{"status", "stdout", "ename"}``;
+* ``{"op": "status"}``: the gateway's ``ClusterStatus`` (its control API at ``CONTROL``),
+  or ``{"error": ...}`` while it does not answer;
+* ``{"op": "reconnect"}``: a new WebSocket (after the gateway restarted), ``{}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from nbos.core.errors import NbosError
+from nbos.gateway.control_api import StatusRequest
+from nbos.gateway.control_api import call as call_control
+from tests.gateway._http import KernelSocket, call, start_jupyter_server, stdout, stop
+
+_CELL_TIMEOUT_S = 300.0
+
+
+async def main(url: str, control: str, token: str) -> None:
+    socket: KernelSocket | None = None
+    kernel = ""
+    try:
+        while line := await anyio.to_thread.run_sync(sys.stdin.readline):
+            command = json.loads(line)
+            answer: dict[str, Any] = {}
+            if command["op"] == "status":
+                try:
+                    status = await call_control(control, StatusRequest(), 10.0, token=token)
+                except NbosError as exc:  # the gateway is down (killed, restarting)
+                    status = {"error": str(exc)}
+                answer = msgspec.to_builtins(status)
+            elif command["op"] == "start":
+                one_gpu = {"name": "nbos-gpu-1"}
+                status, model = await call(f"{url}/api/kernels", "POST", one_gpu, "user-token")
+                assert status == 201, (status, model)
+                kernel = model["id"]
+                socket = await _open(url, kernel)
+                answer = {"kernel": kernel}
+            elif command["op"] == "reconnect":
+                assert socket is not None
+                socket.close()
+                socket = await _open(url, kernel)
+            elif command["op"] == "send":
+                assert socket is not None
+                answer = {"msg_id": socket.send("shell", "execute_request", _execute(command))}
+            else:
+                assert socket is not None
+                reply, outputs = await socket.finish(command["msg_id"], timeout=_CELL_TIMEOUT_S)
+                content = reply["content"]
+                answer = {
+                    "status": content["status"],
+                    "stdout": stdout(outputs),
+                    "ename": content.get("ename", ""),
+                }
+            sys.stdout.write(json.dumps(answer) + "\n")
+            sys.stdout.flush()
+    finally:
+        if socket is not None:
+            socket.close()
+
+
+async def _open(url: str, kernel: str) -> KernelSocket:
+    return await KernelSocket.open(f"{url}/api/kernels/{kernel}/channels", "user-token")
+
+
+def _execute(command: dict[str, Any]) -> dict[str, Any]:
+    return {"code": command["code"], "silent": False, "allow_stdin": False}
+
+
+if __name__ == "__main__":
+    gateway_url, control, token, workdir = sys.argv[1:]
+    # Before the event loop: it waits for the server with a loop of its own.
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    process, url, _ = start_jupyter_server(Path(workdir), gateway_url, token, "user-token")
+    try:
+        anyio.run(main, url, control, token)
+    finally:
+        stop(process)
