@@ -28,6 +28,7 @@ _COMMANDS = (
     "status",
     "cluster",
     "replay",
+    "calibrate",
     "users",
 )
 

@@ -22,7 +22,14 @@ import anyio
 import msgspec
 
 from nbos.cli._progress import progress_bar
-from nbos.cli.simulate import add_trace_arguments, fair_share, load, show
+from nbos.cli.simulate import (
+    add_timings_argument,
+    add_trace_arguments,
+    fair_share,
+    load,
+    show,
+    timings,
+)
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
 from nbos.gateway.replay import ReplayConfig, ReplayProgress, ReplayWatch, replay
@@ -66,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="S",
         help="without a terminal on stderr, a progress line every S real seconds (30)",
     )
+    add_timings_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per column")
     p.add_argument("--plot", metavar="FILE", help="draw the columns as nbos simulate --plot")
     p.set_defaults(func=run)
@@ -75,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     """Replay the trace ``args`` name and print the results."""
     trace = load(args)
     quotas = fair_share(args)
+    durations = timings(args)  # read first: a bad file stops the run before it starts
     config = ReplayConfig(speedup=args.speedup, policy=args.policy, fair_share=quotas)
     with _watch(trace, args.progress_every) as watch:
         if args.gateway:
@@ -83,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             result = anyio.run(_embedded, trace, _settings(args), config, watch)
     results = [result]
     if args.simulate:
-        results.insert(0, simulate(trace, _sim_config(args, quotas)))
+        results.insert(0, simulate(trace, _sim_config(args, quotas).timed(durations)))
     show(results, args, "its host ceiling", trace.names_users or quotas is not None)
     return 0
 

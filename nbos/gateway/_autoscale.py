@@ -28,7 +28,7 @@ import logging
 import anyio
 import anyio.abc
 
-from nbos.core.errors import NbosError
+from nbos.core.errors import HostUnreachableError, NbosError
 from nbos.core.host_provider import AgentCommand, HostProvider
 from nbos.core.ids import HostId
 from nbos.gateway._directory import HostDirectory
@@ -110,14 +110,22 @@ class LiveAutoscaler:
 
     async def _add(self) -> None:
         try:
-            host = await self._provider.add_host(self._agent)
+            await self.start_host()
         except NbosError as exc:
             log.warning("autoscaler: %s could not add a host: %s", self._provider.name, exc)
+        finally:
             self._provisioning -= 1
-            return
+
+    async def start_host(self) -> HostId:
+        """Have the provider start a host; return once its agent registered and reported.
+
+        Raises :class:`NbosError` when the provider could not start one, and
+        :class:`HostUnreachableError` when it did not register within ``host_timeout``
+        (it is given back, logged).
+        """
+        host = await self._provider.add_host(self._agent)
         try:
             await self._directory.scheduler.wait_for_host(host, self._host_timeout)
-            log.info("autoscaler: host %s joined", host)
         except TimeoutError:
             log.warning(
                 "autoscaler: host %s did not register within %g s: given back",
@@ -125,8 +133,15 @@ class LiveAutoscaler:
                 self._host_timeout,
             )
             await self._remove(host)
-        finally:
-            self._provisioning -= 1
+            raise HostUnreachableError(
+                host, f"it did not register within {self._host_timeout:g} s"
+            ) from None
+        log.info("autoscaler: host %s joined", host)
+        return host
+
+    async def stop_host(self, host: HostId) -> None:
+        """Forget ``host`` and have the provider stop it (errors logged)."""
+        await self._remove(host)
 
     async def _drain(self, host: HostId) -> None:
         scheduler = self._directory.scheduler
