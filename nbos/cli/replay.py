@@ -64,6 +64,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--no-autoscale", action="store_true", help="embedded: keep --hosts hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="embedded: host ceiling (64)")
     p.add_argument(
+        "--precopy",
+        action="store_true",
+        help="embedded and simulated: copy replicas of idle kernels ahead of their next cell",
+    )
+    p.add_argument(
         "--simulate", action="store_true", help="also simulate the trace (nbos mode) alongside"
     )
     p.add_argument(
@@ -92,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
             result = anyio.run(_embedded, trace, _settings(args), config, watch)
     results = [result]
     if args.simulate:
-        results.insert(0, simulate(trace, _sim_config(args, quotas).timed(durations)))
+        # The live cluster's own work takes real seconds, args.speedup trace seconds each.
+        timed = _sim_config(args, quotas).timed(durations.scaled(args.speedup))
+        results.insert(0, simulate(trace, timed))
     show(results, args, "its host ceiling", trace.names_users or quotas is not None)
     return 0
 
@@ -137,6 +144,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     k = args.speedup
     if not k > 0:
         raise ConfigError("--speedup", k, "a positive number")
+    if args.precopy and args.no_autoscale:
+        raise ConfigError("--precopy", True, "without --no-autoscale (its period runs it)")
     base = Settings.load(args.config)
     control, agents = free_loopback_ports(2)
     cluster = msgspec.structs.replace(
@@ -162,6 +171,7 @@ def _settings(args: argparse.Namespace) -> Settings:
             scale_out_cooldown_s=defaults.scale_out_cooldown / k,
             scale_in_cooldown_s=defaults.scale_in_cooldown / k,
             idle_grace_s=defaults.idle_grace / k,
+            precopy=args.precopy,
         )
     return msgspec.structs.replace(base, cluster=cluster, gateway=gateway)
 
@@ -175,4 +185,5 @@ def _sim_config(args: argparse.Namespace, quotas: FairShare | None) -> SimConfig
         policy=args.policy,
         autoscaler=autoscaler,
         fair_share=quotas,
+        precopy=args.precopy,
     )

@@ -50,6 +50,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--mode", choices=[*MODES, "both"], default="both", help="(both)")
     p.add_argument("--no-autoscale", action="store_true", help="keep the cluster at --hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="autoscaler ceiling (64)")
+    p.add_argument(
+        "--precopy",
+        action="store_true",
+        help="nbos mode: copy replicas of idle kernels ahead of their next cell",
+    )
     add_timings_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per mode")
     p.add_argument(
@@ -139,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             policy_kwargs=kwargs,
             autoscaler=autoscaler,
             fair_share=quotas,
+            precopy=args.precopy and mode == "nbos",
         ).timed(durations)
         with _progress_bar(mode, trace) as progress:
             results.append(simulate(trace, config, progress=progress))

@@ -30,7 +30,7 @@ import anyio.abc
 
 from nbos.core.errors import HostUnreachableError, NbosError
 from nbos.core.host_provider import AgentCommand, HostProvider
-from nbos.core.ids import HostId
+from nbos.core.ids import HostId, KernelId
 from nbos.gateway._directory import HostDirectory
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager
@@ -55,6 +55,7 @@ class LiveAutoscaler:
         *,
         period: float,
         host_timeout: float,
+        precopy: bool = False,
     ) -> None:
         self._directory = directory
         self._kernel_manager = kernel_manager
@@ -64,6 +65,8 @@ class LiveAutoscaler:
         self._host_timeout = host_timeout
         self._provisioning = 0
         self._draining: set[HostId] = set()
+        self._precopy = precopy
+        self._copying: set[KernelId] = set()
 
     @property
     def draining(self) -> frozenset[HostId]:
@@ -80,14 +83,10 @@ class LiveAutoscaler:
     def tick(self, tg: anyio.abc.TaskGroup) -> None:
         """One decision, its actions started in ``tg``."""
         scheduler = self._directory.scheduler
-        step = scheduler.decisions.scale(
-            scheduler.view(),
-            anyio.current_time(),
-            cells_waiting=bool(scheduler.waiting()),
-            kernels_waiting=False,  # a kernel not placed is refused at once, not kept waiting
-            provisioning=self._provisioning,
-        )
+        step = scheduler.scale(anyio.current_time(), self._provisioning)
         decision = step.decision
+        if self._precopy:
+            self._start_precopies(tg)
         if step.at_ceiling:
             scheduler.ledger.ceiling_s += self._period
         if isinstance(decision, ScaleOut):
@@ -107,6 +106,39 @@ class LiveAutoscaler:
                         ClusterEvent("scale-in", f"autoscaler: draining host {host}", host=host)
                     )
                     tg.start_soon(self._drain, host)
+
+    def _start_precopies(self, tg: anyio.abc.TaskGroup) -> None:
+        """Copy a replica of each idle kernel whose next cell would have to migrate: the
+        move :meth:`~nbos.scaling.ClusterDecisions.precopy` names (the simulator's too)."""
+        scheduler = self._directory.scheduler
+        waiting = {kernel_id for kernel_id, _ in scheduler.waiting()}
+        for kernel in self._kernel_manager.kernels:
+            kernel_id = kernel.kernel_id
+            replicas = kernel.replicas
+            idle = kernel.front.running_on is None and kernel_id not in waiting
+            steady = kernel.joining is None and all(r.alive for r in replicas)
+            if not (idle and steady) or kernel_id in self._copying or kernel.closed.is_set():
+                continue
+            hosts = scheduler.model.replica_hosts(kernel_id)
+            staying = scheduler.decisions.off_draining(hosts, scheduler.model.is_draining)
+            gpus = scheduler.model.placed_gpus(kernel_id)
+            plan = scheduler.decisions.precopy(scheduler.view(), kernel_id, staying, gpus)
+            source = next((r.node for r in replicas if plan and r.host == plan.source), None)
+            if plan is not None and source is not None:
+                self._copying.add(kernel_id)
+                tg.start_soon(self._copy, kernel, source, plan.target)
+
+    async def _copy(self, kernel: Kernel, node: int, target: HostId) -> None:
+        kernel_id = kernel.kernel_id
+        log.info("autoscaler: pre-copying kernel %s replica %d to %s", kernel_id, node, target)
+        try:
+            await kernel.replace_replica(node, target=target)
+        except NbosError as exc:
+            log.warning("autoscaler: pre-copy of kernel %s failed: %s", kernel_id, exc)
+        else:
+            self._directory.scheduler.ledger.migrations += 1
+        finally:
+            self._copying.discard(kernel_id)
 
     async def _add(self) -> None:
         try:

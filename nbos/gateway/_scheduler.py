@@ -67,6 +67,7 @@ from nbos.scaling import (
     FairShare,
     HostLimits,
     MigrationPlan,
+    ScaleStep,
     Wait,
     Waiter,
     Yield,
@@ -164,6 +165,8 @@ class GpuScheduler:
         #: The user of each kernel that asked for GPUs (``""``: none): quotas count by user.
         self._users: dict[KernelId, str] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
+        # The waiting cells that wait for capacity: the decision found no host for them.
+        self._starved: set[tuple[KernelId, int]] = set()
         self.ledger = Ledger()
         self._version = 0
         self._changed = anyio.Event()
@@ -271,6 +274,21 @@ class GpuScheduler:
     def waiting(self) -> Mapping[tuple[KernelId, int], str]:
         """Cells waiting for GPUs now, by ``(kernel, exec_index)``, with the reason shown."""
         return dict(self._waiting)
+
+    def scale(self, now: float, provisioning: int) -> ScaleStep:
+        """The autoscaler's decision at ``now`` over this scheduler's view, from the inputs
+        the simulator gives it: only cells the decision leaves waiting for capacity (no host
+        can take them, or the fair share has them yield) count as placement failed, not
+        those behind an earlier cell or waiting for a move that another host makes possible
+        (the simulator moves or runs those). Kernels that could not be placed count through
+        the decisions (:meth:`ClusterDecisions.scale`)."""
+        return self._decisions.scale(
+            self.view(),
+            now,
+            cells_waiting=bool(self._starved),
+            kernels_waiting=False,  # a kernel not placed is refused at once, not kept waiting
+            provisioning=provisioning,
+        )
 
     async def wait_for_hosts(self, n: int, timeout: float = 10.0) -> None:
         """Return once ``n`` hosts reported and are not suspected; ``TimeoutError`` after
@@ -437,7 +455,7 @@ class GpuScheduler:
                 version = self._version
                 ahead = self._ahead(queue, ticket)
                 if ahead is not None:
-                    outcome = ahead
+                    outcome, starved = ahead
                 else:
                     decided = await self._try(kernel_id, exec_index, replicas, last_executor, gpus)
                     if isinstance(decided, Grant):
@@ -446,7 +464,8 @@ class GpuScheduler:
                         proposed = decided
                         if on_migrate is not None:
                             await on_migrate(decided)
-                    outcome = _wait_reason(decided, gpus)
+                    outcome, starved = _wait_reason(decided, gpus), isinstance(decided, Wait)
+                (self._starved.add if starved else self._starved.discard)((kernel_id, exec_index))
                 if outcome != shown:
                     shown = self._waiting[(kernel_id, exec_index)] = outcome
                     log.info("kernel %s cell %d: %s", kernel_id, exec_index, outcome)
@@ -457,13 +476,19 @@ class GpuScheduler:
             del queue[ticket]
             if not queue:
                 del self._queues[key]
-            self._waiting.pop((kernel_id, exec_index), None)
-            self._notify()
+            self._not_waiting((kernel_id, exec_index))
 
-    def _ahead(self, queue: Mapping[object, Waiter], ticket: object) -> str | None:
-        """Why the cell of ``ticket`` may not try for GPUs now (``None``: it may): it would
-        borrow while another user's within-quota cell waits, or earlier cells of its set of
-        replica hosts go first."""
+    def _not_waiting(self, cell: tuple[KernelId, int]) -> None:
+        """The cell waits no more (it got its GPUs, or gave up)."""
+        self._waiting.pop(cell, None)
+        self._starved.discard(cell)
+        self._notify()
+
+    def _ahead(self, queue: Mapping[object, Waiter], ticket: object) -> tuple[str, bool] | None:
+        """Why the cell of ``ticket`` may not try for GPUs now (``None``: it may), and whether
+        that is a wait for capacity: it would borrow while another user's within-quota cell
+        waits (it is, as in the simulator), or earlier cells of its set of replica hosts go
+        first (it is not: those decide for the hosts)."""
         waiter = queue[ticket]
         if self._fair is None:
             before = sum(1 for w in queue.values() if w.arrival < waiter.arrival)
@@ -472,11 +497,11 @@ class GpuScheduler:
             everyone = [w for q in self._queues.values() for w in q.values()]
             decided = self._fair.decide(waiter, everyone, held)
             if isinstance(decided, Yield):
-                return decided.reason
+                return decided.reason, True
             mine = self._fair.order(waiter, held)
             before = sum(1 for w in queue.values() if self._fair.order(w, held) < mine)
         if before:
-            return f"waiting for {waiter.gpus} GPUs behind {before} earlier cells"
+            return f"waiting for {waiter.gpus} GPUs behind {before} earlier cells", False
         return None
 
     async def committed(self, grant: Grant) -> Grant:

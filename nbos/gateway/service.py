@@ -160,6 +160,7 @@ _AUTOSCALE_KEYS = (
     "idle_grace_s",
     "host_provider",
     "host_provider_options",
+    "precopy",
     "host_start_timeout_s",
 )
 
@@ -314,6 +315,7 @@ class GatewayService:
                     agent,
                     period=conf.autoscale_period_s,
                     host_timeout=conf.host_start_timeout_s,
+                    precopy=conf.precopy,
                 )
                 _run_autoscaler(live, tg, stack)
             service = cls(

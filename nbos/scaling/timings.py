@@ -6,10 +6,10 @@ up, voting), a cell's GPU commit (the pre-commit and commit on its host's agent)
 kernel's start (its replicas up and a leader elected). ``nbos calibrate`` measures them on
 the live cluster and writes them as a TOML file of those four keys::
 
-    host_startup = 3.9
-    migration_time = 6.4
-    gpu_commit = 0.02
-    kernel_start = 9.1
+    host_startup = 10.8
+    migration_time = 2.1
+    gpu_commit = 0.028
+    kernel_start = 1.8
 
 which ``nbos simulate --timings FILE`` and ``nbos replay --simulate --timings FILE`` read
 (:func:`load_timings`: unknown keys and bad values are refused with a
@@ -52,6 +52,11 @@ class Timings:
     #: A kernel's start, from its placement until it runs a cell.
     kernel_start: float = attrs.field(validator=_seconds)
 
+    def scaled(self, factor: float) -> Timings:
+        """Each duration ``factor`` times as long: on a replay ``factor`` times faster than its
+        trace, nbos's own work takes that many trace seconds per real one."""
+        return Timings(**{k: v * factor for k, v in attrs.asdict(self).items()})
+
     def as_toml(self, comment: str = "") -> str:
         """The TOML text :func:`load_timings` reads back (``comment`` as leading lines)."""
         lines = [f"# {line}" for line in comment.splitlines()]
@@ -59,9 +64,10 @@ class Timings:
         return "\n".join(lines) + "\n"
 
 
-#: Measured with ``nbos calibrate --samples 5`` on the project's 2-core development machine
-#: (local agents; medians): ``docs/simulator.md``, "Calibration".
-MEASURED = Timings(host_startup=3.6, migration_time=6.6, gpu_commit=0.03, kernel_start=8.3)
+#: Measured with ``nbos calibrate --samples 5`` on the project's 2-core development machine,
+#: shared with other work (local agents; medians, rounded): ``docs/simulator.md``,
+#: "Calibration".
+MEASURED = Timings(host_startup=10.8, migration_time=2.1, gpu_commit=0.028, kernel_start=1.8)
 
 
 def load_timings(path: str | Path) -> Timings:

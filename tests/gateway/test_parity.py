@@ -1,0 +1,78 @@
+"""The live decision path makes the moves the simulator makes: the gateway's scheduler,
+with real agents, gives the autoscaler the inputs the simulator gives it."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from nbos.core.ids import HostId
+from nbos.gateway import Grant
+from nbos.scaling import (
+    AutoscalerConfig,
+    Hold,
+    ScaleOut,
+)
+from nbos.scaling.autoscaler import Autoscaler
+from nbos.scaling.decisions import ClusterDecisions
+from nbos.scaling.migration import MigrationPlan
+from tests._wait import eventually
+from tests.gateway._cluster import cluster, kernel, replicas
+
+pytestmark = pytest.mark.anyio
+
+FOUR = {"h0": (0,), "h1": (0,), "h2": (0,), "h3": (0,)}
+
+
+def decisions() -> ClusterDecisions:
+    return ClusterDecisions.load("least-loaded", 3, Autoscaler(AutoscalerConfig(min_hosts=3)))
+
+
+async def test_a_cell_waiting_for_a_move_another_host_allows_does_not_scale_out() -> None:
+    """Three hosts' GPUs are held; k's replicas are on them and h3's GPU is idle. k's cell
+    waits (its migration cannot start: the kernel is moving a replica already, say). The
+    simulator never keeps a cell whose decision is a move waiting (it moves the replica,
+    tests/scaling/test_simulator.py's migration tests), so it adds no host for it; the live
+    autoscaler counted every waiting cell as a placement failure and scaled out."""
+    async with cluster(FOUR, policy=decisions()) as c:
+        hogs: list[Grant] = []
+        for i, host in enumerate(("h0", "h1", "h2")):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(host), last_executor=0, gpus=1
+            )
+            hogs.append(await c.scheduler.committed(hog))
+        k_hosts = replicas("h0", "h1", "h2")
+        decision = c.scheduler.decisions.cell(
+            c.scheduler.view(), kernel("k"), list(k_hosts.values()), None, 1
+        )
+        assert decision == MigrationPlan(kernel("k"), HostId("h0"), HostId("h3"))
+        async with anyio.create_task_group() as tg:
+            # No on_migrate: this cell may not move a replica now, so it waits.
+            tg.start_soon(
+                lambda: c.scheduler.acquire(kernel("k"), 1, k_hosts, last_executor=None, gpus=1)
+            )
+            await eventually(lambda: (kernel("k"), 1) in c.scheduler.waiting())
+            live = c.scheduler.scale(now=1000.0, provisioning=0)
+            tg.cancel_scope.cancel()
+        # Load 3/4 under scale_out_load 0.9, no cell without a host: nothing to add.
+        assert isinstance(live.decision, Hold), live.decision
+        assert not live.at_ceiling
+
+
+async def test_a_cell_no_host_can_take_still_scales_out() -> None:
+    async with cluster(FOUR, policy=decisions()) as c:
+        for i, host in enumerate(("h0", "h1", "h2", "h3")):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(host), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: c.scheduler.acquire(
+                    kernel("k"), 1, replicas("h0", "h1", "h2"), last_executor=None, gpus=1
+                )
+            )
+            await eventually(lambda: (kernel("k"), 1) in c.scheduler.waiting())
+            live = c.scheduler.scale(now=1000.0, provisioning=0)
+            tg.cancel_scope.cancel()
+        assert isinstance(live.decision, ScaleOut), live.decision
