@@ -67,6 +67,8 @@ class LiveAutoscaler:
         self._draining: set[HostId] = set()
         self._precopy = precopy
         self._copying: set[KernelId] = set()
+        # Each kernel copied ahead, with its last settled cell then: once per idle spell.
+        self._copied: dict[KernelId, int] = {}
 
     @property
     def draining(self) -> frozenset[HostId]:
@@ -112,12 +114,17 @@ class LiveAutoscaler:
         move :meth:`~nbos.scaling.ClusterDecisions.precopy` names (the simulator's too)."""
         scheduler = self._directory.scheduler
         waiting = {kernel_id for kernel_id, _ in scheduler.waiting()}
-        for kernel in self._kernel_manager.kernels:
+        kernels = self._kernel_manager.kernels
+        self._copied = {
+            k.kernel_id: self._copied[k.kernel_id] for k in kernels if k.kernel_id in self._copied
+        }
+        for kernel in kernels:
             kernel_id = kernel.kernel_id
             replicas = kernel.replicas
             idle = kernel.front.running_on is None and kernel_id not in waiting
             steady = kernel.joining is None and all(r.alive for r in replicas)
-            if not (idle and steady) or kernel_id in self._copying or kernel.closed.is_set():
+            again = self._copied.get(kernel_id) == kernel.front.settled_exec_index
+            if not (idle and steady) or again or kernel_id in self._copying:
                 continue
             hosts = scheduler.model.replica_hosts(kernel_id)
             staying = scheduler.decisions.off_draining(hosts, scheduler.model.is_draining)
@@ -126,6 +133,7 @@ class LiveAutoscaler:
             source = next((r.node for r in replicas if plan and r.host == plan.source), None)
             if plan is not None and source is not None:
                 self._copying.add(kernel_id)
+                self._copied[kernel_id] = kernel.front.settled_exec_index
                 tg.start_soon(self._copy, kernel, source, plan.target)
 
     async def _copy(self, kernel: Kernel, node: int, target: HostId) -> None:

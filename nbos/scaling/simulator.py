@@ -210,6 +210,8 @@ class _Kernel:
     ready_at: float = 0.0
     #: The replica being copied ahead of the kernel's next cell (``SimConfig.precopy``).
     copying: MigrationPlan | None = None
+    #: Whether a replica was copied since the kernel's last cell (once per idle spell).
+    copied: bool = False
 
     @property
     def user(self) -> str:
@@ -475,7 +477,7 @@ class _Simulation:
     def _begin(self, kernel: _Kernel, host: HostId, at: float, reservation: str | None) -> None:
         """Run the kernel's head cell on ``host`` from ``at`` (later than now after a migration)."""
         self._waiting.pop(kernel.kernel_id, None)
-        kernel.executing_on, kernel.arrival = host, None
+        kernel.executing_on, kernel.arrival, kernel.copied = host, None, False
         cell, ideal_start = kernel.queue[0]
         gpus = kernel.session.cell_gpus(cell)
         self._delays.append(at - ideal_start)
@@ -617,7 +619,7 @@ class _Simulation:
         (the gateway's autoscaler does the same every period)."""
         for kernel in self._kernels.values():
             idle = kernel.executing_on is None and not kernel.queue
-            if not (kernel.placed and idle and kernel.copying is None and not kernel.finished):
+            if not (kernel.placed and idle and kernel.copying is None and not kernel.copied):
                 continue
             hosts = self.model.replica_hosts(kernel.kernel_id)
             staying = self.decisions.off_draining(hosts, self.model.is_draining)
@@ -625,7 +627,7 @@ class _Simulation:
                 self.model.view(), kernel.kernel_id, staying, kernel.session.gpus
             )
             if plan is not None:
-                kernel.copying = plan
+                kernel.copying, kernel.copied = plan, True
                 done = self._now + self._cfg.migration_time
                 self._at(done, _END, functools.partial(self._copied, kernel))
 

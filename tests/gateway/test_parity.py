@@ -3,11 +3,14 @@ with real agents, gives the autoscaler the inputs the simulator gives it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import pytest
 
-from nbos.core.ids import HostId
+from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant
+from nbos.gateway.service import GatewayService
 from nbos.scaling import (
     AutoscalerConfig,
     Hold,
@@ -17,9 +20,11 @@ from nbos.scaling.autoscaler import Autoscaler
 from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.migration import MigrationPlan
 from tests._wait import eventually
+from tests.agent._daemons import DEADLINE
 from tests.gateway._cluster import cluster, kernel, replicas
+from tests.gateway._service import local_settings
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 FOUR = {"h0": (0,), "h1": (0,), "h2": (0,), "h3": (0,)}
 
@@ -76,3 +81,45 @@ async def test_a_cell_no_host_can_take_still_scales_out() -> None:
             live = c.scheduler.scale(now=1000.0, provisioning=0)
             tg.cancel_scope.cancel()
         assert isinstance(live.decision, ScaleOut), live.decision
+
+
+async def test_with_precopy_an_idle_kernels_replica_moves_before_its_cell_needs_it(
+    tmp_path: Path,
+) -> None:
+    """``[gateway] precopy``: k's three hosts fill up while k is idle; the autoscaler adds a
+    host and, at a later period, copies one of k's replicas there. k's next cell then runs
+    on it at once: no migration happens while the cell waits, and its state is intact."""
+    settings = local_settings(
+        tmp_path,
+        autoscale=True,
+        min_hosts=3,
+        max_hosts=4,
+        autoscale_period_s=0.3,
+        scale_out_cooldown_s=0.0,
+        scale_in_cooldown_s=600.0,  # the new host stays, idle or not
+        idle_grace_s=600.0,
+        precopy=True,
+    )
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
+        scheduler = service.directory.scheduler
+        ledger = scheduler.ledger
+        k = await service.kernel_manager.start_kernel(gpus=2)
+        assert (await k.execute("%%gpus 0\nx = 40")).status == "ok"
+        first = {r.host for r in k.replicas}
+        for i, host in enumerate(sorted(first), start=1):
+            hog = await scheduler.acquire(
+                KernelId(f"hog-{i}"), 1, {1: HostId(host)}, last_executor=None, gpus=2
+            )
+            await scheduler.committed(hog)
+        # Load 1.0: a host is added, then k, idle, has a replica copied there.
+        await eventually(
+            lambda: ledger.migrations == 1 and not {r.host for r in k.replicas} <= first,
+            timeout=2 * DEADLINE,
+        )
+        ran = await k.execute("%%gpus 2\ny = x + 2\nprint(y)", timeout=DEADLINE)
+        assert ran.status == "ok" and ran.stdout == "42\n", ran.reply
+        assert ledger.migrations == 1  # the cell found its GPUs: it did not wait for a move
+        cell = next(c for c in ledger.cells() if c.kernel_id == k.kernel_id and c.gpus == 2)
+        assert cell.started is not None
+        digests = await k.digests()
+        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
