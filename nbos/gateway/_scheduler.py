@@ -25,10 +25,9 @@ from collections.abc import (
     Callable,
     Coroutine,
     Iterable,
-    Iterator,
     Mapping,
 )
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -79,8 +78,26 @@ log = logging.getLogger(__name__)
 
 #: ``on_wait(reason)``: called when a cell starts waiting for GPUs and whenever the reason changes.
 WaitCallback = Callable[[str], Awaitable[None]]
-#: ``on_migrate(plan)``: called when the decision for a waiting cell becomes a new migration.
-MigrateCallback = Callable[[MigrationPlan], Awaitable[None]]
+#: ``on_migrate(plan, hold)``: called when the decision for a waiting cell becomes a new
+#: migration, with the target's GPUs already held for it (release ``hold`` once it is over).
+MigrateCallback = Callable[[MigrationPlan, "MoveHold"], Awaitable[None]]
+
+
+@attrs.define
+class MoveHold:
+    """A migrating cell's GPUs on the move's target, counted as committed from the decision
+    on (as the simulator commits them when it decides the move) until :meth:`release`."""
+
+    host: HostId
+    gpus: int
+    _release: Callable[[], None] = attrs.field(alias="release", repr=False)
+    _released: bool = False
+
+    def release(self) -> None:
+        """Count them as idle again (idempotent): the move is over, or failed."""
+        if not self._released:
+            self._released = True
+            self._release()
 
 
 @attrs.define
@@ -378,21 +395,22 @@ class GpuScheduler:
         if self.model.placed(kernel_id):
             self.model.forget(kernel_id)
 
-    @contextmanager
-    def holding(self, host: HostId, gpus: int) -> Iterator[None]:
+    def hold(self, host: HostId, gpus: int) -> MoveHold:
         """Count ``gpus`` GPUs of ``host`` as committed while a cell's replica migrates there.
 
         The simulator commits a migrating cell's GPUs when it decides the move; so does
-        the view here, so that neither another cell's decision nor the autoscaler (which
-        drains idle hosts) takes the host from under the move.
+        the view here, in the same step as the decision (:meth:`acquire` holds them before
+        it calls ``on_migrate``), so that neither another cell's decision nor the autoscaler
+        (which drains idle hosts) takes the host from under the move.
         """
         self.model.hold(host, gpus)
         self._notify()
-        try:
-            yield
-        finally:
+
+        def release() -> None:
             self.model.hold(host, -gpus)
             self._notify()
+
+        return MoveHold(host, gpus, release=release)
 
     # --- cells -----------------------------------------------------------------------
 
@@ -415,7 +433,8 @@ class GpuScheduler:
         ``gpus`` now, else the replica whose host has the most idle GPUs, else the
         cell waits (``on_wait`` gets the reason; so does :meth:`waiting`). While it
         waits because moving a replica would let it run, ``on_migrate`` gets each new
-        :class:`MigrationPlan` (carrying it out is the caller's). ``user`` owns the
+        :class:`MigrationPlan` (carrying it out is the caller's), with the target's GPUs
+        held from the decision on (a :class:`MoveHold` it must release). ``user`` owns the
         kernel (``""``: nobody): its GPUs count against that user's quota, and a cell
         that would borrow beyond it waits while another user's within-quota cell waits
         (the reason names both users). Raises
@@ -463,7 +482,7 @@ class GpuScheduler:
                     if isinstance(decided, MigrationPlan) and decided != proposed:
                         proposed = decided
                         if on_migrate is not None:
-                            await on_migrate(decided)
+                            await on_migrate(decided, self.hold(decided.target, gpus))
                     outcome, starved = _wait_reason(decided, gpus), isinstance(decided, Wait)
                 (self._starved.add if starved else self._starved.discard)((kernel_id, exec_index))
                 if outcome != shown:

@@ -3,13 +3,14 @@ with real agents, gives the autoscaler the inputs the simulator gives it."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
 import pytest
 
 from nbos.core.ids import HostId, KernelId
-from nbos.gateway import Grant
+from nbos.gateway import Grant, MoveHold
 from nbos.gateway.service import GatewayService
 from nbos.scaling import (
     AutoscalerConfig,
@@ -123,3 +124,45 @@ async def test_with_precopy_an_idle_kernels_replica_moves_before_its_cell_needs_
         assert cell.started is not None
         digests = await k.digests()
         assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+
+
+async def test_a_moves_target_gpus_are_held_from_the_decision_so_no_second_cell_plans_on_them() -> (
+    None
+):
+    """Two cells wait (every host's GPU is held). A host with one GPU joins: the simulator
+    moves the first cell there and commits the GPU in the same step, so the second waits.
+    Live, the move's GPUs were held only once the migration began, a few awaits after the
+    decision, and the second cell planned a move onto the same GPU meanwhile (two moves
+    where the simulator makes one)."""
+    hosts = {f"h{i}": (0,) for i in range(5)}
+    async with cluster(hosts, policy=decisions()) as c:
+        for i in range(5):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        plans: dict[str, MigrationPlan] = {}
+        holds: list[MoveHold] = []
+
+        def cell(name: str, *on: str) -> Callable[[], Awaitable[object]]:
+            async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
+                plans[name] = plan  # the move is under way: the hold stays
+                holds.append(hold)
+
+            return lambda: c.scheduler.acquire(
+                kernel(name), 1, replicas(*on), last_executor=None, gpus=1, on_migrate=on_migrate
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cell("a", "h0", "h1", "h2"))
+            tg.start_soon(cell("b", "h2", "h3", "h4"))
+            await eventually(lambda: len(c.scheduler.waiting()) == 2)
+            await c.start_agent("h5", (0,))
+            await eventually(lambda: len(plans) == 1)
+            await anyio.sleep(0.5)  # both cells decided again since h5 joined (poll 0.1 s)
+            tg.cancel_scope.cancel()
+        assert [p.target for p in plans.values()] == ["h5"]
+        assert c.scheduler.view().host(HostId("h5")).gpus_idle == 0
+        for hold in holds:
+            hold.release()
+        assert c.scheduler.view().host(HostId("h5")).gpus_idle == 1
