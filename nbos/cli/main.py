@@ -29,6 +29,7 @@ _COMMANDS = (
     "status",
     "cluster",
     "replay",
+    "calibrate",
     "users",
     "swarm",
 )

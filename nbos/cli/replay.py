@@ -19,10 +19,18 @@ import sys
 from collections.abc import Iterator
 
 import anyio
+import attrs
 import msgspec
 
 from nbos.cli._progress import progress_bar
-from nbos.cli.simulate import add_trace_arguments, fair_share, load, show
+from nbos.cli.simulate import (
+    add_timings_argument,
+    add_trace_arguments,
+    fair_share,
+    load,
+    show,
+    timings,
+)
 from nbos.core.config import Settings
 from nbos.core.errors import ConfigError
 from nbos.gateway.replay import ReplayConfig, ReplayProgress, ReplayWatch, replay
@@ -57,6 +65,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--no-autoscale", action="store_true", help="embedded: keep --hosts hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="embedded: host ceiling (64)")
     p.add_argument(
+        "--precopy",
+        action="store_true",
+        help="embedded and simulated: copy replicas of idle kernels ahead of their next cell",
+    )
+    p.add_argument(
         "--simulate", action="store_true", help="also simulate the trace (nbos mode) alongside"
     )
     p.add_argument(
@@ -66,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="S",
         help="without a terminal on stderr, a progress line every S real seconds (30)",
     )
+    add_timings_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per column")
     p.add_argument("--plot", metavar="FILE", help="draw the columns as nbos simulate --plot")
     p.set_defaults(func=run)
@@ -75,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     """Replay the trace ``args`` name and print the results."""
     trace = load(args)
     quotas = fair_share(args)
+    durations = timings(args)  # read first: a bad file stops the run before it starts
     config = ReplayConfig(speedup=args.speedup, policy=args.policy, fair_share=quotas)
     with _watch(trace, args.progress_every) as watch:
         if args.gateway:
@@ -83,7 +98,11 @@ def run(args: argparse.Namespace) -> int:
             result = anyio.run(_embedded, trace, _settings(args), config, watch)
     results = [result]
     if args.simulate:
-        results.insert(0, simulate(trace, _sim_config(args, quotas)))
+        # The live cluster's own work takes real seconds, args.speedup trace seconds each;
+        # a cell's commit (hundredths of a second) is within the replay's own overhead.
+        scaled = attrs.evolve(durations.scaled(args.speedup), gpu_commit=durations.gpu_commit)
+        timed = _sim_config(args, quotas).timed(scaled)
+        results.insert(0, simulate(trace, timed))
     show(results, args, "its host ceiling", trace.names_users or quotas is not None)
     return 0
 
@@ -128,6 +147,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     k = args.speedup
     if not k > 0:
         raise ConfigError("--speedup", k, "a positive number")
+    if args.precopy and args.no_autoscale:
+        raise ConfigError("--precopy", True, "without --no-autoscale (its period runs it)")
     base = Settings.load(args.config)
     control, agents = free_loopback_ports(2)
     cluster = msgspec.structs.replace(
@@ -153,6 +174,7 @@ def _settings(args: argparse.Namespace) -> Settings:
             scale_out_cooldown_s=defaults.scale_out_cooldown / k,
             scale_in_cooldown_s=defaults.scale_in_cooldown / k,
             idle_grace_s=defaults.idle_grace / k,
+            precopy=args.precopy,
         )
     return msgspec.structs.replace(base, cluster=cluster, gateway=gateway)
 
@@ -166,4 +188,5 @@ def _sim_config(args: argparse.Namespace, quotas: FairShare | None) -> SimConfig
         policy=args.policy,
         autoscaler=autoscaler,
         fair_share=quotas,
+        precopy=args.precopy,
     )

@@ -17,6 +17,7 @@ from nbos.scaling.autoscaler import AutoscalerConfig
 from nbos.scaling.fair_share import FairShare
 from nbos.scaling.results import SimResult, metrics_table, users_table
 from nbos.scaling.simulator import MODES, SimConfig, simulate
+from nbos.scaling.timings import MEASURED, Timings, load_timings
 from nbos.scaling.trace import Trace, first_hours, load_trace, synthetic_trace, with_users
 
 Progress = Callable[[float], None]
@@ -49,6 +50,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--mode", choices=[*MODES, "both"], default="both", help="(both)")
     p.add_argument("--no-autoscale", action="store_true", help="keep the cluster at --hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="autoscaler ceiling (64)")
+    p.add_argument(
+        "--precopy",
+        action="store_true",
+        help="nbos mode: copy replicas of idle kernels ahead of their next cell",
+    )
+    add_timings_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per mode")
     p.add_argument(
         "--plot",
@@ -56,6 +63,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="draw GPUs and hosts over time and the delay CDF into FILE (needs nbos[plot])",
     )
     p.set_defaults(func=run)
+
+
+def add_timings_argument(p: argparse.ArgumentParser) -> None:
+    """``--timings``: read by :func:`timings`."""
+    p.add_argument(
+        "--timings",
+        metavar="FILE",
+        help="the durations of nbos's own work as nbos calibrate wrote them "
+        "(default: this project's development machine's)",
+    )
+
+
+def timings(args: argparse.Namespace) -> Timings:
+    """The :class:`Timings` ``--timings`` names (:class:`ConfigError` for a bad file), else
+    :data:`~nbos.scaling.timings.MEASURED`."""
+    return MEASURED if args.timings is None else load_timings(args.timings)
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
     kwargs = _policy_kwargs(args.policy_arg)
     quotas = fair_share(args)
+    durations = timings(args)
     results = []
     for mode in modes:
         config = SimConfig(
@@ -120,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             policy_kwargs=kwargs,
             autoscaler=autoscaler,
             fair_share=quotas,
-        )
+            precopy=args.precopy and mode == "nbos",
+        ).timed(durations)
         with _progress_bar(mode, trace) as progress:
             results.append(simulate(trace, config, progress=progress))
     per_user = trace.names_users or quotas is not None

@@ -115,8 +115,10 @@ class GatewaySettings(_Section, frozen=True):
     ``idle_grace_s``. New hosts come from the entry point ``host_provider``
     (``local``, ``docker``, ``ssh`` or a user's), made with the keyword arguments
     ``host_provider_options``; one whose agent has not registered after
-    ``host_start_timeout_s`` is given back. Without ``autoscale`` these keys must keep
-    their defaults (they would do nothing).
+    ``host_start_timeout_s`` is given back. With ``precopy``, every period each idle
+    kernel whose replicas' hosts could not commit its GPUs has a replica moved to a host
+    that could, ahead of its next cell (``docs/placement.md``, "Pre-copy"). Without
+    ``autoscale`` these keys must keep their defaults (they would do nothing).
 
     The Jupyter Kernel Gateway API (``docs/jupyter.md``): ``http_address``
     (``HOST:PORT``; empty: not served) serves the REST and WebSocket API that
@@ -156,6 +158,7 @@ class GatewaySettings(_Section, frozen=True):
     host_provider: str = "local"
     host_provider_options: dict[str, Any] = msgspec.field(default_factory=dict)
     host_start_timeout_s: float = 120.0
+    precopy: bool = False
     http_address: str = ""
     auth_token: str = ""
     http_certfile: str = ""

@@ -26,7 +26,7 @@ from nbos.gateway._kernel import Kernel, ReplicaInfo
 from nbos.gateway._kernel_manager import KernelManager, KernelOptions
 from nbos.gateway._kernel_state import KERNEL_STATES, KernelState
 from nbos.gateway._launch import LocalLauncher
-from nbos.gateway._scheduler import CellLease, GpuScheduler, WaitCallback
+from nbos.gateway._scheduler import CellLease, GpuScheduler, MoveHold, WaitCallback
 
 __all__ = [
     "HOST_LOST_STATUS",
@@ -48,6 +48,7 @@ __all__ = [
     "KernelOptions",
     "KernelState",
     "LocalLauncher",
+    "MoveHold",
     "RegisteredHost",
     "ReplicaInfo",
     "ReplicaLauncher",

@@ -28,9 +28,9 @@ import logging
 import anyio
 import anyio.abc
 
-from nbos.core.errors import NbosError
+from nbos.core.errors import HostUnreachableError, NbosError
 from nbos.core.host_provider import AgentCommand, HostProvider
-from nbos.core.ids import HostId
+from nbos.core.ids import HostId, KernelId
 from nbos.gateway._directory import HostDirectory
 from nbos.gateway._kernel import Kernel
 from nbos.gateway._kernel_manager import KernelManager
@@ -55,6 +55,7 @@ class LiveAutoscaler:
         *,
         period: float,
         host_timeout: float,
+        precopy: bool = False,
     ) -> None:
         self._directory = directory
         self._kernel_manager = kernel_manager
@@ -63,6 +64,10 @@ class LiveAutoscaler:
         self._period = period
         self._host_timeout = host_timeout
         self._draining: set[HostId] = set()
+        self._precopy = precopy
+        self._copying: set[KernelId] = set()
+        # Each kernel copied ahead, with its last settled cell then: once per idle spell.
+        self._copied: dict[KernelId, int] = {}
 
     @property
     def draining(self) -> frozenset[HostId]:
@@ -79,14 +84,12 @@ class LiveAutoscaler:
     def tick(self, tg: anyio.abc.TaskGroup) -> None:
         """One decision, its actions started in ``tg``."""
         scheduler = self._directory.scheduler
-        step = scheduler.decisions.scale(
-            scheduler.view(),
-            anyio.current_time(),
-            cells_waiting=bool(scheduler.waiting()),
-            kernels_waiting=bool(self._kernel_manager.starts_waiting),
-            provisioning=scheduler.provisioning,
+        step = scheduler.scale(
+            anyio.current_time(), kernels_waiting=bool(self._kernel_manager.starts_waiting)
         )
         decision = step.decision
+        if self._precopy:
+            self._start_precopies(tg)
         if step.at_ceiling:
             scheduler.ledger.ceiling_s += self._period
         if isinstance(decision, ScaleOut):
@@ -107,17 +110,64 @@ class LiveAutoscaler:
                     )
                     tg.start_soon(self._drain, host)
 
+    def _start_precopies(self, tg: anyio.abc.TaskGroup) -> None:
+        """Copy a replica of each idle kernel whose next cell would have to migrate: the
+        move :meth:`~nbos.scaling.ClusterDecisions.precopy` names (the simulator's too)."""
+        scheduler = self._directory.scheduler
+        waiting = {kernel_id for kernel_id, _ in scheduler.waiting()}
+        kernels = self._kernel_manager.kernels
+        self._copied = {
+            k.kernel_id: self._copied[k.kernel_id] for k in kernels if k.kernel_id in self._copied
+        }
+        for kernel in kernels:
+            kernel_id = kernel.kernel_id
+            replicas = kernel.replicas
+            idle = kernel.front.running_on is None and kernel_id not in waiting
+            steady = kernel.joining is None and all(r.alive for r in replicas)
+            again = self._copied.get(kernel_id) == kernel.front.settled_exec_index
+            if not (idle and steady) or again or kernel_id in self._copying:
+                continue
+            hosts = scheduler.model.replica_hosts(kernel_id)
+            staying = scheduler.decisions.off_draining(hosts, scheduler.model.is_draining)
+            gpus = scheduler.model.placed_gpus(kernel_id)
+            plan = scheduler.decisions.precopy(scheduler.view(), kernel_id, staying, gpus)
+            source = next((r.node for r in replicas if plan and r.host == plan.source), None)
+            if plan is not None and source is not None:
+                self._copying.add(kernel_id)
+                self._copied[kernel_id] = kernel.front.settled_exec_index
+                tg.start_soon(self._copy, kernel, source, plan.target)
+
+    async def _copy(self, kernel: Kernel, node: int, target: HostId) -> None:
+        kernel_id = kernel.kernel_id
+        log.info("autoscaler: pre-copying kernel %s replica %d to %s", kernel_id, node, target)
+        try:
+            await kernel.replace_replica(node, target=target)
+        except NbosError as exc:
+            log.warning("autoscaler: pre-copy of kernel %s failed: %s", kernel_id, exc)
+        else:
+            self._directory.scheduler.ledger.migrations += 1
+        finally:
+            self._copying.discard(kernel_id)
+
     async def _add(self) -> None:
         scheduler = self._directory.scheduler
         try:
-            host = await self._provider.add_host(self._agent)
+            await self.start_host()
         except NbosError as exc:
             log.warning("autoscaler: %s could not add a host: %s", self._provider.name, exc)
+        finally:
             scheduler.hosts_arrived(1)
-            return
+
+    async def start_host(self) -> HostId:
+        """Have the provider start a host; return once its agent registered and reported.
+
+        Raises :class:`NbosError` when the provider could not start one, and
+        :class:`HostUnreachableError` when it did not register within ``host_timeout``
+        (it is given back, logged).
+        """
+        host = await self._provider.add_host(self._agent)
         try:
-            await scheduler.wait_for_host(host, self._host_timeout)
-            log.info("autoscaler: host %s joined", host)
+            await self._directory.scheduler.wait_for_host(host, self._host_timeout)
         except TimeoutError:
             log.warning(
                 "autoscaler: host %s did not register within %g s: given back",
@@ -125,8 +175,15 @@ class LiveAutoscaler:
                 self._host_timeout,
             )
             await self._remove(host)
-        finally:
-            scheduler.hosts_arrived(1)
+            raise HostUnreachableError(
+                host, f"it did not register within {self._host_timeout:g} s"
+            ) from None
+        log.info("autoscaler: host %s joined", host)
+        return host
+
+    async def stop_host(self, host: HostId) -> None:
+        """Forget ``host`` and have the provider stop it (errors logged)."""
+        await self._remove(host)
 
     async def _drain(self, host: HostId) -> None:
         started = anyio.current_time()

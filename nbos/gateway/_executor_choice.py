@@ -38,7 +38,7 @@ from nbos.core.errors import NbosError, QuorumLostError
 from nbos.core.executor_chooser import CellPlan, ChoiceRequest
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway._hosts import Grant
-from nbos.gateway._scheduler import GpuScheduler
+from nbos.gateway._scheduler import GpuScheduler, MoveHold
 from nbos.gateway.requests import cell_gpus
 from nbos.metrics import events
 from nbos.scaling.migration import MigrationPlan
@@ -154,15 +154,18 @@ class GpuChooser:
         outcome = await self._wait(request, replicas, gpus, may_migrate=True)
         if isinstance(outcome, Grant):
             return outcome
-        if request.notify is not None:
-            await request.notify(
-                f"nbos: the cell waits for a migration: its replica on {outcome.source} "
-                f"moves to {outcome.target}"
-            )
-        source = next(n for n, h in replicas.items() if h == outcome.source)
+        plan, hold = outcome
         began = time.time()
-        with self._scheduler.holding(outcome.target, gpus):
-            node = await self._migrate(source, outcome.target, request.exec_index - 1)
+        try:
+            if request.notify is not None:
+                await request.notify(
+                    f"nbos: the cell waits for a migration: its replica on {plan.source} "
+                    f"moves to {plan.target}"
+                )
+            source = next(n for n, h in replicas.items() if h == plan.source)
+            node = await self._migrate(source, plan.target, request.exec_index - 1)
+        finally:
+            hold.release()
         self._scheduler.ledger.cell_migrated(
             self._kernel_id, request.exec_index, time.time() - began
         )
@@ -176,18 +179,19 @@ class GpuChooser:
 
     async def _wait(
         self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, *, may_migrate: bool
-    ) -> Grant | MigrationPlan:
-        """The grant, or the scheduler's migration plan for the cell (if ``may_migrate``)."""
-        planned: MigrationPlan | None = None
+    ) -> Grant | tuple[MigrationPlan, MoveHold]:
+        """The grant, or the scheduler's migration plan for the cell (if ``may_migrate``) with
+        its target's GPUs held."""
+        planned: tuple[MigrationPlan, MoveHold] | None = None
         notify = request.notify
 
         async def on_wait(reason: str) -> None:
             if notify is not None:
                 await notify(f"nbos: the cell waits: {reason}")
 
-        async def on_migrate(plan: MigrationPlan) -> None:
+        async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
             nonlocal planned
-            planned = plan
+            planned = plan, hold
             scope.cancel()
 
         # Only with every replica alive: moving one leaves a quorum of the others.
@@ -197,18 +201,23 @@ class GpuChooser:
             and not self._migrating
             and set(replicas) == set(self._hosts)
         )
-        with anyio.CancelScope() as scope:
-            return await self._scheduler.acquire(
-                self._kernel_id,
-                request.exec_index,
-                replicas,
-                last_executor=request.last_executor,
-                gpus=gpus,
-                on_wait=on_wait,
-                on_migrate=on_migrate if migrating else None,
-                user=self._user,
-                arrived=request.arrived,
-            )
+        try:
+            with anyio.CancelScope() as scope:
+                return await self._scheduler.acquire(
+                    self._kernel_id,
+                    request.exec_index,
+                    replicas,
+                    last_executor=request.last_executor,
+                    gpus=gpus,
+                    on_wait=on_wait,
+                    on_migrate=on_migrate if migrating else None,
+                    user=self._user,
+                    arrived=request.arrived,
+                )
+        except BaseException:
+            if planned is not None:  # cancelled from outside after the decision
+                planned[1].release()
+            raise
         assert planned is not None
         return planned
 

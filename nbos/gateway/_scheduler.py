@@ -25,10 +25,9 @@ from collections.abc import (
     Callable,
     Coroutine,
     Iterable,
-    Iterator,
     Mapping,
 )
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -67,6 +66,7 @@ from nbos.scaling import (
     FairShare,
     HostLimits,
     MigrationPlan,
+    ScaleStep,
     Wait,
     Waiter,
     Yield,
@@ -79,8 +79,26 @@ log = logging.getLogger(__name__)
 
 #: ``on_wait(reason)``: called when a cell starts waiting for GPUs and whenever the reason changes.
 WaitCallback = Callable[[str], Awaitable[None]]
-#: ``on_migrate(plan)``: called when the decision for a waiting cell becomes a new migration.
-MigrateCallback = Callable[[MigrationPlan], Awaitable[None]]
+#: ``on_migrate(plan, hold)``: called when the decision for a waiting cell becomes a new
+#: migration, with the target's GPUs already held for it (release ``hold`` once it is over).
+MigrateCallback = Callable[[MigrationPlan, "MoveHold"], Awaitable[None]]
+
+
+@attrs.define
+class MoveHold:
+    """A migrating cell's GPUs on the move's target, counted as committed from the decision
+    on (as the simulator commits them when it decides the move) until :meth:`release`."""
+
+    host: HostId
+    gpus: int
+    _release: Callable[[], None] = attrs.field(alias="release", repr=False)
+    _released: bool = False
+
+    def release(self) -> None:
+        """Count them as idle again (idempotent): the move is over, or failed."""
+        if not self._released:
+            self._released = True
+            self._release()
 
 
 @attrs.define
@@ -165,6 +183,8 @@ class GpuScheduler:
         #: The user of each kernel that asked for GPUs (``""``: none): quotas count by user.
         self._users: dict[KernelId, str] = {}
         self._waiting: dict[tuple[KernelId, int], str] = {}
+        # The waiting cells that wait for capacity: the decision found no host for them.
+        self._starved: set[tuple[KernelId, int]] = set()
         self.ledger = Ledger()
         #: The hosts the autoscaler asked for that have not joined yet, and for how long
         #: there were any (the part of a cell's wait that is a scale-out's).
@@ -292,6 +312,22 @@ class GpuScheduler:
         """Cells waiting for GPUs now, by ``(kernel, exec_index)``, with the reason shown."""
         return dict(self._waiting)
 
+    def scale(self, now: float, *, kernels_waiting: bool = False) -> ScaleStep:
+        """The autoscaler's decision at ``now`` over this scheduler's view, from the inputs
+        the simulator gives it: only cells the decision leaves waiting for capacity (no host
+        can take them, or the fair share has them yield) count as placement failed, not
+        those behind an earlier cell or waiting for a move that another host makes possible
+        (the simulator moves or runs those); ``kernels_waiting``: a start waits for a host
+        (as the simulator's pending kernels); the hosts asked for and not yet joined count
+        as provisioning (:meth:`ClusterDecisions.scale`)."""
+        return self._decisions.scale(
+            self.view(),
+            now,
+            cells_waiting=bool(self._starved),
+            kernels_waiting=kernels_waiting,
+            provisioning=self.provisioning,
+        )
+
     async def wait_for_hosts(self, n: int, timeout: float = 10.0) -> None:
         """Return once ``n`` hosts reported and are not suspected; ``TimeoutError`` after
         ``timeout``."""
@@ -380,21 +416,22 @@ class GpuScheduler:
         if self.model.placed(kernel_id):
             self.model.forget(kernel_id)
 
-    @contextmanager
-    def holding(self, host: HostId, gpus: int) -> Iterator[None]:
+    def hold(self, host: HostId, gpus: int) -> MoveHold:
         """Count ``gpus`` GPUs of ``host`` as committed while a cell's replica migrates there.
 
         The simulator commits a migrating cell's GPUs when it decides the move; so does
-        the view here, so that neither another cell's decision nor the autoscaler (which
-        drains idle hosts) takes the host from under the move.
+        the view here, in the same step as the decision (:meth:`acquire` holds them before
+        it calls ``on_migrate``), so that neither another cell's decision nor the autoscaler
+        (which drains idle hosts) takes the host from under the move.
         """
         self.model.hold(host, gpus)
         self._notify()
-        try:
-            yield
-        finally:
+
+        def release() -> None:
             self.model.hold(host, -gpus)
             self._notify()
+
+        return MoveHold(host, gpus, release=release)
 
     # --- cells -----------------------------------------------------------------------
 
@@ -418,7 +455,8 @@ class GpuScheduler:
         ``gpus`` now, else the replica whose host has the most idle GPUs, else the
         cell waits (``on_wait`` gets the reason; so does :meth:`waiting`). While it
         waits because moving a replica would let it run, ``on_migrate`` gets each new
-        :class:`MigrationPlan` (carrying it out is the caller's). ``user`` owns the
+        :class:`MigrationPlan` (carrying it out is the caller's), with the target's GPUs
+        held from the decision on (a :class:`MoveHold` it must release). ``user`` owns the
         kernel (``""``: nobody): its GPUs count against that user's quota, and a cell
         that would borrow beyond it waits while another user's within-quota cell waits
         (the reason names both users). ``arrived``: when the cell's request reached the
@@ -452,7 +490,7 @@ class GpuScheduler:
                 version = self._version
                 ahead = self._ahead(queue, ticket)
                 if ahead is not None:
-                    outcome = ahead
+                    outcome, starved = ahead
                 else:
                     decided = await self._try(kernel_id, exec_index, replicas, last_executor, gpus)
                     if isinstance(decided, Grant):
@@ -460,8 +498,9 @@ class GpuScheduler:
                     if isinstance(decided, MigrationPlan) and decided != proposed:
                         proposed = decided
                         if on_migrate is not None:
-                            await on_migrate(decided)
-                    outcome = _wait_reason(decided, gpus)
+                            await on_migrate(decided, self.hold(decided.target, gpus))
+                    outcome, starved = _wait_reason(decided, gpus), isinstance(decided, Wait)
+                (self._starved.add if starved else self._starved.discard)((kernel_id, exec_index))
                 if outcome != shown:
                     shown = self._waiting[(kernel_id, exec_index)] = outcome
                     log.info("kernel %s cell %d: %s", kernel_id, exec_index, outcome)
@@ -482,8 +521,7 @@ class GpuScheduler:
             del queue[ticket]
             if not queue:
                 del self._queues[key]
-            self._waiting.pop((kernel_id, exec_index), None)
-            self._notify()
+            self._not_waiting((kernel_id, exec_index))
 
     def _without_gpus(
         self,
@@ -505,10 +543,17 @@ class GpuScheduler:
         _count_delay(self.ledger.cell(kernel_id, exec_index))
         return Grant(kernel_id, exec_index, replica, host, (), "")
 
-    def _ahead(self, queue: Mapping[object, Waiter], ticket: object) -> str | None:
-        """Why the cell of ``ticket`` may not try for GPUs now (``None``: it may): it would
-        borrow while another user's within-quota cell waits, or earlier cells of its set of
-        replica hosts go first."""
+    def _not_waiting(self, cell: tuple[KernelId, int]) -> None:
+        """The cell waits no more (it got its GPUs, or gave up)."""
+        self._waiting.pop(cell, None)
+        self._starved.discard(cell)
+        self._notify()
+
+    def _ahead(self, queue: Mapping[object, Waiter], ticket: object) -> tuple[str, bool] | None:
+        """Why the cell of ``ticket`` may not try for GPUs now (``None``: it may), and whether
+        that is a wait for capacity: it would borrow while another user's within-quota cell
+        waits (it is, as in the simulator), or earlier cells of its set of replica hosts go
+        first (it is not: those decide for the hosts)."""
         waiter = queue[ticket]
         if self._fair is None:
             before = sum(1 for w in queue.values() if w.arrival < waiter.arrival)
@@ -517,11 +562,11 @@ class GpuScheduler:
             everyone = [w for q in self._queues.values() for w in q.values()]
             decided = self._fair.decide(waiter, everyone, held)
             if isinstance(decided, Yield):
-                return decided.reason
+                return decided.reason, True
             mine = self._fair.order(waiter, held)
             before = sum(1 for w in queue.values() if self._fair.order(w, held) < mine)
         if before:
-            return f"waiting for {waiter.gpus} GPUs behind {before} earlier cells"
+            return f"waiting for {waiter.gpus} GPUs behind {before} earlier cells", False
         return None
 
     async def committed(self, grant: Grant) -> Grant:

@@ -163,6 +163,7 @@ _AUTOSCALE_KEYS = (
     "idle_grace_s",
     "host_provider",
     "host_provider_options",
+    "precopy",
     "host_start_timeout_s",
 )
 
@@ -772,6 +773,7 @@ async def _autoscale_and_drain(
             agent,
             period=conf.autoscale_period_s,
             host_timeout=conf.host_start_timeout_s,
+            precopy=conf.precopy,
         )
         _run_autoscaler(live, tg, stack)
     nodes = None

@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from nbos.core.errors import PlacementError, PolicyContractError
+from nbos.core.errors import GpuError, PlacementError, PolicyContractError
 from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView, PlacementPolicy, PlacementRequest
 from nbos.scaling._validate import validate_hosts
@@ -175,6 +175,31 @@ class ClusterDecisions:
         if plan is None:
             return Wait(f"waiting for {gpus} GPUs: no host outside the replicas' can take one")
         return plan
+
+    def precopy(
+        self,
+        cluster: ClusterView,
+        kernel_id: KernelId,
+        replica_hosts: Sequence[HostId],
+        gpus: int,
+    ) -> MigrationPlan | None:
+        """The replica to copy now, ahead of the idle kernel's next cell (``docs/placement.md``,
+        "Pre-copy"), or ``None``.
+
+        When none of the replicas' hosts could commit the kernel's ``gpus`` now, its next
+        cell would wait for a migration: the move that cell would get from :meth:`cell` is
+        made now instead, while no cell waits for it. ``None`` when a replica's host has
+        the GPUs idle, no other host has, or the kernel asks for none.
+        """
+        if gpus <= 0 or not replica_hosts:
+            return None
+        try:
+            choice = self.cell(cluster, kernel_id, replica_hosts, None, gpus)
+        except PolicyContractError:
+            raise
+        except (GpuError, PlacementError):
+            return None  # more GPUs than any host has: its cells wait whatever is copied
+        return choice if isinstance(choice, MigrationPlan) else None
 
     @staticmethod
     def off_draining(

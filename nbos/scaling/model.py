@@ -158,6 +158,11 @@ class ClusterModel:
     def placed(self, kernel_id: KernelId) -> bool:
         return kernel_id in self._placements
 
+    def placed_gpus(self, kernel_id: KernelId) -> int:
+        """The GPUs the kernel subscribes on each of its hosts (0 if not placed)."""
+        placed = self._placements.get(kernel_id)
+        return placed[1] if placed is not None else 0
+
     def replica_hosts(self, kernel_id: KernelId) -> tuple[HostId, ...]:
         """The kernel's replica hosts, in placement order (empty if not placed)."""
         placed = self._placements.get(kernel_id)

@@ -69,6 +69,7 @@ from nbos.scaling.limits import HostLimits
 from nbos.scaling.migration import MigrationPlan
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.results import Run, Sample, SimResult, sim_result
+from nbos.scaling.timings import MEASURED, Timings
 from nbos.scaling.trace import Cell, Session, Trace, validated
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ def _check_config(instance: SimConfig, attribute: attrs.Attribute[Any], value: A
         "tick": (1e-9, "a positive number of seconds"),
         "host_startup": (0, "a number of seconds >= 0"),
         "migration_time": (0, "a number of seconds >= 0"),
+        "gpu_commit": (0, "a number of seconds >= 0"),
+        "kernel_start": (0, "a number of seconds >= 0"),
         "interactive_within": (0, "a number of seconds >= 0"),
         "overrun_limit": (0, "a number of seconds >= 0"),
     }
@@ -117,9 +120,13 @@ class SimConfig:
     #: Seconds between autoscaler decisions (and retries of pending placements and drains).
     tick: float = attrs.field(default=60.0, validator=_check_config)
     #: Seconds from a scale-out decision until the new hosts can take replicas.
-    host_startup: float = attrs.field(default=60.0, validator=_check_config)
+    host_startup: float = attrs.field(default=MEASURED.host_startup, validator=_check_config)
     #: Seconds a replica migration delays the cell that caused it.
-    migration_time: float = attrs.field(default=10.0, validator=_check_config)
+    migration_time: float = attrs.field(default=MEASURED.migration_time, validator=_check_config)
+    #: Seconds from a cell's GPUs being granted until it runs (pre-commit and commit).
+    gpu_commit: float = attrs.field(default=MEASURED.gpu_commit, validator=_check_config)
+    #: Seconds from a kernel's placement until it runs cells.
+    kernel_start: float = attrs.field(default=MEASURED.kernel_start, validator=_check_config)
     #: A cell is *interactive* if it starts within this many seconds of being ready.
     interactive_within: float = attrs.field(default=1.0, validator=_check_config)
     #: The run stops taking work this long after the trace ends: cells not started then
@@ -130,6 +137,14 @@ class SimConfig:
     #: The users' GPU quotas, kept to in nbos mode (the baseline reserves per session) and
     #: the fair shares of both modes' reports; ``None``: none, cells wait in arrival order.
     fair_share: FairShare | None = attrs.field(default=None, hash=False)
+    #: nbos mode: every tick, copy a replica of each idle kernel whose replicas' hosts could
+    #: not commit its GPUs to a host that could (``ClusterDecisions.precopy``), so that its
+    #: next cell need not wait for that migration; costs the move (``migration_time``).
+    precopy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def timed(self, timings: Timings) -> SimConfig:
+        """This config assuming ``timings`` (``nbos calibrate``'s) for nbos's own work."""
+        return attrs.evolve(self, **attrs.asdict(timings))
 
 
 def simulate(
@@ -194,6 +209,12 @@ class _Kernel:
     last_end: float = 0.0
     #: The scale-out clock's reading when the head cell became ready (its wait's start).
     ready_mark: float = 0.0
+    #: When the kernel, placed, has started (``kernel_start`` later) and runs cells.
+    ready_at: float = 0.0
+    #: The replica being copied ahead of the kernel's next cell (``SimConfig.precopy``).
+    copying: MigrationPlan | None = None
+    #: Whether a replica was copied since the kernel's last cell (once per idle spell).
+    copied: bool = False
 
     @property
     def user(self) -> str:
@@ -328,6 +349,9 @@ class _Simulation:
     def _place_kernel(self, kernel: _Kernel) -> None:
         if self._place(kernel):
             del self._pending[kernel.kernel_id]
+            kernel.ready_at = self._now + self._cfg.kernel_start
+            if kernel.ready_at > self._now:
+                self._at(kernel.ready_at, _START, lambda: self._try_run(kernel))
             self._try_run(kernel)
             self._maybe_finish(kernel)
 
@@ -402,6 +426,8 @@ class _Simulation:
         """Start the kernel's next cell if it can start now; else it waits."""
         if self._closed or not kernel.placed or kernel.executing_on is not None or not kernel.queue:
             return
+        if self._now < kernel.ready_at:
+            return  # the kernel is starting: its cells run once it has (an event then)
         hosts = self.model.replica_hosts(kernel.kernel_id)
         if self._cfg.mode == "reservation":
             self._begin(kernel, hosts[0], self._now, None)
@@ -422,13 +448,13 @@ class _Simulation:
         if isinstance(decision, Execute):
             reservation = self._commit(decision.host, kernel, gpus, kernel.next_reservation())
             self._user_gpus.add(kernel.user, gpus)
-            self._begin(kernel, decision.host, self._now, reservation)
+            self._begin(kernel, decision.host, self._now + self._cfg.gpu_commit, reservation)
         elif isinstance(decision, MigrationPlan):
             self._move(kernel, decision.source, decision.target)
             self.ledger.migrations += 1
             reservation = self._commit(decision.target, kernel, gpus, kernel.next_reservation())
             self._user_gpus.add(kernel.user, gpus)
-            ready = self._now + self._cfg.migration_time
+            ready = self._now + self._cfg.migration_time + self._cfg.gpu_commit
             self._begin(kernel, decision.target, ready, reservation)
         else:
             self._waiting.setdefault(kernel.kernel_id, kernel)
@@ -459,7 +485,7 @@ class _Simulation:
     def _begin(self, kernel: _Kernel, host: HostId, at: float, reservation: str | None) -> None:
         """Run the kernel's head cell on ``host`` from ``at`` (later than now after a migration)."""
         self._waiting.pop(kernel.kernel_id, None)
-        kernel.executing_on, kernel.arrival = host, None
+        kernel.executing_on, kernel.arrival, kernel.copied = host, None, False
         cell, ideal_start = kernel.queue[0]
         gpus = kernel.session.cell_gpus(cell)
         self._delays.append(at - ideal_start)
@@ -512,6 +538,8 @@ class _Simulation:
             # The demand ratio drifts every event; placements it now admits are retried here.
             self._place_pending()
         self._drain()
+        if self._cfg.precopy and self._cfg.mode == "nbos":
+            self._precopy()
         self._autoscale()
         self._sample()
         if self._progress is not None:
@@ -600,6 +628,38 @@ class _Simulation:
             return
         self._move(kernel, source, target)
         self.ledger.drain_moves += 1
+
+    def _precopy(self) -> None:
+        """Start copying a replica of each idle kernel whose next cell would have to migrate
+        (the gateway's autoscaler does the same every period)."""
+        for kernel in self._kernels.values():
+            idle = kernel.executing_on is None and not kernel.queue
+            if not (kernel.placed and idle and kernel.copying is None and not kernel.copied):
+                continue
+            hosts = self.model.replica_hosts(kernel.kernel_id)
+            staying = self.decisions.off_draining(hosts, self.model.is_draining)
+            plan = self.decisions.precopy(
+                self.model.view(), kernel.kernel_id, staying, kernel.session.gpus
+            )
+            if plan is not None:
+                kernel.copying, kernel.copied = plan, True
+                done = self._now + self._cfg.migration_time
+                self._at(done, _END, functools.partial(self._copied, kernel))
+
+    def _copied(self, kernel: _Kernel) -> None:
+        """The copy is a voter: the source's replica goes (unless the kernel moved it already,
+        or ended, meanwhile)."""
+        plan, kernel.copying = kernel.copying, None
+        assert plan is not None
+        hosts = self.model.replica_hosts(kernel.kernel_id)
+        if plan.source not in hosts or plan.target in hosts or plan.target not in self.pools:
+            return
+        if kernel.executing_on == plan.source:
+            return  # a cell runs there: the copy is dropped, the replica stays
+        self._move(kernel, plan.source, plan.target)
+        self.ledger.migrations += 1
+        if kernel.kernel_id in self._waiting:
+            self._try_run(kernel)
 
     def _mark_hosts(self) -> None:
         self.ledger.hosts_changed(len(self.pools), self.model.capacity)

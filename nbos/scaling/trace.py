@@ -81,15 +81,24 @@ class Trace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def first_hours(trace: Trace, hours: float) -> Trace:
     """The part of ``trace`` in its first ``hours``: sessions that start by then, with the
-    cells they submit by then, stopping then at the latest (a stop with cells still
-    queued still waits for them, as always)."""
+    cells they submit by then, each cut to end by then, stopping then at the latest (a stop
+    with cells still queued still waits for them, as always).
+
+    Cut, a cell holds its GPUs only within the window, so a simulation and a live replay
+    of it (which gives up what runs past its end) account for the same work."""
     if not hours >= 0:
         raise _bad(f"cannot cut a trace to {hours} hours")
     end = hours * 3600
     return Trace(
         tuple(
             msgspec.structs.replace(
-                s, stop=min(s.stop, end), cells=tuple(c for c in s.cells if c.start <= end)
+                s,
+                stop=min(s.stop, end),
+                cells=tuple(
+                    msgspec.structs.replace(c, duration=min(c.duration, end - c.start))
+                    for c in s.cells
+                    if c.start <= end
+                ),
             )
             for s in trace.sessions
             if s.start <= end

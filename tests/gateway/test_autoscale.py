@@ -86,6 +86,11 @@ async def test_autoscaler_keys_without_autoscale_are_refused(tmp_path: Path) -> 
             local_settings(tmp_path, max_hosts=9), shutdown_kernels_on_exit=True
         ):
             pass
+    with pytest.raises(ConfigError, match=r"gateway\.precopy"):  # its period runs it
+        async with GatewayService.serve(
+            local_settings(tmp_path, precopy=True), shutdown_kernels_on_exit=True
+        ):
+            pass
     with pytest.raises(
         PluginError, match=r"'no-such-provider' of entry point group 'nbos\.host_providers'"
     ):

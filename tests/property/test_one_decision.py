@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from nbos.core.errors import PlacementError, PolicyContractError
 from nbos.core.ids import HostId, KernelId
-from nbos.gateway import Grant
+from nbos.gateway import Grant, MoveHold
 from nbos.gpu import GpuPool
 from nbos.scaling import (
     ClusterDecisions,
@@ -111,8 +111,9 @@ async def _cell(
     expected = decisions.cell(scheduler.view(), kernel, hosts, last_host, gpus)
     proposed: list[MigrationPlan] = []
 
-    async def on_migrate(plan: MigrationPlan) -> None:
+    async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
         proposed.append(plan)
+        hold.release()  # nothing moves here: the next step's view is as before
 
     grant = None
     with anyio.move_on_after(0.3):

@@ -21,6 +21,7 @@ from nbos.scaling import (
     simulate,
 )
 from nbos.scaling.fairness import fair_gpu_seconds, percentile, user_figures, water_fill
+from nbos.scaling.timings import Timings
 from nbos.scaling.trace import dump_csv, parse_csv, parse_json, with_users
 
 # Alice runs two 1-GPU cells over [0, 100); bob's, ready at 0 too, waits for them and
@@ -82,7 +83,8 @@ def test_a_trace_without_users_makes_each_session_its_own_user() -> None:
     trace = Trace(tuple(Session(f"s{i}", 0, 2000, 1, (Cell(1000, 5),)) for i in range(3)))
     assert not trace.names_users
     config = SimConfig(hosts=2, gpus_per_host=1, replicas_per_kernel=2, autoscaler=None)
-    result = simulate(trace, config)
+    instant = Timings(host_startup=0, migration_time=0, gpu_commit=0, kernel_start=0)
+    result = simulate(trace, config.timed(instant))
     assert [u.user for u in result.users] == ["s0", "s1", "s2"]
     # Two GPUs: the third cell waits 5 s for one of the first two.
     assert sorted(u.wait_p99 for u in result.users) == [0.0, 0.0, 5.0]

@@ -18,6 +18,7 @@ from nbos.scaling import (
     available_policies,
     simulate,
 )
+from nbos.scaling.timings import Timings
 from nbos.scaling.trace import Cell, Session, Trace
 
 HOSTS = tuple(HostId(f"h{i}") for i in range(5))
@@ -116,6 +117,9 @@ def test_the_simulator_keeps_to_the_same_limits() -> None:
 
     def delay(limits: HostLimits) -> float:
         config = SimConfig(hosts=3, gpus_per_host=2, autoscaler=None, host_limits=limits)
+        config = config.timed(
+            Timings(host_startup=0, migration_time=0, gpu_commit=0, kernel_start=0)
+        )
         return simulate(trace, config).delay_p99
 
     assert delay(HostLimits()) < 1.0

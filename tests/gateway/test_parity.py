@@ -1,0 +1,168 @@
+"""The live decision path makes the moves the simulator makes: the gateway's scheduler,
+with real agents, gives the autoscaler the inputs the simulator gives it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from nbos.core.ids import HostId, KernelId
+from nbos.gateway import Grant, MoveHold
+from nbos.gateway.service import GatewayService
+from nbos.scaling import (
+    AutoscalerConfig,
+    Hold,
+    ScaleOut,
+)
+from nbos.scaling.autoscaler import Autoscaler
+from nbos.scaling.decisions import ClusterDecisions
+from nbos.scaling.migration import MigrationPlan
+from tests._wait import eventually
+from tests.agent._daemons import DEADLINE
+from tests.gateway._cluster import cluster, kernel, replicas
+from tests.gateway._service import local_settings
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+FOUR = {"h0": (0,), "h1": (0,), "h2": (0,), "h3": (0,)}
+
+
+def decisions() -> ClusterDecisions:
+    return ClusterDecisions.load("least-loaded", 3, Autoscaler(AutoscalerConfig(min_hosts=3)))
+
+
+async def test_a_cell_waiting_for_a_move_another_host_allows_does_not_scale_out() -> None:
+    """Three hosts' GPUs are held; k's replicas are on them and h3's GPU is idle. k's cell
+    waits (its migration cannot start: the kernel is moving a replica already, say). The
+    simulator never keeps a cell whose decision is a move waiting (it moves the replica,
+    tests/scaling/test_simulator.py's migration tests), so it adds no host for it; the live
+    autoscaler counted every waiting cell as a placement failure and scaled out."""
+    async with cluster(FOUR, policy=decisions()) as c:
+        hogs: list[Grant] = []
+        for i, host in enumerate(("h0", "h1", "h2")):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(host), last_executor=0, gpus=1
+            )
+            hogs.append(await c.scheduler.committed(hog))
+        k_hosts = replicas("h0", "h1", "h2")
+        decision = c.scheduler.decisions.cell(
+            c.scheduler.view(), kernel("k"), list(k_hosts.values()), None, 1
+        )
+        assert decision == MigrationPlan(kernel("k"), HostId("h0"), HostId("h3"))
+        async with anyio.create_task_group() as tg:
+            # No on_migrate: this cell may not move a replica now, so it waits.
+            tg.start_soon(
+                lambda: c.scheduler.acquire(kernel("k"), 1, k_hosts, last_executor=None, gpus=1)
+            )
+            await eventually(lambda: (kernel("k"), 1) in c.scheduler.waiting())
+            live = c.scheduler.scale(now=1000.0, provisioning=0)
+            tg.cancel_scope.cancel()
+        # Load 3/4 under scale_out_load 0.9, no cell without a host: nothing to add.
+        assert isinstance(live.decision, Hold), live.decision
+        assert not live.at_ceiling
+
+
+async def test_a_cell_no_host_can_take_still_scales_out() -> None:
+    async with cluster(FOUR, policy=decisions()) as c:
+        for i, host in enumerate(("h0", "h1", "h2", "h3")):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(host), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: c.scheduler.acquire(
+                    kernel("k"), 1, replicas("h0", "h1", "h2"), last_executor=None, gpus=1
+                )
+            )
+            await eventually(lambda: (kernel("k"), 1) in c.scheduler.waiting())
+            live = c.scheduler.scale(now=1000.0, provisioning=0)
+            tg.cancel_scope.cancel()
+        assert isinstance(live.decision, ScaleOut), live.decision
+
+
+async def test_with_precopy_an_idle_kernels_replica_moves_before_its_cell_needs_it(
+    tmp_path: Path,
+) -> None:
+    """``[gateway] precopy``: k's three hosts fill up while k is idle; the autoscaler adds a
+    host and, at a later period, copies one of k's replicas there. k's next cell then runs
+    on it at once: no migration happens while the cell waits, and its state is intact."""
+    settings = local_settings(
+        tmp_path,
+        autoscale=True,
+        min_hosts=3,
+        max_hosts=4,
+        autoscale_period_s=0.3,
+        scale_out_cooldown_s=0.0,
+        scale_in_cooldown_s=600.0,  # the new host stays, idle or not
+        idle_grace_s=600.0,
+        precopy=True,
+    )
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
+        scheduler = service.directory.scheduler
+        ledger = scheduler.ledger
+        k = await service.kernel_manager.start_kernel(gpus=2)
+        assert (await k.execute("%%gpus 0\nx = 40")).status == "ok"
+        first = {r.host for r in k.replicas}
+        for i, host in enumerate(sorted(first), start=1):
+            hog = await scheduler.acquire(
+                KernelId(f"hog-{i}"), 1, {1: HostId(host)}, last_executor=None, gpus=2
+            )
+            await scheduler.committed(hog)
+        # Load 1.0: a host is added, then k, idle, has a replica copied there.
+        await eventually(
+            lambda: ledger.migrations == 1 and not {r.host for r in k.replicas} <= first,
+            timeout=2 * DEADLINE,
+        )
+        ran = await k.execute("%%gpus 2\ny = x + 2\nprint(y)", timeout=DEADLINE)
+        assert ran.status == "ok" and ran.stdout == "42\n", ran.reply
+        assert ledger.migrations == 1  # the cell found its GPUs: it did not wait for a move
+        cell = next(c for c in ledger.cells() if c.kernel_id == k.kernel_id and c.gpus == 2)
+        assert cell.started is not None
+        digests = await k.digests()
+        assert len(digests) == 3 and len(set(digests.values())) == 1, digests
+
+
+async def test_a_moves_target_gpus_are_held_from_the_decision_so_no_second_cell_plans_on_them() -> (
+    None
+):
+    """Two cells wait (every host's GPU is held). A host with one GPU joins: the simulator
+    moves the first cell there and commits the GPU in the same step, so the second waits.
+    Live, the move's GPUs were held only once the migration began, a few awaits after the
+    decision, and the second cell planned a move onto the same GPU meanwhile (two moves
+    where the simulator makes one)."""
+    hosts = {f"h{i}": (0,) for i in range(5)}
+    async with cluster(hosts, policy=decisions()) as c:
+        for i in range(5):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        plans: dict[str, MigrationPlan] = {}
+        holds: list[MoveHold] = []
+
+        def cell(name: str, *on: str) -> Callable[[], Awaitable[object]]:
+            async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
+                plans[name] = plan  # the move is under way: the hold stays
+                holds.append(hold)
+
+            return lambda: c.scheduler.acquire(
+                kernel(name), 1, replicas(*on), last_executor=None, gpus=1, on_migrate=on_migrate
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cell("a", "h0", "h1", "h2"))
+            tg.start_soon(cell("b", "h2", "h3", "h4"))
+            await eventually(lambda: len(c.scheduler.waiting()) == 2)
+            await c.start_agent("h5", (0,))
+            await eventually(lambda: len(plans) == 1)
+            await anyio.sleep(0.5)  # both cells decided again since h5 joined (poll 0.1 s)
+            tg.cancel_scope.cancel()
+        assert [p.target for p in plans.values()] == ["h5"]
+        assert c.scheduler.view().host(HostId("h5")).gpus_idle == 0
+        for hold in holds:
+            hold.release()
+        assert c.scheduler.view().host(HostId("h5")).gpus_idle == 1
