@@ -58,7 +58,7 @@ async def test_a_cell_waiting_for_a_move_another_host_allows_does_not_scale_out(
                 lambda: c.scheduler.acquire(kernel("k"), 1, k_hosts, last_executor=None, gpus=1)
             )
             await eventually(lambda: (kernel("k"), 1) in c.scheduler.waiting())
-            live = c.scheduler.scale(now=1000.0, provisioning=0)
+            live = c.scheduler.scale(now=1000.0)
             tg.cancel_scope.cancel()
         # Load 3/4 under scale_out_load 0.9, no cell without a host: nothing to add.
         assert isinstance(live.decision, Hold), live.decision
@@ -79,7 +79,7 @@ async def test_a_cell_no_host_can_take_still_scales_out() -> None:
                 )
             )
             await eventually(lambda: (kernel("k"), 1) in c.scheduler.waiting())
-            live = c.scheduler.scale(now=1000.0, provisioning=0)
+            live = c.scheduler.scale(now=1000.0)
             tg.cancel_scope.cancel()
         assert isinstance(live.decision, ScaleOut), live.decision
 

@@ -16,6 +16,7 @@ import pytest
 
 from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import OverloadedError
+from nbos.gateway import Kernel
 from nbos.gateway.auth import Authenticator
 from nbos.gateway.http import serve_http
 from nbos.gateway.service import GatewayService
@@ -59,9 +60,23 @@ async def test_a_start_waits_for_the_host_the_autoscaler_adds_and_the_ceiling_re
         one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
     ) as service:
         manager = service.kernel_manager
-        first = await manager.start_kernel(gpus=1)
+        scheduler = service.directory.scheduler
+        firsts: list[Kernel] = []
         waits: list[str] = []
-        second = await manager.start_kernel(gpus=1, on_wait=waits.append)
+
+        async def start_first() -> None:
+            firsts.append(await manager.start_kernel(gpus=1))
+
+        # The second start is asked once the first is placed, while it still starts: the
+        # one host is full from then on, and the host the autoscaler adds for it (a full
+        # cluster is below its floor) is not there yet.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start_first)
+            with anyio.fail_after(DEADLINE):
+                while not any(h.replicas for h in scheduler.view().hosts):
+                    await scheduler.changed(scheduler.version)
+            second = await manager.start_kernel(gpus=1, on_wait=waits.append)
+        (first,) = firsts
         assert len(waits) == 1 and waits[0].startswith("waiting for a host"), waits
         assert {r.host for r in second.replicas}.isdisjoint(r.host for r in first.replicas)
         assert service.directory.scheduler.ledger.scale_outs >= 1

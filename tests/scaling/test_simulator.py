@@ -350,7 +350,9 @@ def test_a_user_policy_from_an_entry_point_runs_in_the_simulator() -> None:
 
 
 def test_the_delay_split_counts_gpus_the_host_being_added_and_the_migration() -> None:
-    config = SimConfig(hosts=3, gpus_per_host=1, autoscaler=AutoscalerConfig())
+    config = SimConfig(hosts=3, gpus_per_host=1, autoscaler=AutoscalerConfig()).timed(
+        Timings(host_startup=60.0, migration_time=10.0, gpu_commit=0.0, kernel_start=0.0)
+    )
     r = simulate(migration_trace(), config)
     # k's cell waits from 20 s; the autoscaler asks for a host at 60 s, which joins at
     # 120 s; the replica's move takes 10 s: 40 s for GPUs, 60 s for the host, 10 s moving.
