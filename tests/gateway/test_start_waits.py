@@ -9,6 +9,7 @@ and then runs a cell; a third is refused at once with the ceiling named.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -24,6 +25,7 @@ from tests.agent._daemons import DEADLINE
 from tests.gateway._http import (
     KernelSocket,
     call,
+    poll,
     start_http_gateway,
     start_jupyter_server,
     stdout,
@@ -96,9 +98,21 @@ async def test_the_http_api_answers_a_waiting_start_at_once_and_its_websocket_wa
         serve_http(HTTP, service.kernel_manager, lambda: 2, Authenticator("t")) as api,
     ):
         kernels = f"{api.url}/api/kernels"
-        status, taken = await call(kernels, "POST", {}, token="t")
-        assert status == 201 and taken["execution_state"] == "idle", taken
-        status, model = await call(kernels, "POST", {}, token="t")
+        scheduler = service.directory.scheduler
+        taken: list[tuple[int, Any]] = []
+
+        async def post_first() -> None:
+            taken.append(await call(kernels, "POST", {}, token="t"))
+
+        # As above: the second start is asked while the first one, placed, still starts.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post_first)
+            with anyio.fail_after(DEADLINE):
+                while not any(h.replicas for h in scheduler.view().hosts):
+                    await scheduler.changed(scheduler.version)
+            status, model = await call(kernels, "POST", {}, token="t")
+        ((first_status, first),) = taken
+        assert first_status == 201 and first["execution_state"] == "idle", first
         assert status == 201, model
         assert model["execution_state"] == "starting", model
         assert model["nbos"]["waiting"].startswith("waiting for a host"), model
@@ -144,8 +158,18 @@ async def test_jupyter_server_gets_a_waiting_start_within_its_request_timeout(
         )
         try:
             kernels = f"{url}/api/kernels"
-            assert (await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j"))[0] == 201
-            code, model = await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j")
+            firsts: list[int] = []
+
+            async def post_first() -> None:
+                firsts.append((await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j"))[0])
+
+            # The second start is asked once the first is placed (the gateway's log says
+            # so), before the host the autoscaler adds for a full cluster has joined.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(post_first)
+                await poll(lambda: _logged(log, "placed on"))
+                code, model = await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j")
+            assert firsts == [201]
             assert code == 201, model
             channels = f"{kernels}/{model['id']}/channels?token=j"
             ws = await KernelSocket.open(channels)
@@ -159,3 +183,7 @@ async def test_jupyter_server_gets_a_waiting_start_within_its_request_timeout(
     finally:
         await anyio.to_thread.run_sync(stop, gateway)
     assert "waiting for a host" in log.read_text()
+
+
+async def _logged(log: Path, text: str) -> bool:
+    return text in await anyio.Path(log).read_text()
