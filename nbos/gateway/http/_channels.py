@@ -11,6 +11,16 @@ While no client is attached (its WebSocket closed mid-cell) the bridge keeps
 reading and holds what arrives, up to :data:`BUFFER_MAX` messages, for the client
 that comes back with the same session id. When the kernel is restarted the bridge
 connects to the new front; the client's WebSocket stays open.
+
+The bridge reads IOPub as fast as the front publishes, whatever the client does, so that
+a slow client never backs ZeroMQ's queues up. Its sink counts the bytes given to it and
+not yet written to the client's socket (its backlog); while that is over
+:data:`IOPUB_BACKLOG_BYTES`, the bridge drops the client's *output* (``stream``,
+``display_data``, ``update_display_data``, ``execute_result``) and tells it so once per
+cell on its stderr, as Jupyter Server does past its IOPub data rate. Statuses, replies
+and every other message still go. So a client that reads slowly or not at all holds at
+most that much of the gateway's memory, plus one message and the messages that are not
+output; its kernel's other clients, its other channels and other kernels never wait for it.
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import msgspec
 import zmq
 import zmq.asyncio
 from jupyter_client.session import DELIM, Session
@@ -35,6 +47,10 @@ log = logging.getLogger(__name__)
 
 #: Messages kept for a client that is away; older ones are dropped first.
 BUFFER_MAX = 10_000
+#: Bytes a client's sink may hold unwritten before the client's output is dropped.
+IOPUB_BACKLOG_BYTES = 32 * 2**20
+#: IOPub messages that are output, which a client over its backlog goes without.
+DROPPABLE = frozenset({"stream", "display_data", "update_display_data", "execute_result"})
 #: How long to wait, in all, for the IOPub subscription to carry a first message.
 _NUDGE_TIMEOUT_S = 10.0
 _NUDGE_EVERY_S = 0.2
@@ -51,6 +67,11 @@ class Sink(Protocol):
 
     def close(self) -> None:
         """End the client's connection (its kernel is gone)."""
+        ...
+
+    @property
+    def backlog(self) -> int:
+        """Bytes delivered and not yet sent on to the client."""
         ...
 
 
@@ -85,6 +106,8 @@ class ChannelBridge:
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._session: Session | None = None
         self._nudges: set[str] = set()
+        #: The packed parent header of the cell whose output this client goes without.
+        self._dropping: bytes | None = None
         self._subscribed = anyio.Event()
         #: Set while connected to a front whose IOPub this bridge hears; what a client
         #: sends meanwhile waits for it.
@@ -243,6 +266,8 @@ class ChannelBridge:
 
     def _deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> None:
         sink = self._sink
+        if sink is not None and self._over_backlog(sink, msg, header):
+            return
         if sink is not None and sink.deliver(msg, header):
             return
         self._sink = None
@@ -254,3 +279,45 @@ class ChannelBridge:
                 self.session_key,
             )
         self._buffer.append((msg, header))
+
+    def _over_backlog(self, sink: Sink, msg: WireMsg, header: Mapping[str, Any]) -> bool:
+        """Drop ``msg`` if it is output and ``sink`` is over its backlog; ``True`` if so."""
+        if (
+            msg.channel != "iopub"
+            or header.get("msg_type") not in DROPPABLE
+            or sink.backlog <= IOPUB_BACKLOG_BYTES
+        ):
+            return False
+        parent = msg.parts[1]
+        if parent != self._dropping:
+            self._dropping = parent
+            log.warning(
+                "kernel %s: session %s reads slower than the kernel writes: "
+                "its output is dropped past %d MiB held",
+                self.link.kernel_id,
+                self.session_key or "-",
+                IOPUB_BACKLOG_BYTES // 2**20,
+            )
+            notice = _dropped_notice(parent)
+            sink.deliver(notice, msgspec.json.decode(notice.parts[0]))
+        return True
+
+
+def _dropped_notice(parent: bytes) -> WireMsg:
+    """A stderr line to a client whose output is dropped, in the cell ``parent``."""
+    header = {
+        "msg_id": secrets.token_hex(16),
+        "msg_type": "stream",
+        "username": "nbos",
+        "session": "nbos-gateway",
+        "date": datetime.now(UTC).isoformat(),
+        "version": "5.3",
+    }
+    text = (
+        f"[nbos gateway] output dropped: this client reads slower than the kernel writes "
+        f"({IOPUB_BACKLOG_BYTES // 2**20} MiB not yet sent to it)\n"
+    )
+    content = {"name": "stderr", "text": text}
+    return WireMsg(
+        "iopub", (msgspec.json.encode(header), parent, b"{}", msgspec.json.encode(content))
+    )
