@@ -43,6 +43,8 @@ CELLS = int(os.environ.get("NBOS_BENCH_CELLS", "100"))
 STARTS = int(os.environ.get("NBOS_BENCH_STARTS", "3"))
 #: What one kernel takes (3 replicas and its front), to size the burst to the machine.
 KERNEL_MIB = 130
+#: A client refused for this long gives up (a refusal that does not end: hosts full).
+GIVE_UP_S = 900.0
 #: Of the memory available, what the kernels may take.
 MEMORY_SHARE = 0.6
 
@@ -55,6 +57,11 @@ def kernels_that_fit(wanted: int) -> int:
     if fit < wanted:
         print(f"{wanted} kernels do not fit in memory available now: {fit} instead")
     return max(1, min(wanted, fit))
+
+
+def room_for(kernels: int) -> dict[str, str]:
+    """Gateway settings whose hosts take ``kernels`` kernels (and the anchor's starts)."""
+    return {"NBOS_CLUSTER__MAX_REPLICAS_PER_HOST": str(kernels + 8)}
 
 
 class Burst:
@@ -71,6 +78,8 @@ class Burst:
         begun = time.perf_counter()
         while (answer := await http.post(f"{self.base}/api/kernels", json={})).status_code == 503:
             self.refusals += 1
+            if time.perf_counter() - begun > GIVE_UP_S:
+                break
             await anyio.sleep(int(answer.headers.get("Retry-After", "1")))
         if answer.status_code != 201:
             self.failures.append(f"{answer.status_code} {answer.text}")
@@ -118,8 +127,7 @@ async def cells_until(ws: KernelSocket, done: anyio.Event) -> list[float]:
     return times
 
 
-async def main(base: str) -> dict[str, object]:
-    count = kernels_that_fit(KERNELS)
+async def main(base: str, count: int) -> dict[str, object]:
     headers = {"Authorization": f"token {TOKEN}"}
     async with httpx.AsyncClient(headers=headers, timeout=600) as http:
         existing = (await http.post(f"{base}/api/kernels", json={})).json()["id"]
@@ -176,9 +184,10 @@ async def main(base: str) -> dict[str, object]:
 
 
 def run(tmp: Path) -> dict[str, object]:
-    gateway, url, _ = start_http_gateway(tmp, TOKEN)
+    count = kernels_that_fit(KERNELS)
+    gateway, url, _ = start_http_gateway(tmp, TOKEN, room_for(count))
     try:
-        return anyio.run(main, url)
+        return anyio.run(main, url, count)
     finally:
         stop(gateway)
 

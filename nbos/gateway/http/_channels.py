@@ -15,7 +15,7 @@ connects to the new front; the client's WebSocket stays open.
 The bridge reads IOPub as fast as the front publishes, whatever the client does, so that
 a slow client never backs ZeroMQ's queues up. Its sink counts the bytes given to it and
 not yet written to the client's socket (its backlog); while that is over
-:data:`IOPUB_BACKLOG_BYTES`, the bridge drops the client's *output* (``stream``,
+its bound (``[gateway] client_backlog_mib``), the bridge drops the client's *output* (``stream``,
 ``display_data``, ``update_display_data``, ``execute_result``) and tells it so once per
 cell on its stderr, as Jupyter Server does past its IOPub data rate. Statuses, replies
 and every other message still go. So a client that reads slowly or not at all holds at
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Messages kept for a client that is away; older ones are dropped first.
 BUFFER_MAX = 10_000
-#: Bytes a client's sink may hold unwritten before the client's output is dropped.
-IOPUB_BACKLOG_BYTES = 32 * 2**20
 #: IOPub messages that are output, which a client over its backlog goes without.
 DROPPABLE = frozenset({"stream", "display_data", "update_display_data", "execute_result"})
 #: How long to wait, in all, for the IOPub subscription to carry a first message.
@@ -95,8 +93,12 @@ class KernelLink(Protocol):
 class ChannelBridge:
     """One client's shell, control, stdin and IOPub on a kernel; run it with :meth:`run`."""
 
-    def __init__(self, link: KernelLink, session_key: str, ctx: zmq.asyncio.Context) -> None:
+    def __init__(
+        self, link: KernelLink, session_key: str, ctx: zmq.asyncio.Context, backlog_bytes: int
+    ) -> None:
         self.link = link
+        #: Bytes the sink may hold unwritten before the client's output is dropped.
+        self.backlog_bytes = backlog_bytes
         #: The client's session id (``?session_id=``); empty if it gave none.
         self.session_key = session_key
         self._ctx = ctx
@@ -285,7 +287,7 @@ class ChannelBridge:
         if (
             msg.channel != "iopub"
             or header.get("msg_type") not in DROPPABLE
-            or sink.backlog <= IOPUB_BACKLOG_BYTES
+            or sink.backlog <= self.backlog_bytes
         ):
             return False
         parent = msg.parts[1]
@@ -296,14 +298,14 @@ class ChannelBridge:
                 "its output is dropped past %d MiB held",
                 self.link.kernel_id,
                 self.session_key or "-",
-                IOPUB_BACKLOG_BYTES // 2**20,
+                self.backlog_bytes // 2**20,
             )
-            notice = _dropped_notice(parent)
+            notice = _dropped_notice(parent, self.backlog_bytes)
             sink.deliver(notice, msgspec.json.decode(notice.parts[0]))
         return True
 
 
-def _dropped_notice(parent: bytes) -> WireMsg:
+def _dropped_notice(parent: bytes, backlog_bytes: int) -> WireMsg:
     """A stderr line to a client whose output is dropped, in the cell ``parent``."""
     header = {
         "msg_id": secrets.token_hex(16),
@@ -315,7 +317,7 @@ def _dropped_notice(parent: bytes) -> WireMsg:
     }
     text = (
         f"[nbos gateway] output dropped: this client reads slower than the kernel writes "
-        f"({IOPUB_BACKLOG_BYTES // 2**20} MiB not yet sent to it)\n"
+        f"({backlog_bytes // 2**20} MiB not yet sent to it)\n"
     )
     content = {"name": "stderr", "text": text}
     return WireMsg(

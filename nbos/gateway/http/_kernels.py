@@ -133,9 +133,12 @@ class ApiKernels:
         tg: anyio.abc.TaskGroup,
         ctx: zmq.asyncio.Context,
         max_gpus: Callable[[], int],
+        backlog_bytes: int,
     ) -> None:
         self.kernel_manager = kernel_manager
         self.max_gpus = max_gpus
+        #: What a client may have not yet taken before its output is dropped.
+        self.backlog_bytes = backlog_bytes
         self._tg = tg
         self._ctx = ctx
         self._kernels: dict[str, ApiKernel] = {}
@@ -232,7 +235,7 @@ class ApiKernels:
         else:
             if held is not None:  # one session is held per kernel, as Jupyter Server does
                 held.close()
-            bridge = ChannelBridge(api, session_key, self._ctx)
+            bridge = ChannelBridge(api, session_key, self._ctx, self.backlog_bytes)
             await self._tg.start(bridge.run)
         api.sinks[sink] = bridge
         bridge.attach(sink)
