@@ -9,10 +9,11 @@ and times it from ``execute_request`` until its reply and ``idle`` arrived, ever
 counted at the client. Throughput: MiB of stdout the client got per second. Each server's
 memory (RSS) is sampled through the cell: its peak over the RSS before.
 
-First a **slow client** on each: it sends the same cell and reads nothing for
-``NBOS_BENCH_STALL_S`` seconds (default 10), the server's RSS sampled meanwhile, then reads
-what still comes. nbos's gateway holds at most its per-client backlog (``[gateway]
-iopub_backlog_bytes``) for a client that does not read; Kernel Gateway holds everything.
+First a **slow client** on each: it sends a cell printing ``NBOS_BENCH_SLOW_MB`` MiB
+(default 320) and reads nothing for ``NBOS_BENCH_STALL_S`` seconds (default 20), the
+server's RSS sampled meanwhile, then reads what still comes. nbos's gateway holds at most
+its per-client backlog (``[gateway] client_backlog_mib``, default 256) for a client that
+does not read, and drops its output past it; Kernel Gateway holds everything.
 
 The last line is the JSON summary: nbos's throughput against Kernel Gateway's (median of
 the rounds). Run from the repository root: ``python bench/stdout_flood.py``.
@@ -42,7 +43,9 @@ from tests.gateway._http import call, start_http_gateway, stop
 
 FLOOD_MIB = float(os.environ.get("NBOS_BENCH_FLOOD_MB", "100"))
 ROUNDS = int(os.environ.get("NBOS_BENCH_ROUNDS", "3"))
-STALL_S = float(os.environ.get("NBOS_BENCH_STALL_S", "10"))
+STALL_S = float(os.environ.get("NBOS_BENCH_STALL_S", "20"))
+#: The slow client's flood: past nbos's default bound (256 MiB) and the sockets' buffers.
+SLOW_MIB = float(os.environ.get("NBOS_BENCH_SLOW_MB", "320"))
 LINE = 1024
 #: Kernel Gateway's own default drops stream output past 1 MB/s: its best is without.
 KG_OPTIONS = ("--ZMQChannelsWebsocketConnection.limit_rate=False",)
@@ -157,7 +160,7 @@ async def slow_client(base: str, kernel_id: str, pid: int) -> dict[str, object]:
     ``idle`` too: then the reply is waited for and 30 s of silence)."""
     conn = await open_ws(base, kernel_id)
     try:
-        msg_id = send_cell(conn, flood_code(FLOOD_MIB))
+        msg_id = send_cell(conn, flood_code(SLOW_MIB))
         with RssPeak(pid) as rss:
             await anyio.sleep(STALL_S)
         got, whole = await read_cell(conn, msg_id, quiet_s=30.0)
@@ -168,7 +171,7 @@ async def slow_client(base: str, kernel_id: str, pid: int) -> dict[str, object]:
 
 async def main(servers: dict[str, tuple[str, int, str]]) -> dict[str, object]:
     kernels = {name: await new_kernel(url, spec) for name, (url, _, spec) in servers.items()}
-    figures: dict[str, object] = {"flood_mib": FLOOD_MIB, "rounds": ROUNDS}
+    figures: dict[str, object] = {"flood_mib": FLOOD_MIB, "rounds": ROUNDS, "slow_mib": SLOW_MIB}
     # First, while the servers' memory is fresh: RSS once grown stays so when freed.
     for name, (url, pid, _) in servers.items():
         slow = await slow_client(url, kernels[name], pid)
@@ -216,11 +219,13 @@ def closing_line(figures: dict[str, object]) -> dict[str, object]:
         "bench": "stdout_flood",
         "metric": f"stdout of a cell printing {FLOOD_MIB:g} MiB in 1 KiB lines, to the "
         "WebSocket client (median of the rounds); nbos gateway RSS growth "
-        f"{figures['nbos_rss_growth_mib']} MiB",
+        f"{figures['nbos_rss_growth_mib']} MiB; a client not reading {SLOW_MIB:g} MiB: "
+        f"{figures['nbos_slow_client']}",
         "unit": "MiB/s",
         "value": value,
         "anchor": "Jupyter Kernel Gateway 3 + ipykernel, same client, its rate limit off; "
-        f"its RSS growth {figures['kernel-gateway_rss_growth_mib']} MiB",
+        f"its RSS growth {figures['kernel-gateway_rss_growth_mib']} MiB; a client not "
+        f"reading: {figures['kernel-gateway_slow_client']}",
         "anchor_value": anchor,
         "ratio": round(value / anchor, 3),
         "better": "higher",
