@@ -126,3 +126,30 @@ async def test_a_client_that_does_not_read_loses_output_past_the_bound_and_stall
             ws.close()
     for kernel_id in (flooded, other):
         assert (await call(f"{url}/api/kernels/{kernel_id}", "DELETE", token=TOKEN))[0] == 204
+
+
+async def test_a_session_away_during_a_flood_is_held_its_bound_of_the_newest_messages(
+    gateway: str,
+) -> None:
+    url = gateway
+    kernel_id = await new_kernel(url)
+    away = await open_socket(url, kernel_id, "away")
+    reader = await open_socket(url, kernel_id, "reader")
+    try:
+        assert (await away.run("pass"))[0]["content"]["status"] == "ok"
+        flood_id = away.send("shell", "execute_request", {"code": FLOOD, "silent": False})
+        away.close()  # mid-cell: the gateway holds the session's messages
+        control_id = reader.send("control", "kernel_info_request", {})
+        with anyio.fail_after(4 * DEADLINE):
+            await follow(reader, flood_id, control_id)
+        back = await open_socket(url, kernel_id, "away")
+        try:
+            # What was held: the cell's end, and of its output only the newest part.
+            reply, outputs = await back.finish(flood_id, timeout=4 * DEADLINE)
+            assert reply["content"]["status"] == "ok"
+            assert len(stdout(outputs)) < FLOOD_LINES * 1024, len(stdout(outputs))
+        finally:
+            back.close()
+    finally:
+        reader.close()
+    assert (await call(f"{url}/api/kernels/{kernel_id}", "DELETE", token=TOKEN))[0] == 204

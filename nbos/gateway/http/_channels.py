@@ -8,14 +8,15 @@ front's key and checks the signature of what comes back (``jupyter_client``'s
 bridge: replies go to the client that asked, IOPub to every client.
 
 While no client is attached (its WebSocket closed mid-cell) the bridge keeps
-reading and holds what arrives, up to :data:`BUFFER_MAX` messages, for the client
-that comes back with the same session id. When the kernel is restarted the bridge
-connects to the new front; the client's WebSocket stays open.
+reading and holds what arrives, up to :data:`BUFFER_MAX` messages and the bytes of its
+backlog's bound (below), oldest dropped first, for the client that comes back with the
+same session id. When the kernel is restarted the bridge connects to the new front; the
+client's WebSocket stays open.
 
 The bridge reads IOPub as fast as the front publishes, whatever the client does, so that
 a slow client never backs ZeroMQ's queues up. Its sink counts the bytes given to it and
-not yet written to the client's socket (its backlog); while that is over
-its bound (``[gateway] client_backlog_mib``), the bridge drops the client's *output* (``stream``,
+not yet written to the client's socket (its backlog); while that is over its bound
+(``[gateway] client_backlog_mib``), the bridge drops the client's *output* (``stream``,
 ``display_data``, ``update_display_data``, ``execute_result``) and tells it so once per
 cell on its stderr, as Jupyter Server does past its IOPub data rate. Statuses, replies
 and every other message still go. So a client that reads slowly or not at all holds at
@@ -45,7 +46,8 @@ from nbos.kernel.jupyter_requests import channel_url, session_for
 
 log = logging.getLogger(__name__)
 
-#: Messages kept for a client that is away; older ones are dropped first.
+#: Messages kept for a client that is away (and at most its backlog's bytes); older ones
+#: are dropped first.
 BUFFER_MAX = 10_000
 #: IOPub messages that are output, which a client over its backlog goes without.
 DROPPABLE = frozenset({"stream", "display_data", "update_display_data", "execute_result"})
@@ -104,7 +106,9 @@ class ChannelBridge:
         self._ctx = ctx
         self._identity = f"{session_key or 'client'}-{secrets.token_hex(4)}".encode()
         self._sink: Sink | None = None
-        self._buffer: deque[tuple[WireMsg, Mapping[str, Any]]] = deque(maxlen=BUFFER_MAX)
+        self._buffer: deque[tuple[WireMsg, Mapping[str, Any]]] = deque()
+        #: Bytes of the messages in ``_buffer``.
+        self._held_bytes = 0
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._session: Session | None = None
         self._nudges: set[str] = set()
@@ -131,6 +135,8 @@ class ChannelBridge:
             if not sink.deliver(msg, header):
                 self._buffer.appendleft((msg, header))
                 self._sink = None
+            else:
+                self._held_bytes -= _size(msg)
 
     def detach(self) -> None:
         """The client went away: hold its messages until it comes back (or :meth:`close`)."""
@@ -139,6 +145,7 @@ class ChannelBridge:
     def close(self) -> None:
         self._sink = None
         self._buffer.clear()
+        self._held_bytes = 0
         self._scope.cancel()
         self._closed = True
         self._connected.set()  # nothing to wait for any more
@@ -273,14 +280,20 @@ class ChannelBridge:
         if sink is not None and sink.deliver(msg, header):
             return
         self._sink = None
-        if len(self._buffer) == BUFFER_MAX:
+        self._buffer.append((msg, header))
+        self._held_bytes += _size(msg)
+        if len(self._buffer) > BUFFER_MAX or self._held_bytes > self.backlog_bytes:
             log.warning(
-                "kernel %s: %d messages held for session %s: dropping the oldest",
+                "kernel %s: %d messages (%d MiB) held for session %s: dropping the oldest",
                 self.link.kernel_id,
-                BUFFER_MAX,
+                len(self._buffer),
+                self._held_bytes // 2**20,
                 self.session_key,
             )
-        self._buffer.append((msg, header))
+        while len(self._buffer) > 1 and (
+            len(self._buffer) > BUFFER_MAX or self._held_bytes > self.backlog_bytes
+        ):
+            self._held_bytes -= _size(self._buffer.popleft()[0])
 
     def _over_backlog(self, sink: Sink, msg: WireMsg, header: Mapping[str, Any]) -> bool:
         """Drop ``msg`` if it is output and ``sink`` is over its backlog; ``True`` if so."""
@@ -303,6 +316,10 @@ class ChannelBridge:
             notice = _dropped_notice(parent, self.backlog_bytes)
             sink.deliver(notice, msgspec.json.decode(notice.parts[0]))
         return True
+
+
+def _size(msg: WireMsg) -> int:
+    return sum(map(len, msg.parts)) + sum(map(len, msg.buffers))
 
 
 def _dropped_notice(parent: bytes, backlog_bytes: int) -> WireMsg:
