@@ -16,7 +16,8 @@ from tornado import httpclient, websocket
 from tests.agent._daemons import DEADLINE
 from tests.gateway._http import KernelSocket, call, start_http_gateway, stdout, stop
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
+# Each floods a kernel with tens of MiB: over a minute on a loaded machine.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900), pytest.mark.long]
 
 TOKEN = "flow-secret"
 #: What a client may have not yet taken (``[gateway] client_backlog_mib``), small here.
