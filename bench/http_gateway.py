@@ -73,8 +73,11 @@ def over_zmq(client: AsyncKernelClient) -> Cell:
     return cell
 
 
-def start_kernel_gateway(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Jupyter Kernel Gateway on a free loopback port, its kernels plain ipykernels."""
+def start_kernel_gateway(
+    tmp: Path, options: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Jupyter Kernel Gateway on a free loopback port, its kernels plain ipykernels;
+    ``options``: more of its command line (``--Class.trait=value``)."""
     (port,) = free_loopback_ports(1)
     env = {
         **os.environ,
@@ -91,6 +94,7 @@ def start_kernel_gateway(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
         "--KernelGatewayApp.port_retries=0",
         f"--KernelGatewayApp.auth_token={TOKEN}",
         "--KernelGatewayApp.default_kernel_name=python3",
+        *options,
     ]
     log = tmp / "kernel-gateway.log"
     with log.open("ab") as out:

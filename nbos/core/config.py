@@ -130,6 +130,10 @@ class GatewaySettings(_Section, frozen=True):
     ``cull_idle_timeout`` shuts down a kernel that no client is connected to after
     that many idle seconds (0: never).
 
+    ``client_backlog_mib``: MiB of a kernel's messages a WebSocket client may have not
+    yet taken before its output (``stream``, ``display_data``...) is dropped, so that a
+    client that reads slowly holds bounded memory (``docs/jupyter.md``).
+
     Admission (``docs/deploy.md``): at most ``max_starting`` kernel starts run at once
     (control API, HTTP API and kernelspec alike); one more is refused at once, as
     overloaded, with the seconds after which to ask again.
@@ -164,6 +168,7 @@ class GatewaySettings(_Section, frozen=True):
     http_certfile: str = ""
     http_keyfile: str = ""
     cull_idle_timeout: float = 0.0
+    client_backlog_mib: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
     max_starting: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
 
 

@@ -4,9 +4,10 @@ A start costs the hosts three Python processes booting at once; a flood of them 
 the agents (whose silence then looked like failure) and hurt kernels that already ran.
 So at most ``[gateway] max_starting`` starts run at once, and one more is refused at once
 with :class:`~nbos.core.errors.OverloadedError`, never queued: a queue would hold the
-client's connection as long as the flood lasts. The client is told to ask again after
-about the time a start takes now (smoothed over the starts that ended), when a slot is
-likely free.
+client's connection as long as the flood lasts. The client is told to ask again when a
+slot is likely free: once the oldest start under way is expected to end, at the time a
+start takes now (smoothed over the starts that ended). Telling it the whole time a start
+takes left slots empty for seconds in a burst, every refused client asleep.
 """
 
 from __future__ import annotations
@@ -38,17 +39,22 @@ class StartAdmission:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigError("gateway.max_starting", limit, "at least 1")
         self.limit = limit
-        self._running = 0
+        #: When each start under way began (``time.monotonic()``).
+        self._began: list[float] = []
         self._estimate_s = _FIRST_ESTIMATE_S
 
     @property
     def running(self) -> int:
         """Starts under way now."""
-        return self._running
+        return len(self._began)
 
     def retry_after_s(self) -> float:
-        """Whole seconds after which a refused client should ask again."""
-        return min(max(math.ceil(self._estimate_s), _MIN_RETRY_S), _MAX_RETRY_S)
+        """Whole seconds after which a refused client should ask again: until the oldest
+        start under way is expected to end (the whole estimate if none runs)."""
+        wait = self._estimate_s
+        if self._began:
+            wait -= time.monotonic() - min(self._began)
+        return min(max(math.ceil(wait), _MIN_RETRY_S), _MAX_RETRY_S)
 
     def refuse(self, reason: str) -> OverloadedError:
         """The error refusing a start for ``reason`` (logged here, the one place)."""
@@ -59,21 +65,21 @@ class StartAdmission:
 
     def check(self) -> None:
         """:class:`OverloadedError` if a start now would be refused."""
-        if self._running >= self.limit:
-            raise self.refuse(f"{self._running} kernels are starting, the most at once")
+        if self.running >= self.limit:
+            raise self.refuse(f"{self.running} kernels are starting, the most at once")
 
     @contextmanager
     def slot(self) -> Iterator[None]:
         """Hold one start's place for the block; :class:`OverloadedError` if none is free."""
         self.check()
-        self._running += 1
         began = time.monotonic()
+        self._began.append(began)
         ended = False
         try:
             yield
             ended = True
         finally:
-            self._running -= 1
+            self._began.remove(began)
             if ended:
                 took = time.monotonic() - began
                 self._estimate_s += _WEIGHT * (took - self._estimate_s)

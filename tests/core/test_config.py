@@ -88,6 +88,8 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
         ("[gateway]\nmax_starting = -3", "gateway.max_starting"),
         ("[gateway]\nmax_starting = 2.5", "gateway.max_starting"),
         ("[gateway]\nmax_starting = 100000", "gateway.max_starting"),
+        ("[gateway]\nclient_backlog_mib = 0", "gateway.client_backlog_mib"),
+        ("[gateway]\nclient_backlog_mib = 1.5", "gateway.client_backlog_mib"),
         ("[cluster]\nmax_replicas_per_host = -1", "cluster.max_replicas_per_host"),
         ("[cluster]\nmin_free_memory_mib = -1", "cluster.min_free_memory_mib"),
         ("[cluster]\nmin_free_memory_mb = 100", "cluster.min_free_memory_mb"),

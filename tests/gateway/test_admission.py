@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from nbos.core.errors import OverloadedError
 from nbos.core.identity import User
+from nbos.gateway._admission import StartAdmission
 from nbos.gateway.auth import Authenticator
 from nbos.gateway.control_api import (
     ControlError,
@@ -193,3 +194,16 @@ async def test_the_kernelspecs_kernel_host_asks_again_after_retry_after(
             tg.cancel_scope.cancel()
     finally:
         socket.close(0)
+
+
+async def test_a_refused_start_asks_again_once_the_oldest_start_is_due_to_end() -> None:
+    """Not after the whole time a start takes: in a burst that left slots empty for
+    seconds, every refused client asleep."""
+    admission = StartAdmission(1)
+    whole = admission.retry_after_s()  # nothing runs: the time a start takes
+    with admission.slot():
+        await anyio.sleep(2.1)
+        with pytest.raises(OverloadedError) as refused:
+            admission.check()
+    assert refused.value.retry_after_s <= whole - 2, (whole, refused.value.retry_after_s)
+    assert refused.value.retry_after_s >= 1

@@ -87,6 +87,7 @@ class Client:
     def __init__(self) -> None:
         self.seen: list[Mapping[str, Any]] = []
         self.arrived = anyio.Event()
+        self.backlog = 0  # delivered at once
 
     def deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> bool:
         parent = json.loads(msg.parts[1])
@@ -125,7 +126,7 @@ async def test_a_request_sent_as_the_kernel_restarts_reaches_the_new_front_with_
 ) -> None:
     old, new = Front(ctx), Front(ctx)
     link, client = Link(old), Client()
-    bridge = ChannelBridge(link, "session", ctx)
+    bridge = ChannelBridge(link, "session", ctx, 2**20)
     async with anyio.create_task_group() as tg:
         tg.start_soon(old.serve)
         tg.start_soon(new.serve)

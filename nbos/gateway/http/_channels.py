@@ -8,9 +8,20 @@ front's key and checks the signature of what comes back (``jupyter_client``'s
 bridge: replies go to the client that asked, IOPub to every client.
 
 While no client is attached (its WebSocket closed mid-cell) the bridge keeps
-reading and holds what arrives, up to :data:`BUFFER_MAX` messages, for the client
-that comes back with the same session id. When the kernel is restarted the bridge
-connects to the new front; the client's WebSocket stays open.
+reading and holds what arrives, up to :data:`BUFFER_MAX` messages and the bytes of its
+backlog's bound (below), oldest dropped first, for the client that comes back with the
+same session id. When the kernel is restarted the bridge connects to the new front; the
+client's WebSocket stays open.
+
+The bridge reads IOPub as fast as the front publishes, whatever the client does, so that
+a slow client never backs ZeroMQ's queues up. Its sink counts the bytes given to it and
+not yet written to the client's socket (its backlog); while that is over its bound
+(``[gateway] client_backlog_mib``), the bridge drops the client's *output* (``stream``,
+``display_data``, ``update_display_data``, ``execute_result``) and tells it so once per
+cell on its stderr, as Jupyter Server does past its IOPub data rate. Statuses, replies
+and every other message still go. So a client that reads slowly or not at all holds at
+most that much of the gateway's memory, plus one message and the messages that are not
+output; its kernel's other clients, its other channels and other kernels never wait for it.
 """
 
 from __future__ import annotations
@@ -19,11 +30,13 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import msgspec
 import zmq
 import zmq.asyncio
 from jupyter_client.session import DELIM, Session
@@ -33,8 +46,11 @@ from nbos.kernel.jupyter_requests import channel_url, session_for
 
 log = logging.getLogger(__name__)
 
-#: Messages kept for a client that is away; older ones are dropped first.
+#: Messages kept for a client that is away (and at most its backlog's bytes); older ones
+#: are dropped first.
 BUFFER_MAX = 10_000
+#: IOPub messages that are output, which a client over its backlog goes without.
+DROPPABLE = frozenset({"stream", "display_data", "update_display_data", "execute_result"})
 #: How long to wait, in all, for the IOPub subscription to carry a first message.
 _NUDGE_TIMEOUT_S = 10.0
 _NUDGE_EVERY_S = 0.2
@@ -51,6 +67,11 @@ class Sink(Protocol):
 
     def close(self) -> None:
         """End the client's connection (its kernel is gone)."""
+        ...
+
+    @property
+    def backlog(self) -> int:
+        """Bytes delivered and not yet sent on to the client."""
         ...
 
 
@@ -74,17 +95,25 @@ class KernelLink(Protocol):
 class ChannelBridge:
     """One client's shell, control, stdin and IOPub on a kernel; run it with :meth:`run`."""
 
-    def __init__(self, link: KernelLink, session_key: str, ctx: zmq.asyncio.Context) -> None:
+    def __init__(
+        self, link: KernelLink, session_key: str, ctx: zmq.asyncio.Context, backlog_bytes: int
+    ) -> None:
         self.link = link
+        #: Bytes the sink may hold unwritten before the client's output is dropped.
+        self.backlog_bytes = backlog_bytes
         #: The client's session id (``?session_id=``); empty if it gave none.
         self.session_key = session_key
         self._ctx = ctx
         self._identity = f"{session_key or 'client'}-{secrets.token_hex(4)}".encode()
         self._sink: Sink | None = None
-        self._buffer: deque[tuple[WireMsg, Mapping[str, Any]]] = deque(maxlen=BUFFER_MAX)
+        self._buffer: deque[tuple[WireMsg, Mapping[str, Any]]] = deque()
+        #: Bytes of the messages in ``_buffer``.
+        self._held_bytes = 0
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._session: Session | None = None
         self._nudges: set[str] = set()
+        #: The packed parent header of the cell whose output this client goes without.
+        self._dropping: bytes | None = None
         self._subscribed = anyio.Event()
         #: Set while connected to a front whose IOPub this bridge hears; what a client
         #: sends meanwhile waits for it.
@@ -106,6 +135,8 @@ class ChannelBridge:
             if not sink.deliver(msg, header):
                 self._buffer.appendleft((msg, header))
                 self._sink = None
+            else:
+                self._held_bytes -= _size(msg)
 
     def detach(self) -> None:
         """The client went away: hold its messages until it comes back (or :meth:`close`)."""
@@ -114,6 +145,7 @@ class ChannelBridge:
     def close(self) -> None:
         self._sink = None
         self._buffer.clear()
+        self._held_bytes = 0
         self._scope.cancel()
         self._closed = True
         self._connected.set()  # nothing to wait for any more
@@ -243,14 +275,68 @@ class ChannelBridge:
 
     def _deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> None:
         sink = self._sink
+        if sink is not None and self._over_backlog(sink, msg, header):
+            return
         if sink is not None and sink.deliver(msg, header):
             return
         self._sink = None
-        if len(self._buffer) == BUFFER_MAX:
+        self._buffer.append((msg, header))
+        self._held_bytes += _size(msg)
+        if len(self._buffer) > BUFFER_MAX or self._held_bytes > self.backlog_bytes:
             log.warning(
-                "kernel %s: %d messages held for session %s: dropping the oldest",
+                "kernel %s: %d messages (%d MiB) held for session %s: dropping the oldest",
                 self.link.kernel_id,
-                BUFFER_MAX,
+                len(self._buffer),
+                self._held_bytes // 2**20,
                 self.session_key,
             )
-        self._buffer.append((msg, header))
+        while len(self._buffer) > 1 and (
+            len(self._buffer) > BUFFER_MAX or self._held_bytes > self.backlog_bytes
+        ):
+            self._held_bytes -= _size(self._buffer.popleft()[0])
+
+    def _over_backlog(self, sink: Sink, msg: WireMsg, header: Mapping[str, Any]) -> bool:
+        """Drop ``msg`` if it is output and ``sink`` is over its backlog; ``True`` if so."""
+        if (
+            msg.channel != "iopub"
+            or header.get("msg_type") not in DROPPABLE
+            or sink.backlog <= self.backlog_bytes
+        ):
+            return False
+        parent = msg.parts[1]
+        if parent != self._dropping:
+            self._dropping = parent
+            log.warning(
+                "kernel %s: session %s reads slower than the kernel writes: "
+                "its output is dropped past %d MiB held",
+                self.link.kernel_id,
+                self.session_key or "-",
+                self.backlog_bytes // 2**20,
+            )
+            notice = _dropped_notice(parent, self.backlog_bytes)
+            sink.deliver(notice, msgspec.json.decode(notice.parts[0]))
+        return True
+
+
+def _size(msg: WireMsg) -> int:
+    return sum(map(len, msg.parts)) + sum(map(len, msg.buffers))
+
+
+def _dropped_notice(parent: bytes, backlog_bytes: int) -> WireMsg:
+    """A stderr line to a client whose output is dropped, in the cell ``parent``."""
+    header = {
+        "msg_id": secrets.token_hex(16),
+        "msg_type": "stream",
+        "username": "nbos",
+        "session": "nbos-gateway",
+        "date": datetime.now(UTC).isoformat(),
+        "version": "5.3",
+    }
+    text = (
+        f"[nbos gateway] output dropped: this client reads slower than the kernel writes "
+        f"({backlog_bytes // 2**20} MiB not yet sent to it)\n"
+    )
+    content = {"name": "stderr", "text": text}
+    return WireMsg(
+        "iopub", (msgspec.json.encode(header), parent, b"{}", msgspec.json.encode(content))
+    )

@@ -119,7 +119,7 @@ async def serve_http(
     ctx = zmq.asyncio.Context()
     try:
         async with anyio.create_task_group() as tg:
-            kernels = ApiKernels(kernel_manager, tg, ctx, max_gpus)
+            kernels = ApiKernels(kernel_manager, tg, ctx, max_gpus, conf.client_backlog_mib * 2**20)
             kernels.take_back()
             settings = {"kernels": kernels, "authenticator": authenticator}
             board = None

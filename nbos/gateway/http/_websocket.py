@@ -10,10 +10,15 @@ by one as the kernel sends them (``busy``, ``execute_input``, the reply, ``idle`
 with Nagle's algorithm every frame after the first waited for the client's delayed ACK,
 40 ms on Linux, in every cell (tornado turns Nagle back on once the upgrade's response
 is written). Each frame is one write, so a message never leaves in pieces.
+
+The connection counts the bytes it was given and the socket has not taken yet (its
+:attr:`~KernelChannels.backlog`): the bridge drops output for a client whose backlog is
+over the bound, so that a client that reads slowly holds a bounded amount of memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +44,8 @@ class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
     api: ApiKernel
     bridge: ChannelBridge | None = None
     protocol = ""
+    #: Bytes delivered and not yet written to the client's socket.
+    backlog = 0
 
     def initialize(self, kernels: ApiKernels, authenticator: Authenticator) -> None:
         self.kernels = kernels
@@ -94,10 +101,18 @@ class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
     def deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> bool:
         frame = encode(msg, dict(header), self.protocol)
         try:
-            self.write_message(frame, binary=isinstance(frame, bytes))
+            written = self.write_message(frame, binary=isinstance(frame, bytes))
         except websocket.WebSocketClosedError:
             return False
+        size = len(frame)
+        self.backlog += size
+        written.add_done_callback(lambda done: self._written(done, size))
         return True
+
+    def _written(self, done: asyncio.Future[None], size: int) -> None:
+        if not done.cancelled():
+            done.exception()  # a closed connection's: on_close deals with it
+        self.backlog -= size
 
     def close(self, code: int | None = None, reason: str | None = None) -> None:
         self.bridge = None
