@@ -15,6 +15,8 @@ from pathlib import Path
 
 import msgspec
 
+from nbos.core.errors import BackendError
+
 log = logging.getLogger(__name__)
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -64,3 +66,15 @@ def read_boot_id() -> str:
         return _BOOT_ID.read_text().strip()
     except OSError:
         return ""
+
+
+def signal_group(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group ``pid`` leads (gone already: nothing); the
+    caller knows the leader is not reaped, so the id names no newer process.
+    :class:`BackendError` when not allowed."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        raise BackendError(f"cannot signal process group {pid}: {exc}") from exc

@@ -55,7 +55,7 @@ import anyio.abc
 import attrs
 import msgspec
 
-from nbos.agent._pids import process_start_ticks, read_boot_id
+from nbos.agent._pids import process_start_ticks, read_boot_id, signal_group
 from nbos.agent._runtime import container_env, docker_backend, replica_labels
 from nbos.agent._template import ForkedProcess
 from nbos.agent._warm import WarmPool
@@ -157,15 +157,9 @@ class _Adopted:
     async def signal(self, signum: int) -> None:
         if self._ended.is_set():
             return
-        try:
-            # The process group (as the backend signals its children); the pidfd is
-            # still open and unread, so its leader has not been reaped and the group
-            # id cannot name a newer process.
-            os.killpg(self.pid, signum)
-        except ProcessLookupError:
-            pass
-        except PermissionError as exc:
-            raise BackendError(f"cannot signal process group {self.pid}: {exc}") from exc
+        # The process group (as the backend signals its children); the pidfd is still
+        # open and unread, so its leader has not been reaped.
+        signal_group(self.pid, signum)
 
 
 class _Forked:

@@ -33,6 +33,7 @@ import anyio.abc
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
+from nbos.agent._pids import signal_group
 from nbos.backends import LocalProcessBackend, LocalProcessHandle
 from nbos.core.compute_backend import ProcessSpec
 from nbos.core.errors import BackendError
@@ -88,13 +89,8 @@ class ForkedProcess:
         """Send ``signum`` to its process group; nothing once it ended."""
         if self._ended.is_set() or _readable(self._pidfd):
             return
-        try:
-            # Not ended (its pidfd is not readable): the group id is still its own.
-            os.killpg(self.pid, signum)
-        except ProcessLookupError:
-            pass
-        except PermissionError as exc:
-            raise BackendError(f"cannot signal process group {self.pid}: {exc}") from exc
+        # Not ended (its pidfd is not readable): the group id is still its own.
+        signal_group(self.pid, signum)
 
     def end(self, returncode: int | None) -> None:
         if self._ended.is_set():
