@@ -7,6 +7,7 @@ the docs say.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,12 @@ def test_an_agent_address_auto_is_this_machines_address_towards_the_gateway() ->
     assert route_address("10.0.0.5:7100", "127.0.0.1:7071") == "10.0.0.5:7100"
     with pytest.raises(ConfigError):
         route_address("auto:7100", "no-such-host.invalid:7071")
+
+
+def test_the_swarm_files_in_docs_deploy_md_load(tmp_path: Path) -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+    blocks = [b for b in re.findall(r"```toml\n(.*?)```", docs.read_text(), re.S) if "[swarm]" in b]
+    assert len(blocks) >= 2, "docs/deploy.md's swarm file and its standby example"
+    main(["keys", str(tmp_path / "keys"), "--join-token"])
+    for block in blocks:
+        load_swarm_file(swarm_file(tmp_path, block))
