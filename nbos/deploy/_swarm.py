@@ -38,6 +38,7 @@ import msgspec
 
 from nbos.core.config import Settings, convert_strictly, read_toml
 from nbos.core.errors import ConfigError, NbosError
+from nbos.gateway.service import autoscaler_config
 from nbos.transport.join import TOKEN_FILE
 
 GATEWAY_LABEL = "nbos.gateway"
@@ -60,6 +61,9 @@ STACK_OWNED = {
         "http_address",
         "auth_token",
         "swarm_engine",
+        "autoscale",
+        "host_provider",
+        "host_provider_options",
     ),
     "cluster": ("data_dir",),
     "store": ("kind", "path", "redis_url"),
@@ -71,6 +75,15 @@ STACK_OWNED = {
         "warm_replicas",
         "join_token_file",
     ),
+}
+
+#: What ``[swarm] autoscale = true`` sets in ``[gateway]``: the standby nodes, through the
+#: engine the gateway's container mounts (its node's, a manager's).
+_ENGINE = "unix:///var/run/docker.sock"
+_AUTOSCALE: dict[str, Any] = {
+    "autoscale": True,
+    "host_provider": "swarm",
+    "host_provider_options": {"engine": _ENGINE, "label": GPU_LABEL},
 }
 
 _Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -93,6 +106,8 @@ class SwarmTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     redis_port: _Port = 6379
     agent_port: _Port = 7100
     virtual_gpus: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    #: The gateway autoscales with the standby nodes (``host_provider = "swarm"``).
+    autoscale: bool = False
     keys: str = ""
     insecure: bool = False
 
@@ -115,11 +130,15 @@ def load_swarm_file(path: str | Path) -> SwarmFile:
     path = Path(path).resolve()
     raw = read_toml(path)
     swarm = convert_strictly(raw.pop("swarm", {}), SwarmTable)
-    convert_strictly(raw, Settings)  # every other table as nbos settings, checked
     for section, keys in STACK_OWNED.items():
         for key in keys:
             if key in raw.get(section, {}):
-                raise ConfigError(f"{section}.{key}", raw[section][key], "unset: the stack sets it")
+                by = "[swarm] autoscale = true" if key in _AUTOSCALE else "the stack"
+                raise ConfigError(f"{section}.{key}", raw[section][key], f"unset: {by} sets it")
+    # Every other table as nbos settings, checked with what [swarm] autoscale adds, as the
+    # gateway will read them: autoscaler keys without it are refused here, not at its start.
+    gateway = {**raw.get("gateway", {}), **(_AUTOSCALE if swarm.autoscale else {})}
+    autoscaler_config(convert_strictly({**raw, "gateway": gateway}, Settings))
     if not swarm.stack.replace("-", "").replace("_", "").isalnum():
         raise ConfigError("swarm.stack", swarm.stack, "letters, digits, '-' and '_'")
     if not swarm.state_dir.startswith("/"):
@@ -251,13 +270,14 @@ def services_settings(swarm_file: SwarmFile, gateway_ip: str) -> dict[str, Any]:
             "agent_address": f"{gateway_ip}:{table.agent_endpoint_port}",
             "local_agents": False,
             "http_address": f"0.0.0.0:{table.http_port}",
-            "swarm_engine": "unix:///var/run/docker.sock",
+            "swarm_engine": _ENGINE,
+            **(_AUTOSCALE if table.autoscale else {}),
         },
         "cluster": {"data_dir": f"{table.state_dir}/gateway"},
         "store": {"kind": "redis", "redis_url": f"redis://{gateway_ip}:{table.redis_port}/0"},
         "agent": {
             "runtime": "docker",
-            "docker_engine": "unix:///var/run/docker.sock",
+            "docker_engine": _ENGINE,
             "docker_image": table.image,
             "python": table.python,
         },

@@ -237,7 +237,7 @@ class GatewayService:
         _check_addresses_free(conf)
         keys, joins = _keys(conf, agents_at)
         begun = anyio.current_time()
-        scaling = _autoscaler_config(settings)
+        scaling = autoscaler_config(settings)
         limits = HostLimits.of(settings.cluster)
         decisions = ClusterDecisions.load(
             settings.cluster.placement_policy,
@@ -809,7 +809,7 @@ async def _run_in(scope: anyio.CancelScope, live: LiveAutoscaler) -> None:
         await live.run()
 
 
-def _autoscaler_config(settings: Settings) -> AutoscalerConfig | None:
+def autoscaler_config(settings: Settings) -> AutoscalerConfig | None:
     """The autoscaler ``[gateway]`` asks for, or ``None``; :class:`ConfigError` for bad keys
     and for autoscaler keys set without ``autoscale`` (they would do nothing)."""
     conf = settings.gateway

@@ -7,12 +7,14 @@ Jupyter client does, through that server's REST API and kernel WebSocket. Each s
 is a JSON command, each answer one JSON line on stdout:
 
 * ``{"op": "start"}``: a new kernel of one GPU (``nbos-gpu-1``) through the server;
-  ``{"kernel": ID}`` (the gateway's id);
-* ``{"op": "send", "code": C}``: sends the cell, ``{"msg_id": M}`` at once;
+  ``{"kernel": ID}`` (its API id);
+* ``{"op": "send", "code": C}``: sends the cell to the kernel started last (or to
+  ``"kernel": ID``), ``{"msg_id": M}`` at once;
 * ``{"op": "finish", "msg_id": M}``: that cell's ``{"status", "stdout", "ename"}``;
 * ``{"op": "status"}``: the gateway's ``ClusterStatus`` (its control API at ``CONTROL``),
   or ``{"error": ...}`` while it does not answer;
-* ``{"op": "reconnect"}``: a new WebSocket (after the gateway restarted), ``{}``.
+* ``{"op": "reconnect"}``: new WebSockets (after the gateway restarted), ``{}``;
+* ``{"op": "shutdown", "kernel": ID}``: ``DELETE /api/kernels/ID``, ``{"status": S}``.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ _CELL_TIMEOUT_S = 300.0
 
 
 async def main(url: str, control: str, token: str) -> None:
-    socket: KernelSocket | None = None
-    kernel = ""
+    sockets: dict[str, KernelSocket] = {}  # by kernel, in the order started
+    sent: dict[str, str] = {}  # each cell's kernel, by msg_id
     try:
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
             command = json.loads(line)
             answer: dict[str, Any] = {}
+            kernel = command.get("kernel") or (list(sockets)[-1] if sockets else "")
             if command["op"] == "status":
                 try:
                     status = await call_control(control, StatusRequest(), 10.0, token=token)
@@ -48,20 +51,24 @@ async def main(url: str, control: str, token: str) -> None:
                 answer = msgspec.to_builtins(status)
             elif command["op"] == "start":
                 one_gpu = {"name": "nbos-gpu-1"}
-                status, model = await call(f"{url}/api/kernels", "POST", one_gpu, "user-token")
-                assert status == 201, (status, model)
-                kernel = model["id"]
-                socket = await _open(url, kernel)
-                answer = {"kernel": kernel}
+                code, model = await call(f"{url}/api/kernels", "POST", one_gpu, "user-token")
+                assert code == 201, (code, model)
+                sockets[model["id"]] = await _open(url, model["id"])
+                answer = {"kernel": model["id"]}
             elif command["op"] == "reconnect":
-                assert socket is not None
-                socket.close()
-                socket = await _open(url, kernel)
+                for each in list(sockets):
+                    sockets[each].close()
+                    sockets[each] = await _open(url, each)
+            elif command["op"] == "shutdown":
+                sockets.pop(kernel).close()
+                code, _ = await call(f"{url}/api/kernels/{kernel}", "DELETE", None, "user-token")
+                answer = {"status": code}
             elif command["op"] == "send":
-                assert socket is not None
-                answer = {"msg_id": socket.send("shell", "execute_request", _execute(command))}
+                msg_id = sockets[kernel].send("shell", "execute_request", _execute(command))
+                sent[msg_id] = kernel
+                answer = {"msg_id": msg_id}
             else:
-                assert socket is not None
+                socket = sockets[sent.pop(command["msg_id"])]
                 reply, outputs = await socket.finish(command["msg_id"], timeout=_CELL_TIMEOUT_S)
                 content = reply["content"]
                 answer = {
@@ -72,7 +79,7 @@ async def main(url: str, control: str, token: str) -> None:
             sys.stdout.write(json.dumps(answer) + "\n")
             sys.stdout.flush()
     finally:
-        if socket is not None:
+        for socket in sockets.values():
             socket.close()
 
 

@@ -13,6 +13,10 @@ The agents join with the join token of ``nbos keys --join-token`` (a Docker secr
 with a key pair of its own. Every cell appends its number to ``done`` in the kernel: no
 acknowledged cell is lost or run twice, and the kernel runs the next cell.
 
+A second test deploys, on the same swarm, a stack whose gateway autoscales with the swarm's
+standby node (``[swarm] autoscale = true``): cells holding every GPU and one more waiting,
+``n5`` is made active and the waiting cell runs there; idle, a node is drained again.
+
 Long (``NBOS_LONG=1``): the image build and the swarm take minutes on a 2-core machine.
 """
 
@@ -74,12 +78,12 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
         next(swarm, None)
 
 
-@pytest.fixture
-def swarm(tmp_path: Path, image: Path) -> Iterator[Swarm]:
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, image: Path) -> Iterator[Swarm]:
+    """One swarm for the module's tests (each deploys its own stack on it)."""
     started = time.monotonic()
-    nodes = serve_or_skip(
-        lambda: Swarm.create(NODES, tmp_path / "swarm", clients=["client"]), "a swarm"
-    )
+    workdir = tmp_path_factory.mktemp("swarm")
+    nodes = serve_or_skip(lambda: Swarm.create(NODES, workdir, clients=["client"]), "a swarm")
     swarm = next(nodes)
     for node in swarm.nodes.values():  # what a node needs before the stack: its state dir
         (node.dir / "var-lib" / "nbos").mkdir()
@@ -132,9 +136,9 @@ def nbos(swarm: Swarm, *args: str) -> None:
     subprocess.run([sys.executable, "-m", "nbos", *args], env=env, check=True)
 
 
-def deploy(swarm: Swarm, tmp_path: Path) -> Path:
+def deploy(swarm: Swarm, tmp_path: Path, text: str = SWARM_FILE) -> Path:
     swarm_file = tmp_path / "swarm.toml"
-    swarm_file.write_text(SWARM_FILE)
+    swarm_file.write_text(text)
     nbos(swarm, "keys", str(tmp_path / "keys"), "--join-token")
     nbos(swarm, "swarm", "deploy", str(swarm_file))
     return swarm_file
@@ -147,8 +151,8 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = _WAIT_S) -
         time.sleep(1.0)
 
 
-def operator_token(swarm: Swarm) -> str:
-    path = swarm.nodes["n1"].dir / "var-lib/nbos/gateway/gateway/operator.token"
+def operator_token(swarm: Swarm, state_dir: str = "nbos") -> str:
+    path = swarm.nodes["n1"].dir / f"var-lib/{state_dir}/gateway/gateway/operator.token"
     wait_for("the gateway's operator token", path.exists)
     return path.read_text().strip()
 
@@ -306,6 +310,105 @@ def test_kernel_runs_through_engine_failures_and_upgrades(swarm: Swarm, tmp_path
     wait_for("the stack's services gone", lambda: not manager.docker("service", "ls", "-q").split())
     assert not manager.docker("secret", "ls", "-q").split()
     wait_for("the stack's config gone", lambda: not manager.docker("config", "ls", "-q").split())
+
+
+# The standby step's stack: 3 active nodes of one virtual GPU each, n5 standby (n4 out of
+# it), the gateway autoscaling through the swarm provider with short timings. Its first
+# decision waits a period: the agents, restarted by the deploy, register before it.
+STANDBY_STATE = "nbos-standby"
+ACTIVE = ["n1", "n2", "n3"]
+STANDBY_FILE = f"""\
+[swarm]
+stack = "nbos"
+image = "{IMAGE}"
+state_dir = "/var/lib/{STANDBY_STATE}"
+virtual_gpus = 1
+keys = "keys"
+autoscale = true
+
+[gateway]
+missed_heartbeats = 20
+min_hosts = 3
+max_hosts = 4
+autoscale_period_s = 15
+scale_out_cooldown_s = 10
+scale_in_cooldown_s = 30
+idle_grace_s = 20
+"""
+
+
+def test_a_standby_node_is_activated_for_waiting_cells_and_drained_when_idle(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    _fresh_swarm(swarm)
+    swarm_file = deploy(swarm, tmp_path, STANDBY_FILE)
+    user = User(swarm, tmp_path / "client", operator_token(swarm, STANDBY_STATE))
+    wait_for("3 agents up", lambda: hosts_up(user) == set(ACTIVE))
+    assert availability(swarm, STANDBY) == "drain"
+
+    # A cell of each of 3 kernels holds the GPU of each active node.
+    hogs = [user.ask(op="start")["kernel"] for _ in ACTIVE]
+    for kernel in hogs:
+        user.ask(op="send", kernel=kernel, code="import time\ntime.sleep(3600)")
+    wait_for("every GPU held", lambda: gpus(user, "committed") == len(ACTIVE))
+    # The next kernel's cell waits for a GPU: the autoscaler activates n5, Swarm starts
+    # the agent there, and the cell runs on n5 (its replica migrated there).
+    waiting = user.ask(op="start")["kernel"]
+    msg_id = user.ask(op="send", kernel=waiting, code="print('ran')")["msg_id"]
+    reply = user.ask(op="finish", msg_id=msg_id)
+    assert reply["status"] == "ok" and reply["stdout"] == "ran\n", reply
+    assert availability(swarm, STANDBY) == "active"
+    assert STANDBY in hosts_up(user)
+    assert STANDBY in replica_hosts(user, waiting)
+    activated_s = time.monotonic() - started
+
+    # Idle (the kernels shut down): the autoscaler drains a node back to standby.
+    for kernel in [*hogs, waiting]:
+        assert user.ask(op="shutdown", kernel=kernel)["status"] == 204
+    wait_for("a node drained", lambda: len(hosts_up(user)) == len(ACTIVE))
+    labelled = [*ACTIVE, STANDBY]
+    wait_for(
+        "one standby node again",
+        lambda: [availability(swarm, n) for n in labelled].count("drain") == 1,
+    )
+    print(
+        f"standby activated after {activated_s:.0f} s, drained after "
+        f"{time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
+    nbos(swarm, "swarm", "rm", str(swarm_file))
+
+
+def _fresh_swarm(swarm: Swarm) -> None:
+    """No stack, no replica container left by the test before; n1-n3 active, n5 standby,
+    n4 out of the stack."""
+    manager = swarm.manager
+    if "nbos_agent" in manager.docker("service", "ls", "--format", "{{.Name}}").split():
+        manager.docker("stack", "rm", "nbos")
+    wait_for("no stack", lambda: not manager.docker("service", "ls", "-q").split())
+    ids = swarm.node_ids()
+    for node in swarm.nodes.values():
+        for replica in replica_containers(node):
+            node.docker("rm", "-f", replica)
+        (node.dir / "var-lib" / STANDBY_STATE).mkdir(exist_ok=True)
+    for name in ACTIVE:
+        manager.docker("node", "update", "--availability", "active", ids[name])
+    manager.docker("node", "update", "--label-rm", "nbos.gpu", ids["n4"])
+    manager.docker("node", "update", "--availability", "drain", ids["n4"])
+    manager.docker("node", "update", "--availability", "drain", ids[STANDBY])
+
+
+def availability(swarm: Swarm, name: str) -> str:
+    node = swarm.node_ids()[name]
+    return swarm.manager.docker(
+        "node", "inspect", node, "--format", "{{.Spec.Availability}}"
+    ).strip()
+
+
+def gpus(user: User, state: str) -> int:
+    hosts = user.ask(op="status").get("hosts", [])
+    return sum(int(h[state]) for h in hosts if h["state"] == "up")
 
 
 def _restarted(node: SwarmNode, service: str, old: str) -> bool:

@@ -7,6 +7,7 @@ the docs say.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from nbos.core.errors import ConfigError
 from nbos.deploy import load_swarm_file, render_stack, write_stack
 
 INSECURE = '[swarm]\nimage = "nbos:test"\nvirtual_gpus = 2\ninsecure = true\n'
+AUTOSCALED = INSECURE + "autoscale = true\n"
 
 
 def swarm_file(tmp_path: Path, text: str) -> Path:
@@ -79,12 +81,34 @@ def test_the_services_settings_are_the_files_tables_plus_the_stacks(tmp_path: Pa
         (INSECURE.replace("virtual_gpus = 2", "virtual_gpus = -1"), "virtual_gpus"),
         ('[swarm]\nkeys = "nowhere"\n', "swarm.keys"),
         (INSECURE + "[gateway]\njoin_token_file = 't'\n", "gateway.join_token_file"),
+        # The autoscaler's provider is the stack's ([swarm] autoscale), its keys need it.
+        (INSECURE + "[gateway]\nhost_provider = 'local'\n", "gateway.host_provider"),
+        (INSECURE + "[gateway]\nautoscale = true\n", "gateway.autoscale"),
+        (INSECURE + "[gateway]\nmin_hosts = 4\n", "gateway.min_hosts"),
+        (AUTOSCALED + "[gateway]\nmin_hosts = 5\nmax_hosts = 4\n", "gateway.max_hosts"),
+        (INSECURE.replace("insecure", "autoscale = 'yes'\ninsecure"), "autoscale"),
     ],
 )
 def test_a_bad_swarm_file_is_refused_by_its_key(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError) as refused:
         load_swarm_file(swarm_file(tmp_path, text))
     assert key in refused.value.key
+
+
+def test_autoscale_makes_the_standby_nodes_the_gateways_host_provider(tmp_path: Path) -> None:
+    loaded = load_swarm_file(swarm_file(tmp_path, AUTOSCALED + "[gateway]\nmax_hosts = 5\n"))
+    write_stack(loaded, "10.0.0.1", tmp_path / "out")
+    gateway = Settings.load(tmp_path / "out" / "nbos.toml", env={}).gateway
+    assert gateway.autoscale and gateway.max_hosts == 5
+    assert gateway.host_provider == "swarm"
+    # Through the engine its container mounts, the nodes the agent service runs on.
+    assert gateway.host_provider_options == {
+        "engine": "unix:///var/run/docker.sock",
+        "label": "nbos.gpu",
+    }
+    plain = load_swarm_file(swarm_file(tmp_path, INSECURE))
+    write_stack(plain, "10.0.0.1", tmp_path / "plain")
+    assert not Settings.load(tmp_path / "plain" / "nbos.toml", env={}).gateway.autoscale
 
 
 def test_keys_become_docker_secrets(tmp_path: Path) -> None:
@@ -113,3 +137,12 @@ def test_an_agent_address_auto_is_this_machines_address_towards_the_gateway() ->
     assert route_address("10.0.0.5:7100", "127.0.0.1:7071") == "10.0.0.5:7100"
     with pytest.raises(ConfigError):
         route_address("auto:7100", "no-such-host.invalid:7071")
+
+
+def test_the_swarm_files_in_docs_deploy_md_load(tmp_path: Path) -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+    blocks = [b for b in re.findall(r"```toml\n(.*?)```", docs.read_text(), re.S) if "[swarm]" in b]
+    assert len(blocks) >= 2, "docs/deploy.md's swarm file and its standby example"
+    main(["keys", str(tmp_path / "keys"), "--join-token"])
+    for block in blocks:
+        load_swarm_file(swarm_file(tmp_path, block))
