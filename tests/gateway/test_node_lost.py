@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 
 TOKEN = "gateway-secret"
 JUPYTER_TOKEN = "jupyter-secret"
-#: A silent host is suspected after the gateway's missed heartbeats (30 of 1 s here),
+#: A silent executor is suspected after the front's 3 missed heartbeats (about 9 s),
 #: replaced 30 s later (``replace_suspected_after_s``); a loaded machine adds to both.
 LOST_WITHIN_S = 240.0
 
@@ -49,7 +49,7 @@ def gateway(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
         end_local_agents(run_dir)
 
 
-def kill_host_of(run_dir: Path, replica_pid: int) -> str:
+def kill_host_of(run_dir: Path, replica_pid: int) -> None:
     """SIGKILL the local agent whose replica ``replica_pid`` is, and every replica it runs."""
     agents = run_dir / "agents"
     for state_dir in sorted(p for p in agents.iterdir() if p.is_dir()):
@@ -59,7 +59,7 @@ def kill_host_of(run_dir: Path, replica_pid: int) -> str:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(agent.pid, signal.SIGKILL)
             end_replicas(state_dir)
-            return state_dir.name
+            return
     raise AssertionError(f"no host runs replica {replica_pid}")
 
 
@@ -88,21 +88,17 @@ async def test_a_host_killed_mid_cell_gets_the_websocket_client_its_lost_cell_re
     channels = f"{url}/api/kernels/{model['id']}/channels"
     ws = await KernelSocket.open(channels, token, session_id=str(uuid.uuid4()))
     try:
-        reply, outputs = await ws.run("import os; x = 1; print(os.getpid())")
+        reply, _ = await ws.run("x = 1")
         assert reply["content"]["status"] == "ok", reply
-        executor = int(stdout(outputs))
-
-        msg_id = ws.send(
-            "shell",
-            "execute_request",
-            {"code": "import time; print('started', flush=True); time.sleep(120)"},
-        )
-        # The cell runs once its output comes back: kill its host then.
+        code = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+        msg_id = ws.send("shell", "execute_request", {"code": code})
+        # The cell runs once its output (its executor's pid) comes back: kill its host then.
         while True:
             msg = await ws.receive()
             if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                executor = int(msg["content"]["text"])
                 break
-        host = kill_host_of(run_dir, executor)
+        kill_host_of(run_dir, executor)
         killed = time.monotonic()
         reply, outputs = await ws.finish(msg_id, timeout=LOST_WITHIN_S)
         print(f"lost cell's reply {time.monotonic() - killed:.1f} s after its host was killed")
@@ -113,7 +109,8 @@ async def test_a_host_killed_mid_cell_gets_the_websocket_client_its_lost_cell_re
         reply, outputs = await ws.run("print(x + 1)", timeout=3 * DEADLINE)
         assert reply["content"]["status"] == "ok", reply
         assert stdout(outputs) == "2\n"
-        assert host in log.read_text()
+        # Settled on proof (the replacement removed the silent member), not on an exit.
+        assert "is dead (removed from the kernel)" in log.read_text()
     finally:
         ws.close()
 
