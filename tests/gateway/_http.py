@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -138,7 +139,9 @@ class KernelSocket:
         idle = False
         with anyio.fail_after(timeout):
             while reply is None or not idle:
-                msg = await self.receive()
+                # ``timeout`` bounds the whole cell: a silence longer than a message's
+                # usual wait (a lost executor's host suspected, then replaced) is no failure.
+                msg = await self.receive(timeout=math.inf)
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
                 if msg["channel"] == "stdin" and msg["msg_type"] == "input_request":
