@@ -29,7 +29,8 @@ from tests.gateway._http import (
 )
 from tests.gateway.test_durable import end_local_agents
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
+# Each waits out a suspicion and a replacement (about 40 s), or a 70 s silence: CI runs them.
+pytestmark = [pytest.mark.anyio, pytest.mark.long, pytest.mark.timeout(600)]
 
 TOKEN = "gateway-secret"
 JUPYTER_TOKEN = "jupyter-secret"
