@@ -43,8 +43,10 @@ class ProcessIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if exc.errno != errno.ESRCH:
                 log.warning("pidfd_open(%d): %s", self.pid, exc)
             return None
-        # Checked after the pidfd is open: from here on the PID cannot change owner.
-        if process_start_ticks(self.pid) != self.start_ticks:
+        # Checked after the pidfd is open: from here on the PID cannot change owner. A
+        # zombie has ended too: its parent (init, for an orphan) has not reaped it yet.
+        stat = _stat(self.pid)
+        if stat is None or stat[0] == "Z" or int(stat[19]) != self.start_ticks:
             os.close(pidfd)
             return None
         return pidfd
@@ -52,13 +54,18 @@ class ProcessIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def process_start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot), or ``None`` if it is gone."""
+    stat = _stat(pid)
+    return None if stat is None else int(stat[19])  # field 22 of proc(5)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` from the third (the state) on; ``None`` if gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat.rpartition(")")[2].split()
-    return int(fields[19])  # field 22 of proc(5), counted from field 3
+    return stat.rpartition(")")[2].split()
 
 
 def read_boot_id() -> str:
