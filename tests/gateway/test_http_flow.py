@@ -14,7 +14,7 @@ import pytest
 from tornado import httpclient, websocket
 
 from tests.agent._daemons import DEADLINE
-from tests.gateway._http import KernelSocket, call, start_http_gateway, stdout, stop
+from tests.gateway._http import KernelSocket, call, poll, start_http_gateway, stdout, stop
 
 # Each floods a kernel with tens of MiB: over a minute on a loaded machine.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900), pytest.mark.long]
@@ -143,6 +143,13 @@ async def test_a_session_away_during_a_flood_is_held_its_bound_of_the_newest_mes
         control_id = reader.send("control", "kernel_info_request", {})
         with anyio.fail_after(4 * DEADLINE):
             await follow(reader, flood_id, control_id)
+
+        async def away_seen() -> bool:  # the gateway saw the close: the session is held
+            return (await call(f"{url}/api/kernels/{kernel_id}", token=TOKEN))[1][
+                "connections"
+            ] == 1
+
+        await poll(away_seen)
         back = await open_socket(url, kernel_id, "away")
         try:
             # What was held: the cell's end, and of its output only the newest part.
