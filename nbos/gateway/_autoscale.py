@@ -19,6 +19,11 @@ Then:
   committed GPU; moves that fail are retried every period meanwhile.
 
 A drained host stays out of service until it leaves, as in the simulator.
+
+The first decision waits ``settle`` seconds at least (the gateway passes its failure
+detector's window): agents that ran before this gateway started, with an earlier run of
+it or beside it in a swarm, speak within that window. A decision before it would count
+them as missing and scale out below the floor (the simulator starts with its hosts).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class LiveAutoscaler:
         *,
         period: float,
         host_timeout: float,
+        settle: float = 0.0,
         precopy: bool = False,
     ) -> None:
         self._directory = directory
@@ -63,6 +69,7 @@ class LiveAutoscaler:
         self._agent = agent
         self._period = period
         self._host_timeout = host_timeout
+        self._settle = settle
         self._draining: set[HostId] = set()
         self._precopy = precopy
         self._copying: set[KernelId] = set()
@@ -77,9 +84,10 @@ class LiveAutoscaler:
     async def run(self) -> None:
         """Decide every period, forever; actions run as tasks of their own."""
         async with anyio.create_task_group() as tg:
+            await anyio.sleep(max(self._period, self._settle))
             while True:
-                await anyio.sleep(self._period)
                 self.tick(tg)
+                await anyio.sleep(self._period)
 
     def tick(self, tg: anyio.abc.TaskGroup) -> None:
         """One decision, its actions started in ``tg``."""

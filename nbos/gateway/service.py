@@ -305,8 +305,17 @@ class GatewayService:
             if loaded is not None:
                 await _take_back(loaded, kernel_manager, backend, conf)
             control_socket = _bind_control(control, stack)
+            # Agents of an earlier run, or started elsewhere, may not have spoken yet.
+            unheard = not conf.local_agents or (loaded is not None and loaded.generation > 0)
             live = await _autoscale_and_drain(
-                conf, directory, kernel_manager, provider=provider, agent=agent, tg=tg, stack=stack
+                conf,
+                directory,
+                kernel_manager,
+                provider=provider,
+                agent=agent,
+                settle=conf.heartbeat_s * conf.missed_heartbeats if unheard else 0.0,
+                tg=tg,
+                stack=stack,
             )
             service = cls(
                 directory,
@@ -759,11 +768,13 @@ async def _autoscale_and_drain(
     *,
     provider: HostProvider | None,
     agent: AgentCommand,
+    settle: float,
     tg: anyio.abc.TaskGroup,
     stack: AsyncExitStack,
 ) -> LiveAutoscaler | None:
-    """The live autoscaler (with a provider) and what agents told to stop are answered:
-    with ``swarm_engine``, a host whose swarm node is drained is emptied first."""
+    """The live autoscaler (with a provider; its first decision ``settle`` seconds on at
+    the earliest) and what agents told to stop are answered: with ``swarm_engine``, a host
+    whose swarm node is drained is emptied first."""
     live = None
     if provider is not None:
         live = LiveAutoscaler(
@@ -773,6 +784,7 @@ async def _autoscale_and_drain(
             agent,
             period=conf.autoscale_period_s,
             host_timeout=conf.host_start_timeout_s,
+            settle=settle,
             precopy=conf.precopy,
         )
         _run_autoscaler(live, tg, stack)

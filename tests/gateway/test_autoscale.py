@@ -8,8 +8,11 @@ is intact: the same digest on every replica, the values still there.
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
@@ -20,11 +23,23 @@ from nbos.gateway import Grant
 from nbos.gateway.providers import available_providers, load_host_provider
 from nbos.gateway.service import GatewayService
 from tests._wait import eventually
-from tests.agent._daemons import DEADLINE
+from tests.agent._daemons import DEADLINE, AgentProcess, end_replicas, start_agent
 from tests.example_policy import install_example_policy
 from tests.gateway._service import autoscaled_settings, local_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def agents() -> Iterator[list[AgentProcess]]:
+    """Agents a test starts outside the gateway; each is SIGKILLed afterwards."""
+    started: list[AgentProcess] = []
+    yield started
+    for agent in started:
+        agent.kill(signal.SIGCONT)
+        agent.kill()
+        agent.wait()
+        end_replicas(agent.state_dir)
 
 
 async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_intact(
@@ -130,3 +145,35 @@ async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
         kernel = await service.kernel_manager.start_kernel(gpus=1)
         assert [r.host for r in kernel.replicas] == ["vm-1"]
         assert (await kernel.execute("%%gpus 1\nprint(6 * 7)")).stdout == "42\n"
+
+
+async def test_agents_not_heard_from_yet_are_not_missing_from_the_floor(
+    tmp_path: Path, agents: list[AgentProcess]
+) -> None:
+    """Agents started beside the gateway (a swarm's) that have not spoken when it starts:
+    the first decision waits for the failure detector's window, so the floor of 3 is met
+    by them and no host is added."""
+    settings = local_settings(
+        tmp_path,
+        local_agents=False,
+        autoscale=True,
+        min_hosts=3,
+        max_hosts=4,
+        autoscale_period_s=0.3,
+        scale_out_cooldown_s=0.0,
+    )
+    for host in ("h1", "h2", "h3"):
+        agents.append(start_agent(host, settings.gateway.agent_address, tmp_path))
+    for agent in agents:  # up, then slow to speak, as on a loaded node
+        await eventually(lambda a=agent: "gateway tcp://" in a.log_text(), DEADLINE)
+        agent.kill(signal.SIGSTOP)
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
+        scheduler = service.directory.scheduler
+        await anyio.sleep(1.5)  # five periods
+        for agent in agents:
+            agent.kill(signal.SIGCONT)
+        await scheduler.wait_for_hosts(3, DEADLINE)
+        window = settings.gateway.heartbeat_s * settings.gateway.missed_heartbeats
+        await anyio.sleep(window)  # the first decisions, made once they spoke
+        assert scheduler.ledger.scale_outs == 0
+        assert {h.host_id for h in scheduler.view().hosts} == {"h1", "h2", "h3"}
