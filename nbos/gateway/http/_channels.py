@@ -75,7 +75,8 @@ class Sink(Protocol):
         ...
 
     def close(self) -> None:
-        """End the client's connection (its kernel is gone)."""
+        """End the client's connection (its kernel is gone, or a newer connection of its
+        session replaced it)."""
         ...
 
     @property
