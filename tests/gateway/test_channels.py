@@ -23,9 +23,15 @@ DEADLINE = 30.0
 
 class Front:
     """A kernel front as a client sees it: every request on shell or control gets a busy
-    status, its reply and an idle status, published at once (as a fresh kernel does)."""
+    status, its reply and an idle status, published at once (as a fresh kernel does).
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+    ``output``: lines of stdout each request gets after its reply and before its idle,
+    once ``output_go`` is set (as a client reads a flood whose IOPub lags behind the
+    shell reply)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, output: list[str] | None = None) -> None:
+        self.output = output or []
+        self.output_go = anyio.Event()
         self.session = Session(key=KEY.encode(), username="front")
         self.routers = {c: ctx.socket(zmq.ROUTER) for c in ("shell", "control", "stdin")}
         self.iopub = ctx.socket(zmq.PUB)
@@ -48,6 +54,12 @@ class Front:
             reply_type = request["header"]["msg_type"].replace("_request", "_reply")
             self.session.send(self.iopub, "status", {"execution_state": "busy"}, parent=request)
             self.session.send(sock, reply_type, {"status": "ok"}, parent=request, ident=idents)
+            if self.output:
+                await self.output_go.wait()
+            for line in self.output:
+                self.session.send(
+                    self.iopub, "stream", {"name": "stdout", "text": line}, parent=request
+                )
             self.session.send(self.iopub, "status", {"execution_state": "idle"}, parent=request)
 
     def close(self) -> None:
@@ -92,7 +104,14 @@ class Client:
     def deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> bool:
         parent = json.loads(msg.parts[1])
         content = json.loads(msg.parts[3])
-        self.seen.append({"type": header["msg_type"], "parent": parent.get("msg_id"), **content})
+        self.seen.append(
+            {
+                "type": header["msg_type"],
+                "id": header["msg_id"],
+                "parent": parent.get("msg_id"),
+                **content,
+            }
+        )
         self.arrived.set()
         self.arrived = anyio.Event()
         return True
@@ -148,3 +167,58 @@ async def test_a_request_sent_as_the_kernel_restarts_reaches_the_new_front_with_
         bridge.close()
         tg.cancel_scope.cancel()
     new.close()
+
+
+def held_kinds(bridge: ChannelBridge) -> list[str]:
+    """The types of the messages ``bridge`` holds that are not output."""
+    return [header["msg_type"] for _, _, header in bridge._held_other]
+
+
+async def test_a_session_back_gets_every_held_reply_and_status_and_the_newest_output(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The cell's output comes after its reply (IOPub lags behind shell) and is 4 times the
+    bound: the bound drops the oldest output, never the reply or a status."""
+    bound = 2**16
+    lines = [f"{i:06d} {'x' * 1017}" for i in range(4 * bound // 1024)]  # 1 KiB each
+    front = Front(ctx, output=lines)
+    link, away, back = Link(front), Client(), Client()
+    bridge = ChannelBridge(link, "session", ctx, bound)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(front.serve)
+        await tg.start(bridge.run)
+        bridge.attach(away)
+        bridge.detach()  # gone before its cell: all of the cell is held
+        await bridge.send(execute_request("flood"))
+        # The output comes once the reply is held, and the client once the cell's idle is
+        # (IOPub's last): nothing tells that outside the bridge, so the test looks inside.
+        with anyio.fail_after(DEADLINE):
+            while not held_kinds(bridge).count("execute_reply"):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            front.output_go.set()
+            while held_kinds(bridge).count("status") < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        bridge.attach(back)
+        front.output = []
+        await bridge.send(execute_request("live"))
+        with anyio.fail_after(DEADLINE):
+            while len([m for m in back.seen if m["parent"] == "live"]) < 3:
+                await back.arrived.wait()
+        bridge.close()
+        tg.cancel_scope.cancel()
+    front.close()
+
+    flood = [m for m in back.seen if m["parent"] == "flood"]
+    # Every message that is not output, in the order they came (the reply on shell may
+    # come before or after the busy).
+    assert sorted(m["type"] for m in flood[:2]) == ["execute_reply", "status"], flood[:2]
+    assert flood[-1].get("execution_state") == "idle", flood[-1]
+    # Of the output only the newest, within the bound, in order.
+    printed = [m["text"] for m in flood if m["type"] == "stream"]
+    assert 0 < len(printed) < len(lines)
+    assert printed == lines[-len(printed) :]
+    assert sum(map(len, printed)) <= bound
+    # Then live messages, and none twice.
+    live = sorted(m["type"] for m in back.seen[len(flood) :])
+    assert live == ["execute_reply", "status", "status"], live
+    assert len({m["id"] for m in back.seen}) == len(back.seen)

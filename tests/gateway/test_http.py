@@ -258,3 +258,67 @@ async def test_clients_share_a_kernel_and_one_that_vanishes_mid_cell_loses_nothi
     with pytest.raises(httpclient.HTTPClientError) as refused:
         await KernelSocket.open(channels, TOKEN)
     assert refused.value.code == 404
+
+
+async def test_a_session_back_before_the_gateway_saw_it_go_replaces_its_old_connection(
+    gateway: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A client back from a lost network opens its session's WebSocket again while the
+    gateway still has the old one (it never heard it end), or closes the old one and opens
+    a new one at once: the newer connection takes over the session's channels, the reply,
+    the prompt for input and the output that followed, each once."""
+    url, _ = gateway
+    code, model = await call(f"{url}/api/kernels", "POST", {}, token=TOKEN)
+    assert code == 201
+    kernel_url = f"{url}/api/kernels/{model['id']}"
+    channels = f"{kernel_url}/channels"
+    go_on = [tmp_path / "go-on-1", tmp_path / "go-on-2"]
+
+    def cell(step: int) -> str:
+        return (
+            f"import os, time\nprint('before', flush=True)\n"
+            f"while not os.path.exists({str(go_on[step])!r}):\n    time.sleep(0.05)\n"
+            "print(input('who? '))"
+        )
+
+    old = await KernelSocket.open(channels, TOKEN, session_id="roaming")
+    sockets = [old]
+    try:
+        msg_id = old.send("shell", "execute_request", {"code": cell(0), "allow_stdin": True})
+        with anyio.fail_after(DEADLINE):
+            while not [m for m in old.seen if of_cell(m, msg_id, "stream")]:
+                await old.receive()
+        # The old socket stays open, silent: the gateway closes it for the new one.
+        new = await KernelSocket.open(channels, TOKEN, session_id="roaming")
+        sockets.append(new)
+        with pytest.raises(ConnectionError), anyio.fail_after(DEADLINE):
+            while True:
+                await old.receive()
+        assert (await call(kernel_url, token=TOKEN))[1]["connections"] == 1
+        go_on[0].touch()
+        reply, outputs = await new.finish(msg_id, answer="new")
+        assert reply["content"]["status"] == "ok"
+        assert stdout(outputs) == "new\n"  # "before" went to the old socket, once
+
+        # Closed and opened again at once: the gateway may see the close before or after.
+        msg_id = new.send("shell", "execute_request", {"code": cell(1), "allow_stdin": True})
+        with anyio.fail_after(DEADLINE):
+            while not [m for m in new.seen if of_cell(m, msg_id, "stream")]:
+                await new.receive()
+        new.close()
+        again = await KernelSocket.open(channels, TOKEN, session_id="roaming")
+        sockets.append(again)
+        go_on[1].touch()
+        reply, outputs = await again.finish(msg_id, answer="again")
+        assert reply["content"]["status"] == "ok"
+        assert stdout(outputs) == "again\n"
+        assert stdout((await again.run("print(1 + 1)"))[1]) == "2\n"
+        assert (await call(kernel_url, token=TOKEN))[1]["connections"] == 1
+    finally:
+        for ws in sockets:
+            ws.close()
+    assert (await call(kernel_url, "DELETE", token=TOKEN))[0] == 204
+
+
+def of_cell(msg: dict[str, Any], msg_id: str, msg_type: str) -> bool:
+    return msg["msg_type"] == msg_type and msg["parent_header"].get("msg_id") == msg_id

@@ -129,12 +129,6 @@ async def test_a_client_that_does_not_read_loses_output_past_the_bound_and_stall
         assert (await call(f"{url}/api/kernels/{kernel_id}", "DELETE", token=TOKEN))[0] == 204
 
 
-@pytest.mark.xfail(
-    reason="open bug: a session that comes back to a held backlog of a flood's output does "
-    "not always get the cell's reply (seen twice in the last three runs on a loaded machine; "
-    "ChannelBridge.attach, where a held message the new socket does not take detaches it)",
-    strict=False,
-)
 async def test_a_session_away_during_a_flood_is_held_its_bound_of_the_newest_messages(
     gateway: str,
 ) -> None:

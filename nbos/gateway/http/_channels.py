@@ -8,10 +8,15 @@ front's key and checks the signature of what comes back (``jupyter_client``'s
 bridge: replies go to the client that asked, IOPub to every client.
 
 While no client is attached (its WebSocket closed mid-cell) the bridge keeps
-reading and holds what arrives, up to :data:`BUFFER_MAX` messages and the bytes of its
-backlog's bound (below), oldest dropped first, for the client that comes back with the
-same session id. When the kernel is restarted the bridge connects to the new front; the
-client's WebSocket stays open.
+reading and holds what arrives for the client that comes back with the same session id:
+every message that is not output (statuses, replies, errors, comms), and of the output
+(below) only the newest, within the bytes of its backlog's bound, oldest dropped first.
+The shell reply of a cell can be read before the last of the cell's output (IOPub is
+another socket, and may lag), so the bound must never drop what is not output. Past
+:data:`BUFFER_MAX` messages held, output goes first, then the oldest of the rest. The
+client that comes back gets what was held in the order it arrived, then what arrives
+live. When the kernel is restarted the bridge connects to the new front; the client's
+WebSocket stays open.
 
 The bridge reads IOPub as fast as the front publishes, whatever the client does, so that
 a slow client never backs ZeroMQ's queues up. Its sink counts the bytes given to it and
@@ -46,8 +51,8 @@ from nbos.kernel.jupyter_requests import channel_url, session_for
 
 log = logging.getLogger(__name__)
 
-#: Messages kept for a client that is away (and at most its backlog's bytes); older ones
-#: are dropped first.
+#: Messages kept for a client that is away (its output within its backlog's bytes); output
+#: goes first past it, then the oldest of the rest.
 BUFFER_MAX = 10_000
 #: IOPub messages that are output, which a client over its backlog goes without.
 DROPPABLE = frozenset({"stream", "display_data", "update_display_data", "execute_result"})
@@ -56,6 +61,10 @@ _NUDGE_TIMEOUT_S = 10.0
 _NUDGE_EVERY_S = 0.2
 
 _SOCKETS = {"shell": zmq.DEALER, "control": zmq.DEALER, "stdin": zmq.DEALER, "iopub": zmq.SUB}
+
+#: A message held for a client that is away: its place in the order of arrival, itself
+#: and its header.
+_Held = tuple[int, WireMsg, Mapping[str, Any]]
 
 
 class Sink(Protocol):
@@ -66,7 +75,8 @@ class Sink(Protocol):
         ...
 
     def close(self) -> None:
-        """End the client's connection (its kernel is gone)."""
+        """End the client's connection (its kernel is gone, or a newer connection of its
+        session replaced it)."""
         ...
 
     @property
@@ -106,9 +116,15 @@ class ChannelBridge:
         self._ctx = ctx
         self._identity = f"{session_key or 'client'}-{secrets.token_hex(4)}".encode()
         self._sink: Sink | None = None
-        self._buffer: deque[tuple[WireMsg, Mapping[str, Any]]] = deque()
-        #: Bytes of the messages in ``_buffer``.
-        self._held_bytes = 0
+        #: Held output, and every other held message, each oldest first.
+        self._held_output: deque[_Held] = deque()
+        self._held_other: deque[_Held] = deque()
+        #: Bytes of the messages in ``_held_output``.
+        self._held_output_bytes = 0
+        #: Messages held so far, the place of the next one.
+        self._held_count = 0
+        #: Whether held messages were dropped since a client was last attached (logged once).
+        self._dropping_held = False
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._session: Session | None = None
         self._nudges: set[str] = set()
@@ -128,15 +144,24 @@ class ChannelBridge:
         return self._sink is not None
 
     def attach(self, sink: Sink) -> None:
-        """Deliver to ``sink`` from now on, first what was held while nobody was attached."""
-        self._sink = sink
-        while self._buffer and self._sink is sink:
-            msg, header = self._buffer.popleft()
+        """Deliver to ``sink`` from now on, first what was held while nobody was attached,
+        in the order it arrived.
+
+        A ``sink`` that is closed already takes nothing: what it did not take stays held
+        for the next client of the session.
+        """
+        self._dropping = None  # a new client is told afresh when its output is dropped
+        self._dropping_held = False
+        while self._held_output or self._held_other:
+            held = self._oldest_held()
+            _, msg, header = held[0]
             if not sink.deliver(msg, header):
-                self._buffer.appendleft((msg, header))
                 self._sink = None
-            else:
-                self._held_bytes -= _size(msg)
+                return
+            held.popleft()
+            if held is self._held_output:
+                self._held_output_bytes -= _size(msg)
+        self._sink = sink
 
     def detach(self) -> None:
         """The client went away: hold its messages until it comes back (or :meth:`close`)."""
@@ -144,8 +169,9 @@ class ChannelBridge:
 
     def close(self) -> None:
         self._sink = None
-        self._buffer.clear()
-        self._held_bytes = 0
+        self._held_output.clear()
+        self._held_other.clear()
+        self._held_output_bytes = 0
         self._scope.cancel()
         self._closed = True
         self._connected.set()  # nothing to wait for any more
@@ -280,28 +306,49 @@ class ChannelBridge:
         if sink is not None and sink.deliver(msg, header):
             return
         self._sink = None
-        self._buffer.append((msg, header))
-        self._held_bytes += _size(msg)
-        if len(self._buffer) > BUFFER_MAX or self._held_bytes > self.backlog_bytes:
+        self._hold(msg, header)
+
+    def _hold(self, msg: WireMsg, header: Mapping[str, Any]) -> None:
+        """Keep ``msg`` for the client that comes back; drop the oldest output past the
+        bound (and, past :data:`BUFFER_MAX` messages, the oldest message)."""
+        held = (self._held_count, msg, header)
+        self._held_count += 1
+        if _is_output(msg, header):
+            self._held_output.append(held)
+            self._held_output_bytes += _size(msg)
+        else:
+            self._held_other.append(held)
+        over_bytes = self._held_output_bytes > self.backlog_bytes
+        over_count = len(self._held_output) + len(self._held_other) > BUFFER_MAX
+        if (over_bytes or over_count) and not self._dropping_held:
+            self._dropping_held = True
             log.warning(
-                "kernel %s: %d messages (%d MiB) held for session %s: dropping the oldest",
+                "kernel %s: %d messages (%d MiB of output) held for session %s: "
+                "dropping the oldest output",
                 self.link.kernel_id,
-                len(self._buffer),
-                self._held_bytes // 2**20,
+                len(self._held_output) + len(self._held_other),
+                self._held_output_bytes // 2**20,
                 self.session_key,
             )
-        while len(self._buffer) > 1 and (
-            len(self._buffer) > BUFFER_MAX or self._held_bytes > self.backlog_bytes
-        ):
-            self._held_bytes -= _size(self._buffer.popleft()[0])
+        # The newest output stays, even alone over the bound.
+        while len(self._held_output) > 1 and self._held_output_bytes > self.backlog_bytes:
+            self._held_output_bytes -= _size(self._held_output.popleft()[1])
+        while len(self._held_output) + len(self._held_other) > BUFFER_MAX:
+            if self._held_output:
+                self._held_output_bytes -= _size(self._held_output.popleft()[1])
+            else:
+                self._held_other.popleft()
+
+    def _oldest_held(self) -> deque[_Held]:
+        """The held queue whose first message arrived first (one is not empty)."""
+        output, other = self._held_output, self._held_other
+        if not other or (output and output[0][0] < other[0][0]):
+            return output
+        return other
 
     def _over_backlog(self, sink: Sink, msg: WireMsg, header: Mapping[str, Any]) -> bool:
         """Drop ``msg`` if it is output and ``sink`` is over its backlog; ``True`` if so."""
-        if (
-            msg.channel != "iopub"
-            or header.get("msg_type") not in DROPPABLE
-            or sink.backlog <= self.backlog_bytes
-        ):
+        if not _is_output(msg, header) or sink.backlog <= self.backlog_bytes:
             return False
         parent = msg.parts[1]
         if parent != self._dropping:
@@ -316,6 +363,10 @@ class ChannelBridge:
             notice = _dropped_notice(parent, self.backlog_bytes)
             sink.deliver(notice, msgspec.json.decode(notice.parts[0]))
         return True
+
+
+def _is_output(msg: WireMsg, header: Mapping[str, Any]) -> bool:
+    return msg.channel == "iopub" and header.get("msg_type") in DROPPABLE
 
 
 def _size(msg: WireMsg) -> int:

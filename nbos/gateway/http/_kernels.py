@@ -364,20 +364,44 @@ class ApiKernels:
     # --- clients ----------------------------------------------------------------
 
     async def connect(self, api: ApiKernel, sink: Sink, session_key: str) -> ChannelBridge:
-        """A bridge for a new WebSocket: the held one of ``session_key``, else a new one.
-        Waits for a kernel that starts (:meth:`ApiKernel.wait_started`)."""
+        """A bridge for a new WebSocket: that of ``session_key`` if it has one, else a new
+        one. Waits for a kernel that starts (:meth:`ApiKernel.wait_started`).
+
+        A session's bridge is the one its older WebSocket left held, or the one that
+        WebSocket still has: a client back from a lost network can come before the
+        gateway noticed its old connection end. The newer connection replaces the older
+        one, as in Jupyter Server: the older is closed and the newer takes over its bridge
+        (its replies, its stdin and what was held).
+        """
         await api.wait_started()
-        held, api.detached = api.detached, None
-        if held is not None and session_key and held.session_key == session_key:
-            bridge = held
-        else:
-            if held is not None:  # one session is held per kernel, as Jupyter Server does
-                held.close()
-            bridge = ChannelBridge(api, session_key, self._ctx, self.backlog_bytes)
-            await self._tg.start(bridge.run)
+        bridge = self._take_over(api, session_key) if session_key else None
+        if bridge is None:
+            held, api.detached = api.detached, None
+            if held is not None and session_key and held.session_key == session_key:
+                bridge = held
+            else:
+                if held is not None:  # one session is held per kernel, as Jupyter Server does
+                    held.close()
+                bridge = ChannelBridge(api, session_key, self._ctx, self.backlog_bytes)
+                await self._tg.start(bridge.run)
         api.sinks[sink] = bridge
         bridge.attach(sink)
         return bridge
+
+    def _take_over(self, api: ApiKernel, session_key: str) -> ChannelBridge | None:
+        """The bridge of ``session_key``'s open WebSocket, which is closed; ``None`` if none."""
+        for old, bridge in api.sinks.items():
+            if bridge.session_key == session_key:
+                del api.sinks[old]
+                bridge.detach()
+                old.close()
+                log.warning(
+                    "kernel %s: session %s connected again: its older connection is replaced",
+                    api.kernel_id,
+                    session_key,
+                )
+                return bridge
+        return None
 
     def disconnect(self, api: ApiKernel, sink: Sink) -> None:
         """A WebSocket closed: its session's messages are held if it named one."""
