@@ -5,7 +5,7 @@ The peak is the gateway process's own high-water mark (``VmHWM``, reset through
 ``/proc/PID/clear_refs`` before the flood), so no short spike is missed between samples.
 Before the replica cut stream messages to 1 Mi characters and the front passed output
 through unparsed, ipykernel's messages of tens of MiB each sat in the gateway in several
-copies at once: this flood raised its peak by over 150 MiB, whatever the bound.
+copies at once: this flood raised its peak by 270-400 MiB (the bound is 16).
 """
 
 from __future__ import annotations
