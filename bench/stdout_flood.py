@@ -7,13 +7,15 @@ drops stream output past 1 MB/s), then, alternating the two for ``NBOS_BENCH_ROU
 (default 3), runs a cell printing ``NBOS_BENCH_FLOOD_MB`` MiB (default 100) in 1 KiB lines
 and times it from ``execute_request`` until its reply and ``idle`` arrived, every line
 counted at the client. Throughput: MiB of stdout the client got per second. Each server's
-memory (RSS) is sampled through the cell: its peak over the RSS before.
+peak memory through the cell, over what it held idle before the first flood: RSS (the
+kernel's high-water mark, reset before the cell) and PSS (sampled).
 
-First a **slow client** on each: it sends a cell printing ``NBOS_BENCH_SLOW_MB`` MiB
+Then a **slow client** on each: it sends a cell printing ``NBOS_BENCH_SLOW_MB`` MiB
 (default 320) and reads nothing for ``NBOS_BENCH_STALL_S`` seconds (default 20), the
-server's RSS sampled meanwhile, then reads what still comes. nbos's gateway holds at most
+server's peak memory meanwhile, then reads what still comes. nbos's gateway holds at most
 its per-client backlog (``[gateway] client_backlog_mib``, default 256) for a client that
-does not read, and drops its output past it; Kernel Gateway holds everything.
+does not read, and drops its output past it; Kernel Gateway holds everything. Run as the
+servers' owner (it writes their ``/proc/PID/clear_refs``).
 
 The last line is the JSON summary: nbos's throughput against Kernel Gateway's (median of
 the rounds). Run from the repository root: ``python bench/stdout_flood.py``.
@@ -56,40 +58,68 @@ def flood_code(mib: float) -> str:
     return f"for _ in range({lines}):\n    print({'x' * (LINE - 1)!r})"
 
 
-class RssPeak:
-    """The highest RSS of ``pid`` (KiB) while in the block, sampled every 20 ms."""
+class MemoryPeak:
+    """Process ``pid``'s peak memory while in the block, over ``idle`` (its RSS and PSS in
+    KiB when it served no flood yet), in MiB.
 
-    def __init__(self, pid: int) -> None:
+    RSS: the kernel's own high-water mark (``VmHWM``, reset through ``clear_refs`` on
+    entry), so that no spike is missed between samples; PSS (``smaps_rollup``, what the
+    process's pages cost when shared pages are split among their users) sampled every
+    50 ms. Over the idle figures, not over the block's start: an allocator keeps what a
+    process once held, and a peak that reuses it is still a peak.
+    """
+
+    def __init__(self, pid: int, idle: tuple[int, int]) -> None:
         self.pid = pid
-        self.before = rss_kib(pid)
-        self.peak = self.before
+        self.idle = idle
+        self.rss_peak, self.pss_peak = idle
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        while not self._done.wait(0.02):
-            self.peak = max(self.peak, rss_kib(self.pid))
+        while not self._done.wait(0.05):
+            self.pss_peak = max(self.pss_peak, _pss_kib(self.pid))
 
-    def __enter__(self) -> RssPeak:
+    def __enter__(self) -> MemoryPeak:
+        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+            f.write("5")  # VmHWM from now on
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_kib(self.pid))
+        self.rss_peak = _status_kib(self.pid, "VmHWM")
+        self.pss_peak = max(self.pss_peak, _pss_kib(self.pid))
 
     @property
-    def grew_mib(self) -> float:
-        return (self.peak - self.before) / 1024
+    def rss_grew_mib(self) -> float:
+        return round((self.rss_peak - self.idle[0]) / 1024, 1)
+
+    @property
+    def pss_grew_mib(self) -> float:
+        return round((self.pss_peak - self.idle[1]) / 1024, 1)
 
 
-def rss_kib(pid: int) -> int:
+def idle_memory(pid: int) -> tuple[int, int]:
+    """RSS and PSS of ``pid``, in KiB."""
+    return _status_kib(pid, "VmRSS"), _pss_kib(pid)
+
+
+def _status_kib(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for {pid}")
+    raise RuntimeError(f"no {field} for {pid}")
+
+
+def _pss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no Pss for {pid}")
 
 
 class _Frame(msgspec.Struct):
@@ -138,11 +168,13 @@ async def read_cell(
     return got, replied and idle
 
 
-async def flood(base: str, kernel_id: str, pid: int) -> tuple[float, float]:
-    """One flood cell: MiB/s of stdout at the client, and the server's RSS growth (MiB)."""
+async def flood(
+    base: str, kernel_id: str, pid: int, idle: tuple[int, int]
+) -> tuple[float, MemoryPeak]:
+    """One flood cell: MiB/s of stdout at the client, and the server's peak memory."""
     conn = await open_ws(base, kernel_id)
     try:
-        with RssPeak(pid) as rss:
+        with MemoryPeak(pid, idle) as memory:
             begun = time.perf_counter()
             got, whole = await read_cell(conn, send_cell(conn, flood_code(FLOOD_MIB)))
             took = time.perf_counter() - begun
@@ -151,44 +183,56 @@ async def flood(base: str, kernel_id: str, pid: int) -> tuple[float, float]:
     expected = int(FLOOD_MIB * 1024 * 1024 / LINE) * LINE
     if not whole or got != expected:
         raise SystemExit(f"{base}: the client got {got} of {expected} bytes (whole: {whole})")
-    return got / 2**20 / took, rss.grew_mib
+    return got / 2**20 / took, memory
 
 
-async def slow_client(base: str, kernel_id: str, pid: int) -> dict[str, object]:
-    """The flood to a client that reads nothing for ``STALL_S``: RSS growth meanwhile, and
+async def slow_client(
+    base: str, kernel_id: str, pid: int, idle: tuple[int, int]
+) -> dict[str, object]:
+    """The flood to a client that reads nothing for ``STALL_S``: peak memory meanwhile, and
     what the client got once it read again (nbos drops IOPub past its bound, maybe the
     ``idle`` too: then the reply is waited for and 30 s of silence)."""
     conn = await open_ws(base, kernel_id)
     try:
         msg_id = send_cell(conn, flood_code(SLOW_MIB))
-        with RssPeak(pid) as rss:
+        with MemoryPeak(pid, idle) as memory:
             await anyio.sleep(STALL_S)
         got, whole = await read_cell(conn, msg_id, quiet_s=30.0)
     finally:
         conn.close()
-    return {"grew_mib": round(rss.grew_mib, 1), "got_mib": round(got / 2**20, 1), "whole": whole}
+    return {
+        "rss_grew_mib": memory.rss_grew_mib,
+        "pss_grew_mib": memory.pss_grew_mib,
+        "got_mib": round(got / 2**20, 1),
+        "whole": whole,
+    }
 
 
 async def main(servers: dict[str, tuple[str, int, str]]) -> dict[str, object]:
     kernels = {name: await new_kernel(url, spec) for name, (url, _, spec) in servers.items()}
     figures: dict[str, object] = {"flood_mib": FLOOD_MIB, "rounds": ROUNDS, "slow_mib": SLOW_MIB}
-    # First, while the servers' memory is fresh: RSS once grown stays so when freed.
-    for name, (url, pid, _) in servers.items():
-        slow = await slow_client(url, kernels[name], pid)
-        figures[f"{name}_slow_client"] = slow
-        print(f"slow  {name:15} {slow}", flush=True)
+    idle = {name: idle_memory(pid) for name, (_, pid, _) in servers.items()}
     rates: dict[str, list[float]] = {name: [] for name in servers}
-    grew: dict[str, list[float]] = {name: [] for name in servers}
+    peaks: dict[str, list[MemoryPeak]] = {name: [] for name in servers}
     for _ in range(ROUNDS):
         for name, (url, pid, _) in servers.items():
-            rate, mib = await flood(url, kernels[name], pid)
+            rate, memory = await flood(url, kernels[name], pid, idle[name])
             rates[name].append(rate)
-            grew[name].append(mib)
-            print(f"flood {name:15} {rate:7.1f} MiB/s  server RSS +{mib:6.1f} MiB", flush=True)
+            peaks[name].append(memory)
+            print(
+                f"flood {name:15} {rate:7.1f} MiB/s  server peak RSS +{memory.rss_grew_mib} "
+                f"MiB, PSS +{memory.pss_grew_mib} MiB",
+                flush=True,
+            )
+    for name, (url, pid, _) in servers.items():
+        slow = await slow_client(url, kernels[name], pid, idle[name])
+        figures[f"{name}_slow_client"] = slow
+        print(f"slow  {name:15} {slow}", flush=True)
     for name in servers:
         figures[f"{name}_mib_s"] = round(statistics.median(rates[name]), 1)
         figures[f"{name}_rounds_mib_s"] = [round(r, 1) for r in rates[name]]
-        figures[f"{name}_rss_growth_mib"] = round(max(grew[name]), 1)
+        figures[f"{name}_rss_growth_mib"] = max(p.rss_grew_mib for p in peaks[name])
+        figures[f"{name}_pss_growth_mib"] = max(p.pss_grew_mib for p in peaks[name])
     for name, (url, _, _) in servers.items():
         await call(f"{url}/api/kernels/{kernels[name]}", "DELETE", token=TOKEN)
     return figures
@@ -218,14 +262,16 @@ def closing_line(figures: dict[str, object]) -> dict[str, object]:
     return {
         "bench": "stdout_flood",
         "metric": f"stdout of a cell printing {FLOOD_MIB:g} MiB in 1 KiB lines, to the "
-        "WebSocket client (median of the rounds); nbos gateway RSS growth "
-        f"{figures['nbos_rss_growth_mib']} MiB; a client not reading {SLOW_MIB:g} MiB: "
+        "WebSocket client (median of the rounds); nbos gateway peak growth (MiB, most of "
+        f"the rounds): RSS {figures['nbos_rss_growth_mib']}, PSS "
+        f"{figures['nbos_pss_growth_mib']}; a client not reading {SLOW_MIB:g} MiB: "
         f"{figures['nbos_slow_client']}",
         "unit": "MiB/s",
         "value": value,
         "anchor": "Jupyter Kernel Gateway 3 + ipykernel, same client, its rate limit off; "
-        f"its RSS growth {figures['kernel-gateway_rss_growth_mib']} MiB; a client not "
-        f"reading: {figures['kernel-gateway_slow_client']}",
+        f"its peak growth RSS {figures['kernel-gateway_rss_growth_mib']}, PSS "
+        f"{figures['kernel-gateway_pss_growth_mib']} MiB; a client not reading: "
+        f"{figures['kernel-gateway_slow_client']}",
         "anchor_value": anchor,
         "ratio": round(value / anchor, 3),
         "better": "higher",

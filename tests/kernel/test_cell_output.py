@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nbos.kernel.replica._output import STREAM_MESSAGE_CHARS
 from tests.kernel.conftest import run_json
 
 CHILD = Path(__file__).with_name("_cell_output_child.py")
+STREAM_CHILD = Path(__file__).with_name("_stream_chunks_child.py")
 
 
 def test_cells_output_on_their_fds_is_theirs_and_quiet_cells_cost_the_reader_nothing() -> None:
@@ -23,3 +25,10 @@ def test_cells_output_on_their_fds_is_theirs_and_quiet_cells_cost_the_reader_not
     assert report["woke"] < 5
     # The child's pipe went once the child exited.
     assert report["watched_at_end"] == 0
+
+
+def test_a_flood_goes_out_in_stream_messages_of_at_most_a_mebi_character() -> None:
+    report = run_json([str(STREAM_CHILD)])
+    # ipykernel sent all 2.5 Mi characters (written within its 0.2 s) as one message.
+    assert report["whole"]
+    assert report["lengths"] == [STREAM_MESSAGE_CHARS, STREAM_MESSAGE_CHARS, 512 * 1024]

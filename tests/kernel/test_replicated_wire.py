@@ -13,7 +13,7 @@ from nbos.core.config import RaftSettings
 from nbos.core.errors import AuthenticationError, ConfigError, DecodeError, KernelError
 from nbos.core.ids import NodeId
 from nbos.kernel.front._requests import Channel, UnknownRequestError, reply_type, screen
-from nbos.kernel.front._wire import Signer
+from nbos.kernel.front._wire import Signer, Unparsed
 from nbos.kernel.protocol import cell_request
 from nbos.kernel.replica import DEVICES_KEY, EXEC_INDEX_KEY, parse_peers
 from nbos.kernel.replica._app import _log_only_what_is_shown, parse_raft_settings
@@ -39,6 +39,38 @@ def test_a_client_message_is_verified_decoded_and_resigned_for_another_key() -> 
     check = Session(key=b"r" * 64)
     _, rest = check.feed_identities(relayed)
     assert check.deserialize(rest)["content"]["code"] == "1"
+
+
+def published_frames(key: str, msg_type: str, content: dict[str, object]) -> list[bytes]:
+    session = Session(key=key.encode())
+    frames: list[bytes] = session.serialize(session.msg(msg_type, content), [b"kernel.x.topic"])
+    return frames
+
+
+def test_published_output_is_relayed_unparsed_its_bytes_as_they_came_and_resigned() -> None:
+    replica, front = Signer({"key": "r" * 64}), Signer({"key": KEY})
+    frames = published_frames("r" * 64, "stream", {"name": "stdout", "text": "x\u00e9\n"})
+    _, msg = replica.parse(frames, content=False)
+    assert isinstance(msg["content"], Unparsed) and msg["content"].data is frames[-1]
+    out = front.frames(msg, [b"kernel.x.stream"], session_id="front-session")
+    assert out[-1] is frames[-1]  # the content's own bytes, not a copy
+    # A client with the front's key verifies and reads it.
+    check = Session(key=KEY.encode())
+    _, rest = check.feed_identities(out)
+    relayed = check.deserialize(rest)
+    assert relayed["content"] == {"name": "stdout", "text": "x\u00e9\n"}
+    assert relayed["header"]["session"] == "front-session"
+
+
+def test_unparsed_content_is_still_verified_and_a_status_is_decoded() -> None:
+    replica = Signer({"key": "r" * 64})
+    frames = published_frames("r" * 64, "stream", {"name": "stdout", "text": "x"})
+    frames[-1] = frames[-1].replace(b'"x"', b'"y"')
+    with pytest.raises(AuthenticationError):
+        replica.parse(frames, content=False)
+    status = published_frames("r" * 64, "status", {"execution_state": "idle"})
+    _, msg = replica.parse(status, content=False)
+    assert msg["content"] == {"execution_state": "idle"}
 
 
 def test_the_front_session_id_replaces_the_replicas() -> None:

@@ -474,15 +474,17 @@ class ApiKernels:
         session = session_for(kernel.connection_info)
         output_seen_at = -_OUTPUT_ACTIVITY_EVERY_S
         while True:
-            frames = await sock.recv_multipart()
+            # Not copied out of ZeroMQ's buffers unless read: most output is not.
+            frames = await sock.recv_multipart(copy=False)
             # The front's topic names the message's type: ``kernel.<id>.<msg_type>``.
-            if not frames[0].endswith(b".status"):
+            is_status = frames[0].bytes.endswith(b".status")
+            if not is_status:
                 if time.monotonic() - output_seen_at < _OUTPUT_ACTIVITY_EVERY_S:
                     continue
                 output_seen_at = time.monotonic()
             try:
-                _, parts = session.feed_identities(frames)
-                msg = session.deserialize(parts)
+                _, parts = session.feed_identities([frame.bytes for frame in frames])
+                msg = session.deserialize(parts, content=is_status)
             except (ValueError, TypeError, KeyError):
                 continue  # the bridges log it
             if msg["parent_header"].get("msg_type") in _UNTRACKED:

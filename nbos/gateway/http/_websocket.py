@@ -101,10 +101,10 @@ class KernelChannels(RedactedLogs, websocket.WebSocketHandler):
     def deliver(self, msg: WireMsg, header: Mapping[str, Any]) -> bool:
         frame = encode(msg, dict(header), self.protocol)
         try:
-            written = self.write_message(frame, binary=isinstance(frame, bytes))
+            written = self.write_message(frame.data, binary=not frame.text)
         except websocket.WebSocketClosedError:
             return False
-        size = len(frame)
+        size = len(frame.data)
         self.backlog += size
         written.add_done_callback(lambda done: self._written(done, size))
         return True

@@ -49,10 +49,22 @@ class _JsonMsg(msgspec.Struct):
 _json_msg = msgspec.json.Decoder(_JsonMsg)
 
 
-def encode(msg: WireMsg, header: dict[str, Any], protocol: str) -> str | bytes:
-    """``msg`` as one WebSocket frame (text for ``str``) in ``protocol``."""
+@attrs.frozen
+class Frame:
+    """A WebSocket frame's payload; ``text``: a text frame (UTF-8 JSON), else binary."""
+
+    data: bytes
+    text: bool
+
+
+def encode(msg: WireMsg, header: dict[str, Any], protocol: str) -> Frame:
+    """``msg`` as one WebSocket frame in ``protocol``.
+
+    A text frame stays the bytes msgspec wrote (UTF-8 already): a flood's messages are
+    MiBs, and each copy on the way is one more of them held.
+    """
     if protocol == V1_PROTOCOL:
-        return _frame_v1(msg.channel, [*msg.parts, *msg.buffers])
+        return Frame(_frame_v1(msg.channel, [*msg.parts, *msg.buffers]), text=False)
     raw = dict(zip(_PARTS, map(msgspec.Raw, msg.parts), strict=True))
     body = {
         **raw,
@@ -61,8 +73,8 @@ def encode(msg: WireMsg, header: dict[str, Any], protocol: str) -> str | bytes:
         "channel": msg.channel,
     }
     if not msg.buffers:
-        return msgspec.json.encode({**body, "buffers": []}).decode()
-    return _frame_legacy([msgspec.json.encode(body), *msg.buffers])
+        return Frame(msgspec.json.encode({**body, "buffers": []}), text=True)
+    return Frame(_frame_legacy([msgspec.json.encode(body), *msg.buffers]), text=False)
 
 
 def decode(frame: str | bytes, protocol: str) -> WireMsg:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import attrs
 import zmq.asyncio
 
@@ -310,7 +311,7 @@ class Relay:
                 # A status nobody waits for does nothing here: the replica's idle of a
                 # request whose reply counted its output, mostly. Not even verified.
                 continue
-            parsed = self._parse_upstream(up, frames)
+            parsed = self._parse_upstream(up, frames, content=False)
             if parsed is None:
                 continue
             msg = parsed[1]
@@ -328,6 +329,10 @@ class Relay:
                 # Late output of a finished request (a thread the cell started), from the
                 # replica that ran it: a client shows it with that cell, as with ipykernel.
                 await self._clients.publish(msg)
+            # Neither receiving nor publishing waits while the replica's messages keep
+            # coming: without a turn for the readers of this IOPub (the gateway's
+            # WebSocket bridges, in this process), a flood would pile up in their queues.
+            await anyio.lowlevel.checkpoint()
 
     def _awaits_idle(self, replica: int) -> bool:
         """Whether a request to ``replica`` waits for its idle."""
@@ -354,9 +359,11 @@ class Relay:
                 continue
             await self._upstreams[active.target].send("stdin", incoming[1])
 
-    def _parse_upstream(self, up: Upstream, frames: list[bytes]) -> Incoming | None:
+    def _parse_upstream(
+        self, up: Upstream, frames: list[bytes], *, content: bool = True
+    ) -> Incoming | None:
         try:
-            return up.signer.parse(frames)
+            return up.signer.parse(frames, content=content)
         except (AuthenticationError, DecodeError) as exc:
             log.warning(
                 "kernel %s: replica %d sent a bad message: %s", self._kernel_id, up.replica, exc

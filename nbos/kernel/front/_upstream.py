@@ -20,6 +20,13 @@ log = logging.getLogger(__name__)
 
 Channel = Literal["shell", "control", "stdin"]
 
+#: Messages of a replica's IOPub that the front's socket holds unread (ZeroMQ's default:
+#: 1,000). A stream message is at most 1 Mi characters (the replica's
+#: ``STREAM_MESSAGE_CHARS``), so a flood the front is behind on holds at most about this
+#: many MiB of the gateway's memory here; the rest waits in the replica's own queue
+#: (which, past its high-water mark, drops, as any kernel's IOPub does).
+IOPUB_QUEUE_MESSAGES = 16
+
 
 @attrs.frozen
 class ReplicaEndpoint:
@@ -52,16 +59,18 @@ class Upstream:
             "control": self._connect(zmq.DEALER, "control"),
             "stdin": self._connect(zmq.DEALER, "stdin", identity),
         }
-        self.iopub = self._connect(zmq.SUB, "iopub")
+        self.iopub = self._connect(zmq.SUB, "iopub", hwm=IOPUB_QUEUE_MESSAGES)
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         # The same socket without pyzmq's asyncio layer (see receive_iopub).
         self._iopub_direct: zmq.Socket[bytes] = zmq.Socket.shadow(self.iopub.underlying)
 
     def _connect(
-        self, kind: int, channel: str, identity: bytes | None = None
+        self, kind: int, channel: str, identity: bytes | None = None, *, hwm: int | None = None
     ) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if hwm is not None:
+            sock.setsockopt(zmq.RCVHWM, hwm)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         connect(sock, self._connection, channel, self._curve)

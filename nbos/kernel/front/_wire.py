@@ -4,7 +4,9 @@ Every message a cell produces crosses the front twice (replica to front, front t
 client), so this is the front's hot path. It follows the wire format of
 ``jupyter_client.session`` (identities, ``<IDS|MSG>``, HMAC over the four JSON
 frames, buffers) but decodes JSON with msgspec and leaves dates as the ISO strings
-they arrived as: a relayed message is re-signed, never re-interpreted.
+they arrived as: a relayed message is re-signed, never re-interpreted. The content of
+what a replica publishes (a cell's output: the bulk of what crosses the front) is not
+even decoded: it goes on as the bytes it arrived as (:class:`Unparsed`), signed again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import msgspec
 from jupyter_client.session import DELIM, Session
 
@@ -29,6 +32,13 @@ _REPLAY_WINDOW = 1 << 16
 
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
+
+
+@attrs.frozen
+class Unparsed:
+    """A message's JSON part relayed as it arrived: its signature checked, never decoded."""
+
+    data: bytes
 
 
 class Signer:
@@ -56,8 +66,9 @@ class Signer:
         )
         self._recent: OrderedDict[bytes, None] = OrderedDict()
 
-    def parse(self, frames: Sequence[bytes]) -> tuple[list[bytes], Msg]:
-        """Split identities off, verify the signature and decode one message.
+    def parse(self, frames: Sequence[bytes], *, content: bool = True) -> tuple[list[bytes], Msg]:
+        """Split identities off, verify the signature and decode one message; without
+        ``content``, its content stays :class:`Unparsed` unless it is a ``status``'s.
 
         Raises :class:`AuthenticationError` for an unsigned, wrongly signed or replayed
         message and :class:`DecodeError` for anything else not a Jupyter message.
@@ -71,10 +82,12 @@ class Signer:
             raise DecodeError(f"{len(rest)} frames after the delimiter, at least 5 expected")
         self._verify(rest[0], rest[1:5])
         try:
-            header, parent, metadata, content = (_decode_json(f) for f in rest[1:5])
+            header, parent, metadata = (_decode_json(f) for f in rest[1:4])
+            decoded = content or (isinstance(header, dict) and header.get("msg_type") == "status")
+            body = _decode_json(rest[4]) if decoded else Unparsed(bytes(rest[4]))
         except msgspec.DecodeError as exc:
             raise DecodeError(f"a frame is not JSON: {exc}") from exc
-        msg = _checked(header, parent, metadata, content)
+        msg = _checked(header, parent, metadata, body)
         msg["buffers"] = list(rest[5:])
         return idents, msg
 
@@ -89,7 +102,7 @@ class Signer:
             _encode_json(header),
             _encode_json(msg.get("parent_header", {})),
             _encode_json(msg.get("metadata", {})),
-            _encode_json(msg.get("content", {})),
+            _encoded_content(msg.get("content", {})),
         ]
         return [*idents, DELIM, self.session.sign(parts), *parts, *msg.get("buffers", ())]
 
@@ -119,7 +132,7 @@ def _checked(header: Any, parent: Any, metadata: Any, content: Any) -> Msg:
         raise DecodeError("Jupyter message without a msg_type")
     if not isinstance(parent, dict) or not isinstance(metadata, dict):
         raise DecodeError("Jupyter message parent_header or metadata is not an object")
-    if not isinstance(content, dict):
+    if not isinstance(content, dict | Unparsed):
         raise DecodeError("Jupyter message content is not an object")
     return {
         "header": header,
@@ -129,3 +142,7 @@ def _checked(header: Any, parent: Any, metadata: Any, content: Any) -> Msg:
         "metadata": metadata,
         "content": content,
     }
+
+
+def _encoded_content(content: Any) -> bytes:
+    return content.data if isinstance(content, Unparsed) else _encode_json(content)

@@ -18,6 +18,7 @@ import os
 import select
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ipykernel.iostream import OutStream
@@ -25,6 +26,11 @@ from ipykernel.iostream import OutStream
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 1 << 16
+#: At most this many characters of stdout or stderr in one ``stream`` message. ipykernel
+#: sends what a cell printed in 0.2 s as one message, tens of MiB in a flood, and each
+#: process on its way to a client holds a few copies of a message while it passes: the
+#: gateway's memory in flight is counted in messages (ZeroMQ's queues) and copies of one.
+STREAM_MESSAGE_CHARS = 1 << 20
 
 
 class _Pump:
@@ -169,7 +175,8 @@ class CellOutput:
 
 class ReplicaOutStream(OutStream):
     """ipykernel's ``sys.stdout`` and ``sys.stderr``, whose flush returns at once when
-    nothing was written since the last one.
+    nothing was written since the last one, and which send what was written in messages
+    of at most :data:`STREAM_MESSAGE_CHARS` characters.
 
     ipykernel flushes both before every reply, each a round trip to its IO thread: on
     a loaded host, a wait for the GIL behind the Raft thread, on every cell. With nothing
@@ -183,3 +190,8 @@ class ReplicaOutStream(OutStream):
             written = bool(self._buffers)
         if written:
             super().flush()  # type: ignore[no-untyped-call]
+
+    def _flush_buffers(self) -> Iterator[tuple[dict[str, Any], str]]:
+        for parent, text in super()._flush_buffers():  # type: ignore[no-untyped-call]
+            for start in range(0, len(text), STREAM_MESSAGE_CHARS):
+                yield parent, text[start : start + STREAM_MESSAGE_CHARS]
