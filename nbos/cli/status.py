@@ -14,7 +14,13 @@ import msgspec
 
 from nbos.core.config import Settings
 from nbos.core.errors import TransportError
-from nbos.gateway.control_api import ClusterStatus, ControlError, StatusRequest, call
+from nbos.gateway.control_api import (
+    ClusterStatus,
+    ControlError,
+    KernelInfo,
+    StatusRequest,
+    call,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -58,10 +64,18 @@ def status_command(args: argparse.Namespace) -> int:
 def as_json(status: ClusterStatus, now: float) -> str:
     """The status as JSON: the control API's fields (less its type tags), with ages."""
     plain = _untagged(msgspec.to_builtins(status))
-    for kernel in plain["kernels"]:
-        started = kernel["started_at"]
-        kernel["age_s"] = None if started is None else round(max(0.0, now - started), 1)
+    plain["kernels"] = [_kernel_json(kernel, now) for kernel in status.kernels]
     return json.dumps(plain, indent=2)
+
+
+def _kernel_json(kernel: KernelInfo, now: float) -> dict[str, Any]:
+    """Every field of ``kernel``, those at their defaults too (the wire leaves them out),
+    and its age."""
+    fields = {f.name: getattr(kernel, f.name) for f in msgspec.structs.fields(kernel)}
+    plain: dict[str, Any] = _untagged(msgspec.to_builtins(fields))
+    started = kernel.started_at
+    plain["age_s"] = None if started is None else round(max(0.0, now - started), 1)
+    return plain
 
 
 def _untagged(value: Any) -> Any:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal
 
@@ -66,6 +67,7 @@ import zmq.asyncio
 from nbos.core.errors import (
     ForbiddenError,
     IdentityProviderError,
+    KernelError,
     NbosError,
     OverloadedError,
     TransportError,
@@ -87,6 +89,8 @@ ControlErrorKind = Literal[
     "malformed", "failed", "unknown", "overloaded", "unauthorized", "forbidden"
 ]
 
+#: How long a client waits for the answer to a shutdown or a watch beyond its wait.
+_SHUTDOWN_TIMEOUT_S = 60.0
 #: A request message above this is dropped by ZeroMQ (with its connection) before it is
 #: read: the largest valid one, a start with its connection, is a few hundred bytes.
 MAX_REQUEST_BYTES = 64 * 1024
@@ -122,7 +126,7 @@ class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, tag_field="t"):
     pass
 
 
-class StartKernel(_Msg):
+class StartKernel(_Msg, omit_defaults=True):
     """Start a kernel whose cells ask for ``gpus`` GPUs by default.
 
     ``connection``: the ``key`` and ports (``shell_port`` ...) its front binds, those
@@ -131,16 +135,26 @@ class StartKernel(_Msg):
     :class:`WatchKernel` for it was pending for that long (its owner died); ``None``:
     it lives until shut down. ``user``: the user it is started for, who owns it (an
     admin's request only, as Enterprise Gateway's impersonation; ``None``: the sender).
+
+    ``early``: answer as soon as the start waits for a host the autoscaler adds, with
+    the kernel ``starting`` (``KernelInfo.waiting`` says why), not once it runs; a
+    :class:`WatchKernel` then waits for it (:func:`start_kernel` does both). Fields at
+    their defaults are left out of the message, so a gateway from before ``early`` takes
+    every start that does not ask for it.
     """
 
     gpus: Gpus = 0
     connection: Connection | None = None
     lease_s: PositiveSeconds | None = None
     user: UserName | None = None
+    early: bool = False
 
 
-class ListKernels(_Msg):
-    pass
+class ListKernels(_Msg, omit_defaults=True):
+    """The kernels, and with ``starts`` the starts under way too (``starting``, each with
+    ``waiting`` while it waits for a host; left out when false, as ``StartKernel.early``)."""
+
+    starts: bool = False
 
 
 class ShutdownKernel(_Msg):
@@ -158,7 +172,9 @@ class StatusRequest(_Msg):
 class WatchKernel(_Msg):
     """Answered once the kernel ended (``unknown``), or with its state after ``wait_s``.
 
-    A pending watch holds the kernel's lease (:class:`StartKernel`).
+    A pending watch holds the kernel's lease (:class:`StartKernel`). Of a kernel whose
+    start was answered early: answered once it runs, or with the start's error, or after
+    ``wait_s`` with it ``starting``.
     """
 
     kernel_id: KernelIdField
@@ -209,7 +225,7 @@ class ReplicaStatus(_Msg):
     alive: bool
 
 
-class KernelInfo(_Msg):
+class KernelInfo(_Msg, omit_defaults=True):
     """A kernel: its front's connection info (what a Jupyter client loads) and replicas.
 
     ``owner``: the user who started it (``""``: a kernel from before users, an admin's).
@@ -223,6 +239,11 @@ class KernelInfo(_Msg):
     which an API restart keeps while ``kernel_id`` changes (``None``: not started
     through the API); ``gpus``: its GPUs per cell; ``started_at``: when it was started,
     UNIX seconds, kept across gateway restarts (each ``None`` from an older gateway).
+
+    A start not running yet (``state == "starting"``: ``StartKernel(early=True)``,
+    ``ListKernels(starts=True)``) has no ``connection`` and no ``replicas`` yet, and
+    ``waiting`` says why while it waits for a host. Fields at their defaults are left out
+    of the message, so a client from before ``waiting`` decodes every other kernel.
     """
 
     kernel_id: str
@@ -236,6 +257,7 @@ class KernelInfo(_Msg):
     api_id: str | None = None
     gpus: int | None = None
     started_at: float | None = None
+    waiting: str | None = None
 
 
 class KernelList(_Msg):
@@ -423,6 +445,52 @@ async def call(
         fresh = client_token(address)
         if fresh != sent:
             reply = await _ask(address, Envelope(fresh, request), timeout)
+    return reply
+
+
+#: How long one :class:`WatchKernel` of :func:`start_kernel` waits (the gateway answers
+#: at once when the start ends).
+_START_WATCH_S = 10.0
+
+
+async def start_kernel(
+    address: str,
+    request: StartKernel,
+    timeout: float = 300.0,
+    *,
+    token: str | None = None,
+    on_wait: Callable[[str], None] | None = None,
+) -> ControlReply:
+    """Start a kernel through the gateway at ``address`` and wait until it runs: its
+    :class:`KernelInfo`, or the :class:`ControlError` of a start refused or failed.
+
+    The start is asked with ``early=True``, so a start that waits for a host the
+    autoscaler adds is answered at once (``on_wait(why)`` is called then, and again
+    whenever why changes) and watched until it runs. A gateway from before ``early``
+    (which refuses the field) is asked the plain start. Raises :class:`KernelError` when
+    the kernel does not run within ``timeout`` seconds (its start is called off then),
+    and :class:`TransportError` when the gateway does not answer.
+    """
+    deadline = time.monotonic() + timeout
+    reply = await call(address, msgspec.structs.replace(request, early=True), timeout, token=token)
+    if isinstance(reply, ControlError) and reply.kind == "malformed" and "early" in reply.message:
+        reply = await call(
+            address, msgspec.structs.replace(request, early=False), timeout, token=token
+        )
+    told = None
+    while isinstance(reply, KernelInfo) and reply.state == "starting":
+        if on_wait is not None and reply.waiting is not None and reply.waiting != told:
+            told = reply.waiting
+            on_wait(told)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            await call(address, ShutdownKernel(reply.kernel_id), _SHUTDOWN_TIMEOUT_S, token=token)
+            raise KernelError(
+                f"kernel {reply.kernel_id} still starts after {timeout:g} s ({reply.waiting})"
+                "; its start was called off"
+            )
+        watch = WatchKernel(reply.kernel_id, min(left, _START_WATCH_S))
+        reply = await call(address, watch, watch.wait_s + _SHUTDOWN_TIMEOUT_S, token=token)
     return reply
 
 

@@ -17,8 +17,22 @@ import pytest
 
 from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import OverloadedError
-from nbos.gateway import Kernel
+from nbos.core.identity import User
+from nbos.gateway import Kernel, KernelManager
 from nbos.gateway.auth import Authenticator
+from nbos.gateway.control_api import (
+    ControlError,
+    KernelInfo,
+    KernelList,
+    ListKernels,
+    ShutdownKernel,
+    StartKernel,
+    WatchKernel,
+    start_kernel,
+)
+from nbos.gateway.control_api import (
+    call as control,
+)
 from nbos.gateway.http import serve_http
 from nbos.gateway.service import GatewayService
 from tests.agent._daemons import DEADLINE
@@ -31,7 +45,7 @@ from tests.gateway._http import (
     stdout,
     stop,
 )
-from tests.gateway._service import local_settings
+from tests.gateway._service import local_settings, run_cell
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -86,6 +100,88 @@ async def test_a_start_waits_for_the_host_the_autoscaler_adds_and_the_ceiling_re
         assert (await second.execute("%%gpus 1\nprint(6 * 7)")).stdout == "42\n"
         with pytest.raises(OverloadedError, match=r"ceiling \(max_hosts=2\)"):
             await manager.start_kernel(gpus=1)
+
+
+async def _first_placed(manager: KernelManager, tg: anyio.abc.TaskGroup) -> list[Kernel]:
+    """Start a kernel of one GPU in ``tg``; once it is placed (the one host is full from
+    then on, and it still starts): the list that will hold it."""
+    firsts: list[Kernel] = []
+    scheduler = manager.gpus.scheduler
+
+    async def start_first() -> None:
+        firsts.append(await manager.start_kernel(gpus=1))
+
+    tg.start_soon(start_first)
+    with anyio.fail_after(DEADLINE):
+        while not any(h.replicas for h in scheduler.view().hosts):
+            await scheduler.changed(scheduler.version)
+    return firsts
+
+
+async def test_the_control_api_answers_a_waiting_start_early_and_lists_it(
+    tmp_path: Path,
+) -> None:
+    async with GatewayService.serve(
+        one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
+        address = service.addresses["control"]
+        told: list[str] = []
+        started: list[Any] = []
+
+        async def start_second() -> None:
+            started.append(await start_kernel(address, StartKernel(gpus=1), on_wait=told.append))
+
+        async with anyio.create_task_group() as tg:
+            await _first_placed(service.kernel_manager, tg)
+            tg.start_soon(start_second)
+            # While the second start waits for its host, the list shows it (asked for).
+            with anyio.fail_after(DEADLINE):
+                while not (listed := await _starts_listed(address)):  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            (waiting,) = listed
+            plain = await control(address, ListKernels())
+            assert isinstance(plain, KernelList)
+            assert waiting.kernel_id not in {k.kernel_id for k in plain.kernels}
+        assert waiting.waiting is not None and waiting.waiting.startswith("waiting for a host")
+        assert (waiting.connection, waiting.replicas, waiting.gpus) == ({}, [], 1)
+        (second,) = started
+        assert told == [waiting.waiting], told
+        assert isinstance(second, KernelInfo) and second.kernel_id == waiting.kernel_id
+        assert second.state == "idle" and second.waiting is None, second
+        assert (await run_cell(second, "%%gpus 1\nprint(6 * 7)"))["stdout"] == "42\n"
+        refused = await start_kernel(address, StartKernel(gpus=1))
+        assert isinstance(refused, ControlError) and refused.kind == "overloaded", refused
+        assert "max_hosts=2" in refused.message
+
+
+async def _starts_listed(address: str) -> list[KernelInfo]:
+    listed = await control(address, ListKernels(starts=True))
+    assert isinstance(listed, KernelList), listed
+    return [k for k in listed.kernels if k.state == "starting" and k.waiting is not None]
+
+
+async def test_a_waiting_start_shut_down_is_called_off_and_its_watch_says_so(
+    tmp_path: Path,
+) -> None:
+    async with GatewayService.serve(
+        one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
+        address = service.addresses["control"]
+        manager = service.kernel_manager
+        admin = User(name="operator", role="admin")
+        async with anyio.create_task_group() as tg:
+            await _first_placed(manager, tg)
+            early = await control(address, StartKernel(gpus=1, early=True))
+            assert isinstance(early, KernelInfo) and early.state == "starting", early
+            assert early.waiting is not None and early.waiting.startswith("waiting for a host")
+            # Shut down while it still waits (checked in the same step as the shutdown's).
+            assert early.kernel_id in manager.starts_waiting
+            rest = await service.handle(admin, ShutdownKernel(early.kernel_id))
+        assert isinstance(rest, KernelList), rest
+        assert early.kernel_id not in {k.kernel_id for k in rest.kernels}
+        watched = await control(address, WatchKernel(early.kernel_id, 5.0))
+        assert isinstance(watched, ControlError) and "shut down" in watched.message, watched
+        assert not manager.starts and len(manager.kernels) == 1
 
 
 async def test_the_http_api_answers_a_waiting_start_at_once_and_its_websocket_waits(
