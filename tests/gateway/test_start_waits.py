@@ -18,7 +18,8 @@ import pytest
 from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import OverloadedError
 from nbos.core.identity import User
-from nbos.gateway import Kernel, KernelManager
+from nbos.gateway import Kernel, KernelManager, control_api
+from nbos.gateway._dashboard import Dashboard, EventLog
 from nbos.gateway.auth import Authenticator
 from nbos.gateway.control_api import (
     ControlError,
@@ -30,10 +31,7 @@ from nbos.gateway.control_api import (
     WatchKernel,
     start_kernel,
 )
-from nbos.gateway.control_api import (
-    call as control,
-)
-from nbos.gateway.http import serve_http
+from nbos.gateway.http import DashboardSources, serve_http
 from nbos.gateway.service import GatewayService
 from tests.agent._daemons import DEADLINE
 from tests.gateway._http import (
@@ -134,12 +132,19 @@ async def test_the_control_api_answers_a_waiting_start_early_and_lists_it(
         async with anyio.create_task_group() as tg:
             await _first_placed(service.kernel_manager, tg)
             tg.start_soon(start_second)
-            # While the second start waits for its host, the list shows it (asked for).
+            # While the second start waits for its host, the list (asked for) and the
+            # dashboard show it.
+            board = Dashboard(service.kernel_manager, service.host_status, EventLog(), dict)
             with anyio.fail_after(DEADLINE):
-                while not (listed := await _starts_listed(address)):  # noqa: ASYNC110
+                while not (listed := await _starts_listed(address)) or not (  # noqa: ASYNC110
+                    rows := [k for k in board.board(0)["kernels"] if k["waiting"]]
+                ):
                     await anyio.sleep(0.05)
             (waiting,) = listed
-            plain = await control(address, ListKernels())
+            assert [(r["nbos_id"], r["state"], r["waiting"]) for r in rows] == [
+                (waiting.kernel_id, "starting", waiting.waiting)
+            ]
+            plain = await control_api.call(address, ListKernels())
             assert isinstance(plain, KernelList)
             assert waiting.kernel_id not in {k.kernel_id for k in plain.kernels}
         assert waiting.waiting is not None and waiting.waiting.startswith("waiting for a host")
@@ -155,7 +160,7 @@ async def test_the_control_api_answers_a_waiting_start_early_and_lists_it(
 
 
 async def _starts_listed(address: str) -> list[KernelInfo]:
-    listed = await control(address, ListKernels(starts=True))
+    listed = await control_api.call(address, ListKernels(starts=True))
     assert isinstance(listed, KernelList), listed
     return [k for k in listed.kernels if k.state == "starting" and k.waiting is not None]
 
@@ -171,7 +176,7 @@ async def test_a_waiting_start_shut_down_is_called_off_and_its_watch_says_so(
         admin = User(name="operator", role="admin")
         async with anyio.create_task_group() as tg:
             await _first_placed(manager, tg)
-            early = await control(address, StartKernel(gpus=1, early=True))
+            early = await control_api.call(address, StartKernel(gpus=1, early=True))
             assert isinstance(early, KernelInfo) and early.state == "starting", early
             assert early.waiting is not None and early.waiting.startswith("waiting for a host")
             # Shut down while it still waits (checked in the same step as the shutdown's).
@@ -179,7 +184,7 @@ async def test_a_waiting_start_shut_down_is_called_off_and_its_watch_says_so(
             rest = await service.handle(admin, ShutdownKernel(early.kernel_id))
         assert isinstance(rest, KernelList), rest
         assert early.kernel_id not in {k.kernel_id for k in rest.kernels}
-        watched = await control(address, WatchKernel(early.kernel_id, 5.0))
+        watched = await control_api.call(address, WatchKernel(early.kernel_id, 5.0))
         assert isinstance(watched, ControlError) and "shut down" in watched.message, watched
         assert not manager.starts and len(manager.kernels) == 1
 
@@ -191,7 +196,13 @@ async def test_the_http_api_answers_a_waiting_start_at_once_and_its_websocket_wa
         GatewayService.serve(
             one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
         ) as service,
-        serve_http(HTTP, service.kernel_manager, lambda: 2, Authenticator("t")) as api,
+        serve_http(
+            HTTP,
+            service.kernel_manager,
+            lambda: 2,
+            Authenticator("t"),
+            DashboardSources(service.host_status, EventLog()),
+        ) as api,
     ):
         kernels = f"{api.url}/api/kernels"
         scheduler = service.directory.scheduler
@@ -212,6 +223,15 @@ async def test_the_http_api_answers_a_waiting_start_at_once_and_its_websocket_wa
         assert status == 201, model
         assert model["execution_state"] == "starting", model
         assert model["nbos"]["waiting"].startswith("waiting for a host"), model
+        # The kernel list and the dashboard show it waiting, and why.
+        status, listed = await call(kernels, token="t")
+        assert status == 200 and model["id"] in {k["id"] for k in listed}, listed
+        (shown,) = [k for k in listed if k["id"] == model["id"]]
+        assert shown["nbos"]["state"] == "starting" and shown["nbos"]["waiting"], shown
+        status, board = await call(f"{api.url}/dashboard/api/state", token="t")
+        (row,) = [k for k in board["board"]["kernels"] if k["id"] == model["id"]]
+        # Placed meanwhile, it starts still, no longer waiting for a host.
+        assert row["state"] == "starting" and row["waiting"] in (None, shown["nbos"]["waiting"])
         # The client connects and sends a cell at once: both wait for the kernel.
         ws = await KernelSocket.open(f"{kernels}/{model['id']}/channels", "t", v1=True)
         try:
