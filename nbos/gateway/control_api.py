@@ -16,8 +16,8 @@ other user's is answered ``ControlError(kind="forbidden")``.
 =========================  ==========================
 request                    reply
 =========================  ==========================
-``StartKernel(gpus)``      ``KernelInfo``
-``ListKernels()``          ``KernelList``
+``StartKernel(gpus)``      ``KernelInfo`` (``early``: ``starting`` while it waits)
+``ListKernels()``          ``KernelList`` (``starts``: the starts under way too)
 ``ShutdownKernel(id)``     ``KernelList`` (the rest)
 ``StatusRequest()``        ``ClusterStatus``
 ``WatchKernel(id, wait)``  ``KernelInfo``
@@ -37,6 +37,8 @@ A request naming a kernel that does not run (or that ended during a ``WatchKerne
 is answered with ``ControlError(kind="unknown")``; a ``StartKernel`` the gateway takes no
 room for now (``[gateway] max_starting`` starts under way, or no host with room) with
 ``ControlError(kind="overloaded")`` at once, whose ``retry_after_s`` says when to ask again.
+A start that waits for a host the autoscaler adds is answered once the kernel runs, or with
+``early=True`` at once (``starting``; :func:`start_kernel` waits for it then).
 
 ``SignalReplica``, ``RestartReplica`` and ``DigestRequest`` are the fault injection and
 checks of ``nbos chaos --gateway`` (signals go only to the kernels' own replica

@@ -303,3 +303,41 @@ async def test_jupyter_server_gets_a_waiting_start_within_its_request_timeout(
 
 async def _logged(log: Path, text: str) -> bool:
     return text in await anyio.Path(log).read_text()
+
+
+class _OldStartKernel(msgspec.Struct, forbid_unknown_fields=True, tag="StartKernel", tag_field="t"):
+    """``StartKernel`` as a gateway from before ``early`` decodes it."""
+
+    gpus: int = 0
+    connection: dict[str, str | int] | None = None
+    lease_s: float | None = None
+    user: str | None = None
+
+
+class _OldKernelInfo(msgspec.Struct, forbid_unknown_fields=True, tag="KernelInfo", tag_field="t"):
+    """``KernelInfo`` as a client from before ``waiting`` decodes it."""
+
+    kernel_id: str
+    connection: dict[str, str | int]
+    replicas: list[Any]
+    running_on: int | None = None
+    last_executor: int | None = None
+    last_exec_index: int = 0
+    state: str | None = None
+    owner: str = ""
+    api_id: str | None = None
+    gpus: int | None = None
+    started_at: float | None = None
+
+
+def test_peers_from_before_early_starts_decode_what_they_are_sent() -> None:
+    encode = msgspec.msgpack.encode
+    old_gateway = msgspec.msgpack.Decoder(_OldStartKernel)
+    assert old_gateway.decode(encode(StartKernel(gpus=2, lease_s=5.0))).gpus == 2
+    with pytest.raises(msgspec.ValidationError, match="early"):
+        old_gateway.decode(encode(StartKernel(gpus=2, early=True)))
+    old_client = msgspec.msgpack.Decoder(_OldKernelInfo)
+    running = KernelInfo("k", {"shell_port": 1}, [], state="idle", owner="ann", gpus=1)
+    assert old_client.decode(encode(running)).owner == "ann"
+    with pytest.raises(msgspec.ValidationError, match="waiting"):
+        old_client.decode(encode(KernelInfo("k", {}, [], state="starting", waiting="why")))
