@@ -8,6 +8,7 @@ and then runs a cell; a third is refused at once with the ceiling named.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import anyio
 import msgspec
 import pytest
 
+from nbos.cli.status import as_json
 from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import OverloadedError
 from nbos.core.identity import User
@@ -22,6 +24,7 @@ from nbos.gateway import Kernel, KernelManager, control_api
 from nbos.gateway._dashboard import Dashboard, EventLog
 from nbos.gateway.auth import Authenticator
 from nbos.gateway.control_api import (
+    ClusterStatus,
     ControlError,
     KernelInfo,
     KernelList,
@@ -341,3 +344,12 @@ def test_peers_from_before_early_starts_decode_what_they_are_sent() -> None:
     assert old_client.decode(encode(running)).owner == "ann"
     with pytest.raises(msgspec.ValidationError, match="waiting"):
         old_client.decode(encode(KernelInfo("k", {}, [], state="starting", waiting="why")))
+
+
+def test_status_json_keeps_every_field_the_wire_leaves_out_at_its_default() -> None:
+    starting = KernelInfo("k", {}, [], state="starting", gpus=1, started_at=100.0, waiting="why")
+    plain = json.loads(as_json(ClusterStatus([], [starting]), now=160.0))
+    (kernel,) = plain["kernels"]
+    assert kernel["running_on"] is None and kernel["last_exec_index"] == 0, kernel
+    assert (kernel["owner"], kernel["api_id"], kernel["waiting"]) == ("", None, "why")
+    assert kernel["age_s"] == 60.0 and "t" not in kernel
