@@ -167,8 +167,11 @@ class ShutdownCluster(_Msg):
     """Shut every kernel down (answered once they are), then stop the gateway."""
 
 
-class StatusRequest(_Msg):
-    pass
+class StatusRequest(_Msg, omit_defaults=True):
+    """The hosts and kernels, and with ``starts`` the starts under way too (as
+    :class:`ListKernels`)."""
+
+    starts: bool = False
 
 
 class WatchKernel(_Msg):

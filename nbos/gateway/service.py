@@ -407,8 +407,8 @@ class GatewayService:
             case ShutdownCluster():
                 await self.shut_down()
                 return KernelList(self.kernel_infos(user))
-            case StatusRequest():
-                return ClusterStatus(self.host_status(), self.kernel_infos(user))
+            case StatusRequest(starts=starts):
+                return ClusterStatus(self.host_status(), self.kernel_infos(user, starts=starts))
             case UsageRequest():
                 return Usage.of(self.directory.scheduler.ledger)
             case SignalReplica(kernel_id=kernel_id, node=node, signal=signum):

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 import pytest
 
-from nbos.cli.status import as_json
+from nbos.cli.status import as_json, render
 from nbos.core.config import GatewaySettings, Settings
 from nbos.core.errors import OverloadedError
 from nbos.core.identity import User
@@ -346,10 +346,12 @@ def test_peers_from_before_early_starts_decode_what_they_are_sent() -> None:
         old_client.decode(encode(KernelInfo("k", {}, [], state="starting", waiting="why")))
 
 
-def test_status_json_keeps_every_field_the_wire_leaves_out_at_its_default() -> None:
+def test_status_shows_starts_and_its_json_every_field_the_wire_leaves_out() -> None:
     starting = KernelInfo("k", {}, [], state="starting", gpus=1, started_at=100.0, waiting="why")
     plain = json.loads(as_json(ClusterStatus([], [starting]), now=160.0))
     (kernel,) = plain["kernels"]
     assert kernel["running_on"] is None and kernel["last_exec_index"] == 0, kernel
     assert (kernel["owner"], kernel["api_id"], kernel["waiting"]) == ("", None, "why")
     assert kernel["age_s"] == 60.0 and "t" not in kernel
+    text = render(ClusterStatus([], [starting]), now=160.0)
+    assert "\nk why\n" in text and " starting " in text, text
