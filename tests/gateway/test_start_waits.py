@@ -85,8 +85,8 @@ async def test_a_start_waits_for_the_host_the_autoscaler_adds_and_the_ceiling_re
             firsts.append(await manager.start_kernel(gpus=1))
 
         # The second start is asked once the first is placed, while it still starts: the
-        # one host is full from then on, and the host the autoscaler adds for it (a full
-        # cluster is below its floor) is not there yet.
+        # one host is full from then on, and only the second start's wait has the
+        # autoscaler add a host.
         async with anyio.create_task_group() as tg:
             tg.start_soon(start_first)
             with anyio.fail_after(DEADLINE):
@@ -192,6 +192,24 @@ async def test_a_waiting_start_shut_down_is_called_off_and_its_watch_says_so(
         assert not manager.starts and len(manager.kernels) == 1
 
 
+async def test_a_full_host_is_no_reason_to_scale_out(tmp_path: Path) -> None:
+    """The one host, full with one kernel's replica, is in service: no host is added for
+    it (the autoscaler counted it as missing from its floor of one and added a second)."""
+    async with GatewayService.serve(
+        one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
+        scheduler = service.directory.scheduler
+        await service.kernel_manager.start_kernel(gpus=1)
+        assert scheduler.model.full_hosts()
+        # Ten autoscaler periods and more, whatever the machine's load.
+        autoscaler = scheduler.decisions.autoscaler
+        assert autoscaler is not None
+        decided = autoscaler.last_action_at
+        await anyio.sleep(3.0)
+        assert scheduler.ledger.scale_outs == 0 and autoscaler.last_action_at == decided
+        assert len(scheduler.view().hosts) == 1
+
+
 async def test_the_http_api_answers_a_waiting_start_at_once_and_its_websocket_waits(
     tmp_path: Path,
 ) -> None:
@@ -283,7 +301,7 @@ async def test_jupyter_server_gets_a_waiting_start_within_its_request_timeout(
                 firsts.append((await call(kernels, "POST", {"name": "nbos-gpu-1"}, token="j"))[0])
 
             # The second start is asked once the first is placed (the gateway's log says
-            # so), before the host the autoscaler adds for a full cluster has joined.
+            # so): it waits for the host the autoscaler adds for it.
             async with anyio.create_task_group() as tg:
                 tg.start_soon(post_first)
                 await poll(lambda: _logged(log, "placed on"))
