@@ -18,7 +18,7 @@ import pytest
 
 from nbos.cli.status import as_json, render
 from nbos.core.config import GatewaySettings, Settings
-from nbos.core.errors import OverloadedError
+from nbos.core.errors import KernelError, OverloadedError
 from nbos.core.identity import User
 from nbos.gateway import Kernel, KernelManager, control_api
 from nbos.gateway._dashboard import Dashboard, EventLog
@@ -189,6 +189,21 @@ async def test_a_waiting_start_shut_down_is_called_off_and_its_watch_says_so(
         assert early.kernel_id not in {k.kernel_id for k in rest.kernels}
         watched = await control_api.call(address, WatchKernel(early.kernel_id, 5.0))
         assert isinstance(watched, ControlError) and "shut down" in watched.message, watched
+        assert not manager.starts and len(manager.kernels) == 1
+
+
+async def test_a_start_not_running_within_its_timeout_is_called_off(tmp_path: Path) -> None:
+    async with GatewayService.serve(
+        one_host_growing_to_two(tmp_path), shutdown_kernels_on_exit=True
+    ) as service:
+        manager = service.kernel_manager
+        async with anyio.create_task_group() as tg:
+            await _first_placed(manager, tg)
+            # Far less than a host takes to join: the start still waits for it then.
+            late = r"still starts after 0\.05 s \(waiting for a host"
+            with pytest.raises(KernelError, match=late):
+                await start_kernel(service.addresses["control"], StartKernel(gpus=1), 0.05)
+            assert not manager.starts_waiting
         assert not manager.starts and len(manager.kernels) == 1
 
 
