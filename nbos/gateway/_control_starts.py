@@ -46,6 +46,8 @@ class _EarlyStart:
     scope: anyio.CancelScope | None = None
     #: A shutdown was asked while it started: its kernel is shut down once it runs.
     shut_down: bool = False
+    #: Answered before it ended (it waited for a host).
+    answered: bool = False
 
 
 class ControlStarts:
@@ -75,6 +77,7 @@ class ControlStarts:
         answered = anyio.Event()
 
         def waits(_why: str) -> None:
+            early.answered = True
             answered.set()
 
         self._tg.start_soon(self._run, early, gpus, connection, lease_s, waits)
@@ -141,7 +144,8 @@ class ControlStarts:
                 early.error = KernelError(f"kernel {early.kernel_id} was shut down as it started")
         except NbosError as exc:
             early.error = exc
-            log.warning("kernel %s did not start: %s", early.kernel_id, exc)
+            if early.answered:  # else its refusal is the answer, logged where refused
+                log.warning("kernel %s did not start: %s", early.kernel_id, exc)
         finally:
             early.ended_at = time.monotonic()
             early.ended.set()
