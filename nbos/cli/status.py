@@ -14,7 +14,13 @@ import msgspec
 
 from nbos.core.config import Settings
 from nbos.core.errors import TransportError
-from nbos.gateway.control_api import ClusterStatus, ControlError, StatusRequest, call
+from nbos.gateway.control_api import (
+    ClusterStatus,
+    ControlError,
+    KernelInfo,
+    StatusRequest,
+    call,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -46,7 +52,9 @@ def status_command(args: argparse.Namespace) -> int:
         address = load_cluster_file(args.cluster).gateway.address
     else:
         address = Settings.load(args.config).gateway.address
-    reply = anyio.run(call, address, StatusRequest(), args.timeout)
+    reply = anyio.run(call, address, StatusRequest(starts=True), args.timeout)
+    if isinstance(reply, ControlError) and reply.kind == "malformed" and "starts" in reply.message:
+        reply = anyio.run(call, address, StatusRequest(), args.timeout)  # a gateway before it
     if isinstance(reply, ControlError):
         raise TransportError(f"the gateway refused: {reply.message}")
     if not isinstance(reply, ClusterStatus):
@@ -58,10 +66,18 @@ def status_command(args: argparse.Namespace) -> int:
 def as_json(status: ClusterStatus, now: float) -> str:
     """The status as JSON: the control API's fields (less its type tags), with ages."""
     plain = _untagged(msgspec.to_builtins(status))
-    for kernel in plain["kernels"]:
-        started = kernel["started_at"]
-        kernel["age_s"] = None if started is None else round(max(0.0, now - started), 1)
+    plain["kernels"] = [_kernel_json(kernel, now) for kernel in status.kernels]
     return json.dumps(plain, indent=2)
+
+
+def _kernel_json(kernel: KernelInfo, now: float) -> dict[str, Any]:
+    """Every field of ``kernel``, those at their defaults too (the wire leaves them out),
+    and its age."""
+    fields = {f.name: getattr(kernel, f.name) for f in msgspec.structs.fields(kernel)}
+    plain: dict[str, Any] = _untagged(msgspec.to_builtins(fields))
+    started = kernel.started_at
+    plain["age_s"] = None if started is None else round(max(0.0, now - started), 1)
+    return plain
 
 
 def _untagged(value: Any) -> Any:
@@ -84,7 +100,8 @@ def age(started_at: float | None, now: float) -> str:
 
 
 def render(status: ClusterStatus, now: float | None = None) -> str:
-    """The status as three plain-text tables: hosts, kernels, replicas. A kernel is named
+    """The status as three plain-text tables: hosts, kernels (then, for each start waiting
+    for a host, its id and why), replicas. A kernel is named
     by the id the HTTP API shows (JupyterLab's) where it has one; NBOS ID is the one the
     control requests take. Ages are to ``now`` (UNIX seconds; default: the clock's)."""
     now = time.time() if now is None else now
@@ -137,7 +154,10 @@ def render(status: ClusterStatus, now: float | None = None) -> str:
             for r in k.replicas
         ],
     )
-    return f"{hosts}\n\n{len(status.kernels)} kernels\n{kernels}\n\n{replicas}"
+    waiting = "".join(
+        f"\n{k.api_id or k.kernel_id} {k.waiting}" for k in status.kernels if k.waiting
+    )
+    return f"{hosts}\n\n{len(status.kernels)} kernels\n{kernels}{waiting}\n\n{replicas}"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -23,6 +23,11 @@ class HostView:
     subscribes the GPU count of its kernel, whether or not a cell runs. It may exceed
     ``gpus_total`` (oversubscription). ``gpus_committed`` counts GPUs bound to
     running cells or pre-committed for them; ``gpus_idle = gpus_total - committed``.
+
+    ``schedulable``: a new replica may go here. ``full``: it may not only because the
+    host is at its limits (``HostLimits``: replicas, free memory); a full host is in
+    service still (its replicas run cells on its GPUs), where a drained or suspected one
+    is not.
     """
 
     host_id: HostId
@@ -31,6 +36,12 @@ class HostView:
     gpus_subscribed: int
     replicas: int
     schedulable: bool = True
+    full: bool = False
+
+    @property
+    def in_service(self) -> bool:
+        """Whether the host serves the cluster: schedulable, or only full."""
+        return self.schedulable or self.full
 
     @property
     def gpus_idle(self) -> int:

@@ -28,7 +28,7 @@ import msgspec
 from nbos.core.identity import User
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway._kernel import Kernel
-from nbos.gateway._kernel_manager import KernelManager
+from nbos.gateway._kernel_manager import KernelManager, StartUnderWay
 from nbos.gateway.control_api import HostStatus
 from nbos.metrics import ClusterEvent
 from nbos.scaling.ledger import Ledger
@@ -203,6 +203,9 @@ class Dashboard:
             _kernel(k, ids.get(k.kernel_id, k.kernel_id), ledger, now, k.kernel_id in waiting)
             for k in self.kernel_manager.kernels
         ]
+        kernels += [
+            _starting(s, ids.get(s.kernel_id, s.kernel_id), now) for s in self.kernel_manager.starts
+        ]
         return {"time": now, "hosts": hosts, "kernels": kernels}
 
     def _note_gone(self, present: set[str], now: float) -> None:
@@ -356,6 +359,23 @@ def _kernel(
         "age_s": max(0.0, now - kernel.started_at),
         "replicas": replicas,
         "last_cell": _last_cell(kernel, ledger, now, waiting),
+        "waiting": None,
+    }
+
+
+def _starting(start: StartUnderWay, api_id: str, now: float) -> dict[str, Any]:
+    """A start under way as a kernel of the board: ``starting``, no replicas yet, and why it
+    waits while it waits for a host."""
+    return {
+        "id": api_id,
+        "nbos_id": start.kernel_id,
+        "user": start.owner,
+        "state": "starting",
+        "gpus": start.gpus,
+        "age_s": max(0.0, now - start.asked_at),
+        "replicas": [],
+        "last_cell": None,
+        "waiting": start.waiting,
     }
 
 

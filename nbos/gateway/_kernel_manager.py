@@ -110,6 +110,18 @@ _RETRY_WRITE_S = 5.0
 RECOVERY_BACKOFF_S = (1.0, 10.0)
 
 
+@attrs.define
+class StartUnderWay:
+    """A kernel start not ended yet: whose, its GPUs per cell, when it was asked (UNIX
+    seconds), and why it waits while it waits for a host (``None``: it is not waiting)."""
+
+    kernel_id: KernelId
+    owner: str
+    gpus: int
+    asked_at: float
+    waiting: str | None = None
+
+
 class KernelGpus(Protocol):
     """The scheduler, and where the GPU side hears of kernels (``ClusterGpus``)."""
 
@@ -245,8 +257,8 @@ class KernelManager:
         self._tracked: dict[KernelId, _Tracked] = {}
         # Starts not acknowledged yet, and their hosts: recorded as starting.
         self._starting: dict[KernelId, list[HostId]] = {}
-        # Starts waiting for a host, with why.
-        self._waiting_starts: dict[KernelId, str] = {}
+        # Starts under way (until their kernel runs or they fail), and why each waits.
+        self._starts: dict[KernelId, StartUnderWay] = {}
         # Kernels whose shutdown is being recorded: in no record any more.
         self._ending: set[KernelId] = set()
         #: How many starts run at once (``[gateway] max_starting``); restores are not starts.
@@ -386,33 +398,48 @@ class KernelManager:
             raise ConfigError("gpus", gpus, "a non-negative number of GPUs per cell")
         self.admission.check()
         kernel_id = kernel_id if kernel_id is not None else new_kernel_id()
-        placed = dict(enumerate(await self._placement(kernel_id, gpus, on_wait), start=1))
+        start = self._starts[kernel_id] = StartUnderWay(kernel_id, owner, gpus, time.time())
         try:
-            with self.admission.slot():
-                return await self._start_kernel(
-                    kernel_id,
-                    placed,
-                    chooser=chooser,
-                    gpus=gpus,
-                    connection=connection,
-                    env=env,
-                    owner=owner,
-                )
-        except OverloadedError:
-            # No slot once it was placed: its placement goes, nothing of it started.
-            await self.gpus.kernel_gone(kernel_id)
-            raise
+            placed = dict(enumerate(await self._placement(start, on_wait), start=1))
+            try:
+                with self.admission.slot():
+                    return await self._start_kernel(
+                        kernel_id,
+                        placed,
+                        chooser=chooser,
+                        gpus=gpus,
+                        connection=connection,
+                        env=env,
+                        owner=owner,
+                    )
+            except OverloadedError:
+                # No slot once it was placed: its placement goes, nothing of it started.
+                await self.gpus.kernel_gone(kernel_id)
+                raise
+        finally:
+            del self._starts[kernel_id]
 
     @property
     def starts_waiting(self) -> Mapping[KernelId, str]:
         """Starts waiting for a host, with why (the autoscaler counts them as placement failed)."""
-        return dict(self._waiting_starts)
+        return {k: s.waiting for k, s in self._starts.items() if s.waiting is not None}
+
+    def start_under_way(self, kernel_id: KernelId) -> StartUnderWay | None:
+        """The start of ``kernel_id`` while it runs (its kernel may run already)."""
+        return self._starts.get(kernel_id)
+
+    @property
+    def starts(self) -> tuple[StartUnderWay, ...]:
+        """The starts under way whose kernel does not run yet (waiting for a host, or
+        starting its replicas), oldest first: what the kernel lists show as ``starting``."""
+        return tuple(s for k, s in self._starts.items() if k not in self._kernels)
 
     async def _placement(
-        self, kernel_id: KernelId, gpus: int, on_wait: Callable[[str], None] | None
+        self, start: StartUnderWay, on_wait: Callable[[str], None] | None
     ) -> tuple[HostId, ...]:
         """Hosts for the kernel's replicas, waiting for one while the autoscaler may add it;
         :class:`OverloadedError` when none has room and none can be added."""
+        kernel_id, gpus = start.kernel_id, start.gpus
         scheduler = self.gpus.scheduler
         deadline = anyio.current_time() + HOST_WAIT_S
         try:
@@ -428,15 +455,14 @@ class KernelManager:
                 grows = scheduler.decisions.may_grow(view, gpus, scheduler.provisioning)
                 if not grows or anyio.current_time() >= deadline:
                     raise self.admission.refuse(self._no_room(failed, gpus, grows)) from failed
-                if kernel_id not in self._waiting_starts:
-                    why = f"waiting for a host: {failed}"
-                    self._waiting_starts[kernel_id] = why
+                if start.waiting is None:
+                    start.waiting = why = f"waiting for a host: {failed}"
                     log.info("kernel %s %s", kernel_id, why)
                     if on_wait is not None:
                         on_wait(why)
                 await scheduler.changed(version)
         finally:
-            self._waiting_starts.pop(kernel_id, None)
+            start.waiting = None
 
     def _no_room(self, failed: PlacementError, gpus: int, grows: bool) -> str:
         """Why a start is refused for want of room: the placement's error, the full hosts,

@@ -16,8 +16,8 @@ other user's is answered ``ControlError(kind="forbidden")``.
 =========================  ==========================
 request                    reply
 =========================  ==========================
-``StartKernel(gpus)``      ``KernelInfo``
-``ListKernels()``          ``KernelList``
+``StartKernel(gpus)``      ``KernelInfo`` (``early``: ``starting`` while it waits)
+``ListKernels()``          ``KernelList`` (``starts``: the starts under way too)
 ``ShutdownKernel(id)``     ``KernelList`` (the rest)
 ``StatusRequest()``        ``ClusterStatus``
 ``WatchKernel(id, wait)``  ``KernelInfo``
@@ -37,6 +37,8 @@ A request naming a kernel that does not run (or that ended during a ``WatchKerne
 is answered with ``ControlError(kind="unknown")``; a ``StartKernel`` the gateway takes no
 room for now (``[gateway] max_starting`` starts under way, or no host with room) with
 ``ControlError(kind="overloaded")`` at once, whose ``retry_after_s`` says when to ask again.
+A start that waits for a host the autoscaler adds is answered once the kernel runs, or with
+``early=True`` at once (``starting``; :func:`start_kernel` waits for it then).
 
 ``SignalReplica``, ``RestartReplica`` and ``DigestRequest`` are the fault injection and
 checks of ``nbos chaos --gateway`` (signals go only to the kernels' own replica
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal
 
@@ -66,6 +69,7 @@ import zmq.asyncio
 from nbos.core.errors import (
     ForbiddenError,
     IdentityProviderError,
+    KernelError,
     NbosError,
     OverloadedError,
     TransportError,
@@ -87,6 +91,8 @@ ControlErrorKind = Literal[
     "malformed", "failed", "unknown", "overloaded", "unauthorized", "forbidden"
 ]
 
+#: How long a client waits for the answer to a shutdown or a watch beyond its wait.
+_SHUTDOWN_TIMEOUT_S = 60.0
 #: A request message above this is dropped by ZeroMQ (with its connection) before it is
 #: read: the largest valid one, a start with its connection, is a few hundred bytes.
 MAX_REQUEST_BYTES = 64 * 1024
@@ -122,7 +128,7 @@ class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, tag_field="t"):
     pass
 
 
-class StartKernel(_Msg):
+class StartKernel(_Msg, omit_defaults=True):
     """Start a kernel whose cells ask for ``gpus`` GPUs by default.
 
     ``connection``: the ``key`` and ports (``shell_port`` ...) its front binds, those
@@ -131,16 +137,26 @@ class StartKernel(_Msg):
     :class:`WatchKernel` for it was pending for that long (its owner died); ``None``:
     it lives until shut down. ``user``: the user it is started for, who owns it (an
     admin's request only, as Enterprise Gateway's impersonation; ``None``: the sender).
+
+    ``early``: answer as soon as the start waits for a host the autoscaler adds, with
+    the kernel ``starting`` (``KernelInfo.waiting`` says why), not once it runs; a
+    :class:`WatchKernel` then waits for it (:func:`start_kernel` does both). Fields at
+    their defaults are left out of the message, so a gateway from before ``early`` takes
+    every start that does not ask for it.
     """
 
     gpus: Gpus = 0
     connection: Connection | None = None
     lease_s: PositiveSeconds | None = None
     user: UserName | None = None
+    early: bool = False
 
 
-class ListKernels(_Msg):
-    pass
+class ListKernels(_Msg, omit_defaults=True):
+    """The kernels, and with ``starts`` the starts under way too (``starting``, each with
+    ``waiting`` while it waits for a host; left out when false, as ``StartKernel.early``)."""
+
+    starts: bool = False
 
 
 class ShutdownKernel(_Msg):
@@ -151,14 +167,19 @@ class ShutdownCluster(_Msg):
     """Shut every kernel down (answered once they are), then stop the gateway."""
 
 
-class StatusRequest(_Msg):
-    pass
+class StatusRequest(_Msg, omit_defaults=True):
+    """The hosts and kernels, and with ``starts`` the starts under way too (as
+    :class:`ListKernels`)."""
+
+    starts: bool = False
 
 
 class WatchKernel(_Msg):
     """Answered once the kernel ended (``unknown``), or with its state after ``wait_s``.
 
-    A pending watch holds the kernel's lease (:class:`StartKernel`).
+    A pending watch holds the kernel's lease (:class:`StartKernel`). Of a kernel whose
+    start was answered early: answered once it runs, or with the start's error, or after
+    ``wait_s`` with it ``starting``.
     """
 
     kernel_id: KernelIdField
@@ -209,7 +230,7 @@ class ReplicaStatus(_Msg):
     alive: bool
 
 
-class KernelInfo(_Msg):
+class KernelInfo(_Msg, omit_defaults=True):
     """A kernel: its front's connection info (what a Jupyter client loads) and replicas.
 
     ``owner``: the user who started it (``""``: a kernel from before users, an admin's).
@@ -223,6 +244,11 @@ class KernelInfo(_Msg):
     which an API restart keeps while ``kernel_id`` changes (``None``: not started
     through the API); ``gpus``: its GPUs per cell; ``started_at``: when it was started,
     UNIX seconds, kept across gateway restarts (each ``None`` from an older gateway).
+
+    A start not running yet (``state == "starting"``: ``StartKernel(early=True)``,
+    ``ListKernels(starts=True)``) has no ``connection`` and no ``replicas`` yet, and
+    ``waiting`` says why while it waits for a host. Fields at their defaults are left out
+    of the message, so a client from before ``waiting`` decodes every other kernel.
     """
 
     kernel_id: str
@@ -236,6 +262,7 @@ class KernelInfo(_Msg):
     api_id: str | None = None
     gpus: int | None = None
     started_at: float | None = None
+    waiting: str | None = None
 
 
 class KernelList(_Msg):
@@ -423,6 +450,52 @@ async def call(
         fresh = client_token(address)
         if fresh != sent:
             reply = await _ask(address, Envelope(fresh, request), timeout)
+    return reply
+
+
+#: How long one :class:`WatchKernel` of :func:`start_kernel` waits (the gateway answers
+#: at once when the start ends).
+_START_WATCH_S = 10.0
+
+
+async def start_kernel(
+    address: str,
+    request: StartKernel,
+    timeout: float = 300.0,
+    *,
+    token: str | None = None,
+    on_wait: Callable[[str], None] | None = None,
+) -> ControlReply:
+    """Start a kernel through the gateway at ``address`` and wait until it runs: its
+    :class:`KernelInfo`, or the :class:`ControlError` of a start refused or failed.
+
+    The start is asked with ``early=True``, so a start that waits for a host the
+    autoscaler adds is answered at once (``on_wait(why)`` is called then, and again
+    whenever why changes) and watched until it runs. A gateway from before ``early``
+    (which refuses the field) is asked the plain start. Raises :class:`KernelError` when
+    the kernel does not run within ``timeout`` seconds (its start is called off then),
+    and :class:`TransportError` when the gateway does not answer.
+    """
+    deadline = time.monotonic() + timeout
+    reply = await call(address, msgspec.structs.replace(request, early=True), timeout, token=token)
+    if isinstance(reply, ControlError) and reply.kind == "malformed" and "early" in reply.message:
+        reply = await call(
+            address, msgspec.structs.replace(request, early=False), timeout, token=token
+        )
+    told = None
+    while isinstance(reply, KernelInfo) and reply.state == "starting":
+        if on_wait is not None and reply.waiting is not None and reply.waiting != told:
+            told = reply.waiting
+            on_wait(told)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            await call(address, ShutdownKernel(reply.kernel_id), _SHUTDOWN_TIMEOUT_S, token=token)
+            raise KernelError(
+                f"kernel {reply.kernel_id} still starts after {timeout:g} s ({reply.waiting})"
+                "; its start was called off"
+            )
+        watch = WatchKernel(reply.kernel_id, min(left, _START_WATCH_S))
+        reply = await call(address, watch, watch.wait_s + _SHUTDOWN_TIMEOUT_S, token=token)
     return reply
 
 

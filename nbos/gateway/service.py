@@ -85,12 +85,13 @@ from nbos.core.ids import KernelId
 from nbos.gateway._agent_backend import AgentBackend
 from nbos.gateway._autoscale import LiveAutoscaler
 from nbos.gateway._cluster_gpus import ClusterGpus
+from nbos.gateway._control_starts import ControlStarts, starting_info
 from nbos.gateway._dashboard import EventLog
 from nbos.gateway._directory import HostDirectory
 from nbos.gateway._hosts import HostRecord
 from nbos.gateway._join import JoinSettings, gateway_join_token
 from nbos.gateway._kernel import Kernel
-from nbos.gateway._kernel_manager import KernelManager, KernelOptions
+from nbos.gateway._kernel_manager import KernelManager, KernelOptions, StartUnderWay
 from nbos.gateway._kernel_state import KERNEL_STATES
 from nbos.gateway._leases import KernelLeases
 from nbos.gateway._leave import LeaveAdvisor
@@ -197,6 +198,7 @@ class GatewayService:
         exit_plan: _Exit,
         *,
         authenticator: Authenticator,
+        tg: anyio.abc.TaskGroup,
         autoscaler: LiveAutoscaler | None = None,
     ) -> None:
         self.directory = directory
@@ -209,6 +211,8 @@ class GatewayService:
         #: is to exit (:func:`run_until_signalled` does).
         self.stop_requested = anyio.Event()
         self.leases = KernelLeases()
+        #: The control API's starts answered before their kernel runs.
+        self.starts = ControlStarts(kernel_manager, self.leases, tg)
         self._in_flight = 0
         self._last_activity = time.monotonic()
         #: The live autoscaler (``[gateway] autoscale``), else ``None``.
@@ -323,6 +327,7 @@ class GatewayService:
                 control,
                 exit_plan,
                 authenticator=authenticator,
+                tg=tg,
                 autoscaler=live,
             )
             service.addresses["control"] = control.removeprefix("tcp://")
@@ -377,6 +382,15 @@ class GatewayService:
         if isinstance(request, _ADMIN_REQUESTS) and not user.is_admin:
             raise ForbiddenError(f"{type(request).__name__} is for admins, and {user.name} is none")
         match request:
+            case StartKernel(
+                gpus=gpus, connection=connection, lease_s=lease_s, user=owner, early=True
+            ):
+                started = await self.starts.start(
+                    gpus=gpus, connection=connection, lease_s=lease_s, owner=acting_for(user, owner)
+                )
+                if isinstance(started, StartUnderWay):
+                    return starting_info(started)
+                return self.kernel_info(started)
             case StartKernel(gpus=gpus, connection=connection, lease_s=lease_s, user=owner):
                 kernel = await self.kernel_manager.start_kernel(
                     gpus=gpus, connection=connection, owner=acting_for(user, owner)
@@ -385,21 +399,25 @@ class GatewayService:
                     self.leases.grant(kernel.kernel_id, lease_s)
                 return self.kernel_info(kernel)
             case WatchKernel(kernel_id=kernel_id, wait_s=wait_s):
+                start = await self.starts.watch(user, kernel_id, min(wait_s, _MAX_WATCH_S))
+                if start is not None:
+                    return starting_info(start)
                 kernel = self.kernel_of(user, kernel_id)
                 with self.leases.watched(kernel_id):
                     with anyio.move_on_after(min(wait_s, _MAX_WATCH_S)):
                         await kernel.closed.wait()
                 return self.kernel_info(self.kernel_of(user, kernel_id))
-            case ListKernels():
-                return KernelList(self.kernel_infos(user))
+            case ListKernels(starts=starts):
+                return KernelList(self.kernel_infos(user, starts=starts))
             case ShutdownKernel(kernel_id=kernel_id):
-                await self.kernel_of(user, kernel_id).shutdown()
+                if not self.starts.shut_down(user, kernel_id):
+                    await self.kernel_of(user, kernel_id).shutdown()
                 return KernelList(self.kernel_infos(user))
             case ShutdownCluster():
                 await self.shut_down()
                 return KernelList(self.kernel_infos(user))
-            case StatusRequest():
-                return ClusterStatus(self.host_status(), self.kernel_infos(user))
+            case StatusRequest(starts=starts):
+                return ClusterStatus(self.host_status(), self.kernel_infos(user, starts=starts))
             case UsageRequest():
                 return Usage.of(self.directory.scheduler.ledger)
             case SignalReplica(kernel_id=kernel_id, node=node, signal=signum):
@@ -423,9 +441,14 @@ class GatewayService:
             raise UnknownKernelError(KernelId(kernel_id))
         return kernel
 
-    def kernel_infos(self, user: User) -> list[KernelInfo]:
-        """What ``user`` may see of the kernels: their own, or all for an admin."""
-        return [self.kernel_info(k) for k in self.kernel_manager.kernels if user.may_see(k.owner)]
+    def kernel_infos(self, user: User, *, starts: bool = False) -> list[KernelInfo]:
+        """What ``user`` may see of the kernels: their own, or all for an admin; with
+        ``starts``, then the starts under way (``starting``, with why while they wait)."""
+        manager = self.kernel_manager
+        infos = [self.kernel_info(k) for k in manager.kernels if user.may_see(k.owner)]
+        if starts:
+            infos += [starting_info(s) for s in manager.starts if user.may_see(s.owner)]
+        return infos
 
     async def shut_down(self) -> None:
         """Shut every kernel down, and have the gateway exit, stopping all it runs."""

@@ -96,7 +96,7 @@ def _reject_reason(host: HostView, request: PlacementRequest, cluster: ClusterVi
     if host.host_id in request.exclude:
         return "excluded"
     if not host.schedulable:
-        return "not schedulable"
+        return "full" if host.full else "not schedulable"
     if host.gpus_total < request.gpus:
         return f"with fewer than {request.gpus} GPUs"
     if ratio_after(host, request, cluster) > cluster.demand_to_busy_ratio + _EPSILON:

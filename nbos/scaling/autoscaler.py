@@ -7,10 +7,11 @@ reads no clock: the gateway and the simulator call it with their own time. Its
 only memory is when it last acted and since when each host has been idle.
 
 The rules (``docs/placement.md``, "Autoscaling"), with *load* = GPUs committed
-on any host / GPUs of schedulable hosts (draining hosts are leaving, so they
-count as no capacity):
+on any host / GPUs of hosts in service (schedulable, or full: at their replica or
+memory limit, their replicas still run cells; draining and suspected hosts are leaving,
+so they count as no capacity):
 
-* **Scale out** when there are fewer schedulable hosts than the floor
+* **Scale out** when there are fewer hosts in service than the floor
   ``max(min_hosts, replicas_per_kernel)``, when load >= ``scale_out_load``, or
   when placement failed (a kernel could not be placed or a cell found no host).
   It asks for enough hosts of ``new_host_gpus`` GPUs to bring load down to the
@@ -19,7 +20,7 @@ count as no capacity):
 * **Scale in** when nothing failed and load < ``scale_in_load``: drain hosts that
   have had no committed GPUs for ``idle_grace`` seconds and hold at most
   ``drain_max_replicas`` replicas (fewest replicas first), as long as each
-  removal keeps the floor of schedulable hosts, keeps load at or below the
+  removal keeps the floor of hosts in service, keeps load at or below the
   midpoint, and keeps the subscribed GPUs admissible
   (``subscribed / capacity / replicas_per_kernel <= demand_to_busy_ratio``), so
   the drained hosts' replicas can be placed elsewhere. Moving those replicas is
@@ -129,9 +130,10 @@ ScaleDecision = ScaleOut | ScaleIn | Hold
 
 @attrs.frozen
 class _Load:
-    """The figures both directions decide on."""
+    """The figures both directions decide on: the hosts in service (schedulable, or only
+    full: ``HostView.in_service``) and their GPUs, GPUs committed and subscribed."""
 
-    schedulable: tuple[HostView, ...]
+    in_service: tuple[HostView, ...]
     capacity: int
     committed: int
     subscribed: int
@@ -201,7 +203,7 @@ class Autoscaler:
     ) -> ScaleDecision | None:
         """A decision if scale-out is called for (possibly a Hold for a limit), else None."""
         cfg = self._config
-        hosts = len(figures.schedulable) + provisioning
+        hosts = len(figures.in_service) + provisioning
         below_floor = max(0, self._floor(view) - hosts)
         # Hosts being provisioned will bring capacity; count them so as not to ask twice.
         capacity = figures.capacity + provisioning * cfg.new_host_gpus
@@ -252,7 +254,7 @@ class Autoscaler:
         idle = sorted(
             (
                 h
-                for h in figures.schedulable
+                for h in figures.in_service
                 if h.gpus_committed == 0
                 and h.replicas <= cfg.drain_max_replicas
                 and now - self._idle_since.get(h.host_id, now) >= cfg.idle_grace
@@ -260,7 +262,7 @@ class Autoscaler:
             key=lambda h: (h.replicas, h.gpus_subscribed, h.host_id),
         )
         chosen: list[HostId] = []
-        remaining, capacity = len(figures.schedulable), figures.capacity
+        remaining, capacity = len(figures.in_service), figures.capacity
         for h in idle:
             if len(chosen) == cfg.max_step or remaining - 1 < self._floor(view):
                 break
@@ -328,15 +330,17 @@ def smoothed_demand_ratio(
 
 def _figures(view: ClusterView) -> _Load:
     # One pass: the simulator asks this every tick of a month-long trace.
-    schedulable: list[HostView] = []
+    # A full host serves the cluster (its replicas run cells on its GPUs): counting it as
+    # missing from the floor had a full cluster scale out "below the minimum".
+    in_service: list[HostView] = []
     capacity = committed = subscribed = 0
     for h in view.hosts:
         committed += h.gpus_committed
         subscribed += h.gpus_subscribed
-        if h.schedulable:
-            schedulable.append(h)
+        if h.in_service:
+            in_service.append(h)
             capacity += h.gpus_total
-    return _Load(tuple(schedulable), capacity, committed, subscribed)
+    return _Load(tuple(in_service), capacity, committed, subscribed)
 
 
 def _ratio(part: int, whole: int) -> float:

@@ -68,13 +68,16 @@ class _Host:
         )
 
     def view(self, host_id: HostId, limits: HostLimits) -> HostView:
+        full = limits.full(len(self.kernels), self.free_memory_mib)
+        in_service = self.schedulable and not self.suspected
         return HostView(
             host_id,
             self.total,
             self.total - self.idle,
             self.subscribed,
             len(self.kernels),
-            self.takes_replicas(limits),
+            in_service and not full,
+            in_service and full,
         )
 
 

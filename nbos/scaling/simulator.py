@@ -263,6 +263,8 @@ class _Simulation:
         self._waiting: dict[KernelId, _Kernel] = {}
         self._unfinished = len(trace.sessions)
         self._provisioning = 0
+        # The replica moving off each draining host now (the drain moves one at a time).
+        self._moving_off: dict[HostId, MigrationPlan] = {}
         self._closed = False
         self._warned_ceiling = False
         # GPUs of running cells (a migration commits them before its cell runs), and the
@@ -604,30 +606,53 @@ class _Simulation:
         """Move replicas off draining hosts; remove those that hold nothing any more."""
         draining = self.model.draining()
         for host_id in draining:
-            for kernel_id in sorted(self.model.kernels_on(host_id)):
-                self._evacuate(self._kernels[kernel_id], host_id)
-            if self.decisions.removable(self.model.host(host_id)):
-                self.model.remove_host(host_id)
-                del self.pools[host_id]
-                self._mark_hosts()
+            if host_id not in self._moving_off:
+                self._move_next_off(host_id)
+            self._remove_if_empty(host_id)
         if draining:
             self._wake_cells()  # a moved replica may find its GPUs on its new host
 
-    def _evacuate(self, kernel: _Kernel, source: HostId) -> None:
-        if kernel.executing_on == source or kernel.reservation is not None:
-            return  # a running cell (or a session's reservation) finishes first
-        hosts = self.model.replica_hosts(kernel.kernel_id)
-        try:
-            target = self.decisions.place_one(
-                self.model.view(), kernel.kernel_id, kernel.session.gpus, hosts
-            )
-        except PolicyContractError:
-            raise
-        except PlacementError:
-            log.debug("t=%.0f: cannot move %s off %s yet", self._now, kernel.kernel_id, source)
+    def _move_next_off(self, source: HostId) -> None:
+        """Start moving the next replica off the draining ``source``: as the gateway does,
+        one after another, each taking ``migration_time``."""
+        for kernel_id in sorted(self.model.kernels_on(source)):
+            kernel = self._kernels[kernel_id]
+            if kernel.executing_on == source or kernel.reservation is not None:
+                continue  # a running cell (or a session's reservation) finishes first
+            hosts = self.model.replica_hosts(kernel_id)
+            try:
+                target = self.decisions.place_one(
+                    self.model.view(), kernel_id, kernel.session.gpus, hosts
+                )
+            except PolicyContractError:
+                raise
+            except PlacementError:
+                log.debug("t=%.0f: cannot move %s off %s yet", self._now, kernel_id, source)
+                continue
+            self._moving_off[source] = MigrationPlan(kernel_id, source, target)
+            done = self._now + self._cfg.migration_time
+            self._at(done, _END, functools.partial(self._moved_off, source))
             return
-        self._move(kernel, source, target)
-        self.ledger.drain_moves += 1
+
+    def _moved_off(self, source: HostId) -> None:
+        """A drain move is done: the replica is on its target (unless the kernel moved it,
+        or ended, meanwhile); the next one starts, and the host goes once empty."""
+        plan = self._moving_off.pop(source)
+        kernel = self._kernels[plan.kernel_id]
+        hosts = self.model.replica_hosts(plan.kernel_id) if kernel.placed else ()
+        if plan.source in hosts and plan.target not in hosts and plan.target in self.pools:
+            self._move(kernel, plan.source, plan.target)
+            self.ledger.drain_moves += 1
+        if self.model.is_draining(source):
+            self._move_next_off(source)
+            self._remove_if_empty(source)
+            self._wake_cells()
+
+    def _remove_if_empty(self, host_id: HostId) -> None:
+        if host_id not in self._moving_off and self.decisions.removable(self.model.host(host_id)):
+            self.model.remove_host(host_id)
+            del self.pools[host_id]
+            self._mark_hosts()
 
     def _precopy(self) -> None:
         """Start copying a replica of each idle kernel whose next cell would have to migrate

@@ -7,12 +7,16 @@ from typing import Any
 import pytest
 
 from nbos.core.errors import ConfigError, ScalingError
-from nbos.core.ids import HostId
+from nbos.core.ids import HostId, KernelId
 from nbos.core.placement import ClusterView, HostView
 from nbos.scaling import (
     Autoscaler,
     AutoscalerConfig,
+    ClusterDecisions,
+    ClusterModel,
     Hold,
+    HostLimits,
+    LeastLoadedPolicy,
     ScaleIn,
     ScaleOut,
     smoothed_demand_ratio,
@@ -251,3 +255,28 @@ def test_the_demand_ratio_moves_a_fifth_of_the_way_to_each_sample() -> None:
     for _ in range(200):
         ratio = smoothed_demand_ratio(ratio, 30, 10)
     assert ratio == pytest.approx(3.0)
+
+
+def test_full_hosts_count_towards_the_floor_and_capacity() -> None:
+    """A host at its replica limit takes no new replica but serves its kernels' cells: a
+    cluster of full hosts is not below its floor (it scaled out "3 hosts below the
+    minimum" before), and their GPUs are its capacity."""
+    model = ClusterModel(3, HostLimits(max_replicas=1))
+    for name in ("h0", "h1", "h2"):
+        model.add_host(HostId(name), 8)
+    model.place(KernelId("k"), [HostId("h0"), HostId("h1"), HostId("h2")], 1)
+    model.commit(HostId("h0"), 1)
+    view = model.view()
+    decisions = ClusterDecisions(LeastLoadedPolicy(), 3, Autoscaler(FAST))
+    step = decisions.scale(view, 0.0, cells_waiting=False, kernels_waiting=False, provisioning=0)
+    assert step.decision == Hold("load 0.04, but no host can be drained")
+    assert [(h.schedulable, h.full) for h in view.hosts] == [(False, True)] * 3
+    # A kernel that waits for room still has a host added.
+    step = decisions.scale(view, 1.0, cells_waiting=False, kernels_waiting=True, provisioning=0)
+    assert step.decision == ScaleOut(1, "placement failed")
+    # A drained host is out of service: the floor counts it as missing.
+    model.set_schedulable(HostId("h2"), False)
+    step = decisions.scale(
+        model.view(), 2.0, cells_waiting=False, kernels_waiting=False, provisioning=0
+    )
+    assert step.decision == ScaleOut(1, "1 hosts below the minimum")

@@ -120,8 +120,9 @@ def test_a_cell_whose_replica_hosts_are_full_migrates_to_a_new_host_which_is_lat
     assert r.delay_p99 == pytest.approx(106.7)
     assert r.interactive_share == 0.75
     # k's cell ends at 160; a, b, c's at 10010-10012. Tick 10020: load 0, the new host has
-    # been idle > 600 s: it is drained (k's replica moves back) and removed. No thrashing.
-    assert r.hosts_timeline == ((0.0, 3), (120.0, 4), (10020.0, 3))
+    # been idle > 600 s: it is drained (k's replica moves back, taking the 10 s of a
+    # migration, as live) and removed at 10030. No thrashing.
+    assert r.hosts_timeline == ((0.0, 3), (120.0, 4), (10030.0, 3))
     assert (r.scale_ins, r.drain_moves) == (1, 1)
     assert r.hosts_max == 4
 
@@ -370,3 +371,19 @@ def test_a_cell_behind_a_late_cell_of_its_kernel_is_split_as_queue() -> None:
     # k's first cell waits 20..10010 for a GPU; its second was due at 50 (after the first's
     # ideal end) and is ready once the first ended at 10040: it waited behind it.
     assert r.delay_split == DelaySplit(queue=10040.0 - 50.0, gpus=9990.0)
+
+
+def test_a_drained_hosts_replicas_move_off_one_after_another_each_taking_a_migration() -> None:
+    """Once idle for its grace, a host holding two kernels' replicas is drained, and it
+    leaves after two drain moves of ``migration_time`` each, one after the other (the
+    gateway's drain moves one replica at a time). Before, the moves took no time."""
+    trace = Trace(tuple(Session(name, 0, 5000, 1, (Cell(10, 100),)) for name in "abc"))
+    scaler = AutoscalerConfig(min_hosts=3, idle_grace=600, scale_in_cooldown=0)
+    config = SimConfig(hosts=4, gpus_per_host=2, autoscaler=scaler, tick=60.0).timed(
+        Timings(host_startup=0.0, migration_time=45.0, gpu_commit=0.0, kernel_start=0.0)
+    )
+    r = simulate(trace, config)
+    # Tick 600: h001 (two replicas, never committed) drained; its replicas move off from
+    # 600 to 645 and from 645 to 690, when it goes.
+    assert (r.scale_ins, r.drain_moves) == (1, 2)
+    assert r.hosts_timeline == ((0.0, 4), (690.0, 3))

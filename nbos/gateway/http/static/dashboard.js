@@ -204,7 +204,7 @@ function drawKernel(kernel) {
     el("td", { class: "state" }, el("span", { class: `badge ${kernel.state}` }, kernel.state)),
     el("td", {}, kernel.gpus),
     el("td", {}, duration(kernel.age_s)),
-    el("td", {}, ...replicas),
+    el("td", {}, ...(kernel.waiting ? [el("span", { class: "waiting" }, kernel.waiting)] : replicas)),
     el("td", { class: "cell" }, cell));
 }
 
