@@ -154,6 +154,7 @@ class RaftNode:
             return
         self._election_elapsed += 1
         if self.promotable() and self._election_elapsed >= self._randomized_timeout:
+            log.info("node %d: election timeout in term %d, campaigning", self.id, self.term)
             self._election_elapsed = 0
             self._campaign(transfer=False)
 
@@ -246,6 +247,14 @@ class RaftNode:
         """
         self._check_input()
         if dead == self.id or self.leader_id != dead or not self.promotable():
+            log.info(
+                "node %d: not campaigning for %d: %s of term %d, leader %s",
+                self.id,
+                dead,
+                self.role.name.lower(),
+                self.term,
+                self.leader_id,
+            )
             return False
         log.info("node %d: leader %d is gone, campaigning at once", self.id, dead)
         self._campaign(transfer=True)
