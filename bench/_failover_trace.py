@@ -83,7 +83,9 @@ def replica_lines(log_dir: Path) -> list[tuple[float, str]]:
     return lines
 
 
-def assign(kills: list[Kill], front: list[tuple[float, str]], replicas: list[tuple[float, str]]) -> None:
+def assign(
+    kills: list[Kill], front: list[tuple[float, str]], replicas: list[tuple[float, str]]
+) -> None:
     """Give each kill the first time of each step between it and the next kill."""
     bounds = [k.at for k in kills[1:]] + [float("inf")]
     for kill, end in zip(kills, bounds, strict=True):
