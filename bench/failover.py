@@ -18,6 +18,11 @@ replacements off). Each round:
    (default 2), so the kernel's Raft group has gone quiet (quiesced) before the kill, as
    an idle kernel's has.
 
+``NBOS_BENCH_FAILOVER_TRACE=1`` adds where each kill's time went: each step's time after
+the kill (the exit seen by the front, the survivor's campaign, the new leader, the lost
+cell settled, the reply), from the front's log and the replicas' log files
+(``bench/_failover_trace.py``), with the slowest kills step by step.
+
 Goal (issue 31): p99 at most 300 ms over 50 kills (issue 12's was 1 s). The last line is
 the JSON summary: p99 of the first reply after the kill against the p99 of the same cell
 with no kill.
@@ -31,9 +36,12 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 
 import anyio
+from _failover_trace import FrontRecords, Kill, assign, replica_lines
+from _failover_trace import report as report_trace
 from _measure import pct
 
 import nbos
@@ -43,6 +51,7 @@ KILLS = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("NBOS_BENC
 IDLE_S = float(os.environ.get("NBOS_BENCH_FAILOVER_IDLE_S", "2"))
 CELL = "x += 1"
 RETRIES = 10
+TRACE = os.environ.get("NBOS_BENCH_FAILOVER_TRACE", "") not in ("", "0")
 
 
 def pid_of(kernel: Kernel, node: int) -> int:
@@ -51,13 +60,16 @@ def pid_of(kernel: Kernel, node: int) -> int:
     return pid
 
 
-async def one_kill(kernel: Kernel) -> tuple[float, float, str]:
-    """Kill the executor, run the cell: (s to its reply, s to the first ok one, its status)."""
+async def one_kill(kernel: Kernel, kills: list[Kill]) -> tuple[float, float, str]:
+    """Kill the executor, run the cell: (s to its reply, s to the first ok one, its status).
+
+    The kill is added to ``kills``, with the times of the reply and the ok reply."""
     result = await kernel.execute(CELL)
     if result.status != "ok" or result.executor is None:
         raise SystemExit(f"the cell before the kill failed: {result.reply}")
     executor = result.executor
     await anyio.sleep(IDLE_S)
+    kill = Kill(time.time(), executor, load=os.getloadavg()[0])
     killed_at = time.perf_counter()
     os.kill(pid_of(kernel, executor), signal.SIGKILL)
     first = await kernel.execute(CELL)
@@ -71,6 +83,8 @@ async def one_kill(kernel: Kernel) -> tuple[float, float, str]:
     else:
         raise SystemExit(f"no cell succeeded after the kill: {retry.reply}")
     to_ok = time.perf_counter() - killed_at
+    kill.steps.update({"reply": to_reply, "ok": to_ok})
+    kills.append(kill)
     await kernel.wait_replica(executor)
     await kernel.restart_replica(executor)
     return to_reply, to_ok, outcome
@@ -85,7 +99,14 @@ async def main() -> None:
     to_reply: list[float] = []
     to_ok: list[float] = []
     outcomes: collections.Counter[str] = collections.Counter()
-    async with nbos.LocalCluster(hosts=3, replace_dead_replicas=False) as cluster:
+    kills: list[Kill] = []
+    front = FrontRecords()
+    run_dir = None
+    if TRACE:
+        front.install()
+        run_dir = tempfile.mkdtemp(prefix="nbos-failover-")
+        print(f"the replicas' logs stay in {run_dir}")
+    async with nbos.LocalCluster(hosts=3, run_dir=run_dir, replace_dead_replicas=False) as cluster:
         kernel = await cluster.start_kernel()
         await kernel.execute("x = 0")
         for _ in range(3):
@@ -96,7 +117,7 @@ async def main() -> None:
             if result.status != "ok":
                 raise SystemExit(f"anchor cell failed: {result.reply}")
             anchor.append(time.perf_counter() - begun)
-            reply_s, ok_s, outcome = await one_kill(kernel)
+            reply_s, ok_s, outcome = await one_kill(kernel, kills)
             to_reply.append(reply_s)
             to_ok.append(ok_s)
             outcomes[outcome] += 1
@@ -105,6 +126,9 @@ async def main() -> None:
                 f"{ok_s * 1000:.0f} ms",
                 flush=True,
             )
+        if TRACE:
+            assign(kills, front.records, replica_lines(cluster.run_dir / "logs"))
+            report_trace(kills)
     report(anchor, to_reply, to_ok, outcomes)
 
 

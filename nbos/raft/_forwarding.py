@@ -2,8 +2,8 @@
 
 A follower sends the proposal to the leader it knows of in a
 :class:`~nbos.core.wire.raft.RaftForward` over the Raft transport, and hands it over
-again when the leader (or the term) changes or nothing applied within an election
-timeout. The client session makes each hand-over idempotent, and the callers' wait
+again as soon as the leader (or the term) changes, or when nothing applied within an
+election timeout. The client session makes each hand-over idempotent, and the callers' wait
 ends when the entry with the proposal's ``(client_id, seq)`` applies on this node.
 """
 
@@ -79,6 +79,17 @@ class Forwarding:
         self._ticks += 1
         if self.tracked:
             self._retry()
+
+    def follow_leader(self) -> None:
+        """Hand over at once what was handed to another leader or term than the current
+        one: a proposal made while no leader was known (a settle sent to a survivor as it
+        campaigns for a dead leader) goes out as the leader is known, or is appended with
+        this node's first entry as the new leader, not a tick later."""
+        node = self._node
+        now = (node.term, node.leader_id)
+        for tracked in list(self.tracked.values()):
+            if tracked.via != now and not tracked.done:
+                self._hand_over(tracked)
 
     def settle(self, session: ClientSession) -> None:
         """Settle the proposal that applied as ``session``, if it is one of these."""

@@ -382,6 +382,8 @@ class RaftReplicatedLog:
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     # EndOfStream: closed while draining; the `async for` then ends.
                     break
+            if self._forwarding.tracked:
+                self._forwarding.follow_leader()
             if self._forwarding.unsent or self._outbox:
                 await self._flush_outbox()
             while (rd := self._node.ready()) is not None:

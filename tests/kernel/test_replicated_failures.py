@@ -11,6 +11,7 @@ import random
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -175,6 +176,32 @@ async def test_the_executors_exit_has_a_survivor_campaign_and_the_next_cell_runs
     check = await kernel.execute(CHECK + "\nprint(count)")
     assert (check.status, check.stdout) == ("ok", "3.14159\n1\n"), check.reply
     await assert_replicas_agree(kernel, replicas=2)
+
+
+async def test_the_survivor_asked_to_campaign_is_not_woken_again(
+    kernel: Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    executor = await run_cells(kernel, ["count = 0"])
+    await until_idle(kernel)
+    relay = kernel.front._relay
+    real = relay.control_request
+    sent: list[tuple[int, str]] = []
+
+    async def recorded(replica: int, msg_type: str, content: Any, **kw: Any) -> Any:
+        sent.append((replica, msg_type))
+        return await real(replica, msg_type, content, **kw)
+
+    monkeypatch.setattr(relay, "control_request", recorded)
+    await kernel.kill_replica(executor)
+    campaigner, other = sorted(r.node for r in kernel.replicas if r.node != executor)
+    # The quiesced survivors are woken to time their leader again; the one asked to
+    # campaign was woken by that request, and a wake queued on it would hold up the
+    # settle of a cell lost with the executor (it serves control requests in turn).
+    await eventually(lambda: (other, "kernel_info_request") in sent, timeout=30)
+    assert (campaigner, "nbos_leader_gone_request") in sent
+    assert (campaigner, "kernel_info_request") not in sent, sent
+    result = await kernel.execute("count += 1\nprint(count)")
+    assert (result.status, result.stdout, result.executor) == ("ok", "1\n", campaigner)
 
 
 async def test_a_leader_gone_request_with_bad_content_gets_an_error_reply(kernel: Kernel) -> None:

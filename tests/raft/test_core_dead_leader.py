@@ -7,6 +7,7 @@ survivor's lease on the dead leader is set aside, as in a leadership transfer).
 
 from __future__ import annotations
 
+from nbos.raft.core.node import Role
 from nbos.raft.core.sim import SimCluster
 from tests.raft.conftest import MakeCluster
 
@@ -112,3 +113,59 @@ def test_no_campaign_once_the_survivors_elected_a_leader(make_cluster: MakeClust
     cluster.run(5)
 
     assert cluster.leader() == new and cluster.node(new).term == term
+
+
+def test_a_survivor_whose_log_is_behind_gives_way_to_the_other_without_a_tick(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(3, seed=17)
+    leader = cluster.wait_leader()
+    first, second = survivors_of(cluster, leader)
+    # ``first`` misses the last acknowledged entry (cut off from the leader while the
+    # leader and ``second`` committed it): asked to campaign, it cannot win.
+    cluster.partition({first}, {leader, second})
+    acknowledged = cluster.node(leader).propose(b"acknowledged")
+    cluster.process(leader)
+    cluster.deliver_all()
+    assert (
+        cluster.node(second).log.last_index() >= acknowledged > cluster.node(first).log.last_index()
+    )
+    cluster.heal()
+    cluster.crash(leader)
+
+    assert cluster.node(first).campaign_for_dead_leader(leader)
+    cluster.process(first)
+    cluster.deliver_all()
+
+    # ``second`` refused it for its log and, its leader's death being proven, ran itself.
+    assert cluster.leader() == second
+    assert cluster.node(first).leader_id == second
+    index = propose_on(cluster, second, b"after")
+    for n in (first, second):
+        applied = cluster.members[n].applied
+        assert applied[acknowledged].data == b"acknowledged" and applied[index].data == b"after"
+    cluster.check_logs()
+
+
+def test_a_voter_does_not_run_against_a_candidate_that_can_win_elsewhere(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(5, seed=19)
+    leader = cluster.wait_leader()
+    first, second, *rest = survivors_of(cluster, leader)
+    # ``second`` alone holds the last entry (still uncommitted); ``first`` may still win
+    # with the votes of the other two, and ``second`` must not depose it.
+    cluster.partition({first, *rest}, {leader, second})
+    cluster.node(leader).propose(b"only on two")
+    cluster.process(leader)
+    cluster.deliver_all()
+    cluster.heal()
+    cluster.crash(leader)
+
+    assert cluster.node(first).campaign_for_dead_leader(leader)
+    cluster.process(first)
+    cluster.deliver_all()
+
+    assert cluster.leader() == first
+    assert cluster.node(second).role is not Role.CANDIDATE
+    cluster.check_logs()

@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from nbos.core.config import RaftSettings
@@ -47,7 +48,12 @@ class Group:
         self.stops: dict[int, Callable[[], object]] = {}
 
     async def start(
-        self, tg: anyio.abc.TaskGroup, node: int, members: list[int], join: bool = False
+        self,
+        tg: anyio.abc.TaskGroup,
+        node: int,
+        members: list[int],
+        join: bool = False,
+        settings: RaftSettings = SETTINGS,
     ) -> None:
         started = anyio.Event()
         scope = anyio.CancelScope()
@@ -67,7 +73,7 @@ class Group:
                         transport=transport,
                         data_dir=None if self.tmp is None else self.tmp / str(node),
                         state_machine=machine,
-                        settings=SETTINGS,
+                        settings=settings,
                         join=join,
                         seed=node,
                     ) as raft:
@@ -113,11 +119,17 @@ class Group:
 
 
 @asynccontextmanager
-async def group(members: list[int], tmp: Path | None = None, **net: object) -> AsyncIterator[Group]:
+async def group(
+    members: list[int],
+    tmp: Path | None = None,
+    settings: dict[int, RaftSettings] | None = None,
+    **net: object,
+) -> AsyncIterator[Group]:
+    """``settings``: a node's own, where it differs from :data:`SETTINGS`."""
     g = Group(MemoryNetwork(seed=1, **net), tmp)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         for node in members:
-            await g.start(tg, node, members)
+            await g.start(tg, node, members, settings=(settings or {}).get(node, SETTINGS))
         yield g
         tg.cancel_scope.cancel()
 
@@ -279,6 +291,35 @@ async def test_a_proposal_the_dead_leader_kept_to_itself_goes_to_the_next_one() 
         survivors = [n for n in (1, 2, 3) if n != old.node_id]
         await g.converged(survivors, timeout=30)
         assert all(g.machines[n].data["log"] == "x" for n in survivors)
+
+
+async def test_a_proposal_made_with_no_leader_goes_to_the_next_one_without_a_tick() -> None:
+    # Node 3's ticks never come (a minute apart): what it does comes from messages and
+    # calls alone. Its proposal, forwarded to a leader that died, must go to the next
+    # leader as soon as there is one, not at its next tick (a settle of a cell lost
+    # with the dead executor waited for it, up to a tick after the survivor led).
+    never = msgspec.structs.replace(SETTINGS, tick_ms=60_000)
+    async with group([1, 2, 3], settings={3: never}) as g:
+        old = await g.leader()
+        await g.put("k", "v")
+        await eventually(lambda: g.nodes[3].leader_id == old.node_id, timeout=30)
+        g.stop(int(old.node_id))
+        survivor = g.nodes[3]
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                results: list[bytes] = []
+
+                async def propose() -> None:
+                    put = encode_command("put", "k", "w")
+                    results.append(await survivor.propose(put, forward=True, timeout=60))
+
+                tg.start_soon(propose)
+                await eventually(lambda: bool(survivor._forwarding.tracked), timeout=30)
+                # Proof of the leader's death: node 3 campaigns at once (unless the other
+                # survivor's election, which node 3 voted in, made a leader first).
+                await survivor.campaign_for_dead_leader(old.node_id)
+        assert results == [b"w"]
+        assert survivor.leader_id is not None and survivor.leader_id != old.node_id
 
 
 async def test_a_proposal_forwarded_twice_applies_once() -> None:

@@ -73,12 +73,14 @@ class RaftPeerMessage(Message):
 
 
 class RaftVote(RaftPeerMessage):
-    """A (pre-)vote request. ``transfer`` marks a leadership transfer, which breaks leases."""
+    """A (pre-)vote request. ``transfer`` marks a leadership transfer, which breaks leases;
+    ``gone`` the leader whose process ended, when the candidate campaigns for it."""
 
     last_index: int
     last_term: int
     pre_vote: bool = False
     transfer: bool = False
+    gone: int | None = None
 
 
 class RaftVoteResponse(RaftPeerMessage):

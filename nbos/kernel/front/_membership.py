@@ -52,6 +52,8 @@ class Membership:
         self._relay = relay
         self._cells = cells
         self._reader_scopes: dict[int, anyio.CancelScope] = {}
+        #: A replica whose process ended -> the survivor asked to campaign for it.
+        self._campaigners: dict[int, int] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         liveness.answered = self._answered
 
@@ -85,11 +87,16 @@ class Membership:
         while it may still finish it (it ends when the replica does, or answers).
         """
         self._relay.end_requests_of(replica, its_own=not self._liveness.unresponsive(replica))
+        campaigner = self._campaigners.pop(replica, None)
         if self._tg is not None and not self._liveness.closing:
             # An idle kernel's Raft group may be quiesced: the survivors must time their
             # leader again now (it may be the dead one), not when the next cell comes.
+            # Not the one asked to campaign, which that request woke: a replica serves
+            # its control requests one at a time, and the settle of a cell lost with
+            # the dead one would wait behind the wake.
             for survivor in self._liveness.alive:
-                self._tg.start_soon(self._wake_replica, survivor)
+                if survivor != campaigner:
+                    self._tg.start_soon(self._wake_replica, survivor)
 
     def process_ended(self, replica: int) -> None:
         """``replica``'s process ended: if it led the Raft group, one survivor campaigns
@@ -109,6 +116,7 @@ class Membership:
             return  # its end was told already
         survivors = [r for r in self._liveness.alive if r != replica]
         if 2 * len(survivors) > len(self._liveness.voters):
+            self._campaigners[replica] = survivors[0]
             self._tg.start_soon(self._campaign_for, survivors[0], replica)
 
     async def _campaign_for(self, survivor: int, dead: int) -> None:

@@ -154,6 +154,7 @@ class RaftNode:
             return
         self._election_elapsed += 1
         if self.promotable() and self._election_elapsed >= self._randomized_timeout:
+            log.info("node %d: election timeout in term %d, campaigning", self.id, self.term)
             self._election_elapsed = 0
             self._campaign(transfer=False)
 
@@ -246,9 +247,17 @@ class RaftNode:
         """
         self._check_input()
         if dead == self.id or self.leader_id != dead or not self.promotable():
+            log.info(
+                "node %d: not campaigning for %d: %s of term %d, leader %s",
+                self.id,
+                dead,
+                self.role.name.lower(),
+                self.term,
+                self.leader_id,
+            )
             return False
         log.info("node %d: leader %d is gone, campaigning at once", self.id, dead)
-        self._campaign(transfer=True)
+        self._campaign(transfer=True, gone=dead)
         return True
 
     def compact(self, index: int, data: bytes) -> None:
@@ -388,20 +397,20 @@ class RaftNode:
     def _new_progress(self, member: int, next_index: int) -> Progress:
         return Progress(next_index, self.config.max_inflight, learner=member in self.conf.learners)
 
-    def _campaign(self, *, transfer: bool) -> None:
+    def _campaign(self, *, transfer: bool, gone: int | None = None) -> None:
         if self.config.pre_vote and not transfer:
             # a pre-vote round: ask at term + 1 without taking it, so a node that
             # cannot win (partitioned, stale log) never raises anyone's term
             self.role, self.leader_id, self._votes = Role.PRE_CANDIDATE, None, {}
         else:
             self._become_candidate()
-        self._request_votes(transfer=transfer)
+        self._request_votes(transfer=transfer, gone=gone)
 
     def _become_candidate(self) -> None:
         self._reset(self.term + 1)
         self.role, self.vote = Role.CANDIDATE, self.id
 
-    def _request_votes(self, *, transfer: bool) -> None:
+    def _request_votes(self, *, transfer: bool, gone: int | None = None) -> None:
         role = self.role
         self._record_vote(self.id, True)
         if self.role is not role:
@@ -420,6 +429,7 @@ class RaftNode:
                         last_term=last_term,
                         pre_vote=pre_vote,
                         transfer=transfer,
+                        gone=gone,
                     )
                 )
 
@@ -483,6 +493,31 @@ class RaftNode:
             self._send(
                 RaftVoteResponse(self.id, msg.src, self.term, granted=False, pre_vote=msg.pre_vote)
             )
+            if can_vote and msg.gone is not None:
+                self._succeed_instead(msg)
+
+    def _succeed_instead(self, msg: RaftVote) -> None:
+        """A candidate for dead leader ``msg.gone`` was refused for its log, behind this
+        node's: campaign for that leader now, if the refusal leaves the candidate no way to
+        win (the others but the dead leader are no majority, as for any survivor of three).
+
+        Else the survivor whose log is behind would only lose, and the group wait out an
+        election timeout for a leader, although the leader's death is proven. Where the
+        candidate could still win elsewhere, this node does not run against it: it would
+        depose a leader just elected. Votes follow the usual rules, so a node more up to
+        date than this one refuses in turn and campaigns itself; each step goes to a more
+        recent log, so it ends.
+        """
+        others = set(self.conf.voters) - {self.id, msg.gone}
+        if not self.promotable() or has_quorum(self.conf.voters, others):
+            return
+        log.info(
+            "node %d: candidate %d for dead leader %d is behind, campaigning at once",
+            self.id,
+            msg.src,
+            msg.gone,
+        )
+        self._campaign(transfer=True, gone=msg.gone)
 
     # --- follower and candidate -----------------------------------------------------
 
