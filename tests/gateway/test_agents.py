@@ -27,7 +27,6 @@ from tests.agent._daemons import (
     SLEEPER,
     AgentProcess,
     alive,
-    end_replicas,
     start_agent,
 )
 from tests.gateway._agents import gateway_side, single_replica
@@ -35,18 +34,6 @@ from tests.gateway._agents import gateway_side, single_replica
 pytestmark = pytest.mark.anyio
 
 H1, H2 = HostId("h1"), HostId("h2")
-
-
-@pytest.fixture
-def agents() -> Iterator[list[AgentProcess]]:
-    """Agents a test starts; each is SIGKILLed and its recorded replicas ended afterwards."""
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.kill(signal.SIGCONT)
-        agent.kill()
-        agent.wait()
-        end_replicas(agent.state_dir)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ is intact: the same digest on every replica, the values still there.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -23,23 +23,11 @@ from nbos.gateway import Grant
 from nbos.gateway.providers import available_providers, load_host_provider
 from nbos.gateway.service import GatewayService
 from tests._wait import eventually
-from tests.agent._daemons import DEADLINE, AgentProcess, end_replicas, start_agent
+from tests.agent._daemons import DEADLINE, AgentProcess, start_agent
 from tests.example_policy import install_example_policy
 from tests.gateway._service import autoscaled_settings, local_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def agents() -> Iterator[list[AgentProcess]]:
-    """Agents a test starts outside the gateway; each is SIGKILLed afterwards."""
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.kill(signal.SIGCONT)
-        agent.kill()
-        agent.wait()
-        end_replicas(agent.state_dir)
 
 
 async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_intact(
@@ -147,6 +135,10 @@ async def test_a_user_package_registers_a_provider_the_gateway_scales_out_with(
         assert (await kernel.execute("%%gpus 1\nprint(6 * 7)")).stdout == "42\n"
 
 
+def _connecting(agent: AgentProcess) -> bool:
+    return "gateway tcp://" in agent.log_text()
+
+
 async def test_agents_not_heard_from_yet_are_not_missing_from_the_floor(
     tmp_path: Path, agents: list[AgentProcess]
 ) -> None:
@@ -165,7 +157,7 @@ async def test_agents_not_heard_from_yet_are_not_missing_from_the_floor(
     for host in ("h1", "h2", "h3"):
         agents.append(start_agent(host, settings.gateway.agent_address, tmp_path))
     for agent in agents:  # up, then slow to speak, as on a loaded node
-        await eventually(lambda a=agent: "gateway tcp://" in a.log_text(), DEADLINE)
+        await eventually(partial(_connecting, agent), DEADLINE)
         agent.kill(signal.SIGSTOP)
     async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
         scheduler = service.directory.scheduler
