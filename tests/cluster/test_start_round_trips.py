@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import nbos
@@ -34,7 +35,7 @@ class WatchedLauncher:
         self._running += 1
         self.most_at_once = max(self.most_at_once, self._running)
         try:
-            await anyio.sleep(0)  # the others' turn to begin, if they run at once
+            await anyio.lowlevel.checkpoint()  # the others' turn to begin, if at once
             if host == self._failing:
                 raise BackendError(f"{host} refuses replicas (the test's)")
             handle = await self._launcher.start_replica(host, spec, **kw)
