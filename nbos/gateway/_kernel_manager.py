@@ -45,10 +45,18 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.abc
@@ -86,6 +94,7 @@ from nbos.gateway._state import (
     ReplicaRecord,
     StartRecord,
     StateFile,
+    StateWriter,
 )
 from nbos.kernel.front import (
     ExecutorChooser,
@@ -98,6 +107,7 @@ from nbos.kernel.protocol import RAFT_STATE_GONE_STATUS
 from nbos.transport.keys import kernel_keys_env
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _START_TIMEOUT_S = 60.0
 #: How long a start that no host has room for waits for the autoscaler to add one: within
@@ -250,9 +260,7 @@ class KernelManager:
         self._connections: dict[tuple[KernelId, int], Mapping[str, Any]] = {}
         self._state = state
         self._state_id = state.state_id if state is not None else ""
-        # The last generation tried (a failed write leaves a gap), and the last written.
-        self._generation = self._written = state.generation if state is not None else 0
-        self._state_lock = anyio.Lock()
+        self._writer = StateWriter(state) if state is not None else None
         self._retrying = False
         self._tracked: dict[KernelId, _Tracked] = {}
         # Starts not acknowledged yet, and their hosts: recorded as starting.
@@ -500,16 +508,17 @@ class KernelManager:
         try:
             self._starting[kernel_id] = list(placed.values())
             await self._write_state()  # no replica starts that a restart could not stop
-            members = {n: await self._member(h) for n, h in placed.items()}
+            # The three replicas' round trips to their agents go at once, not one by one.
+            members = await _each(placed, lambda node: self._member(placed[node]))
             for node, host in placed.items():
                 launches[node] = self._launch(
                     kernel_id, node, host, members, env, gpus=gpus, user=owner
                 )
-                handles[node] = await launches[node].start(self.launcher)
-            endpoints = [
-                ReplicaEndpoint(node, await self._connection(kernel_id, node, handles[node]))
-                for node in placed
-            ]
+            await _each(placed, partial(self._start_replica, launches, handles))
+            infos = await _each(
+                placed, lambda node: self._connection(kernel_id, node, handles[node])
+            )
+            endpoints = [ReplicaEndpoint(node, infos[node]) for node in placed]
             if chooser is None:
                 chooser = GpuChooser(scheduler, kernel_id, placed, gpus, user=owner)
             front = KernelFront(
@@ -774,15 +783,12 @@ class KernelManager:
     async def _write_state(self) -> None:
         """Write the state file (if any) as the kernels are now, or raise
         :class:`StateWriteError` (the file then is as it was)."""
-        if self._state is None:
+        if self._writer is None:
             return
         with anyio.CancelScope(shield=True):
-            async with self._state_lock:
-                self._generation += 1
-                await anyio.to_thread.run_sync(self._state.save, self._snapshot())
-                self._written = self._generation
+            await self._writer.write(self._snapshot)
 
-    def _snapshot(self) -> GatewayState:
+    def _snapshot(self, generation: int) -> GatewayState:
         running = [
             self._record(k, t)
             for k, t in self._tracked.items()
@@ -793,7 +799,7 @@ class KernelManager:
         starting = [StartRecord(kernel_id=k, hosts=list(h)) for k, h in self._starting.items()]
         return GatewayState(
             state_id=self._state_id,
-            generation=self._generation,
+            generation=generation,
             kernels=running,
             starting=starting,
         )
@@ -855,6 +861,11 @@ class KernelManager:
         info = await self.launcher.connection_info(handle, _START_TIMEOUT_S)
         self._connections[(kernel_id, node)] = info
         return info
+
+    async def _start_replica(
+        self, launches: Mapping[int, _Launch], handles: dict[int, ProcessHandle], node: int
+    ) -> None:
+        handles[node] = await launches[node].start(self.launcher)
 
     async def _member(self, host: HostId) -> str:
         """A Raft address for a new replica on ``host``."""
@@ -1163,10 +1174,11 @@ class KernelManager:
     def _owner(
         self, kernel_id: str, node: int, raft: str, gpus: int, user: str
     ) -> ReplicaOwner | None:
-        if self._state is None:
+        if self._writer is None:
             return None
         # A file of this generation or later that does not name the replica dropped it.
-        return ReplicaOwner(self._state_id, self._written, kernel_id, node, raft, gpus, user)
+        written = self._writer.written
+        return ReplicaOwner(self._state_id, written, kernel_id, node, raft, gpus, user)
 
     def _launch_of(self, kernel: KernelRecord, replica: ReplicaRecord) -> _Launch:
         spec = ProcessSpec(argv=list(replica.argv), env=dict(replica.env), label=replica.label)
@@ -1224,3 +1236,26 @@ def _disks_gone(gone: Mapping[int, HostId]) -> str:
         f"the Raft state of a majority of its replicas is gone from their hosts' disks ({where}):"
         " its acknowledged namespace cannot be recovered"
     )
+
+
+async def _each(nodes: Iterable[int], step: Callable[[int], Awaitable[_T]]) -> dict[int, _T]:
+    """``step(node)`` for every node at once; what each returned, once all returned.
+
+    Each step runs to its end even when another failed (a replica started meanwhile must
+    be in the caller's hands to be stopped); then the first failure is raised.
+    """
+    done: dict[int, _T] = {}
+    failed: list[BaseException] = []
+
+    async def one(node: int) -> None:
+        try:
+            done[node] = await step(node)
+        except Exception as exc:  # raised below, once the others ended
+            failed.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for node in nodes:
+            tg.start_soon(one, node)
+    if failed:
+        raise failed[0]
+    return done

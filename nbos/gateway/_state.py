@@ -33,6 +33,13 @@ its replicas starts, and becomes a kernel record once everything of it runs, the
 its answer waits for. A gateway restarted after a crash mid-start finds it there and
 stops its replicas.
 
+Writes are **group commits** (:class:`StateWriter`): a change asked to be written while
+another write runs waits for it, and then one write holds every change made meanwhile,
+which answers all their callers; a burst of kernel starts, each recorded twice, waited for
+one whole-file write and fsync each, in turn, before. A caller still returns only once a
+file holding its change is on disk; when that write fails, each of its callers tries again
+(or raises :class:`~nbos.core.errors.StateWriteError` as its own write would).
+
 A write goes to a temporary file in the same directory, is fsynced, renamed over
 the state file and the directory fsynced: a crash leaves the old or the new
 state, never a torn one; a write that fails (``ENOSPC``, ``EIO``) removes the
@@ -48,8 +55,10 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import msgspec
 
 from nbos.core.errors import ConfigError, StateWriteError
@@ -191,3 +200,34 @@ class StateFile:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class StateWriter:
+    """Writes ``file`` for callers that may ask at once: a group commit.
+
+    ``generation``: the last one tried (a failed write leaves a gap); ``written``: the
+    last one on disk (the file's own before the first write).
+    """
+
+    def __init__(self, file: StateFile) -> None:
+        self.file = file
+        self.generation = self.written = file.generation
+        self._lock = anyio.Lock()
+        # Changes asked to be written (each call of write made one, once in memory), and
+        # how many of them the last write that succeeded held.
+        self._asked = self._held = 0
+
+    async def write(self, snapshot: Callable[[int], GatewayState]) -> None:
+        """Return once a state taken by ``snapshot(generation)`` after the caller's change
+        is on disk: this call's write, or one that began after it was called. Raises
+        :class:`~nbos.core.errors.StateWriteError` when its own write fails."""
+        self._asked += 1
+        asked = self._asked
+        async with self._lock:
+            if self._held >= asked:
+                return
+            holds = self._asked
+            self.generation += 1
+            await anyio.to_thread.run_sync(self.file.save, snapshot(self.generation))
+            self.written = self.generation
+            self._held = holds

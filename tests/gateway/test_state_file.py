@@ -4,8 +4,10 @@ disk refuses raises :class:`StateWriteError` and leaves the file as it was."""
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
@@ -18,6 +20,7 @@ from nbos.gateway._state import (
     ReplicaRecord,
     StartRecord,
     StateFile,
+    StateWriter,
 )
 from tests.gateway._full_disk import fill, small_tmpfs
 
@@ -113,3 +116,64 @@ def test_a_write_to_a_full_disk_fails_typed_and_keeps_the_old_file(tmp_path: Pat
         assert file.load() == old
         # No half-written copy keeps the space the next write needs.
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "state.json"]
+
+
+def _starting(ids: list[str]) -> Callable[[int], GatewayState]:
+    """A snapshot of the starts in ``ids`` as they are when it is taken."""
+
+    def snapshot(generation: int) -> GatewayState:
+        starts = [StartRecord(kernel_id=k, hosts=["h"] * 50) for k in ids]
+        return GatewayState(generation=generation, starting=starts)
+
+    return snapshot
+
+
+@pytest.mark.anyio
+async def test_changes_asked_to_be_written_at_once_share_a_write_each_caller_finding_its_own(
+    tmp_path: Path,
+) -> None:
+    file = StateFile(tmp_path / "state.json")
+    writer = StateWriter(file)
+    ids: list[str] = []
+    found: dict[str, bool] = {}
+
+    async def start(kernel_id: str) -> None:
+        ids.append(kernel_id)  # the change, in memory first (as a start records itself)
+        await writer.write(_starting(ids))
+        on_disk = StateFile(file.path).load()
+        found[kernel_id] = kernel_id in {s.kernel_id for s in on_disk.starting}
+
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            tg.start_soon(start, f"k{i}")
+    assert found == {f"k{i}": True for i in range(10)}
+    # One or two writes (the first may run alone, the others asked while it ran share
+    # the next), where each change had a write of its own, one after another, before.
+    assert file.load().generation == writer.written
+    assert writer.written in (1, 2)
+
+
+@pytest.mark.anyio
+async def test_every_caller_of_a_failed_group_write_hears_of_its_failure(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "disk", "64k") as disk:
+        file = StateFile(disk / "state.json")
+        writer = StateWriter(file)
+        await writer.write(_starting([]))
+        filler = fill(disk)
+        ids = [f"k{i}" for i in range(200)]  # too big for what is left
+        failed: list[str] = []
+
+        async def start(kernel_id: str) -> None:
+            try:
+                await writer.write(_starting(ids))
+            except StateWriteError:
+                failed.append(kernel_id)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(start, f"k{i}")
+        assert sorted(failed) == [f"k{i}" for i in range(5)]
+        assert file.load().starting == [] and writer.written == 1
+        filler.unlink()
+        await writer.write(_starting(ids))
+        assert len(file.load().starting) == 200
