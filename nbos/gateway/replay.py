@@ -36,7 +36,7 @@ from nbos.gateway.control_api import (
     UsageRequest,
     call,
 )
-from nbos.scaling.delays import DelaySplit
+from nbos.scaling.delays import DelaySplit, carried_over, delay_at_1x
 from nbos.scaling.fair_share import FairShare
 from nbos.scaling.fairness import UserCell
 from nbos.scaling.ledger import CellUsage, HostCount
@@ -362,9 +362,10 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
                 continue
             sent = run.sent.get((session.id, i), usage.ready)
             split = _split(usage, run.t0 + ideal / k, sent, earlier).scaled(k)
-            late, late_1x = (
-                (0.0, 0.0) if carried is None else _carried(previous_end, carried, ideal)
-            )
+            late = late_1x = 0.0
+            if carried is not None:
+                late = carried_over(previous_end, carried[0], ideal)
+                late_1x = carried_over(previous_end, carried[1], ideal)
             # Waiting behind the previous cell is what its delay carried over; the rest of
             # that wait (it held its GPUs past its duration, its reply) is nbos's own.
             queue = min(split.queue, late)
@@ -372,7 +373,7 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
                 split, queue=queue, overhead=split.overhead + split.queue - queue
             )
             found.splits.append(split)
-            at_1x = late_1x + split.gpus + split.own / k
+            at_1x = delay_at_1x(split, k, late_1x)
             # Real clocks jitter: a cell is never early.
             delay = max(0.0, (usage.started - run.t0) * k - ideal)
             found.delays.append(delay)
@@ -389,14 +390,6 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
             ready = min((usage.ready - run.t0) * k, start)
             found.by_user.append(UserCell(session.owner, gpus, ready, start, end))
     return found
-
-
-def _carried(previous_end: float, delays: tuple[float, float], ideal: float) -> tuple[float, float]:
-    """How long a cell due at ``ideal`` waits behind its session's previous cell, which
-    would have ended at ``previous_end`` but was late by ``delays`` (as replayed, and at
-    1x): what of that lateness reaches past ``ideal``."""
-    replayed, at_1x = delays
-    return max(0.0, previous_end + replayed - ideal), max(0.0, previous_end + at_1x - ideal)
 
 
 def _split(usage: CellUsage, due: float, sent: float, earlier: CellUsage | None) -> DelaySplit:
