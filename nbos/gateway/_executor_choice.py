@@ -164,8 +164,9 @@ class GpuChooser:
                 )
             source = next(n for n, h in replicas.items() if h == plan.source)
             node = await self._migrate(source, plan.target, request.exec_index - 1)
-        finally:
+        except BaseException:
             hold.release()
+            raise
         self._scheduler.ledger.cell_migrated(
             self._kernel_id, request.exec_index, time.time() - began
         )
@@ -173,15 +174,26 @@ class GpuChooser:
         survivors = {n: h for n, h in self._hosts.items() if n in replicas and n != source}
         if node is not None:
             survivors[node] = self._hosts[node]
-        grant = await self._wait(request, survivors, gpus, may_migrate=False)
+        # The target's GPUs stay held until this cell's own decision takes them: released
+        # now, another cell could plan a move onto them first and move again after.
+        try:
+            grant = await self._wait(request, survivors, gpus, may_migrate=False, held=hold)
+        finally:
+            hold.release()
         assert isinstance(grant, Grant)
         return grant
 
     async def _wait(
-        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, *, may_migrate: bool
+        self,
+        request: ChoiceRequest,
+        replicas: dict[int, HostId],
+        gpus: int,
+        *,
+        may_migrate: bool,
+        held: MoveHold | None = None,
     ) -> Grant | tuple[MigrationPlan, MoveHold]:
         """The grant, or the scheduler's migration plan for the cell (if ``may_migrate``) with
-        its target's GPUs held."""
+        its target's GPUs held; ``held``: GPUs held for it already (``GpuScheduler.acquire``)."""
         planned: tuple[MigrationPlan, MoveHold] | None = None
         notify = request.notify
 
@@ -213,6 +225,7 @@ class GpuChooser:
                     on_migrate=on_migrate if migrating else None,
                     user=self._user,
                     arrived=request.arrived,
+                    held=held,
                 )
         except BaseException:
             if planned is not None:  # cancelled from outside after the decision

@@ -166,3 +166,50 @@ async def test_a_moves_target_gpus_are_held_from_the_decision_so_no_second_cell_
         for hold in holds:
             hold.release()
         assert c.scheduler.view().host(HostId("h5")).gpus_idle == 1
+
+
+async def test_gpus_being_pre_committed_are_held_so_no_other_cell_plans_a_move_onto_them() -> None:
+    """a's cell can run on h5, whose GPU is idle; while the gateway asks h5's agent to
+    pre-commit it (a round trip, slow here), b's cell, whose replicas' hosts are full,
+    decides. The simulator commits a's GPU in the step that decides it, so b waits; live,
+    the GPU still looked idle until the agent answered, and b planned a move onto it that
+    a's grant then made useless (the replay's cells moved twice: onto a host taken
+    meanwhile, then on)."""
+    hosts = {f"h{i}": (0,) for i in range(6)}
+    async with cluster(hosts, policy=decisions()) as c:
+        for i in range(5):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        plans: list[MigrationPlan] = []
+
+        async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
+            plans.append(plan)
+            hold.release()
+
+        granted: list[Grant] = []
+
+        async def cell_a() -> None:
+            granted.append(
+                await c.scheduler.acquire(
+                    kernel("a"), 1, replicas("h3", "h4", "h5"), last_executor=None, gpus=1
+                )
+            )
+
+        c.network.delay = (0.1, 0.1)  # each message: a pre-commit's round trip takes 0.2 s
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cell_a)
+            await anyio.sleep(0.02)  # a decided on h5 and asks its agent
+            tg.start_soon(
+                lambda: c.scheduler.acquire(
+                    kernel("b"), 1, replicas("h0", "h1", "h2"), last_executor=None, gpus=1,
+                    on_migrate=on_migrate,
+                )
+            )  # fmt: skip
+            await eventually(lambda: (kernel("b"), 1) in c.scheduler.waiting())
+            await eventually(lambda: bool(granted), timeout=DEADLINE)
+            await anyio.sleep(0.3)  # b decided again once a's grant changed the view
+            tg.cancel_scope.cancel()
+        assert granted[0].host == HostId("h5")
+        assert plans == []
