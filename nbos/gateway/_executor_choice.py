@@ -125,7 +125,12 @@ class GpuChooser:
         if not replicas:
             raise QuorumLostError(f"kernel {self._kernel_id} has no live replica")
         asked = time.monotonic()
-        grant = await self._acquire(request, replicas, wanted.gpus)
+        held = await self._take_over(request.retry_of)
+        try:
+            grant = await self._acquire(request, replicas, wanted.gpus, held)
+        finally:
+            if held is not None:
+                held.release()
         try:
             grant = await self._scheduler.committed(grant)
         except BaseException:
@@ -147,11 +152,26 @@ class GpuChooser:
         )
         return plan
 
+    async def _take_over(self, lost: CellPlan | None) -> MoveHold | None:
+        """The GPUs of the cell's attempt whose claim lost (``lost``), held in the view for
+        its retry while they go back to their host; ``None`` without any. Given back and
+        taken anew, they were idle in between: another waiting cell took them or planned a
+        move onto them, and the retry waited or moved again (the simulator has no such
+        step: a cell's GPUs are its own until it ends)."""
+        entry = self._grants.get(id(lost)) if lost is not None else None
+        if entry is None or lost is None or not entry[1].devices:
+            return None
+        grant = entry[1]
+        hold = self._scheduler.hold(grant.host, len(grant.devices))
+        await self.release(lost)
+        return hold
+
     async def _acquire(
-        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int
+        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, held: MoveHold | None
     ) -> Grant:
-        """The scheduler's grant for the cell; migrates a replica once if that lets it run."""
-        outcome = await self._wait(request, replicas, gpus, may_migrate=True)
+        """The scheduler's grant for the cell; migrates a replica once if that lets it run.
+        ``held``: GPUs held for it (:meth:`_take_over`)."""
+        outcome = await self._wait(request, replicas, gpus, may_migrate=True, held=held)
         if isinstance(outcome, Grant):
             return outcome
         plan, hold = outcome

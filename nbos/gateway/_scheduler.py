@@ -484,7 +484,9 @@ class GpuScheduler:
         key = frozenset(replicas.values())
         queue = self._queues.setdefault(key, {})
         ticket = object()
-        queue[ticket] = Waiter(user, gpus, next(self._arrivals))
+        # A cell with GPUs held for it had them already: it goes before the cells that wait
+        # (behind them it would wait for the GPUs it holds).
+        queue[ticket] = Waiter(user, gpus, -1 if held is not None else next(self._arrivals))
         shown: str | None = None
         proposed: MigrationPlan | None = None
         # When the cell began to wait (wall clock, and the scale-out clock's reading).
