@@ -125,7 +125,7 @@ class GpuChooser:
         if not replicas:
             raise QuorumLostError(f"kernel {self._kernel_id} has no live replica")
         asked = time.monotonic()
-        held = await self._take_over(request.retry_of)
+        held = await self._take_over(request)
         try:
             grant = await self._acquire(request, replicas, wanted.gpus, held)
         finally:
@@ -152,18 +152,21 @@ class GpuChooser:
         )
         return plan
 
-    async def _take_over(self, lost: CellPlan | None) -> MoveHold | None:
-        """The GPUs of the cell's attempt whose claim lost (``lost``), held in the view for
-        its retry while they go back to their host; ``None`` without any. Given back and
-        taken anew, they were idle in between: another waiting cell took them or planned a
-        move onto them, and the retry waited or moved again (the simulator has no such
-        step: a cell's GPUs are its own until it ends)."""
+    async def _take_over(self, request: ChoiceRequest) -> MoveHold | None:
+        """The GPUs of the cell's attempt whose claim lost (``request.retry_of``), held in
+        the view for its retry while they go back to their host; ``None`` without any.
+        Given back and taken anew, they were idle in between: another waiting cell took
+        them or planned a move onto them, and the retry waited or moved again (the
+        simulator has no such step: a cell's GPUs are its own until it ends). The ledger
+        keeps one record of the cell, under its new index."""
+        lost = request.retry_of
         entry = self._grants.get(id(lost)) if lost is not None else None
-        if entry is None or lost is None or not entry[1].devices:
+        if entry is None or lost is None:
             return None
         grant = entry[1]
-        hold = self._scheduler.hold(grant.host, len(grant.devices))
+        hold = self._scheduler.hold(grant.host, len(grant.devices)) if grant.devices else None
         await self.release(lost)
+        self._scheduler.ledger.cell_retried(self._kernel_id, grant.exec_index, request.exec_index)
         return hold
 
     async def _acquire(

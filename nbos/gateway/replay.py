@@ -344,10 +344,16 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
     while it ran, or it ended early): never more than what was reserved for it.
     """
     assert run.after is not None
-    by_cell = {(c.kernel_id, c.exec_index): c for c in run.after.cells}
+    # A kernel's records in index order are its cells in order: a cell retried under a new
+    # index (its claim lost) keeps one record, and an index refused before it was asked
+    # for goes to the next cell.
+    by_kernel: dict[str, list[CellUsage]] = {}
+    for c in sorted(run.after.cells, key=lambda c: c.exec_index):
+        by_kernel.setdefault(c.kernel_id, []).append(c)
     found = _CellFigures()
     for session in trace.sessions:
         kernel = run.kernels.get(session.id)
+        records = by_kernel.get(kernel, []) if kernel is not None else []
         ideal_end = -math.inf
         before: CellUsage | None = None
         # The previous cell's delay and its delay at 1x (None: it did not start).
@@ -355,7 +361,7 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
         for i, cell in enumerate(session.cells, start=1):
             ideal = max(cell.start, ideal_end)
             previous_end, ideal_end = ideal_end, ideal + cell.duration
-            usage = by_cell.get((kernel, i)) if kernel is not None else None
+            usage = records[i - 1] if i <= len(records) else None
             earlier, before = before, usage
             carried, carry = carry, None
             if usage is None or usage.started is None:

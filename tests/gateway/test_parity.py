@@ -244,6 +244,12 @@ async def test_a_cell_whose_claim_lost_keeps_its_gpus_for_its_retry() -> None:
             await chooser.release(first)  # the front's release of the lost attempt: a no-op
             assert retry.replica == 0
             assert (kernel("b"), 1) in c.scheduler.waiting()
+            # One cell, one record: under the retry's index, ready since its first attempt.
+            ledger = c.scheduler.ledger
+            assert ledger.cell(kernel("a"), 1) is None
+            record = ledger.cell(kernel("a"), 2)
+            assert record is not None and record.started is not None and record.ended is None
+            assert [u.exec_index for u in ledger.cells() if u.kernel_id == kernel("a")] == [2]
             assert c.scheduler.view().host(HostId("h0")).gpus_idle == 0
             await chooser.release(retry)
             await eventually(lambda: (kernel("b"), 1) not in c.scheduler.waiting())

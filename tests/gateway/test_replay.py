@@ -294,3 +294,19 @@ def test_a_replay_and_the_simulation_beside_it_count_delays_at_1x_by_one_rule() 
         assert (r.interactive_share, r.interactive_share_1x) == (0.0, 1.0)
     rows = _table(results.metrics_table([simulated, replayed]))
     assert rows["interactive at 1x (start within)"] == ["100.0%", "(1", "s)"] * 2
+
+
+def test_a_replayed_cell_retried_under_a_new_index_is_still_its_sessions_cell() -> None:
+    # Cell 2's first index was lost to an early claim: the gateway's record of it is under
+    # index 3, and the session's cells are the kernel's records in order.
+    trace = Trace((Session("a", 0, 1200, 1, (Cell(60, 60), Cell(180, 60))),))
+    before = Usage(0.0, 100.0, [], [HostCount(0.0, 3, 24)], Totals())
+    cells = [
+        CellUsage("k-a", 1, 1, 101.0, 101.0, 102.0, arrived=101.0),
+        CellUsage("k-a", 3, 1, 103.0, 103.5, 104.5, arrived=103.0),
+    ]
+    after = Usage(0.0, 200.0, cells, [HostCount(0.0, 3, 24)], Totals(committed_gpu_s=2.0))
+    run = ReplayRun(before, 100.0, after, 200.0, {"a": "k-a"})
+    r = replay.result(trace, run, ReplayConfig(speedup=60.0))
+    assert r.cells_unserved == 0
+    assert r.delays == pytest.approx((0.0, 30.0))
