@@ -19,7 +19,6 @@ import sys
 from collections.abc import Iterator
 
 import anyio
-import attrs
 import msgspec
 
 from nbos.cli._progress import progress_bar
@@ -98,10 +97,7 @@ def run(args: argparse.Namespace) -> int:
             result = anyio.run(_embedded, trace, _settings(args), config, watch)
     results = [result]
     if args.simulate:
-        # The live cluster's own work takes real seconds, args.speedup trace seconds each;
-        # a cell's commit (hundredths of a second) is within the replay's own overhead.
-        scaled = attrs.evolve(durations.scaled(args.speedup), gpu_commit=durations.gpu_commit)
-        timed = _sim_config(args, quotas).timed(scaled)
+        timed = _sim_config(args, quotas).replaying(durations, args.speedup)
         results.insert(0, simulate(trace, timed))
     show(results, args, "its host ceiling", trace.names_users or quotas is not None)
     return 0

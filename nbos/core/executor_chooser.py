@@ -22,6 +22,10 @@ class ChoiceRequest:
     client as the cell's wait status, one output that each call replaces
     (:mod:`nbos.kernel.front._status`). ``arrived``: when the request reached the front
     (``time.time()``; ``None``: not known), which the delay's split starts from.
+    ``retry_of``: the plan of this cell's previous attempt, whose executor's claim lost
+    (nothing ran): the cell goes again under a new index. Its release comes once this
+    choice is made, so a chooser may take its GPUs over for the retry rather than let
+    another cell have them in between.
     """
 
     exec_index: int
@@ -31,6 +35,7 @@ class ChoiceRequest:
     metadata: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     notify: Callable[[str], Awaitable[None]] | None = attrs.field(default=None, hash=False)
     arrived: float | None = attrs.field(default=None, hash=False)
+    retry_of: CellPlan | None = attrs.field(default=None, hash=False)
 
 
 @attrs.frozen

@@ -125,7 +125,12 @@ class GpuChooser:
         if not replicas:
             raise QuorumLostError(f"kernel {self._kernel_id} has no live replica")
         asked = time.monotonic()
-        grant = await self._acquire(request, replicas, wanted.gpus)
+        held = await self._take_over(request)
+        try:
+            grant = await self._acquire(request, replicas, wanted.gpus, held)
+        finally:
+            if held is not None:
+                held.release()
         try:
             grant = await self._scheduler.committed(grant)
         except BaseException:
@@ -147,11 +152,29 @@ class GpuChooser:
         )
         return plan
 
+    async def _take_over(self, request: ChoiceRequest) -> MoveHold | None:
+        """The GPUs of the cell's attempt whose claim lost (``request.retry_of``), held in
+        the view for its retry while they go back to their host; ``None`` without any.
+        Given back and taken anew, they were idle in between: another waiting cell took
+        them or planned a move onto them, and the retry waited or moved again (the
+        simulator has no such step: a cell's GPUs are its own until it ends). The ledger
+        keeps one record of the cell, under its new index."""
+        lost = request.retry_of
+        entry = self._grants.get(id(lost)) if lost is not None else None
+        if entry is None or lost is None:
+            return None
+        grant = entry[1]
+        hold = self._scheduler.hold(grant.host, len(grant.devices)) if grant.devices else None
+        await self.release(lost)
+        self._scheduler.ledger.cell_retried(self._kernel_id, grant.exec_index, request.exec_index)
+        return hold
+
     async def _acquire(
-        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int
+        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, held: MoveHold | None
     ) -> Grant:
-        """The scheduler's grant for the cell; migrates a replica once if that lets it run."""
-        outcome = await self._wait(request, replicas, gpus, may_migrate=True)
+        """The scheduler's grant for the cell; migrates a replica once if that lets it run.
+        ``held``: GPUs held for it (:meth:`_take_over`)."""
+        outcome = await self._wait(request, replicas, gpus, may_migrate=True, held=held)
         if isinstance(outcome, Grant):
             return outcome
         plan, hold = outcome
@@ -164,8 +187,9 @@ class GpuChooser:
                 )
             source = next(n for n, h in replicas.items() if h == plan.source)
             node = await self._migrate(source, plan.target, request.exec_index - 1)
-        finally:
+        except BaseException:
             hold.release()
+            raise
         self._scheduler.ledger.cell_migrated(
             self._kernel_id, request.exec_index, time.time() - began
         )
@@ -173,15 +197,26 @@ class GpuChooser:
         survivors = {n: h for n, h in self._hosts.items() if n in replicas and n != source}
         if node is not None:
             survivors[node] = self._hosts[node]
-        grant = await self._wait(request, survivors, gpus, may_migrate=False)
+        # The target's GPUs stay held until this cell's own decision takes them: released
+        # now, another cell could plan a move onto them first and move again after.
+        try:
+            grant = await self._wait(request, survivors, gpus, may_migrate=False, held=hold)
+        finally:
+            hold.release()
         assert isinstance(grant, Grant)
         return grant
 
     async def _wait(
-        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, *, may_migrate: bool
+        self,
+        request: ChoiceRequest,
+        replicas: dict[int, HostId],
+        gpus: int,
+        *,
+        may_migrate: bool,
+        held: MoveHold | None = None,
     ) -> Grant | tuple[MigrationPlan, MoveHold]:
         """The grant, or the scheduler's migration plan for the cell (if ``may_migrate``) with
-        its target's GPUs held."""
+        its target's GPUs held; ``held``: GPUs held for it already (``GpuScheduler.acquire``)."""
         planned: tuple[MigrationPlan, MoveHold] | None = None
         notify = request.notify
 
@@ -213,6 +248,7 @@ class GpuChooser:
                     on_migrate=on_migrate if migrating else None,
                     user=self._user,
                     arrived=request.arrived,
+                    held=held,
                 )
         except BaseException:
             if planned is not None:  # cancelled from outside after the decision

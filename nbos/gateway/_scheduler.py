@@ -447,6 +447,7 @@ class GpuScheduler:
         on_migrate: MigrateCallback | None = None,
         user: str = "",
         arrived: float | None = None,
+        held: MoveHold | None = None,
     ) -> Grant:
         """Choose the executor of a cell and pre-commit its GPUs on that replica's host.
 
@@ -460,7 +461,10 @@ class GpuScheduler:
         kernel (``""``: nobody): its GPUs count against that user's quota, and a cell
         that would borrow beyond it waits while another user's within-quota cell waits
         (the reason names both users). ``arrived``: when the cell's request reached the
-        kernel (wall-clock), for its delay's split (:meth:`Ledger.cell_waited`). Raises
+        kernel (wall-clock), for its delay's split (:meth:`Ledger.cell_waited`). ``held``:
+        GPUs held for this cell (its move's target, once the move is over), counted as
+        committed until its own decision takes their place, so that no other cell plans
+        on them in between (the caller releases them if this raises first). Raises
         :class:`InsufficientGpusError` at once if no known host has ``gpus`` GPUs,
         :class:`GpuError` for a negative count and :class:`QuorumLostError` for no
         replicas.
@@ -480,7 +484,9 @@ class GpuScheduler:
         key = frozenset(replicas.values())
         queue = self._queues.setdefault(key, {})
         ticket = object()
-        queue[ticket] = Waiter(user, gpus, next(self._arrivals))
+        # A cell with GPUs held for it had them already: it goes before the cells that wait
+        # (behind them it would wait for the GPUs it holds).
+        queue[ticket] = Waiter(user, gpus, -1 if held is not None else next(self._arrivals))
         shown: str | None = None
         proposed: MigrationPlan | None = None
         # When the cell began to wait (wall clock, and the scale-out clock's reading).
@@ -492,7 +498,9 @@ class GpuScheduler:
                 if ahead is not None:
                     outcome, starved = ahead
                 else:
-                    decided = await self._try(kernel_id, exec_index, replicas, last_executor, gpus)
+                    decided = await self._try(
+                        kernel_id, exec_index, replicas, last_executor, gpus, held=held
+                    )
                     if isinstance(decided, Grant):
                         return decided
                     if isinstance(decided, MigrationPlan) and decided != proposed:
@@ -686,13 +694,22 @@ class GpuScheduler:
         replicas: Mapping[int, HostId],
         last_executor: int | None,
         gpus: int,
+        *,
+        held: MoveHold | None = None,
     ) -> Grant | Wait | MigrationPlan:
-        """One attempt over the replicas' hosts: a grant, or the decision to wait or migrate."""
+        """One attempt over the replicas' hosts: a grant, or the decision to wait or migrate.
+
+        The chosen host's GPUs are held (:meth:`hold`) from the decision until its
+        pre-commit is answered, as the simulator commits them when it decides: otherwise
+        another cell deciding meanwhile sees them idle and plans a move onto them. ``held``
+        (the cell's own, :meth:`acquire`) gives way to the decision in the same step."""
         order = [replicas[r] for r in sorted(replicas)]
         last_host = replicas.get(last_executor) if last_executor is not None else None
         refused: set[HostId] = set()
         while True:
             down = refused | {h for h in order if not self._hosts.live(h)}
+            if held is not None:
+                held.release()
             try:
                 choice = self._decisions.cell(
                     self.view(), kernel_id, order, last_host, gpus, down=down
@@ -704,7 +721,11 @@ class GpuScheduler:
             if not isinstance(choice, Execute):
                 return choice
             replica = self._replica_on(choice.host, replicas, last_executor)
-            grant = await self._precommit(kernel_id, exec_index, replica, choice.host, gpus)
+            deciding = self.hold(choice.host, gpus)
+            try:
+                grant = await self._precommit(kernel_id, exec_index, replica, choice.host, gpus)
+            finally:
+                deciding.release()
             if grant is not None:
                 return grant
             refused.add(choice.host)

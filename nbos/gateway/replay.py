@@ -36,7 +36,7 @@ from nbos.gateway.control_api import (
     UsageRequest,
     call,
 )
-from nbos.scaling.delays import DelaySplit
+from nbos.scaling.delays import DelaySplit, carried_over, delay_at_1x
 from nbos.scaling.fair_share import FairShare
 from nbos.scaling.fairness import UserCell
 from nbos.scaling.ledger import CellUsage, HostCount
@@ -344,10 +344,16 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
     while it ran, or it ended early): never more than what was reserved for it.
     """
     assert run.after is not None
-    by_cell = {(c.kernel_id, c.exec_index): c for c in run.after.cells}
+    # A kernel's records in index order are its cells in order: a cell retried under a new
+    # index (its claim lost) keeps one record, and an index refused before it was asked
+    # for goes to the next cell.
+    by_kernel: dict[str, list[CellUsage]] = {}
+    for c in sorted(run.after.cells, key=lambda c: c.exec_index):
+        by_kernel.setdefault(c.kernel_id, []).append(c)
     found = _CellFigures()
     for session in trace.sessions:
         kernel = run.kernels.get(session.id)
+        records = by_kernel.get(kernel, []) if kernel is not None else []
         ideal_end = -math.inf
         before: CellUsage | None = None
         # The previous cell's delay and its delay at 1x (None: it did not start).
@@ -355,16 +361,17 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
         for i, cell in enumerate(session.cells, start=1):
             ideal = max(cell.start, ideal_end)
             previous_end, ideal_end = ideal_end, ideal + cell.duration
-            usage = by_cell.get((kernel, i)) if kernel is not None else None
+            usage = records[i - 1] if i <= len(records) else None
             earlier, before = before, usage
             carried, carry = carry, None
             if usage is None or usage.started is None:
                 continue
             sent = run.sent.get((session.id, i), usage.ready)
             split = _split(usage, run.t0 + ideal / k, sent, earlier).scaled(k)
-            late, late_1x = (
-                (0.0, 0.0) if carried is None else _carried(previous_end, carried, ideal)
-            )
+            late = late_1x = 0.0
+            if carried is not None:
+                late = carried_over(previous_end, carried[0], ideal)
+                late_1x = carried_over(previous_end, carried[1], ideal)
             # Waiting behind the previous cell is what its delay carried over; the rest of
             # that wait (it held its GPUs past its duration, its reply) is nbos's own.
             queue = min(split.queue, late)
@@ -372,7 +379,7 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
                 split, queue=queue, overhead=split.overhead + split.queue - queue
             )
             found.splits.append(split)
-            at_1x = late_1x + split.gpus + split.own / k
+            at_1x = delay_at_1x(split, k, late_1x)
             # Real clocks jitter: a cell is never early.
             delay = max(0.0, (usage.started - run.t0) * k - ideal)
             found.delays.append(delay)
@@ -389,14 +396,6 @@ def _cells(trace: Trace, run: ReplayRun, k: float) -> _CellFigures:
             ready = min((usage.ready - run.t0) * k, start)
             found.by_user.append(UserCell(session.owner, gpus, ready, start, end))
     return found
-
-
-def _carried(previous_end: float, delays: tuple[float, float], ideal: float) -> tuple[float, float]:
-    """How long a cell due at ``ideal`` waits behind its session's previous cell, which
-    would have ended at ``previous_end`` but was late by ``delays`` (as replayed, and at
-    1x): what of that lateness reaches past ``ideal``."""
-    replayed, at_1x = delays
-    return max(0.0, previous_end + replayed - ideal), max(0.0, previous_end + at_1x - ideal)
 
 
 def _split(usage: CellUsage, due: float, sent: float, earlier: CellUsage | None) -> DelaySplit:

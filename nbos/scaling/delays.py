@@ -18,6 +18,11 @@ to run (its GPUs committed). It is split into:
 
 The gateway and the simulator read the scale-out part of a wait off the same
 :class:`ScaleOutClock`, so the two splits differ only where the clusters did.
+
+A run ``speedup`` times faster than its trace (``nbos replay``, and the simulation beside
+it, which assumes nbos's own durations ``speedup`` times as long) counts each cell's delay
+*at 1x* by one rule, :func:`delay_at_1x`: what a user would have felt at the trace's own
+speed, the waits other cells cause in trace seconds and nbos's own time in real seconds.
 """
 
 from __future__ import annotations
@@ -67,6 +72,24 @@ def split_wait(waited: float, scale_out: float) -> tuple[float, float]:
     ``(gpus, scale_out)``, the rule both the gateway and the simulator apply."""
     part = min(max(0.0, scale_out), max(0.0, waited))
     return max(0.0, waited) - part, part
+
+
+def carried_over(previous_end: float, late: float, due: float) -> float:
+    """How long a cell due at ``due`` waits behind its session's previous cell, which would
+    have ended at ``previous_end`` on an unlimited cluster but was ``late``: what of that
+    lateness reaches past ``due``."""
+    return max(0.0, previous_end + late - due)
+
+
+def delay_at_1x(split: DelaySplit, speedup: float, behind_1x: float) -> float:
+    """A cell's delay as a user at 1x would feel it, of a run ``speedup`` times faster than
+    its trace whose delays (``split``) are in trace seconds: the wait for GPUs that other
+    cells held as it is (it passes ``speedup`` times faster too), nbos's own time
+    (:attr:`DelaySplit.own`: migration, scale-out, overhead) in real seconds, and instead of
+    the replayed wait behind the session's previous cell, ``behind_1x``: that cell's delay
+    at 1x carried over (:func:`carried_over`). The replay and the simulation beside it
+    count it alike, so their shares of cells within a second compare."""
+    return behind_1x + split.gpus + split.own / speedup
 
 
 class ScaleOutClock:

@@ -181,6 +181,16 @@ class Ledger:
         if cell is not None:
             cell.migration_s += max(0.0, seconds)
 
+    def cell_retried(self, kernel_id: KernelId, lost: int, exec_index: int) -> None:
+        """The cell of index ``lost`` goes again as ``exec_index`` (its executor's claim
+        lost; nothing ran): one cell, whose record moves to the new index with when it
+        was ready and what it waited, to start anew there."""
+        cell = self._cells.pop((kernel_id, lost), None)
+        if cell is not None:
+            self._cells[(kernel_id, exec_index)] = msgspec.structs.replace(
+                cell, exec_index=exec_index, started=None, ended=None
+            )
+
     def cell_started(self, kernel_id: KernelId, exec_index: int) -> None:
         cell = self._cells.get((kernel_id, exec_index))
         if cell is not None and cell.started is None:

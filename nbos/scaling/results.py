@@ -79,9 +79,10 @@ class SimResult:
     overheads: tuple[float, ...] = ()
     #: Where the started cells' delays went, summed (trace seconds; :mod:`nbos.scaling.delays`).
     delay_split: DelaySplit = attrs.field(factory=DelaySplit)
-    #: A replay's share of cells that a user at 1x would have seen start within
-    #: ``interactive_within`` (:attr:`Run.delays_1x`); ``None``: simulated.
-    interactive_share_1x: float | None = None
+    #: The share of cells that a user at 1x would have seen start within
+    #: ``interactive_within`` (:attr:`Run.delays_1x`): of a replay, and of the simulation
+    #: beside it (``SimConfig.speedup``), counted by the same rule.
+    interactive_share_1x: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         """The figures as plain values (no samples, delays or overheads), with the two
@@ -143,8 +144,9 @@ class Run:
     overheads: Sequence[float] = ()
     #: Every started cell's delay by cause (:class:`DelaySplit`), as ``delays``.
     splits: Sequence[DelaySplit] = ()
-    #: A replay's delays as a user would feel them at 1x: the waits other cells caused
-    #: in trace seconds, nbos's own time in real seconds (``nbos.gateway.replay``).
+    #: Every started cell's delay as a user would feel it at 1x
+    #: (:func:`~nbos.scaling.delays.delay_at_1x`): the waits other cells caused in trace
+    #: seconds, nbos's own time in real seconds.
     delays_1x: Sequence[float] = ()
 
 
@@ -187,10 +189,8 @@ def sim_result(trace: Trace, run: Run) -> SimResult:
         speedup=run.speedup,
         overheads=tuple(sorted(run.overheads)),
         delay_split=sum(run.splits, DelaySplit()),
-        interactive_share_1x=(
-            None
-            if run.speedup is None
-            else _share(sum(1 for d in run.delays_1x if d <= run.interactive_within), cells)
+        interactive_share_1x=_share(
+            sum(1 for d in run.delays_1x if d <= run.interactive_within), cells
         ),
     )
 
@@ -243,11 +243,7 @@ _ROWS: tuple[tuple[str, Callable[[SimResult], str]], ...] = (
     ),
     (
         "interactive at 1x (start within)",
-        lambda r: (
-            "-"
-            if r.interactive_share_1x is None
-            else f"{r.interactive_share_1x:.1%} ({r.interactive_within:g} s)"
-        ),
+        lambda r: f"{r.interactive_share_1x:.1%} ({r.interactive_within:g} s)",
     ),
     ("delay by cause (s per cell): queue/GPUs/migr./scale-out/own", _per_cell),
     ("migrations / drain moves", lambda r: f"{r.migrations} / {r.drain_moves}"),

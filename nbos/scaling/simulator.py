@@ -60,7 +60,13 @@ from nbos.core.ids import HostId, KernelId
 from nbos.gpu.pool import GpuPool
 from nbos.scaling.autoscaler import Autoscaler, AutoscalerConfig, ScaleIn, ScaleOut
 from nbos.scaling.decisions import ClusterDecisions
-from nbos.scaling.delays import DelaySplit, ScaleOutClock, split_wait
+from nbos.scaling.delays import (
+    DelaySplit,
+    ScaleOutClock,
+    carried_over,
+    delay_at_1x,
+    split_wait,
+)
 from nbos.scaling.executor import Execute, Wait
 from nbos.scaling.fair_share import FairShare, UserGpus, Waiter, Yield
 from nbos.scaling.fairness import UserCell
@@ -92,6 +98,7 @@ def _check_config(instance: SimConfig, attribute: attrs.Attribute[Any], value: A
         "gpu_commit": (0, "a number of seconds >= 0"),
         "kernel_start": (0, "a number of seconds >= 0"),
         "interactive_within": (0, "a number of seconds >= 0"),
+        "speedup": (1e-9, "a positive number"),
         "overrun_limit": (0, "a number of seconds >= 0"),
     }
     low, expected = limits[attribute.name]
@@ -141,10 +148,22 @@ class SimConfig:
     #: not commit its GPUs to a host that could (``ClusterDecisions.precopy``), so that its
     #: next cell need not wait for that migration; costs the move (``migration_time``).
     precopy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: The simulation stands for a run this many times faster than the trace, whose own
+    #: work took real seconds (:meth:`replaying`): its delays at 1x count that work in
+    #: real seconds (:func:`~nbos.scaling.delays.delay_at_1x`). 1: the trace's own speed.
+    speedup: float = attrs.field(default=1.0, validator=_check_config)
 
     def timed(self, timings: Timings) -> SimConfig:
         """This config assuming ``timings`` (``nbos calibrate``'s) for nbos's own work."""
         return attrs.evolve(self, **attrs.asdict(timings))
+
+    def replaying(self, timings: Timings, speedup: float) -> SimConfig:
+        """This config as the cluster ``nbos replay --speedup`` drives: nbos's own work
+        (``timings``) takes real seconds, ``speedup`` trace seconds each, except a cell's
+        commit (hundredths of a second, within what the replay counts as its own overhead);
+        its delays at 1x count that work in real seconds again."""
+        scaled = attrs.evolve(timings.scaled(speedup), gpu_commit=timings.gpu_commit)
+        return attrs.evolve(self.timed(scaled), speedup=speedup)
 
 
 def simulate(
@@ -211,6 +230,9 @@ class _Kernel:
     ready_mark: float = 0.0
     #: When the kernel, placed, has started (``kernel_start`` later) and runs cells.
     ready_at: float = 0.0
+    #: The last started cell's end on an unlimited cluster and its delay at 1x: what its
+    #: lateness carries over to the next cell at 1x (:func:`delay_at_1x`).
+    carry_1x: tuple[float, float] = (-math.inf, 0.0)
     #: The replica being copied ahead of the kernel's next cell (``SimConfig.precopy``).
     copying: MigrationPlan | None = None
     #: Whether a replica was copied since the kernel's last cell (once per idle spell).
@@ -273,6 +295,7 @@ class _Simulation:
         self._busy_gpu_s = 0.0
         self._delays: list[float] = []
         self._splits: list[DelaySplit] = []
+        self._delays_1x: list[float] = []
         # How long hosts were being added: the scale-out part of a cell's wait.
         self._scale_outs = ScaleOutClock(lambda: self._now)
         self._user_cells: list[UserCell] = []
@@ -493,16 +516,39 @@ class _Simulation:
         self._delays.append(at - ideal_start)
         self._busy_gpu_s += gpus * cell.duration
         ready = min(max(cell.start, kernel.last_end), at)
-        waited, scaling = split_wait(
-            self._now - ready, self._scale_outs.reading() - kernel.ready_mark
-        )
-        self._splits.append(DelaySplit(ready - ideal_start, waited, at - self._now, scaling))
+        split = self._split(kernel, ready - ideal_start, ready, at)
+        self._splits.append(split)
+        previous_end, previous_1x = kernel.carry_1x
+        behind_1x = carried_over(previous_end, previous_1x, ideal_start)
+        at_1x = delay_at_1x(split, self._cfg.speedup, behind_1x)
+        self._delays_1x.append(at_1x)
+        kernel.carry_1x = (ideal_start + cell.duration, at_1x)
         self._user_cells.append(UserCell(kernel.user, gpus, ready, at, at + cell.duration))
         if at > self._now:
             self._at(at, _END, lambda: self._busy(gpus))
         else:
             self._busy(gpus)
         self._at(at + cell.duration, _END, lambda: self._end(kernel, host, reservation, gpus))
+
+    def _split(self, kernel: _Kernel, queued: float, ready: float, at: float) -> DelaySplit:
+        """Where the delay of the kernel's head cell, ``queued`` behind its previous cell,
+        ready at ``ready`` and running from ``at``, went: its kernel's start (after its
+        placement) and its GPUs' commit nbos's own overhead, the rest of ``at`` beyond
+        now the migration it waits for, the rest of the wait until now for GPUs (or room
+        to place its kernel) and for hosts being added."""
+        placed = kernel.ready_at - self._cfg.kernel_start
+        booting = max(0.0, min(self._now, kernel.ready_at) - max(ready, placed))
+        commit = min(at - self._now, self._cfg.gpu_commit)
+        waited, scaling = split_wait(
+            self._now - ready - booting, self._scale_outs.reading() - kernel.ready_mark
+        )
+        return DelaySplit(
+            queue=queued,
+            gpus=waited,
+            migration=at - self._now - commit,
+            scale_out=scaling,
+            overhead=booting + commit,
+        )
 
     def _busy(self, gpus: int) -> None:
         self._gpus_busy += gpus
@@ -728,6 +774,7 @@ class _Simulation:
             totals=self.ledger.totals(),
             delays=self._delays,
             splits=self._splits,
+            delays_1x=self._delays_1x,
             busy_gpu_s=self._busy_gpu_s,
             peak_gpus_committed=self.ledger.peak_committed,
             hosts_timeline=tuple((h.time, h.hosts) for h in self.ledger.hosts()),

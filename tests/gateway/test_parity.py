@@ -9,8 +9,10 @@ from pathlib import Path
 import anyio
 import pytest
 
+from nbos.core.executor_chooser import ChoiceRequest
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant, MoveHold
+from nbos.gateway._executor_choice import GpuChooser
 from nbos.gateway.service import GatewayService
 from nbos.scaling import (
     AutoscalerConfig,
@@ -166,3 +168,89 @@ async def test_a_moves_target_gpus_are_held_from_the_decision_so_no_second_cell_
         for hold in holds:
             hold.release()
         assert c.scheduler.view().host(HostId("h5")).gpus_idle == 1
+
+
+async def test_gpus_being_pre_committed_are_held_so_no_other_cell_plans_a_move_onto_them() -> None:
+    """a's cell can run on h5, whose GPU is idle; while the gateway asks h5's agent to
+    pre-commit it (a round trip, slow here), b's cell, whose replicas' hosts are full,
+    decides. The simulator commits a's GPU in the step that decides it, so b waits; live,
+    the GPU still looked idle until the agent answered, and b planned a move onto it that
+    a's grant then made useless (the replay's cells moved twice: onto a host taken
+    meanwhile, then on)."""
+    hosts = {f"h{i}": (0,) for i in range(6)}
+    async with cluster(hosts, policy=decisions()) as c:
+        for i in range(5):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        plans: list[MigrationPlan] = []
+
+        async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
+            plans.append(plan)
+            hold.release()
+
+        granted: list[Grant] = []
+
+        async def cell_a() -> None:
+            granted.append(
+                await c.scheduler.acquire(
+                    kernel("a"), 1, replicas("h3", "h4", "h5"), last_executor=None, gpus=1
+                )
+            )
+
+        c.network.delay = (0.1, 0.1)  # each message: a pre-commit's round trip takes 0.2 s
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cell_a)
+            await anyio.sleep(0.02)  # a decided on h5 and asks its agent
+            tg.start_soon(
+                lambda: c.scheduler.acquire(
+                    kernel("b"), 1, replicas("h0", "h1", "h2"), last_executor=None, gpus=1,
+                    on_migrate=on_migrate,
+                )
+            )  # fmt: skip
+            await eventually(lambda: (kernel("b"), 1) in c.scheduler.waiting())
+            await eventually(lambda: bool(granted), timeout=DEADLINE)
+            await anyio.sleep(0.3)  # b decided again once a's grant changed the view
+            tg.cancel_scope.cancel()
+        assert granted[0].host == HostId("h5")
+        assert plans == []
+
+
+async def test_a_cell_whose_claim_lost_keeps_its_gpus_for_its_retry() -> None:
+    """a's cell got h0's GPU, but its executor's claim lost (the last executor had claimed
+    the index early), so it goes again under a new index. b, on the same hosts, waits for a
+    GPU meanwhile. Given back and asked for anew, the GPU was b's (or a move onto it was
+    b's plan) and a's retry waited or moved again; the simulator has no such step. The
+    retry (``ChoiceRequest.retry_of``) takes its own GPU over and b keeps waiting."""
+    hosts = {"h0": (0,), "h1": (0,), "h2": (0,)}
+    async with cluster(hosts, policy=decisions()) as c:
+        for host in ("h1", "h2"):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog-{host}"), 1, replicas(host), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        on = replicas("h0", "h1", "h2")
+        chooser = GpuChooser(c.scheduler, kernel("a"), on, default_gpus=1)
+        first = await chooser.choose(ChoiceRequest(1, None, (0, 1, 2)))
+        assert first.replica == 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: c.scheduler.acquire(kernel("b"), 1, on, last_executor=None, gpus=1)
+            )
+            await eventually(lambda: (kernel("b"), 1) in c.scheduler.waiting())
+            with anyio.fail_after(DEADLINE):
+                retry = await chooser.choose(ChoiceRequest(2, None, (0, 1, 2), retry_of=first))
+            await chooser.release(first)  # the front's release of the lost attempt: a no-op
+            assert retry.replica == 0
+            assert (kernel("b"), 1) in c.scheduler.waiting()
+            # One cell, one record: under the retry's index, ready since its first attempt.
+            ledger = c.scheduler.ledger
+            assert ledger.cell(kernel("a"), 1) is None
+            record = ledger.cell(kernel("a"), 2)
+            assert record is not None and record.started is not None and record.ended is None
+            assert [u.exec_index for u in ledger.cells() if u.kernel_id == kernel("a")] == [2]
+            assert c.scheduler.view().host(HostId("h0")).gpus_idle == 0
+            await chooser.release(retry)
+            await eventually(lambda: (kernel("b"), 1) not in c.scheduler.waiting())
+            tg.cancel_scope.cancel()

@@ -20,6 +20,7 @@ from nbos.gateway.replay import ReplayConfig, ReplayRun
 from nbos.gateway.service import GatewayService
 from nbos.scaling import results, simulator
 from nbos.scaling.ledger import CellUsage, HostCount, Totals
+from nbos.scaling.timings import Timings
 from nbos.scaling.trace import Cell, Session, Trace, dump_json
 from tests._wait import eventually
 from tests.agent._daemons import DEADLINE, ROOT
@@ -271,3 +272,41 @@ def test_busy_gpu_hours_never_exceed_reserved(
     r = replay.result(Trace(tuple(sessions)), run, ReplayConfig(speedup=k))
     assert r.gpu_hours_busy <= r.gpu_hours_reserved * (1 + 1e-9)
     assert r.busy_share <= 1 + 1e-9
+
+
+def test_a_replay_and_the_simulation_beside_it_count_delays_at_1x_by_one_rule() -> None:
+    # A session whose first cell comes as it opens, at 60x: the replay's kernel took 0.5 s
+    # to start and the cell 0.02 s more to get its GPUs; the simulation assumes the same
+    # durations, each 60 times as long in trace seconds. Neither started within a second of
+    # trace; at 1x both did, in both columns of the table.
+    trace = Trace((Session("a", 0, 1200, 2, (Cell(0, 600),)),))
+    before = Usage(0.0, 100.0, [], [HostCount(0.0, 3, 24)], Totals())
+    cells = [CellUsage("k-a", 1, 2, 100.51, 100.52, 110.52, arrived=100.51)]
+    after = Usage(0.0, 200.0, cells, [HostCount(0.0, 3, 24)], Totals())
+    run = ReplayRun(before, 100.0, after, 200.0, {"a": "k-a"}, sent={("a", 1): 100.5})
+    replayed = replay.result(trace, run, ReplayConfig(speedup=60.0))
+    timings = Timings(host_startup=10.0, migration_time=2.0, gpu_commit=0.02, kernel_start=0.5)
+    config = simulator.SimConfig(hosts=3, autoscaler=None).replaying(timings, 60.0)
+    simulated = simulator.simulate(trace, config)
+    for r in (replayed, simulated):
+        assert 30.0 <= r.delays[0] <= 0.52 * 60 + 1e-9
+        assert r.delay_split.overhead == pytest.approx(r.delays[0])
+        assert (r.interactive_share, r.interactive_share_1x) == (0.0, 1.0)
+    rows = _table(results.metrics_table([simulated, replayed]))
+    assert rows["interactive at 1x (start within)"] == ["100.0%", "(1", "s)"] * 2
+
+
+def test_a_replayed_cell_retried_under_a_new_index_is_still_its_sessions_cell() -> None:
+    # Cell 2's first index was lost to an early claim: the gateway's record of it is under
+    # index 3, and the session's cells are the kernel's records in order.
+    trace = Trace((Session("a", 0, 1200, 1, (Cell(60, 60), Cell(180, 60))),))
+    before = Usage(0.0, 100.0, [], [HostCount(0.0, 3, 24)], Totals())
+    cells = [
+        CellUsage("k-a", 1, 1, 101.0, 101.0, 102.0, arrived=101.0),
+        CellUsage("k-a", 3, 1, 103.0, 103.5, 104.5, arrived=103.0),
+    ]
+    after = Usage(0.0, 200.0, cells, [HostCount(0.0, 3, 24)], Totals(committed_gpu_s=2.0))
+    run = ReplayRun(before, 100.0, after, 200.0, {"a": "k-a"})
+    r = replay.result(trace, run, ReplayConfig(speedup=60.0))
+    assert r.cells_unserved == 0
+    assert r.delays == pytest.approx((0.0, 30.0))

@@ -538,6 +538,52 @@ async def test_cells_moving_between_replicas_each_run_once(cluster: LocalCluster
         await k.shutdown()
 
 
+class RecordingChooser(RoundRobinChooser):
+    """Round robin, recording each choice (index, the lost attempt it retries, the plan) and
+    each release, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, CellPlan | None, CellPlan]] = []
+
+    async def choose(self, request: ChoiceRequest) -> CellPlan:
+        plan = await super().choose(request)
+        self.events.append(("choose", request.exec_index, request.retry_of, plan))
+        return plan
+
+    async def release(self, plan: CellPlan) -> None:
+        self.events.append(("release", 0, None, plan))
+
+
+async def test_a_cell_whose_claim_lost_is_retried_with_its_lost_plan_released_after(
+    cluster: LocalCluster,
+) -> None:
+    """The second cell's first index was claimed early by the first cell's executor: the
+    retry's choice names the lost attempt's plan (``retry_of``), whose release comes only
+    after it, so a chooser can hand the retry the lost attempt's GPUs; every plan is
+    released once."""
+    chooser = RecordingChooser()
+    k = await cluster.start_kernel(chooser=chooser)
+    try:
+        assert (await k.execute("n = 1")).status == "ok"
+        await anyio.sleep(0.3)  # time for the executor's early claim of the next index
+        assert (await k.execute("print(n)")).stdout == "1\n"
+    finally:
+        await k.shutdown()
+    chosen = [e for e in chooser.events if e[0] == "choose"]
+    assert [(index, retry_of is None) for _, index, retry_of, _ in chosen] == [
+        (1, True),
+        (2, True),
+        (3, False),
+    ]
+    lost, retry = chosen[1][3], chosen[2]
+    assert retry[2] is lost
+    order = [e[3] for e in chooser.events]
+    released = [i for i, e in enumerate(chooser.events) if e[0] == "release"]
+    assert sorted(id(chooser.events[i][3]) for i in released) == sorted(id(c[3]) for c in chosen)
+    assert next(i for i in released if order[i] is lost) > chooser.events.index(retry)
+
+
 async def test_late_output_of_a_finished_cell_still_reaches_the_client(
     client: AsyncKernelClient,
 ) -> None:

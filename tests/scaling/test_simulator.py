@@ -30,6 +30,7 @@ from nbos.scaling import (
 )
 from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.delays import DelaySplit
+from nbos.scaling.limits import HostLimits
 from nbos.scaling.model import ClusterModel
 from nbos.scaling.registry import load_policy
 from nbos.scaling.timings import Timings
@@ -387,3 +388,50 @@ def test_a_drained_hosts_replicas_move_off_one_after_another_each_taking_a_migra
     # 600 to 645 and from 645 to 690, when it goes.
     assert (r.scale_ins, r.drain_moves) == (1, 2)
     assert r.hosts_timeline == ((0.0, 4), (690.0, 3))
+
+
+def test_a_kernels_start_and_a_cells_commit_are_nbos_own_overhead_not_waits() -> None:
+    # The session's first cell comes as it opens (as in a task trace): it waits 5 s for
+    # its kernel's start and 0.5 s for its GPUs' commit, nbos's own work, not other cells'.
+    trace = Trace((Session("a", 0, 100, 1, (Cell(0, 10),)),))
+    timings = Timings(host_startup=0, migration_time=0, gpu_commit=0.5, kernel_start=5)
+    r = simulate(trace, fixed("nbos").timed(timings))
+    assert r.delay_split == DelaySplit(overhead=5.5)
+    assert r.delays == (5.5,)
+
+
+def test_a_kernel_waiting_for_room_waits_for_gpus_then_for_its_own_start() -> None:
+    # Three hosts with room for one replica each: b's kernel, asked for at 10, is placed once
+    # a's stops at 100 (a wait for room, as for GPUs), then takes 5 s to start (its own).
+    limits = HostLimits(max_replicas=1)
+    trace = Trace(
+        (
+            Session("a", 0, 100, 1, (Cell(0, 50),)),
+            Session("b", 10, 300, 1, (Cell(10, 10),)),
+        )
+    )
+    timings = Timings(host_startup=0, migration_time=0, gpu_commit=0, kernel_start=5)
+    r = simulate(trace, fixed("nbos", host_limits=limits).timed(timings))
+    assert r.delays == (5.0, 95.0)
+    assert r.delay_split == DelaySplit(gpus=90.0, overhead=10.0)
+
+
+def test_a_simulated_replay_counts_its_delays_at_1x_as_the_replay_does() -> None:
+    # As nbos replay --speedup 60 --simulate: the kernel's 0.5 s start takes 30 s of trace,
+    # which the first cell waits and the second, behind it, inherits. At 1x a user would
+    # feel 0.5 s of nbos's own for the first and the same carried over for the second.
+    trace = Trace((Session("a", 0, 1000, 1, (Cell(0, 60), Cell(60, 60))),))
+    timings = Timings(host_startup=0, migration_time=0, gpu_commit=0, kernel_start=0.5)
+    config = fixed("nbos").replaying(timings, 60.0)
+    r = simulate(trace, config)
+    assert r.delays == (30.0, 30.0)
+    assert r.delay_split == DelaySplit(queue=30.0, overhead=30.0)
+    assert (r.interactive_share, r.interactive_share_1x) == (0.0, 1.0)
+    # At the trace's own speed the share at 1x is the share.
+    plain = simulate(trace, fixed("nbos").timed(timings))
+    assert plain.interactive_share_1x == plain.interactive_share == 1.0
+
+
+def test_a_simulation_refuses_a_speedup_that_is_not_positive() -> None:
+    with pytest.raises(ConfigError, match="speedup"):
+        SimConfig(speedup=0)

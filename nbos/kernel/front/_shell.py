@@ -128,26 +128,42 @@ class ShellWorker:
 
     async def _execute_cell(self, idents: list[bytes], msg: _wire.Msg, cell: RunningCell) -> str:
         wait = cell.wait = self._wait_status(msg)
+        # The plan of an attempt whose claim lost, released once the retry has chosen (the
+        # chooser may take its GPUs over: released first, another cell could take them).
+        lost: list[CellPlan] = []
 
         async def choose(index: int) -> CellPlan:
+            retry_of = lost.pop() if lost else None
             try:
-                plan = await self._choose(msg, index, wait, cell)
+                plan = await self._choose(msg, index, wait, cell, retry_of)
             except NbosError:
                 await wait.ended(started=False)
                 raise
+            finally:
+                if retry_of is not None:
+                    await self._chooser.release(retry_of)
             await wait.ended(started=True)
             return plan
 
         async def execute(index: int, plan: CellPlan) -> str | None:
+            claimed = True
             try:
-                return await self._execute_on(idents, msg, index, plan)
+                status = await self._execute_on(idents, msg, index, plan)
+                claimed = status is not None
+                return status
             finally:
-                await self._chooser.release(plan)
+                if claimed:
+                    await self._chooser.release(plan)
+                else:
+                    lost.append(plan)
 
         try:
             return await self._cells.run(choose, execute)
         except CellRefused as refused:
             return await self._fail_cell(idents, msg, protocol.error_content(refused.error, 0))
+        finally:
+            for plan in lost:  # no retry came (the lost index could not be settled)
+                await self._chooser.release(plan)
 
     async def _fail_cell(self, idents: list[bytes], msg: _wire.Msg, content: dict[str, Any]) -> str:
         """Answer a cell with the error reply ``content``; returns its status, ``"error"``.
@@ -161,7 +177,12 @@ class ShellWorker:
         return "error"
 
     async def _choose(
-        self, msg: _wire.Msg, index: int, wait: WaitStatus, cell: RunningCell
+        self,
+        msg: _wire.Msg,
+        index: int,
+        wait: WaitStatus,
+        cell: RunningCell,
+        retry_of: CellPlan | None,
     ) -> CellPlan:
         """The chooser's plan for cell ``index``; an interrupt ends a wait (for GPUs)."""
         with anyio.CancelScope() as scope:
@@ -169,7 +190,7 @@ class ShellWorker:
             if cell.interrupted:
                 scope.cancel()
             try:
-                return await self._chooser.choose(self._choice_request(msg, index, wait))
+                return await self._chooser.choose(self._choice_request(msg, index, wait, retry_of))
             finally:
                 cell.choosing = None
         raise KernelError(f"cell {index} was interrupted while it waited to run")
@@ -182,7 +203,9 @@ class ShellWorker:
 
         return WaitStatus(publish, f"nbos-wait-{msg['header']['msg_id']}")
 
-    def _choice_request(self, msg: _wire.Msg, index: int, wait: WaitStatus) -> ChoiceRequest:
+    def _choice_request(
+        self, msg: _wire.Msg, index: int, wait: WaitStatus, retry_of: CellPlan | None
+    ) -> ChoiceRequest:
         code = msg["content"].get("code", "")
         return ChoiceRequest(
             index,
@@ -192,6 +215,7 @@ class ShellWorker:
             metadata=msg["metadata"],
             notify=wait.waits,
             arrived=self._clients.arrived.get(str(msg["header"].get("msg_id", ""))),
+            retry_of=retry_of,
         )
 
     async def _execute_on(
