@@ -458,6 +458,35 @@ async def test_shutdown_request_stops_every_replica(cluster: LocalCluster) -> No
         await k.execute("1")
 
 
+# A shell that notes the SIGTERM it gets, as the replica's shutdown sends first (what ends
+# a replica's process group after it exits sends SIGKILL, which nobody can note).
+NOTES_ITS_TERM = """
+import subprocess
+script = 'trap "echo term > $0; exit 0" TERM; sleep 300 & wait'
+child = subprocess.Popen(['sh', '-c', script, {note!r}])
+print(child.pid)
+"""
+
+
+async def test_a_shutdown_request_ends_the_processes_its_cells_started(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    note = tmp_path / "term"
+    k = await cluster.start_kernel()
+    async with connected_client(k) as c:
+        await c.wait_for_ready(timeout=30)
+        reply, messages = await run(c, NOTES_ITS_TERM.format(note=str(note)))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        child = int(stdout(messages))
+        assert running(child)
+        reply = await c.shutdown(reply=True, timeout=20)
+    assert reply["content"]["status"] == "ok"
+    with anyio.fail_after(20):
+        await k.closed.wait()
+    assert not running(child)
+    assert note.read_text() == "term\n"  # the replica ended it, not its group's SIGKILL
+
+
 class RoundRobinChooser:
     """Sends each cell to the next live replica, never to the last executor."""
 
