@@ -256,16 +256,6 @@ class RaftReplicatedLog:
         node's leader; whether it did (:meth:`RaftNode.campaign_for_dead_leader`)."""
         return await self._call(lambda: self._node.campaign_for_dead_leader(int(dead)))
 
-    async def _found(self, members: int) -> None:
-        """Campaign once the founding membership (the first ``members`` entries) is
-        applied: a new group's first leader without an election timeout, which a
-        kernel's start waits for. Only the lowest founder does, so that founders starting
-        together do not split the vote."""
-        with contextlib.suppress(LogClosedError):
-            await self._call(lambda: None)  # a Ready cycle, which applies them
-            await self._applied.wait_for(members)
-            await self._call(self._node.campaign)
-
     async def aclose(self) -> None:
         error = LogClosedError("the replicated log was closed")
         self._proposals.close(error)
@@ -505,8 +495,7 @@ def _open_storage(data_dir: Path | None, settings: RaftSettings) -> LogStorage:
 
 def _initial_view(
     storage: LogStorage, members: Sequence[int], join: bool, recover: bool
-) -> tuple[StorageView, bool]:
-    """The node's state to start from, and whether it founds a new group now."""
+) -> StorageView:
     state = storage.initial_state()
     empty = state.snapshot is None and not state.entries and state.hard_state.term == 0
     if empty and recover:
@@ -514,16 +503,15 @@ def _initial_view(
     if empty and not join:
         view = bootstrap(sorted(members))
         storage.save(view.hard_state, list(view.entries))
-        return view, True
+        return view
     if state.snapshot is None:
-        return StorageView(hard_state=state.hard_state, entries=tuple(state.entries)), False
-    view = StorageView(
+        return StorageView(hard_state=state.hard_state, entries=tuple(state.entries))
+    return StorageView(
         hard_state=state.hard_state,
         entries=tuple(state.entries),
         snapshot=state.snapshot,
         snapshot_data=storage.read_snapshot(),
     )
-    return view, False
 
 
 @asynccontextmanager
@@ -544,8 +532,7 @@ async def open_raft_log(
     ``members`` maps the founding voters to their transport peer ids (the caller
     has told the transport their addresses). A new group is bootstrapped from
     them when ``data_dir`` holds no state; a node restarting from ``data_dir``
-    takes its membership from there; the lowest founder of a new group campaigns as it
-    starts (:meth:`RaftNode.campaign`). ``join=True`` starts an empty node that waits
+    takes its membership from there. ``join=True`` starts an empty node that waits
     to be added by the group's leader (``add_learner``). ``recover=True``: the node ran
     before and restarts from ``data_dir``, which must hold its state; if it holds none
     (its disk lost it), :class:`~nbos.core.errors.RaftStateMissingError` rather than a
@@ -554,8 +541,7 @@ async def open_raft_log(
     settings = settings or RaftSettings()
     storage = await anyio.to_thread.run_sync(_open_storage, data_dir, settings)
     try:
-        founding = [int(m) for m in members]
-        view, founded = _initial_view(storage, founding, join, recover)
+        view = _initial_view(storage, [int(m) for m in members], join, recover)
         config = RaftConfig(
             election_ticks=settings.election_ticks,
             heartbeat_ticks=settings.heartbeat_ticks,
@@ -576,8 +562,6 @@ async def open_raft_log(
         replicated._restore(view.snapshot_data)
         async with anyio.create_task_group() as tg:
             tg.start_soon(replicated._run, tg)
-            if founded and node.id == min(founding):
-                tg.start_soon(replicated._found, len(founding))
             try:
                 yield replicated
             finally:

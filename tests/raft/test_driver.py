@@ -463,14 +463,3 @@ async def test_a_node_recovering_refuses_a_data_dir_that_lost_its_state(tmp_path
             while machine.data.get("k") != "v":  # noqa: ASYNC110 - applied from the log
                 await anyio.sleep(0.005)
     await transport.aclose()
-
-
-async def test_a_new_groups_first_voter_campaigns_as_it_starts() -> None:
-    # No node's ticks come (a minute apart): a first leader can only come from the
-    # lowest founder's campaign at its start. Node 1 starts last, once its peers
-    # receive, as a kernel's replicas do once their peers are up.
-    never = msgspec.structs.replace(SETTINGS, tick_ms=60_000)
-    async with group([3, 2, 1], settings=dict.fromkeys((1, 2, 3), never)) as g:
-        leader = await g.leader(timeout=30)
-        assert leader.node_id == 1
-        assert await g.put("k", "v") == b"v"

@@ -233,21 +233,6 @@ class RaftNode:
         if self.progress[to].match == self.log.last_index():
             self._send(RaftTimeoutNow(self.id, to, self.term))
 
-    def campaign(self) -> None:
-        """Start an election now rather than at the election timeout (etcd raft's
-        ``Campaign``): a new group's first voter campaigns as it starts, so the group
-        need not sit out a timeout to get its first leader.
-
-        An election as any other (with pre-vote when configured), which Raft allows at
-        any time: at worst it splits a vote, which the randomized timeouts settle. A
-        leader, or a node that may not vote, does nothing.
-        """
-        self._check_input()
-        if self.role is Role.LEADER or not self.promotable():
-            return
-        self._election_elapsed = 0
-        self._campaign(transfer=False)
-
     def campaign_for_dead_leader(self, dead: int) -> bool:
         """Campaign now: the process of node ``dead`` is known to have ended (proof, never
         suspicion: a silent leader may only be slow). Whether this node campaigned.
