@@ -16,21 +16,12 @@ import threading
 import time
 from collections.abc import Callable
 
-import zmq
-from ipykernel.iostream import IOPubThread, OutStream
-from jupyter_client.session import Session
+from _iopub_pair import iopub_pair
+from ipykernel.iostream import OutStream
 
 from nbos.kernel.replica import _output
 
-ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB)
-port = pub.bind_to_random_port("tcp://127.0.0.1")
-iopub = IOPubThread(pub)
-iopub.start()
-session = Session(key=b"")
-sub = ctx.socket(zmq.SUB)
-sub.connect(f"tcp://127.0.0.1:{port}")
-sub.setsockopt(zmq.SUBSCRIBE, b"")
+iopub, session, sub = iopub_pair()
 report_to = sys.stdout
 sys.stdout = OutStream(session, iopub, "stdout", watchfd=False)
 sys.stderr = OutStream(session, iopub, "stderr", watchfd=False)

@@ -12,21 +12,11 @@ import json
 import sys
 import time
 
-import zmq
-from ipykernel.iostream import IOPubThread
-from jupyter_client.session import Session
+from _iopub_pair import iopub_pair
 
 from nbos.kernel.replica._output import ReplicaOutStream
 
-ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB)
-port = pub.bind_to_random_port("tcp://127.0.0.1")
-iopub = IOPubThread(pub)
-iopub.start()
-session = Session(key=b"")
-sub = ctx.socket(zmq.SUB)
-sub.connect(f"tcp://127.0.0.1:{port}")
-sub.setsockopt(zmq.SUBSCRIBE, b"")
+iopub, session, sub = iopub_pair()
 time.sleep(0.3)  # the subscription reaches the publisher
 
 stream = ReplicaOutStream(session, iopub, "stdout", watchfd=False)
