@@ -32,6 +32,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import attrs
 
 from nbos.core.errors import (
@@ -93,6 +94,10 @@ class MoveHold:
     gpus: int
     _release: Callable[[], None] = attrs.field(alias="release", repr=False)
     _released: bool = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
 
     def release(self) -> None:
         """Count them as idle again (idempotent): the move is over, or failed."""
@@ -455,9 +460,10 @@ class GpuScheduler:
         :meth:`ClusterDecisions.cell`'s: the last executor if its host can commit
         ``gpus`` now, else the replica whose host has the most idle GPUs, else the
         cell waits (``on_wait`` gets the reason; so does :meth:`waiting`). While it
-        waits because moving a replica would let it run, ``on_migrate`` gets each new
+        waits because moving a replica would let it run, ``on_migrate`` gets the
         :class:`MigrationPlan` (carrying it out is the caller's), with the target's GPUs
-        held from the decision on (a :class:`MoveHold` it must release). ``user`` owns the
+        held from the decision on (a :class:`MoveHold` it must release); a later, different
+        plan only once that hold is released. ``user`` owns the
         kernel (``""``: nobody): its GPUs count against that user's quota, and a cell
         that would borrow beyond it waits while another user's within-quota cell waits
         (the reason names both users). ``arrived``: when the cell's request reached the
@@ -489,6 +495,9 @@ class GpuScheduler:
         queue[ticket] = Waiter(user, gpus, -1 if held is not None else next(self._arrivals))
         shown: str | None = None
         proposed: MigrationPlan | None = None
+        # The move proposed last, its target's GPUs held: while the caller carries it out
+        # (holds them), the cell proposes no other move, which would hold a second host.
+        proposal: MoveHold | None = None
         # When the cell began to wait (wall clock, and the scale-out clock's reading).
         waited_from: tuple[float, float] | None = None
         try:
@@ -504,9 +513,13 @@ class GpuScheduler:
                     if isinstance(decided, Grant):
                         return decided
                     if isinstance(decided, MigrationPlan) and decided != proposed:
-                        proposed = decided
-                        if on_migrate is not None:
-                            await on_migrate(decided, self.hold(decided.target, gpus))
+                        moving = proposal is not None and not proposal.released
+                        if on_migrate is not None and not moving:
+                            proposed, proposal = decided, self.hold(decided.target, gpus)
+                            await on_migrate(decided, proposal)
+                            # The hold changed the view: a caller ending the wait must do so
+                            # before it decides again, seeing its own hold as a taken host.
+                            await anyio.lowlevel.checkpoint()
                     outcome, starved = _wait_reason(decided, gpus), isinstance(decided, Wait)
                 (self._starved.add if starved else self._starved.discard)((kernel_id, exec_index))
                 if outcome != shown:

@@ -170,6 +170,37 @@ async def test_a_moves_target_gpus_are_held_from_the_decision_so_no_second_cell_
         assert c.scheduler.view().host(HostId("h5")).gpus_idle == 1
 
 
+async def test_a_cell_that_decided_a_move_plans_no_second_one_on_top_of_its_own_hold() -> None:
+    """Two hosts outside the cell's replicas have a GPU idle. The cell's decision is a move
+    to one of them, whose GPU is held from then on. That hold changed the view, so the wait
+    decided again before the caller's cancel took effect, saw the first target taken (by
+    its own hold) and proposed a move to the second, with a second hold. The caller kept
+    the last plan; the first hold was never released: a replay kept 16 GPUs committed on
+    two hosts without a replica for the rest of its run, and scaled out on that load."""
+    hosts = {f"h{i}": (0,) for i in range(5)}
+    async with cluster(hosts, policy=decisions()) as c:
+        for i in range(3):
+            hog = await c.scheduler.acquire(
+                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
+            )
+            await c.scheduler.committed(hog)
+        planned: list[tuple[MigrationPlan, MoveHold]] = []
+
+        async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
+            planned.append((plan, hold))  # as the executor choice does: the wait is over
+            scope.cancel()
+
+        with anyio.CancelScope() as scope:
+            await c.scheduler.acquire(
+                kernel("k"), 1, replicas("h0", "h1", "h2"), last_executor=None, gpus=1,
+                on_migrate=on_migrate,
+            )  # fmt: skip
+        assert len(planned) == 1
+        planned[0][1].release()
+        view = c.scheduler.view()
+        assert [view.host(HostId(h)).gpus_idle for h in ("h3", "h4")] == [1, 1]
+
+
 async def test_gpus_being_pre_committed_are_held_so_no_other_cell_plans_a_move_onto_them() -> None:
     """a's cell can run on h5, whose GPU is idle; while the gateway asks h5's agent to
     pre-commit it (a round trip, slow here), b's cell, whose replicas' hosts are full,
