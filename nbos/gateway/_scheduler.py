@@ -494,10 +494,7 @@ class GpuScheduler:
         # (behind them it would wait for the GPUs it holds).
         queue[ticket] = Waiter(user, gpus, -1 if held is not None else next(self._arrivals))
         shown: str | None = None
-        proposed: MigrationPlan | None = None
-        # The move proposed last, its target's GPUs held: while the caller carries it out
-        # (holds them), the cell proposes no other move, which would hold a second host.
-        proposal: MoveHold | None = None
+        proposal: tuple[MigrationPlan, MoveHold] | None = None
         # When the cell began to wait (wall clock, and the scale-out clock's reading).
         waited_from: tuple[float, float] | None = None
         try:
@@ -512,14 +509,8 @@ class GpuScheduler:
                     )
                     if isinstance(decided, Grant):
                         return decided
-                    if isinstance(decided, MigrationPlan) and decided != proposed:
-                        moving = proposal is not None and not proposal.released
-                        if on_migrate is not None and not moving:
-                            proposed, proposal = decided, self.hold(decided.target, gpus)
-                            await on_migrate(decided, proposal)
-                            # The hold changed the view: a caller ending the wait must do so
-                            # before it decides again, seeing its own hold as a taken host.
-                            await anyio.lowlevel.checkpoint()
+                    if isinstance(decided, MigrationPlan):
+                        proposal = await self._propose(decided, gpus, on_migrate, proposal)
                     outcome, starved = _wait_reason(decided, gpus), isinstance(decided, Wait)
                 (self._starved.add if starved else self._starved.discard)((kernel_id, exec_index))
                 if outcome != shown:
@@ -543,6 +534,27 @@ class GpuScheduler:
             if not queue:
                 del self._queues[key]
             self._not_waiting((kernel_id, exec_index))
+
+    async def _propose(
+        self,
+        plan: MigrationPlan,
+        gpus: int,
+        on_migrate: MigrateCallback | None,
+        last: tuple[MigrationPlan, MoveHold] | None,
+    ) -> tuple[MigrationPlan, MoveHold] | None:
+        """Hand a waiting cell's move to ``on_migrate`` with its target's GPUs held, unless
+        it is the move proposed ``last`` or that one's GPUs are still held (the caller is
+        carrying it out: a second move would hold a second host); the proposal now out."""
+        if on_migrate is None:
+            return last
+        if last is not None and (last[0] == plan or not last[1].released):
+            return last
+        proposal = plan, self.hold(plan.target, gpus)
+        await on_migrate(*proposal)
+        # The hold changed the view: a caller that ends the wait does so before the cell
+        # decides again and finds the host it holds taken.
+        await anyio.lowlevel.checkpoint()
+        return proposal
 
     def _without_gpus(
         self,
