@@ -23,8 +23,10 @@ import msgspec
 
 from nbos.cli._progress import progress_bar
 from nbos.cli.simulate import (
+    add_spare_hosts_argument,
     add_timings_argument,
     add_trace_arguments,
+    autoscaler_config,
     fair_share,
     load,
     show,
@@ -63,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--gpus-per-host", type=int, default=8, help="embedded: GPUs per host (8)")
     p.add_argument("--no-autoscale", action="store_true", help="embedded: keep --hosts hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="embedded: host ceiling (64)")
+    add_spare_hosts_argument(p)
     p.add_argument(
         "--precopy",
         action="store_true",
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     trace = load(args)
     quotas = fair_share(args)
     durations = timings(args)  # read first: a bad file stops the run before it starts
+    autoscaler = autoscaler_config(args)  # and bad autoscaler options
     config = ReplayConfig(speedup=args.speedup, policy=args.policy, fair_share=quotas)
     with _watch(trace, args.progress_every) as watch:
         if args.gateway:
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             result = anyio.run(_embedded, trace, _settings(args), config, watch)
     results = [result]
     if args.simulate:
-        timed = _sim_config(args, quotas).replaying(durations, args.speedup)
+        timed = _sim_config(args, quotas, autoscaler).replaying(durations, args.speedup)
         results.insert(0, simulate(trace, timed))
     show(results, args, "its host ceiling", trace.names_users or quotas is not None)
     return 0
@@ -170,13 +174,15 @@ def _settings(args: argparse.Namespace) -> Settings:
             scale_out_cooldown_s=defaults.scale_out_cooldown / k,
             scale_in_cooldown_s=defaults.scale_in_cooldown / k,
             idle_grace_s=defaults.idle_grace / k,
+            spare_hosts=args.spare_hosts,
             precopy=args.precopy,
         )
     return msgspec.structs.replace(base, cluster=cluster, gateway=gateway)
 
 
-def _sim_config(args: argparse.Namespace, quotas: FairShare | None) -> SimConfig:
-    autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
+def _sim_config(
+    args: argparse.Namespace, quotas: FairShare | None, autoscaler: AutoscalerConfig | None
+) -> SimConfig:
     return SimConfig(
         hosts=args.hosts,
         gpus_per_host=args.gpus_per_host,

@@ -50,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--mode", choices=[*MODES, "both"], default="both", help="(both)")
     p.add_argument("--no-autoscale", action="store_true", help="keep the cluster at --hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="autoscaler ceiling (64)")
+    add_spare_hosts_argument(p)
     p.add_argument(
         "--precopy",
         action="store_true",
@@ -63,6 +64,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="draw GPUs and hosts over time and the delay CDF into FILE (needs nbos[plot])",
     )
     p.set_defaults(func=run)
+
+
+def add_spare_hosts_argument(p: argparse.ArgumentParser) -> None:
+    """``--spare-hosts``: read by :func:`autoscaler_config`."""
+    p.add_argument(
+        "--spare-hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="autoscaler: keep N hosts with every GPU idle, for cells to migrate to at once (0)",
+    )
+
+
+def autoscaler_config(args: argparse.Namespace) -> AutoscalerConfig | None:
+    """The autoscaler ``--no-autoscale``, ``--max-hosts``, ``--spare-hosts`` and
+    ``--gpus-per-host`` describe (:class:`ConfigError` for bad values), ``None`` without."""
+    if args.no_autoscale:
+        if args.spare_hosts:
+            raise ConfigError("--spare-hosts", args.spare_hosts, "without --no-autoscale")
+        return None
+    return AutoscalerConfig(
+        min_hosts=min(AutoscalerConfig().min_hosts, args.max_hosts),
+        max_hosts=args.max_hosts,
+        new_host_gpus=args.gpus_per_host,
+        spare_hosts=args.spare_hosts,
+    )
 
 
 def add_timings_argument(p: argparse.ArgumentParser) -> None:
@@ -130,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the simulation(s) ``args`` describe and print the results."""
     trace = load(args)
     modes = MODES if args.mode == "both" else (args.mode,)
-    autoscaler = None if args.no_autoscale else AutoscalerConfig(max_hosts=args.max_hosts)
+    autoscaler = autoscaler_config(args)
     kwargs = _policy_kwargs(args.policy_arg)
     quotas = fair_share(args)
     durations = timings(args)

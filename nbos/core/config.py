@@ -112,7 +112,9 @@ class GatewaySettings(_Section, frozen=True):
     the gateway runs the simulator's autoscaler on the live cluster, keeping between
     ``min_hosts`` and ``max_hosts`` hosts, ``scale_out_cooldown_s`` /
     ``scale_in_cooldown_s`` after its previous action, draining hosts idle for
-    ``idle_grace_s``. New hosts come from the entry point ``host_provider``
+    ``idle_grace_s`` but keeping ``spare_hosts`` hosts with no GPU committed (a cell that
+    no replica's host can take migrates to one at once, instead of waiting for a new host
+    to start). New hosts come from the entry point ``host_provider``
     (``local``, ``docker``, ``ssh`` or a user's), made with the keyword arguments
     ``host_provider_options``; one whose agent has not registered after
     ``host_start_timeout_s`` is given back. With ``precopy``, every period each idle
@@ -159,6 +161,7 @@ class GatewaySettings(_Section, frozen=True):
     scale_out_cooldown_s: float = 30.0
     scale_in_cooldown_s: float = 120.0
     idle_grace_s: float = 120.0
+    spare_hosts: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     host_provider: str = "local"
     host_provider_options: dict[str, Any] = msgspec.field(default_factory=dict)
     host_start_timeout_s: float = 120.0

@@ -162,6 +162,7 @@ _AUTOSCALE_KEYS = (
     "scale_out_cooldown_s",
     "scale_in_cooldown_s",
     "idle_grace_s",
+    "spare_hosts",
     "host_provider",
     "host_provider_options",
     "precopy",
@@ -866,6 +867,7 @@ def autoscaler_config(settings: Settings) -> AutoscalerConfig | None:
             scale_in_cooldown=conf.scale_in_cooldown_s,
             idle_grace=conf.idle_grace_s,
             new_host_gpus=settings.cluster.gpus_per_host,
+            spare_hosts=conf.spare_hosts,
         )
     except ConfigError as exc:
         key = {

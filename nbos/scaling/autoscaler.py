@@ -12,16 +12,18 @@ memory limit, their replicas still run cells; draining and suspected hosts are l
 so they count as no capacity):
 
 * **Scale out** when there are fewer hosts in service than the floor
-  ``max(min_hosts, replicas_per_kernel)``, when load >= ``scale_out_load``, or
-  when placement failed (a kernel could not be placed or a cell found no host).
-  It asks for enough hosts of ``new_host_gpus`` GPUs to bring load down to the
-  midpoint between the two thresholds (at least one). A placement failure alone
-  adds nothing while hosts are still being provisioned.
+  ``max(min_hosts, replicas_per_kernel)``, fewer *spare* hosts (schedulable, no GPU
+  committed) than ``spare_hosts`` with those being provisioned, when load >=
+  ``scale_out_load``, or when placement failed (a kernel could not be placed or a cell
+  found no host). It asks for enough hosts of ``new_host_gpus`` GPUs to bring load down
+  to the midpoint between the two thresholds (at least one, and at least the hosts
+  missing). A placement failure alone adds nothing while hosts are still being
+  provisioned.
 * **Scale in** when nothing failed and load < ``scale_in_load``: drain hosts that
   have had no committed GPUs for ``idle_grace`` seconds and hold at most
   ``drain_max_replicas`` replicas (fewest replicas first), as long as each
-  removal keeps the floor of hosts in service, keeps load at or below the
-  midpoint, and keeps the subscribed GPUs admissible
+  removal keeps the floor of hosts in service and ``spare_hosts`` spare hosts, keeps
+  load at or below the midpoint, and keeps the subscribed GPUs admissible
   (``subscribed / capacity / replicas_per_kernel <= demand_to_busy_ratio``), so
   the drained hosts' replicas can be placed elsewhere. Moving those replicas is
   the caller's job.
@@ -79,8 +81,15 @@ class AutoscalerConfig:
     drain_max_replicas: int = attrs.field(default=3, validator=_non_negative)
     #: GPUs of a host the autoscaler adds, for sizing a scale-out.
     new_host_gpus: int = attrs.field(default=8, validator=_positive_int)
+    #: Hosts kept schedulable with no GPU committed, so that a cell no replica's host can
+    #: take migrates to one at once instead of waiting for a host to start.
+    spare_hosts: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
+        if self.spare_hosts > self.max_hosts:
+            raise _refused(
+                ConfigError("spare_hosts", self.spare_hosts, f"<= max_hosts ({self.max_hosts})")
+            )
         if self.max_hosts < self.min_hosts:
             raise _refused(
                 ConfigError("max_hosts", self.max_hosts, f">= min_hosts ({self.min_hosts})")
@@ -205,13 +214,14 @@ class Autoscaler:
         cfg = self._config
         hosts = len(figures.in_service) + provisioning
         below_floor = max(0, self._floor(view) - hosts)
+        spare_short = max(0, cfg.spare_hosts - _spare(figures.in_service) - provisioning)
         # Hosts being provisioned will bring capacity; count them so as not to ask twice.
         capacity = figures.capacity + provisioning * cfg.new_host_gpus
         load = _ratio(figures.committed, capacity)
-        if not (below_floor or placement_failed or load >= cfg.scale_out_load):
+        if not (below_floor or spare_short or placement_failed or load >= cfg.scale_out_load):
             return None
-        reason = _out_reason(below_floor, placement_failed, load, cfg.scale_out_load)
-        if not below_floor and load < cfg.scale_out_load and provisioning:
+        reason = _out_reason(below_floor, spare_short, placement_failed, load, cfg.scale_out_load)
+        if not (below_floor or spare_short) and load < cfg.scale_out_load and provisioning:
             # Only placement failed, and hosts are on their way: wait for them rather
             # than adding one more per cooldown while a slow provider boots them.
             return Hold(f"{reason}, {provisioning} hosts already provisioning")
@@ -223,7 +233,7 @@ class Autoscaler:
         needed = math.ceil(figures.committed / cfg.target_load) - capacity
         by_load = max(0, math.ceil(needed / cfg.new_host_gpus))
         room = cfg.max_hosts - len(view.hosts) - provisioning
-        count = min(max(below_floor, by_load, 1), cfg.max_step, room)
+        count = min(max(below_floor, spare_short, by_load, 1), cfg.max_step, room)
         if count <= 0:
             return Hold(f"{reason}, but at max_hosts={cfg.max_hosts}")
         return ScaleOut(count, reason)
@@ -263,9 +273,12 @@ class Autoscaler:
         )
         chosen: list[HostId] = []
         remaining, capacity = len(figures.in_service), figures.capacity
+        spare = _spare(figures.in_service)
         for h in idle:
             if len(chosen) == cfg.max_step or remaining - 1 < self._floor(view):
                 break
+            if h.schedulable and spare - 1 < cfg.spare_hosts:
+                continue
             after = capacity - h.gpus_total
             fits_load = _ratio(figures.committed, after) <= cfg.target_load
             fits_subs = (
@@ -275,6 +288,7 @@ class Autoscaler:
             if fits_load and fits_subs:
                 chosen.append(h.host_id)
                 remaining, capacity = remaining - 1, after
+                spare -= h.schedulable
         return tuple(chosen)
 
     # --- bookkeeping -------------------------------------------------------------
@@ -349,9 +363,18 @@ def _ratio(part: int, whole: int) -> float:
     return 0.0 if part <= 0 else math.inf
 
 
-def _out_reason(below_floor: int, placement_failed: bool, load: float, threshold: float) -> str:
+def _spare(in_service: tuple[HostView, ...]) -> int:
+    """Hosts a migrating replica could go to with every GPU idle."""
+    return sum(1 for h in in_service if h.schedulable and h.gpus_committed == 0)
+
+
+def _out_reason(
+    below_floor: int, spare_short: int, placement_failed: bool, load: float, threshold: float
+) -> str:
     if below_floor:
         return f"{below_floor} hosts below the minimum"
+    if spare_short:
+        return f"{spare_short} spare hosts short"
     if placement_failed:
         return "placement failed"
     return f"load {load:.2f} >= {threshold:g}"

@@ -83,10 +83,41 @@ async def test_a_waiting_cell_scales_out_and_an_idle_host_is_drained_with_state_
             assert len(digests) == 3 and len(set(digests.values())) == 1, digests
 
 
+async def test_a_spare_host_is_added_while_every_host_has_gpus_committed_and_kept(
+    tmp_path: Path,
+) -> None:
+    """``[gateway] spare_hosts = 1``: one GPU of each host is committed (load 0.5, below the
+    scale-out threshold, and nothing waits), so no host could take a cell of 2 GPUs; a
+    fourth host is added ahead of such a cell, and kept past its idle grace."""
+    settings = autoscaled_settings(tmp_path)
+    settings = msgspec.structs.replace(
+        settings, gateway=msgspec.structs.replace(settings.gateway, spare_hosts=1)
+    )
+    async with GatewayService.serve(settings, shutdown_kernels_on_exit=True) as service:
+        scheduler = service.directory.scheduler
+        hosts = sorted(h.host_id for h in scheduler.view().hosts)
+        assert len(hosts) == 3
+        for i, host in enumerate(hosts, start=1):
+            grant = await scheduler.acquire(
+                KernelId(f"hog-{i}"), 1, {1: HostId(host)}, last_executor=None, gpus=1
+            )
+            await scheduler.committed(grant)
+        await eventually(lambda: len(scheduler.view().hosts) == 4, timeout=2 * DEADLINE)
+        assert scheduler.ledger.scale_outs == 1
+        await anyio.sleep(3 * settings.gateway.idle_grace_s)
+        assert len(scheduler.view().hosts) == 4 and scheduler.ledger.scale_ins == 0
+        assert not scheduler.waiting()
+
+
 async def test_autoscaler_keys_without_autoscale_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"gateway\.max_hosts"):
         async with GatewayService.serve(
             local_settings(tmp_path, max_hosts=9), shutdown_kernels_on_exit=True
+        ):
+            pass
+    with pytest.raises(ConfigError, match=r"gateway\.spare_hosts"):
+        async with GatewayService.serve(
+            local_settings(tmp_path, spare_hosts=1), shutdown_kernels_on_exit=True
         ):
             pass
     with pytest.raises(ConfigError, match=r"gateway\.precopy"):  # its period runs it

@@ -51,6 +51,8 @@ FAST = AutoscalerConfig(idle_grace=0, scale_in_cooldown=0, scale_out_cooldown=0)
         ("max_hosts", 2),  # below min_hosts=3
         ("max_step", 0),
         ("idle_grace", -1.0),
+        ("spare_hosts", -1),
+        ("spare_hosts", 65),  # above max_hosts=64: it could never be kept
     ],
 )
 def test_inconsistent_config_is_refused(field: str, value: float) -> None:
@@ -280,3 +282,28 @@ def test_full_hosts_count_towards_the_floor_and_capacity() -> None:
         model.view(), 2.0, cells_waiting=False, kernels_waiting=False, provisioning=0
     )
     assert step.decision == ScaleOut(1, "1 hosts below the minimum")
+
+
+def test_spare_hosts_are_added_when_every_host_has_gpus_committed() -> None:
+    """With a spare host, a cell that no replica's host can take migrates at once (a
+    migration, not a host start): every host has a GPU committed, load is low, nothing
+    failed, and one host is added all the same; not again while it boots."""
+    scaler = Autoscaler(AutoscalerConfig(spare_hosts=1, scale_out_cooldown=0))
+    busy = cluster(hv("a", 2), hv("b", 1), hv("c", 1))
+    assert isinstance(Autoscaler().decide(busy, 0), Hold)
+    assert scaler.decide(busy, 0) == ScaleOut(1, "1 spare hosts short")
+    assert isinstance(scaler.decide(busy, 60, provisioning=1), Hold)
+    # A draining or full host takes no migrating replica: it is no spare.
+    away = cluster(hv("a", 2), hv("b", 1), hv("c", 1), hv("d", schedulable=False))
+    assert scaler.decide(away, 120) == ScaleOut(1, "1 spare hosts short")
+    assert isinstance(scaler.decide(cluster(*busy.hosts, hv("d")), 180), Hold)
+
+
+def test_scale_in_keeps_the_spare_hosts() -> None:
+    cfg = AutoscalerConfig(spare_hosts=1, idle_grace=0, scale_in_cooldown=0, max_step=5)
+    hosts = cluster(hv("a", 1), hv("b", 1), hv("c", 1), hv("d"), hv("e", replicas=1))
+    # d and e are idle; without spares both could go (load 3 / 24 after).
+    assert Autoscaler(AutoscalerConfig(idle_grace=0, scale_in_cooldown=0, max_step=5)).decide(
+        hosts, 0
+    ) == ScaleIn((HostId("d"), HostId("e")), "load 0.07 < 0.5")
+    assert Autoscaler(cfg).decide(hosts, 0) == ScaleIn((HostId("d"),), "load 0.07 < 0.5")

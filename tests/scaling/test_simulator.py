@@ -435,3 +435,13 @@ def test_a_simulated_replay_counts_its_delays_at_1x_as_the_replay_does() -> None
 def test_a_simulation_refuses_a_speedup_that_is_not_positive() -> None:
     with pytest.raises(ConfigError, match="speedup"):
         SimConfig(speedup=0)
+
+
+def test_cli_spare_hosts_need_the_autoscaler_and_a_count_it_can_keep() -> None:
+    argv = ["--synthetic", "1", "--hours", "1", "--mode", "nbos", "--json"]
+    with pytest.raises(ConfigError, match="--spare-hosts"):
+        run_cli([*argv, "--no-autoscale", "--spare-hosts", "1"])
+    for bad in ("-1", "65"):
+        with pytest.raises(ConfigError, match="spare_hosts"):
+            run_cli([*argv, "--spare-hosts", bad])
+    assert run_cli([*argv, "--spare-hosts", "1"]) == 0
