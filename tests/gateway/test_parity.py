@@ -24,7 +24,7 @@ from nbos.scaling.decisions import ClusterDecisions
 from nbos.scaling.migration import MigrationPlan
 from tests._wait import eventually
 from tests.agent._daemons import DEADLINE
-from tests.gateway._cluster import cluster, kernel, replicas
+from tests.gateway._cluster import Cluster, cluster, kernel, replicas
 from tests.gateway._service import local_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -36,6 +36,17 @@ def decisions() -> ClusterDecisions:
     return ClusterDecisions.load("least-loaded", 3, Autoscaler(AutoscalerConfig(min_hosts=3)))
 
 
+async def hog(c: Cluster, *hosts: str) -> list[Grant]:
+    """One GPU of each of ``hosts`` committed, by a kernel of its own."""
+    grants = []
+    for host in hosts:
+        grant = await c.scheduler.acquire(
+            kernel(f"hog-{host}"), 1, replicas(host), last_executor=0, gpus=1
+        )
+        grants.append(await c.scheduler.committed(grant))
+    return grants
+
+
 async def test_a_cell_waiting_for_a_move_another_host_allows_does_not_scale_out() -> None:
     """Three hosts' GPUs are held; k's replicas are on them and h3's GPU is idle. k's cell
     waits (its migration cannot start: the kernel is moving a replica already, say). The
@@ -43,12 +54,7 @@ async def test_a_cell_waiting_for_a_move_another_host_allows_does_not_scale_out(
     tests/scaling/test_simulator.py's migration tests), so it adds no host for it; the live
     autoscaler counted every waiting cell as a placement failure and scaled out."""
     async with cluster(FOUR, policy=decisions()) as c:
-        hogs: list[Grant] = []
-        for i, host in enumerate(("h0", "h1", "h2")):
-            hog = await c.scheduler.acquire(
-                kernel(f"hog{i}"), 1, replicas(host), last_executor=0, gpus=1
-            )
-            hogs.append(await c.scheduler.committed(hog))
+        await hog(c, "h0", "h1", "h2")
         k_hosts = replicas("h0", "h1", "h2")
         decision = c.scheduler.decisions.cell(
             c.scheduler.view(), kernel("k"), list(k_hosts.values()), None, 1
@@ -69,11 +75,7 @@ async def test_a_cell_waiting_for_a_move_another_host_allows_does_not_scale_out(
 
 async def test_a_cell_no_host_can_take_still_scales_out() -> None:
     async with cluster(FOUR, policy=decisions()) as c:
-        for i, host in enumerate(("h0", "h1", "h2", "h3")):
-            hog = await c.scheduler.acquire(
-                kernel(f"hog{i}"), 1, replicas(host), last_executor=0, gpus=1
-            )
-            await c.scheduler.committed(hog)
+        await hog(c, "h0", "h1", "h2", "h3")
         async with anyio.create_task_group() as tg:
             tg.start_soon(
                 lambda: c.scheduler.acquire(
@@ -110,10 +112,10 @@ async def test_with_precopy_an_idle_kernels_replica_moves_before_its_cell_needs_
         assert (await k.execute("%%gpus 0\nx = 40")).status == "ok"
         first = {r.host for r in k.replicas}
         for i, host in enumerate(sorted(first), start=1):
-            hog = await scheduler.acquire(
+            grant = await scheduler.acquire(
                 KernelId(f"hog-{i}"), 1, {1: HostId(host)}, last_executor=None, gpus=2
             )
-            await scheduler.committed(hog)
+            await scheduler.committed(grant)
         # Load 1.0: a host is added, then k, idle, has a replica copied there.
         await eventually(
             lambda: ledger.migrations == 1 and not {r.host for r in k.replicas} <= first,
@@ -138,11 +140,7 @@ async def test_a_moves_target_gpus_are_held_from_the_decision_so_no_second_cell_
     where the simulator makes one)."""
     hosts = {f"h{i}": (0,) for i in range(5)}
     async with cluster(hosts, policy=decisions()) as c:
-        for i in range(5):
-            hog = await c.scheduler.acquire(
-                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
-            )
-            await c.scheduler.committed(hog)
+        await hog(c, "h0", "h1", "h2", "h3", "h4")
         plans: dict[str, MigrationPlan] = {}
         holds: list[MoveHold] = []
 
@@ -179,11 +177,7 @@ async def test_a_cell_that_decided_a_move_plans_no_second_one_on_top_of_its_own_
     two hosts without a replica for the rest of its run, and scaled out on that load."""
     hosts = {f"h{i}": (0,) for i in range(5)}
     async with cluster(hosts, policy=decisions()) as c:
-        for i in range(3):
-            hog = await c.scheduler.acquire(
-                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
-            )
-            await c.scheduler.committed(hog)
+        await hog(c, "h0", "h1", "h2")
         planned: list[tuple[MigrationPlan, MoveHold]] = []
 
         async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
@@ -210,11 +204,7 @@ async def test_gpus_being_pre_committed_are_held_so_no_other_cell_plans_a_move_o
     meanwhile, then on)."""
     hosts = {f"h{i}": (0,) for i in range(6)}
     async with cluster(hosts, policy=decisions()) as c:
-        for i in range(5):
-            hog = await c.scheduler.acquire(
-                kernel(f"hog{i}"), 1, replicas(f"h{i}"), last_executor=0, gpus=1
-            )
-            await c.scheduler.committed(hog)
+        await hog(c, "h0", "h1", "h2", "h3", "h4")
         plans: list[MigrationPlan] = []
 
         async def on_migrate(plan: MigrationPlan, hold: MoveHold) -> None:
@@ -256,11 +246,7 @@ async def test_a_cell_whose_claim_lost_keeps_its_gpus_for_its_retry() -> None:
     retry (``ChoiceRequest.retry_of``) takes its own GPU over and b keeps waiting."""
     hosts = {"h0": (0,), "h1": (0,), "h2": (0,)}
     async with cluster(hosts, policy=decisions()) as c:
-        for host in ("h1", "h2"):
-            hog = await c.scheduler.acquire(
-                kernel(f"hog-{host}"), 1, replicas(host), last_executor=0, gpus=1
-            )
-            await c.scheduler.committed(hog)
+        await hog(c, "h1", "h2")
         on = replicas("h0", "h1", "h2")
         chooser = GpuChooser(c.scheduler, kernel("a"), on, default_gpus=1)
         first = await chooser.choose(ChoiceRequest(1, None, (0, 1, 2)))
