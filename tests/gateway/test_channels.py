@@ -213,11 +213,16 @@ async def test_a_session_back_gets_every_held_reply_and_status_and_the_newest_ou
     # come before or after the busy).
     assert sorted(m["type"] for m in flood[:2]) == ["execute_reply", "status"], flood[:2]
     assert flood[-1].get("execution_state") == "idle", flood[-1]
-    # Of the output only the newest, within the bound, in order.
-    printed = [m["text"] for m in flood if m["type"] == "stream"]
+    # Of the output only the newest, within the bound, in order, after one line on stderr
+    # that says how much went.
+    streams = [m for m in flood if m["type"] == "stream"]
+    notice, printed = streams[0], [m["text"] for m in streams[1:]]
     assert 0 < len(printed) < len(lines)
     assert printed == lines[-len(printed) :]
     assert sum(map(len, printed)) <= bound
+    assert notice["name"] == "stderr", notice
+    assert f"the oldest {len(lines) - len(printed)} messages" in notice["text"], notice
+    assert all(m["name"] == "stdout" for m in streams[1:])
     # Then live messages, and none twice.
     live = sorted(m["type"] for m in back.seen[len(flood) :])
     assert live == ["execute_reply", "status", "status"], live

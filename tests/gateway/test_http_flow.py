@@ -156,6 +156,9 @@ async def test_a_session_away_during_a_flood_is_held_its_bound_of_the_newest_mes
             reply, outputs = await back.finish(flood_id, timeout=4 * DEADLINE)
             assert reply["content"]["status"] == "ok"
             assert len(stdout(outputs)) < FLOOD_LINES * 1024, len(stdout(outputs))
+            # ... and a line on stderr that says so.
+            said = [o["content"]["text"] for o in outputs if o["msg_type"] == "stream"]
+            assert any("dropped while this client was away" in t for t in said), said[:3]
         finally:
             back.close()
     finally:

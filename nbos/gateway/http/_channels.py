@@ -10,7 +10,8 @@ bridge: replies go to the client that asked, IOPub to every client.
 While no client is attached (its WebSocket closed mid-cell) the bridge keeps
 reading and holds what arrives for the client that comes back with the same session id:
 every message that is not output (statuses, replies, errors, comms), and of the output
-(below) only the newest, within the bytes of its backlog's bound, oldest dropped first.
+(below) only the newest, within the bytes of its backlog's bound, oldest dropped first;
+the client that comes back is told on stderr, in the cell whose output went, how much.
 The shell reply of a cell can be read before the last of the cell's output (IOPub is
 another socket, and may lag), so the bound must never drop what is not output. Past
 :data:`BUFFER_MAX` messages held, output goes first, then the oldest of the rest. The
@@ -41,6 +42,7 @@ from typing import Any, Protocol, cast
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import attrs
 import msgspec
 import zmq
 import zmq.asyncio
@@ -125,6 +127,8 @@ class ChannelBridge:
         self._held_count = 0
         #: Whether held messages were dropped since a client was last attached (logged once).
         self._dropping_held = False
+        #: Output dropped while nobody was attached, which the next client is told of.
+        self._dropped_away: _Dropped | None = None
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._session: Session | None = None
         self._nudges: set[str] = set()
@@ -155,13 +159,35 @@ class ChannelBridge:
         while self._held_output or self._held_other:
             held = self._oldest_held()
             _, msg, header = held[0]
+            # What was dropped came before the oldest output kept: the notice goes there.
+            if held is self._held_output and not self._tell_dropped(sink):
+                return
             if not sink.deliver(msg, header):
                 self._sink = None
                 return
             held.popleft()
             if held is self._held_output:
                 self._held_output_bytes -= _size(msg)
-        self._sink = sink
+        if self._tell_dropped(sink):
+            self._sink = sink
+
+    def _tell_dropped(self, sink: Sink) -> bool:
+        """Tell ``sink`` of the output dropped while nobody was attached, if any; ``False``
+        when it is closed (the next client of the session is told)."""
+        dropped = self._dropped_away
+        if dropped is None:
+            return True
+        text = (
+            f"[nbos gateway] output dropped while this client was away: the oldest "
+            f"{dropped.messages} messages ({dropped.size / 2**20:.1f} MiB) of it, past the "
+            f"{self.backlog_bytes // 2**20} MiB kept\n"
+        )
+        notice = _stderr_notice(dropped.parent, text)
+        if not sink.deliver(notice, msgspec.json.decode(notice.parts[0])):
+            self._sink = None
+            return False
+        self._dropped_away = None
+        return True
 
     def detach(self) -> None:
         """The client went away: hold its messages until it comes back (or :meth:`close`)."""
@@ -172,6 +198,7 @@ class ChannelBridge:
         self._held_output.clear()
         self._held_other.clear()
         self._held_output_bytes = 0
+        self._dropped_away = None
         self._scope.cancel()
         self._closed = True
         self._connected.set()  # nothing to wait for any more
@@ -332,12 +359,20 @@ class ChannelBridge:
             )
         # The newest output stays, even alone over the bound.
         while len(self._held_output) > 1 and self._held_output_bytes > self.backlog_bytes:
-            self._held_output_bytes -= _size(self._held_output.popleft()[1])
+            self._drop_held_output()
         while len(self._held_output) + len(self._held_other) > BUFFER_MAX:
             if self._held_output:
-                self._held_output_bytes -= _size(self._held_output.popleft()[1])
+                self._drop_held_output()
             else:
                 self._held_other.popleft()
+
+    def _drop_held_output(self) -> None:
+        """Drop the oldest held output, and count it for the client that comes back."""
+        _, msg, _ = self._held_output.popleft()
+        size = _size(msg)
+        self._held_output_bytes -= size
+        dropped = self._dropped_away or _Dropped(msg.parts[1])
+        self._dropped_away = _Dropped(dropped.parent, dropped.messages + 1, dropped.size + size)
 
     def _oldest_held(self) -> deque[_Held]:
         """The held queue whose first message arrived first (one is not empty)."""
@@ -360,7 +395,11 @@ class ChannelBridge:
                 self.session_key or "-",
                 self.backlog_bytes // 2**20,
             )
-            notice = _dropped_notice(parent, self.backlog_bytes)
+            text = (
+                f"[nbos gateway] output dropped: this client reads slower than the kernel "
+                f"writes ({self.backlog_bytes // 2**20} MiB not yet sent to it)\n"
+            )
+            notice = _stderr_notice(parent, text)
             sink.deliver(notice, msgspec.json.decode(notice.parts[0]))
         return True
 
@@ -373,8 +412,18 @@ def _size(msg: WireMsg) -> int:
     return sum(map(len, msg.parts)) + sum(map(len, msg.buffers))
 
 
-def _dropped_notice(parent: bytes, backlog_bytes: int) -> WireMsg:
-    """A stderr line to a client whose output is dropped, in the cell ``parent``."""
+@attrs.frozen
+class _Dropped:
+    """Output dropped for a client that is away: the cell of the first (its packed parent
+    header), how many messages and bytes."""
+
+    parent: bytes
+    messages: int = 0
+    size: int = 0
+
+
+def _stderr_notice(parent: bytes, text: str) -> WireMsg:
+    """A stderr line ``text`` to a client whose output is dropped, in the cell ``parent``."""
     header = {
         "msg_id": secrets.token_hex(16),
         "msg_type": "stream",
@@ -383,10 +432,6 @@ def _dropped_notice(parent: bytes, backlog_bytes: int) -> WireMsg:
         "date": datetime.now(UTC).isoformat(),
         "version": "5.3",
     }
-    text = (
-        f"[nbos gateway] output dropped: this client reads slower than the kernel writes "
-        f"({backlog_bytes // 2**20} MiB not yet sent to it)\n"
-    )
     content = {"name": "stderr", "text": text}
     return WireMsg(
         "iopub", (msgspec.json.encode(header), parent, b"{}", msgspec.json.encode(content))
