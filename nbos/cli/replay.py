@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--gpus-per-host", type=int, default=8, help="embedded: GPUs per host (8)")
     p.add_argument("--no-autoscale", action="store_true", help="embedded: keep --hosts hosts")
     p.add_argument("--max-hosts", type=int, default=64, help="embedded: host ceiling (64)")
-    add_spare_hosts_argument(p)
+    add_spare_hosts_argument(p, "embedded and simulated autoscaler")
     p.add_argument(
         "--precopy",
         action="store_true",

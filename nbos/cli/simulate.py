@@ -66,14 +66,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def add_spare_hosts_argument(p: argparse.ArgumentParser) -> None:
-    """``--spare-hosts``: read by :func:`autoscaler_config`."""
+def add_spare_hosts_argument(p: argparse.ArgumentParser, scope: str = "autoscaler") -> None:
+    """``--spare-hosts``: read by :func:`autoscaler_config`; ``scope`` says whose."""
     p.add_argument(
         "--spare-hosts",
         type=int,
         default=0,
         metavar="N",
-        help="autoscaler: keep N hosts with every GPU idle, for cells to migrate to at once (0)",
+        help=f"{scope}: keep N hosts with every GPU idle, for cells to migrate to at once (0)",
     )
 
 
@@ -84,12 +84,25 @@ def autoscaler_config(args: argparse.Namespace) -> AutoscalerConfig | None:
         if args.spare_hosts:
             raise ConfigError("--spare-hosts", args.spare_hosts, "without --no-autoscale")
         return None
-    return AutoscalerConfig(
-        min_hosts=min(AutoscalerConfig().min_hosts, args.max_hosts),
-        max_hosts=args.max_hosts,
-        new_host_gpus=args.gpus_per_host,
-        spare_hosts=args.spare_hosts,
-    )
+    try:
+        return AutoscalerConfig(
+            min_hosts=min(AutoscalerConfig().min_hosts, args.max_hosts),
+            max_hosts=args.max_hosts,
+            new_host_gpus=args.gpus_per_host,
+            spare_hosts=args.spare_hosts,
+        )
+    except ConfigError as exc:
+        flag = _AUTOSCALER_FLAGS.get(exc.key, exc.key)
+        raise ConfigError(flag, exc.value, exc.expected) from exc
+
+
+#: The option that sets each autoscaler field :func:`autoscaler_config` fills.
+_AUTOSCALER_FLAGS = {
+    "min_hosts": "--max-hosts",
+    "max_hosts": "--max-hosts",
+    "new_host_gpus": "--gpus-per-host",
+    "spare_hosts": "--spare-hosts",
+}
 
 
 def add_timings_argument(p: argparse.ArgumentParser) -> None:

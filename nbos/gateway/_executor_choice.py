@@ -236,9 +236,10 @@ class GpuChooser:
             and not self._migrating
             and set(replicas) == set(self._hosts)
         )
+        grant: Grant | None = None
         try:
             with anyio.CancelScope() as scope:
-                return await self._scheduler.acquire(
+                grant = await self._scheduler.acquire(
                     self._kernel_id,
                     request.exec_index,
                     replicas,
@@ -254,8 +255,12 @@ class GpuChooser:
             if planned is not None:  # cancelled from outside after the decision
                 planned[1].release()
             raise
-        assert planned is not None
-        return planned
+        if grant is None:  # on_migrate ended the wait
+            assert planned is not None
+            return planned
+        if planned is not None:  # granted after all: the move's hold is not needed
+            planned[1].release()
+        return grant
 
     async def _migrate(self, source: int, target: HostId, after: int) -> int | None:
         """The new replica's node id, or ``None`` (logged) if the migration failed."""

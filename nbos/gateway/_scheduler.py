@@ -550,7 +550,11 @@ class GpuScheduler:
         if last is not None and (last[0] == plan or not last[1].released):
             return last
         proposal = plan, self.hold(plan.target, gpus)
-        await on_migrate(*proposal)
+        try:
+            await on_migrate(*proposal)
+        except BaseException:
+            proposal[1].release()  # the caller never took the move
+            raise
         # The hold changed the view: a caller that ends the wait does so before the cell
         # decides again and finds the host it holds taken.
         await anyio.lowlevel.checkpoint()

@@ -234,6 +234,8 @@ class Autoscaler:
         by_load = max(0, math.ceil(needed / cfg.new_host_gpus))
         room = cfg.max_hosts - len(view.hosts) - provisioning
         count = min(max(below_floor, spare_short, by_load, 1), cfg.max_step, room)
+        if count <= 0 and not (below_floor or placement_failed or load >= cfg.scale_out_load):
+            return None  # only spares short, at the ceiling: a scale-in may make room
         if count <= 0:
             return Hold(f"{reason}, but at max_hosts={cfg.max_hosts}")
         return ScaleOut(count, reason)

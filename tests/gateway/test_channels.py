@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -227,3 +228,68 @@ async def test_a_session_back_gets_every_held_reply_and_status_and_the_newest_ou
     live = sorted(m["type"] for m in back.seen[len(flood) :])
     assert live == ["execute_reply", "status", "status"], live
     assert len({m["id"] for m in back.seen}) == len(back.seen)
+
+
+def second_idle_held(bridge: ChannelBridge) -> bool:
+    """Whether the idle status of the cell ``second`` is among what ``bridge`` holds."""
+    return any(
+        json.loads(msg.parts[1]).get("msg_id") == "second"
+        and json.loads(msg.parts[3]).get("execution_state") == "idle"
+        for _, msg, _ in bridge._held_other
+    )
+
+
+async def test_each_cell_whose_output_went_is_told_so_before_its_idle(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Two cells flood while the session is away, each twice the bound: the second's
+    newest output is what is kept, so all of the first's goes. The client back is told of
+    each cell's loss in that cell, before its idle (after which a client no longer listens
+    to it): the first cell's notice among its own messages, not at the second's output."""
+    bound = 2**16
+    lines = [f"{i:06d} {'x' * 1017}" for i in range(2 * bound // 1024)]  # 1 KiB each
+    front = Front(ctx, output=lines)
+    front.output_go.set()
+    link, away, back = Link(front), Client(), Client()
+    bridge = ChannelBridge(link, "session", ctx, bound)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(front.serve)
+        await tg.start(bridge.run)
+        bridge.attach(away)
+        bridge.detach()
+        await bridge.send(execute_request("first"))
+        await bridge.send(execute_request("second"))
+        with anyio.fail_after(DEADLINE):
+            while not second_idle_held(bridge):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        bridge.attach(back)
+        bridge.close()
+        tg.cancel_scope.cancel()
+    front.close()
+
+    first, second = (told(back, cell) for cell in ("first", "second"))
+    # All of the first cell's output went, and its client hears so before its idle.
+    assert first.kept == [] and f"the oldest {len(lines)} messages" in first.notice
+    # The second keeps its newest output, after the notice of what went.
+    assert 0 < len(second.kept) < len(lines) and second.kept == lines[-len(second.kept) :]
+    assert f"the oldest {len(lines) - len(second.kept)} messages" in second.notice
+
+
+@dataclass
+class Told:
+    """What a client saw of a cell: the notice of its dropped output and the output kept."""
+
+    notice: str
+    kept: list[str]
+
+
+def told(client: Client, cell: str) -> Told:
+    """The cell's one notice, which came before its output kept and its idle status."""
+    seen = [m for m in client.seen if m["parent"] == cell]
+    notices = [i for i, m in enumerate(seen) if m.get("name") == "stderr"]
+    assert len(notices) == 1, seen[:4]
+    later = [m for m in seen[notices[0] :] if m.get("execution_state") == "idle"]
+    assert len(later) == 1, seen[-4:]
+    kept = [m["text"] for m in seen if m.get("name") == "stdout"]
+    assert kept == [m["text"] for m in seen[notices[0] :] if m.get("name") == "stdout"]
+    return Told(seen[notices[0]]["text"], kept)

@@ -307,3 +307,16 @@ def test_scale_in_keeps_the_spare_hosts() -> None:
         hosts, 0
     ) == ScaleIn((HostId("d"), HostId("e")), "load 0.07 < 0.5")
     assert Autoscaler(cfg).decide(hosts, 0) == ScaleIn((HostId("d"),), "load 0.07 < 0.5")
+
+
+def test_spares_short_at_the_ceiling_let_a_full_idle_host_drain_to_make_room() -> None:
+    cfg = AutoscalerConfig(max_hosts=4, spare_hosts=1, idle_grace=0, scale_in_cooldown=0)
+    busy = [hv(n, 1) for n in "abc"]
+    full = HostView(HostId("d"), 8, 0, 8, 2, schedulable=False, full=True)
+    assert Autoscaler(cfg).decide(cluster(*busy, full), 0) == ScaleIn(
+        (HostId("d"),), "load 0.09 < 0.5"
+    )
+    # No host that could go: the ceiling holds.
+    assert Autoscaler(cfg).decide(cluster(*busy, hv("d", 1)), 0) == Hold(
+        "load 0.12, but no host can be drained"
+    )

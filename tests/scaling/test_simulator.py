@@ -442,6 +442,8 @@ def test_cli_spare_hosts_need_the_autoscaler_and_a_count_it_can_keep() -> None:
     with pytest.raises(ConfigError, match="--spare-hosts"):
         run_cli([*argv, "--no-autoscale", "--spare-hosts", "1"])
     for bad in ("-1", "65"):
-        with pytest.raises(ConfigError, match="spare_hosts"):
+        with pytest.raises(ConfigError, match="--spare-hosts"):
             run_cli([*argv, "--spare-hosts", bad])
+    with pytest.raises(ConfigError, match="--gpus-per-host"):
+        run_cli([*argv, "--gpus-per-host", "0"])
     assert run_cli([*argv, "--spare-hosts", "1"]) == 0

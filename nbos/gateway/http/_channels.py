@@ -11,7 +11,7 @@ While no client is attached (its WebSocket closed mid-cell) the bridge keeps
 reading and holds what arrives for the client that comes back with the same session id:
 every message that is not output (statuses, replies, errors, comms), and of the output
 (below) only the newest, within the bytes of its backlog's bound, oldest dropped first;
-the client that comes back is told on stderr, in the cell whose output went, how much.
+the client that comes back is told on stderr, in each cell whose output went, how much.
 The shell reply of a cell can be read before the last of the cell's output (IOPub is
 another socket, and may lag), so the bound must never drop what is not output. Past
 :data:`BUFFER_MAX` messages held, output goes first, then the oldest of the rest. The
@@ -127,8 +127,9 @@ class ChannelBridge:
         self._held_count = 0
         #: Whether held messages were dropped since a client was last attached (logged once).
         self._dropping_held = False
-        #: Output dropped while nobody was attached, which the next client is told of.
-        self._dropped_away: _Dropped | None = None
+        #: Output dropped while nobody was attached, by cell (its packed parent header),
+        #: which the next client is told of: cells in the order their output went.
+        self._dropped_away: dict[bytes, _Dropped] = {}
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._session: Session | None = None
         self._nudges: set[str] = set()
@@ -158,9 +159,10 @@ class ChannelBridge:
         self._dropping_held = False
         while self._held_output or self._held_other:
             held = self._oldest_held()
-            _, msg, header = held[0]
-            # What was dropped came before the oldest output kept: the notice goes there.
-            if held is self._held_output and not self._tell_dropped(sink):
+            place, msg, header = held[0]
+            # A cell's notice goes where its dropped output was: before what came after
+            # it (the cell's idle status among them, after which clients stop listening).
+            if not self._tell_dropped(sink, before=place):
                 return
             if not sink.deliver(msg, header):
                 self._sink = None
@@ -168,25 +170,27 @@ class ChannelBridge:
             held.popleft()
             if held is self._held_output:
                 self._held_output_bytes -= _size(msg)
-        if self._tell_dropped(sink):
+        if self._tell_dropped(sink, before=None):
             self._sink = sink
 
-    def _tell_dropped(self, sink: Sink) -> bool:
-        """Tell ``sink`` of the output dropped while nobody was attached, if any; ``False``
-        when it is closed (the next client of the session is told)."""
-        dropped = self._dropped_away
-        if dropped is None:
-            return True
-        text = (
-            f"[nbos gateway] output dropped while this client was away: the oldest "
-            f"{dropped.messages} messages ({dropped.size / 2**20:.1f} MiB) of it, past the "
-            f"{self.backlog_bytes // 2**20} MiB kept\n"
-        )
-        notice = _stderr_notice(dropped.parent, text)
-        if not sink.deliver(notice, msgspec.json.decode(notice.parts[0])):
-            self._sink = None
-            return False
-        self._dropped_away = None
+    def _tell_dropped(self, sink: Sink, before: int | None) -> bool:
+        """Tell ``sink`` of each cell's output dropped while nobody was attached, the
+        cells whose last dropped message came before held message ``before`` (``None``:
+        all); ``False`` when it is closed (the next client of the session is told)."""
+        while self._dropped_away:
+            parent, dropped = next(iter(self._dropped_away.items()))
+            if before is not None and dropped.last > before:
+                return True
+            text = (
+                f"[nbos gateway] output dropped while this client was away: the oldest "
+                f"{dropped.messages} messages ({dropped.size / 2**20:.1f} MiB) of this "
+                f"cell's, past the {self.backlog_bytes // 2**20} MiB kept\n"
+            )
+            notice = _stderr_notice(parent, text)
+            if not sink.deliver(notice, msgspec.json.decode(notice.parts[0])):
+                self._sink = None
+                return False
+            del self._dropped_away[parent]
         return True
 
     def detach(self) -> None:
@@ -198,7 +202,7 @@ class ChannelBridge:
         self._held_output.clear()
         self._held_other.clear()
         self._held_output_bytes = 0
-        self._dropped_away = None
+        self._dropped_away.clear()
         self._scope.cancel()
         self._closed = True
         self._connected.set()  # nothing to wait for any more
@@ -368,11 +372,12 @@ class ChannelBridge:
 
     def _drop_held_output(self) -> None:
         """Drop the oldest held output, and count it for the client that comes back."""
-        _, msg, _ = self._held_output.popleft()
+        place, msg, _ = self._held_output.popleft()
         size = _size(msg)
         self._held_output_bytes -= size
-        dropped = self._dropped_away or _Dropped(msg.parts[1])
-        self._dropped_away = _Dropped(dropped.parent, dropped.messages + 1, dropped.size + size)
+        parent = msg.parts[1]
+        dropped = self._dropped_away.get(parent, _Dropped())
+        self._dropped_away[parent] = _Dropped(dropped.messages + 1, dropped.size + size, place)
 
     def _oldest_held(self) -> deque[_Held]:
         """The held queue whose first message arrived first (one is not empty)."""
@@ -414,12 +419,12 @@ def _size(msg: WireMsg) -> int:
 
 @attrs.frozen
 class _Dropped:
-    """Output dropped for a client that is away: the cell of the first (its packed parent
-    header), how many messages and bytes."""
+    """A cell's output dropped for a client that is away: how many messages and bytes, and
+    the place (arrival number) of the last of them among the held messages."""
 
-    parent: bytes
     messages: int = 0
     size: int = 0
+    last: int = -1
 
 
 def _stderr_notice(parent: bytes, text: str) -> WireMsg:
