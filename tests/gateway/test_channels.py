@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,21 +176,38 @@ def held_kinds(bridge: ChannelBridge) -> list[str]:
     return [header["msg_type"] for _, _, header in bridge._held_other]
 
 
+def kib_lines(n: int) -> list[str]:
+    """``n`` numbered lines of output, 1 KiB each."""
+    return [f"{i:06d} {'x' * 1017}" for i in range(n)]
+
+
+@asynccontextmanager
+async def away_session(
+    ctx: zmq.asyncio.Context, front: Front, bound: int
+) -> AsyncIterator[ChannelBridge]:
+    """A bridge to ``front`` holding for its session, whose client went before any cell;
+    closed on the way out."""
+    bridge = ChannelBridge(Link(front), "session", ctx, bound)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(front.serve)
+        await tg.start(bridge.run)
+        bridge.attach(Client())
+        bridge.detach()
+        yield bridge
+        bridge.close()
+        tg.cancel_scope.cancel()
+    front.close()
+
+
 async def test_a_session_back_gets_every_held_reply_and_status_and_the_newest_output(
     ctx: zmq.asyncio.Context,
 ) -> None:
     """The cell's output comes after its reply (IOPub lags behind shell) and is 4 times the
     bound: the bound drops the oldest output, never the reply or a status."""
     bound = 2**16
-    lines = [f"{i:06d} {'x' * 1017}" for i in range(4 * bound // 1024)]  # 1 KiB each
-    front = Front(ctx, output=lines)
-    link, away, back = Link(front), Client(), Client()
-    bridge = ChannelBridge(link, "session", ctx, bound)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(front.serve)
-        await tg.start(bridge.run)
-        bridge.attach(away)
-        bridge.detach()  # gone before its cell: all of the cell is held
+    lines = kib_lines(4 * bound // 1024)
+    front, back = Front(ctx, output=lines), Client()
+    async with away_session(ctx, front, bound) as bridge:  # all of the cell is held
         await bridge.send(execute_request("flood"))
         # The output comes once the reply is held, and the client once the cell's idle is
         # (IOPub's last): nothing tells that outside the bridge, so the test looks inside.
@@ -205,9 +223,6 @@ async def test_a_session_back_gets_every_held_reply_and_status_and_the_newest_ou
         with anyio.fail_after(DEADLINE):
             while len([m for m in back.seen if m["parent"] == "live"]) < 3:
                 await back.arrived.wait()
-        bridge.close()
-        tg.cancel_scope.cancel()
-    front.close()
 
     flood = [m for m in back.seen if m["parent"] == "flood"]
     # Every message that is not output, in the order they came (the reply on shell may
@@ -247,25 +262,16 @@ async def test_each_cell_whose_output_went_is_told_so_before_its_idle(
     each cell's loss in that cell, before its idle (after which a client no longer listens
     to it): the first cell's notice among its own messages, not at the second's output."""
     bound = 2**16
-    lines = [f"{i:06d} {'x' * 1017}" for i in range(2 * bound // 1024)]  # 1 KiB each
-    front = Front(ctx, output=lines)
+    lines = kib_lines(2 * bound // 1024)
+    front, back = Front(ctx, output=lines), Client()
     front.output_go.set()
-    link, away, back = Link(front), Client(), Client()
-    bridge = ChannelBridge(link, "session", ctx, bound)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(front.serve)
-        await tg.start(bridge.run)
-        bridge.attach(away)
-        bridge.detach()
+    async with away_session(ctx, front, bound) as bridge:
         await bridge.send(execute_request("first"))
         await bridge.send(execute_request("second"))
         with anyio.fail_after(DEADLINE):
             while not second_idle_held(bridge):  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         bridge.attach(back)
-        bridge.close()
-        tg.cancel_scope.cancel()
-    front.close()
 
     first, second = (told(back, cell) for cell in ("first", "second"))
     # All of the first cell's output went, and its client hears so before its idle.
