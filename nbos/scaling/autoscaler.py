@@ -214,7 +214,12 @@ class Autoscaler:
         cfg = self._config
         hosts = len(figures.in_service) + provisioning
         below_floor = max(0, self._floor(view) - hosts)
-        spare_short = max(0, cfg.spare_hosts - _spare(figures.in_service) - provisioning)
+        # A pass over the hosts only when spares are asked for: the simulator asks every tick.
+        spare_short = (
+            max(0, cfg.spare_hosts - _spare(figures.in_service) - provisioning)
+            if cfg.spare_hosts
+            else 0
+        )
         # Hosts being provisioned will bring capacity; count them so as not to ask twice.
         capacity = figures.capacity + provisioning * cfg.new_host_gpus
         load = _ratio(figures.committed, capacity)
