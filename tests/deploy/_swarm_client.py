@@ -20,6 +20,9 @@ is a JSON command, each answer one JSON line on stdout:
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,12 @@ import msgspec
 from nbos.core.errors import NbosError
 from nbos.gateway.control_api import StatusRequest
 from nbos.gateway.control_api import call as call_control
+from tests._servers._process import stop_process
 from tests.gateway._http import KernelSocket, call, start_jupyter_server, stdout, stop
+
+#: How long the server has to stop when this driver is ended: the harness SIGKILLs the
+#: driver 10 s after its SIGTERM, which would leave the server behind with parent 1.
+_SERVER_STOP_S = 5.0
 
 _CELL_TIMEOUT_S = 300.0
 
@@ -87,6 +95,20 @@ async def _open(url: str, kernel: str) -> KernelSocket:
     return await KernelSocket.open(f"{url}/api/kernels/{kernel}/channels", "user-token")
 
 
+def _stop_server_on_sigterm(process: subprocess.Popen[bytes]) -> None:
+    """End the server, by its pid, when the harness ends this driver.
+
+    A ``finally`` does not run on SIGTERM, and the event loop cannot be unwound from it
+    while a thread waits on stdin, so the handler stops the server and exits at once.
+    """
+
+    def handler(signum: int, _frame: object) -> None:
+        stop_process(process, _SERVER_STOP_S)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _execute(command: dict[str, Any]) -> dict[str, Any]:
     return {"code": command["code"], "silent": False, "allow_stdin": False}
 
@@ -96,6 +118,7 @@ if __name__ == "__main__":
     # Before the event loop: it waits for the server with a loop of its own.
     Path(workdir).mkdir(parents=True, exist_ok=True)
     process, url, _ = start_jupyter_server(Path(workdir), gateway_url, token, "user-token")
+    _stop_server_on_sigterm(process)
     try:
         anyio.run(main, url, control, token)
     finally:
