@@ -458,8 +458,8 @@ class GpuScheduler:
 
         ``replicas`` maps the live replicas' ids to their hosts. The choice is
         :meth:`ClusterDecisions.cell`'s: the last executor if its host can commit
-        ``gpus`` now, else the replica whose host has the most idle GPUs, else the
-        cell waits (``on_wait`` gets the reason; so does :meth:`waiting`). While it
+        ``gpus`` now, else another replica's (:func:`~nbos.scaling.executor.execute_or_wait`'s
+        order), else the cell waits (``on_wait`` gets the reason; so does :meth:`waiting`). While it
         waits because moving a replica would let it run, ``on_migrate`` gets the
         :class:`MigrationPlan` (carrying it out is the caller's), with the target's GPUs
         held from the decision on (a :class:`MoveHold` it must release); a later, different

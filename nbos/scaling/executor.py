@@ -2,10 +2,17 @@
 
 The order (design, "One cell, end to end", step 2): the last executor if its host
 can commit the kernel's GPUs now (its tensors may still be resident there), else
-the replica whose host has the most idle GPUs, else a migration to a host that
+the replica whose host has the most idle GPUs among those already running a cell,
+else the replica whose host has every GPU idle, else a migration to a host that
 can commit them (which :class:`~nbos.scaling.ClusterDecisions` plans), else the
 cell waits. Waiting and migrating are ordinary outcomes, returned as values; only
 a request no host could ever satisfy is an error.
+
+A host with every GPU idle is woken last because, left idle, it is where a cell that
+no busy host can take moves at once (a spare host) and what the autoscaler drains;
+woken for a cell that fits elsewhere, it spreads a few cells over many hosts. In the
+simulator this left fewer hosts provisioned at the same or a higher share of cells
+started within a second (docs/simulator.md, "Idle hosts woken last").
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ def execute_or_wait(
 
     Replica hosts missing from ``cluster_view`` (dead, not yet reported) and those in
     ``down`` run nothing. Ties between replica hosts go to the earlier one in ``replica_hosts``.
+    ``"most-idle"`` names the choice among the replicas' hosts (in use first).
     A draining (unschedulable) host still runs cells of the replicas it holds;
     only placement and migration avoid it.
     Raises :class:`GpuError` for a negative count and
@@ -64,8 +72,9 @@ def execute_or_wait(
         return Execute(last.host_id, "last-executor")
     fitting = [h for h in replicas if h.gpus_idle >= gpus]
     if fitting:
+        in_use = [h for h in fitting if h.gpus_committed > 0] or fitting
         # max() keeps the first of equals, so ties go to the earlier replica.
-        return Execute(max(fitting, key=lambda h: h.gpus_idle).host_id, "most-idle")
+        return Execute(max(in_use, key=lambda h: h.gpus_idle).host_id, "most-idle")
     if not _movable(frozenset(replica_hosts), cluster_view, gpus):
         return Wait(f"waiting for {gpus} GPUs: no host has them idle")
     return None

@@ -1,5 +1,5 @@
-"""Executor choice per cell (``ClusterDecisions.cell``): last executor, most idle replica,
-migrate, wait."""
+"""Executor choice per cell (``ClusterDecisions.cell``): last executor, most idle replica
+(hosts in use before idle ones), migrate, wait."""
 
 from __future__ import annotations
 
@@ -43,9 +43,19 @@ def test_otherwise_the_replica_with_most_idle_gpus() -> None:
 
 
 def test_last_executor_that_is_no_longer_a_replica_is_ignored() -> None:
-    view = cluster(host("gone"), host("r1", committed=5), host("r2", committed=1), host("r3"))
+    view = cluster(
+        host("gone"), host("r1", committed=5), host("r2", committed=3), host("r3", committed=1)
+    )
     choice = decide(HostId("gone"), R, view, 1)
     assert choice == Execute(HostId("r3"), "most-idle")
+
+
+def test_a_host_with_every_gpu_idle_is_woken_only_when_no_busy_one_can_commit() -> None:
+    view = cluster(host("r1", committed=4), host("r2"), host("r3", committed=6))
+    assert decide(None, R, view, 2) == Execute(HostId("r1"), "most-idle")
+    # Left idle, r2 is where a cell of 8 GPUs can go, and what the autoscaler can drain.
+    full = cluster(host("r1", committed=8), host("r2"), host("r3", committed=7))
+    assert decide(HostId("r1"), R, full, 2) == Execute(HostId("r2"), "most-idle")
 
 
 def test_migrate_when_only_other_hosts_can_commit() -> None:
