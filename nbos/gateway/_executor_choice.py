@@ -20,7 +20,8 @@ replica's host can commit its GPUs, and the scheduler's decision for it
 (:meth:`~nbos.scaling.ClusterDecisions.cell`, the simulator's too) is a
 :class:`~nbos.scaling.MigrationPlan`, the chooser stops waiting, has the replica on
 the plan's source host moved to its target (the :class:`Migrate` callable, a
-replacement with an explicit target) and waits again with the new replica's host.
+replacement with an explicit target) and waits again, for the new replica first (the
+simulator runs the cell where the replica moved).
 At most one migration per waiting cell, and only while every replica is alive, so
 the kernel never drops below a quorum; a failed one is logged and the cell keeps
 waiting.
@@ -198,9 +199,14 @@ class GpuChooser:
         if node is not None:
             survivors[node] = self._hosts[node]
         # The target's GPUs stay held until this cell's own decision takes them: released
-        # now, another cell could plan a move onto them first and move again after.
+        # now, another cell could plan a move onto them first and move again after. The
+        # moved replica counts as the last executor, so the cell runs where it moved, as
+        # in the simulator: not on another replica's host whose GPUs freed meanwhile, which
+        # were the next cell's there (and made it move in turn).
         try:
-            grant = await self._wait(request, survivors, gpus, may_migrate=False, held=hold)
+            grant = await self._wait(
+                request, survivors, gpus, may_migrate=False, held=hold, executor=node
+            )
         finally:
             hold.release()
         assert isinstance(grant, Grant)
@@ -214,9 +220,11 @@ class GpuChooser:
         *,
         may_migrate: bool,
         held: MoveHold | None = None,
+        executor: int | None = None,
     ) -> Grant | tuple[MigrationPlan, MoveHold]:
         """The grant, or the scheduler's migration plan for the cell (if ``may_migrate``) with
-        its target's GPUs held; ``held``: GPUs held for it already (``GpuScheduler.acquire``)."""
+        its target's GPUs held; ``held``: GPUs held for it already (``GpuScheduler.acquire``);
+        ``executor``: the replica to prefer as the last executor (else the request's)."""
         planned: tuple[MigrationPlan, MoveHold] | None = None
         notify = request.notify
 
@@ -243,7 +251,7 @@ class GpuChooser:
                     self._kernel_id,
                     request.exec_index,
                     replicas,
-                    last_executor=request.last_executor,
+                    last_executor=request.last_executor if executor is None else executor,
                     gpus=gpus,
                     on_wait=on_wait,
                     on_migrate=on_migrate if migrating else None,

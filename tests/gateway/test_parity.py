@@ -271,3 +271,28 @@ async def test_a_cell_whose_claim_lost_keeps_its_gpus_for_its_retry() -> None:
             await chooser.release(retry)
             await eventually(lambda: (kernel("b"), 1) not in c.scheduler.waiting())
             tg.cancel_scope.cancel()
+
+
+async def test_a_cell_runs_where_its_replica_moved_though_its_last_executors_gpus_freed() -> None:
+    """Every replica host's GPU is held, so the cell moves a replica to h3. While it moves,
+    the GPU of the last executor's host (h2) is given back. The simulator runs the cell on
+    h3, whose GPU it committed when it decided, and leaves h2's to whoever comes next; live,
+    the cell decided again after the move, ran on h2 and let h3's hold go, and the next cell
+    of h2's kernels had to move in turn (a replay made two moves the simulator did not)."""
+    async with cluster(FOUR, policy=decisions()) as c:
+        hogs = dict(zip(("h0", "h1", "h2"), await hog(c, "h0", "h1", "h2"), strict=True))
+        on = replicas("h0", "h1", "h2")
+        chooser = GpuChooser(c.scheduler, kernel("a"), on, default_gpus=1)
+
+        async def migrate(source: int, target: HostId, after: int) -> int:
+            assert on[source] != HostId("h2"), "the test needs the last executor to stay"
+            await c.scheduler.release(hogs["h2"])  # the last executor's host frees up
+            chooser.replica_replaced(source, 3, target)
+            return 3
+
+        chooser.enable_migration(migrate)
+        with anyio.fail_after(DEADLINE):
+            plan = await chooser.choose(ChoiceRequest(1, 2, (0, 1, 2)))
+        assert chooser.hosts[plan.replica] == HostId("h3")
+        assert c.scheduler.view().host(HostId("h2")).gpus_idle == 1
+        await chooser.release(plan)
