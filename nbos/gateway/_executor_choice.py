@@ -127,8 +127,11 @@ class GpuChooser:
             raise QuorumLostError(f"kernel {self._kernel_id} has no live replica")
         asked = time.monotonic()
         held = await self._take_over(request)
+        # A retry goes where its lost attempt was to run, whose GPUs it holds: the claim
+        # lost to the last executor's early one, which is no decision of the scheduler's.
+        retried = request.retry_of.replica if request.retry_of is not None else None
         try:
-            grant = await self._acquire(request, replicas, wanted.gpus, held)
+            grant = await self._acquire(request, replicas, wanted.gpus, held, retried)
         finally:
             if held is not None:
                 held.release()
@@ -171,11 +174,19 @@ class GpuChooser:
         return hold
 
     async def _acquire(
-        self, request: ChoiceRequest, replicas: dict[int, HostId], gpus: int, held: MoveHold | None
+        self,
+        request: ChoiceRequest,
+        replicas: dict[int, HostId],
+        gpus: int,
+        held: MoveHold | None,
+        executor: int | None,
     ) -> Grant:
         """The scheduler's grant for the cell; migrates a replica once if that lets it run.
-        ``held``: GPUs held for it (:meth:`_take_over`)."""
-        outcome = await self._wait(request, replicas, gpus, may_migrate=True, held=held)
+        ``held``: GPUs held for it (:meth:`_take_over`); ``executor``: the replica to prefer
+        as the last executor (else the request's)."""
+        outcome = await self._wait(
+            request, replicas, gpus, may_migrate=True, held=held, executor=executor
+        )
         if isinstance(outcome, Grant):
             return outcome
         plan, hold = outcome

@@ -296,3 +296,25 @@ async def test_a_cell_runs_where_its_replica_moved_though_its_last_executors_gpu
         assert chooser.hosts[plan.replica] == HostId("h3")
         assert c.scheduler.view().host(HostId("h2")).gpus_idle == 1
         await chooser.release(plan)
+
+
+async def test_a_retried_cell_runs_where_its_lost_attempt_was_to_run() -> None:
+    """a's last executor (replica 1, on h1) had no GPU idle, so a's cell went to replica 0
+    on h0; the last executor's early claim of the index won, so the cell goes again under
+    a new index. Meanwhile h1's GPU came free. The simulator has no claims: the cell runs
+    where it was decided. Live, the retry was decided anew with the claim's winner as the
+    last executor and ran on h1, leaving h0's GPU to others (in a replay, a cell that had
+    moved a replica ran elsewhere, and the next cell there moved in turn)."""
+    hosts = {"h0": (0,), "h1": (0,), "h2": (0,)}
+    async with cluster(hosts, policy=decisions()) as c:
+        hogs = await hog(c, "h1", "h2")
+        chooser = GpuChooser(c.scheduler, kernel("a"), replicas("h0", "h1", "h2"), 1)
+        first = await chooser.choose(ChoiceRequest(1, 1, (0, 1, 2)))
+        assert first.replica == 0
+        await c.scheduler.release(hogs[0])
+        with anyio.fail_after(DEADLINE):
+            retry = await chooser.choose(ChoiceRequest(2, 1, (0, 1, 2), retry_of=first))
+        await chooser.release(first)
+        assert retry.replica == 0
+        assert c.scheduler.view().host(HostId("h1")).gpus_idle == 1
+        await chooser.release(retry)
