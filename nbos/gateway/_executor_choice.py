@@ -216,7 +216,12 @@ class GpuChooser:
         # were the next cell's there (and made it move in turn).
         try:
             grant = await self._wait(
-                request, survivors, gpus, may_migrate=False, held=hold, executor=node
+                request,
+                survivors,
+                gpus,
+                may_migrate=False,
+                held=hold,
+                executor=node if node is not None else executor,
             )
         finally:
             hold.release()
@@ -235,7 +240,8 @@ class GpuChooser:
     ) -> Grant | tuple[MigrationPlan, MoveHold]:
         """The grant, or the scheduler's migration plan for the cell (if ``may_migrate``) with
         its target's GPUs held; ``held``: GPUs held for it already (``GpuScheduler.acquire``);
-        ``executor``: the replica to prefer as the last executor (else the request's)."""
+        ``executor``: the replica to prefer as the last executor, if it is one of
+        ``replicas`` (else the request's)."""
         planned: tuple[MigrationPlan, MoveHold] | None = None
         notify = request.notify
 
@@ -262,7 +268,7 @@ class GpuChooser:
                     self._kernel_id,
                     request.exec_index,
                     replicas,
-                    last_executor=request.last_executor if executor is None else executor,
+                    last_executor=executor if executor in replicas else request.last_executor,
                     gpus=gpus,
                     on_wait=on_wait,
                     on_migrate=on_migrate if migrating else None,

@@ -2,17 +2,19 @@
 
 The order (design, "One cell, end to end", step 2): the last executor if its host
 can commit the kernel's GPUs now (its tensors may still be resident there), else
-the replica whose host has the most idle GPUs among those already running a cell,
-else the replica whose host has every GPU idle, else a migration to a host that
-can commit them (which :class:`~nbos.scaling.ClusterDecisions` plans), else the
-cell waits. Waiting and migrating are ordinary outcomes, returned as values; only
-a request no host could ever satisfy is an error.
+the replica whose host has the most idle GPUs among those with GPUs committed (to
+running cells, pre-commits or moves), else the replica whose host has every GPU
+idle, else a migration to a host that can commit them (which
+:class:`~nbos.scaling.ClusterDecisions` plans), else the cell waits. Waiting and
+migrating are ordinary outcomes, returned as values; only a request no host could
+ever satisfy is an error.
 
 A host with every GPU idle is woken last because, left idle, it is where a cell that
 no busy host can take moves at once (a spare host) and what the autoscaler drains;
 woken for a cell that fits elsewhere, it spreads a few cells over many hosts. In the
-simulator this left fewer hosts provisioned at the same or a higher share of cells
-started within a second (docs/simulator.md, "Idle hosts woken last").
+simulator this provisioned fewer GPU-hours, mostly at the same or a higher share of
+cells started within a second (docs/simulator.md, "Idle hosts woken last, and a cell
+runs where it was decided", has the figures and the exceptions).
 """
 
 from __future__ import annotations

@@ -109,6 +109,10 @@ def _stop_server_on_sigterm(process: subprocess.Popen[bytes]) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _execute(command: dict[str, Any]) -> dict[str, Any]:
     return {"code": command["code"], "silent": False, "allow_stdin": False}
 
@@ -117,6 +121,8 @@ if __name__ == "__main__":
     gateway_url, control, token, workdir = sys.argv[1:]
     # Before the event loop: it waits for the server with a loop of its own.
     Path(workdir).mkdir(parents=True, exist_ok=True)
+    # Ended while the server starts: SystemExit unwinds through its start, which stops it.
+    signal.signal(signal.SIGTERM, _exit)
     process, url, _ = start_jupyter_server(Path(workdir), gateway_url, token, "user-token")
     _stop_server_on_sigterm(process)
     try:

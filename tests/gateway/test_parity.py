@@ -318,3 +318,18 @@ async def test_a_retried_cell_runs_where_its_lost_attempt_was_to_run() -> None:
         assert retry.replica == 0
         assert c.scheduler.view().host(HostId("h1")).gpus_idle == 1
         await chooser.release(retry)
+
+
+async def test_a_retry_whose_lost_attempts_replica_died_goes_to_the_last_executor() -> None:
+    """The lost attempt's replica (0) died before the retry: the retry is decided as any
+    cell, its last executor (2) first, not as a cell without one."""
+    hosts = {"h0": (0,), "h1": (0,), "h2": (0,)}
+    async with cluster(hosts, policy=decisions()) as c:
+        chooser = GpuChooser(c.scheduler, kernel("a"), replicas("h0", "h1", "h2"), 1)
+        first = await chooser.choose(ChoiceRequest(1, 0, (0, 1, 2)))
+        assert first.replica == 0
+        with anyio.fail_after(DEADLINE):
+            retry = await chooser.choose(ChoiceRequest(2, 2, (1, 2), retry_of=first))
+        await chooser.release(first)
+        assert retry.replica == 2
+        await chooser.release(retry)

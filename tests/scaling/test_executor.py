@@ -56,6 +56,8 @@ def test_a_host_with_every_gpu_idle_is_woken_only_when_no_busy_one_can_commit() 
     # Left idle, r2 is where a cell of 8 GPUs can go, and what the autoscaler can drain.
     full = cluster(host("r1", committed=8), host("r2"), host("r3", committed=7))
     assert decide(HostId("r1"), R, full, 2) == Execute(HostId("r2"), "most-idle")
+    # The last executor comes first even on an idle host: its tensors may be resident there.
+    assert decide(HostId("r2"), R, view, 2) == Execute(HostId("r2"), "last-executor")
 
 
 def test_migrate_when_only_other_hosts_can_commit() -> None:
