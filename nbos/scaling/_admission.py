@@ -50,7 +50,7 @@ def admissible(request: PlacementRequest, cluster: ClusterView) -> list[HostView
     """
     check_request(request, cluster)
     return sorted(
-        (h for h in cluster.hosts if _reject_reason(h, request, cluster) is None),
+        (h for h in cluster.hosts if admits(h, request, cluster)),
         key=lambda h: h.host_id,
     )
 
@@ -64,13 +64,18 @@ def admitted_first(
     check_request(request, cluster)
 
     def admitted(host: HostView) -> bool:
-        return _reject_reason(host, request, cluster) is None
+        return admits(host, request, cluster)
 
     return [
         h
         for hosts in groups
         for h in itertools.islice(itertools.takewhile(admitted, hosts), request.replicas)
     ]
+
+
+def admits(host: HostView, request: PlacementRequest, cluster: ClusterView) -> bool:
+    """Whether ``host`` may take a replica of ``request``."""
+    return _reject_reason(host, request, cluster) is None
 
 
 def require(

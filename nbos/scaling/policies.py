@@ -17,6 +17,7 @@ from nbos.core.ids import HostId
 from nbos.core.placement import ClusterView, HostView, PlacementRequest
 from nbos.scaling._admission import (
     admissible,
+    admits,
     admitted_first,
     check_request,
     migration_candidates,
@@ -69,6 +70,10 @@ class LeastLoadedPolicy(_AdmittingPolicy):
     subscription ratio (ties: fewer committed GPUs, then fewer replicas, then host id).
     Kernels without GPUs leave every ratio as it was: the replica count spreads them.
 
+    When none of those hosts has the kernel's GPUs idle, the last of them gives way to
+    the admitted host that has, chosen as a migration target is: the kernel's first
+    cell runs at once there, where it would otherwise wait for a replica to move there.
+
     A migration goes to the host with the most idle GPUs, which leaves the most
     room for the next cell there.
 
@@ -85,12 +90,38 @@ class LeastLoadedPolicy(_AdmittingPolicy):
         """As the plain rule; with the model's index, from the front of its groups only."""
         index = current_index(cluster)
         if index is None:
-            return super().place(request, cluster)
-        fronts = admitted_first(index.lowest_load(request.gpus, request.exclude), request, cluster)
-        require(fronts, request, cluster)
-        chosen = tuple(h.host_id for h in self._choose(fronts, request, cluster))
+            candidates = admissible(request, cluster)
+            require(candidates, request, cluster)
+            ready = [h for h in candidates if h.gpus_idle >= request.gpus]
+        else:
+            groups = index.lowest_load(request.gpus, request.exclude)
+            candidates = admitted_first(groups, request, cluster)
+            require(candidates, request, cluster)
+            ready = next(
+                (
+                    admitted
+                    for firsts in index.most_room(request.gpus, request.exclude)
+                    if (admitted := [h for h in firsts if admits(h, request, cluster)])
+                ),
+                [],
+            )
+        ranked = self._choose(candidates, request, cluster)
+        chosen = tuple(h.host_id for h in self._with_ready(ranked, ready, request, cluster))
         log.debug("%s placed kernel %s on %s", self.name, request.kernel_id, chosen)
         return chosen
+
+    def _with_ready(
+        self,
+        chosen: Sequence[HostView],
+        ready: list[HostView],
+        request: PlacementRequest,
+        cluster: ClusterView,
+    ) -> Sequence[HostView]:
+        """``chosen``, its last host swapped for the best of ``ready`` (admitted hosts with
+        the kernel's GPUs idle, the target among them) when none of ``chosen`` is ready."""
+        if request.gpus <= 0 or not ready or any(h.gpus_idle >= request.gpus for h in chosen):
+            return chosen
+        return [*chosen[:-1], self._target(ready, request, cluster)]
 
     def migration_target(self, request: PlacementRequest, cluster: ClusterView) -> HostId | None:
         """As the plain rule; with the model's index, among the hosts with most idle GPUs only."""

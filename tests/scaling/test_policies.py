@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from nbos.core.errors import PlacementError
-from nbos.core.ids import HostId
-from nbos.core.placement import PlacementPolicy
-from nbos.scaling import BinPackingPolicy, LeastLoadedPolicy, RandomPolicy, subscription_ratio
+from nbos.core.ids import HostId, KernelId
+from nbos.core.placement import ClusterView, PlacementPolicy
+from nbos.scaling import (
+    BinPackingPolicy,
+    ClusterModel,
+    LeastLoadedPolicy,
+    RandomPolicy,
+    subscription_ratio,
+)
+from nbos.scaling._index import current_index
 
 from .conftest import cluster, host, request
 
@@ -83,6 +91,42 @@ def test_least_loaded_picks_lowest_subscription_ratio() -> None:
         host("light", subscribed=1),
     )
     assert LeastLoadedPolicy().place(request(), view) == ("idle", "light", "mid")
+
+
+def test_least_loaded_puts_one_replica_where_the_first_cell_can_run() -> None:
+    # The three least subscribed hosts have 3 GPUs idle at most; the kernel asks for 4.
+    # Its first cell would wait for a replica to move to "roomy" or "spare": placed there,
+    # it runs at once. The host is the migration's target (most idle GPUs: "spare").
+    view = cluster(
+        host("a", committed=5),
+        host("b", committed=6, subscribed=1),
+        host("c", committed=8, subscribed=2),
+        host("roomy", committed=2, subscribed=9),
+        host("spare", committed=1, subscribed=12),
+        host("over", committed=0, subscribed=24),  # over the subscription limit
+    )
+    for indexed in (False, True):
+        ranked = model_view(view) if indexed else view
+        assert LeastLoadedPolicy().place(request(gpus=4), ranked) == ("a", "b", "spare")
+        # A host among the least subscribed that can take the cell: nothing changes.
+        assert LeastLoadedPolicy().place(request(gpus=3), ranked) == ("a", "b", "c")
+        # Only a host over the subscription limit has 8 idle: the cell waits either way.
+        assert LeastLoadedPolicy().place(request(gpus=8), ranked) == ("a", "b", "c")
+    # Kernels without GPUs are spread by the replica count alone.
+    assert LeastLoadedPolicy().place(request(gpus=0), view) == ("a", "b", "c")
+
+
+def model_view(view: ClusterView) -> ClusterView:
+    """``view``'s hosts as the cluster model keeps them: with its host index."""
+    model = ClusterModel(replicas_per_kernel=view.replicas_per_kernel)
+    for h in view.hosts:
+        model.add_host(h.host_id, h.gpus_total)
+        model.commit(h.host_id, h.gpus_committed)
+        if h.gpus_subscribed:
+            model.place(KernelId(f"sub-{h.host_id}"), [h.host_id], h.gpus_subscribed)
+    indexed = attrs.evolve(model.view(), demand_to_busy_ratio=view.demand_to_busy_ratio)
+    assert current_index(indexed) is not None
+    return indexed
 
 
 def test_bin_packing_fills_most_subscribed_admissible_hosts() -> None:
