@@ -55,8 +55,11 @@ _STOP_TIMEOUT_S = 30.0
 _MOVED = {"replacement": "was replaced by", "migration": "migrated to"}
 #: How long an abandoned replacement's removal from the membership may take (a loaded host).
 _ABANDON_TIMEOUT_S = 30.0
-_BACKOFF_START_S = 0.05
-_BACKOFF_MAX_S = 0.5
+#: Between tries at a membership change the leader refused for now (a learner catching up:
+#: tens to hundreds of milliseconds), or while the group has no leader. A try is one small
+#: message to one replica: frequent tries cost little, and a long wait adds to a move.
+_BACKOFF_START_S = 0.01
+_BACKOFF_MAX_S = 0.1
 #: The policy's attempts at replacing one dead replica, and the waits between them
 #: (doubling): a replacement that failed for want of a majority takes once one is back.
 POLICY_ATTEMPTS = 6
@@ -150,6 +153,9 @@ class Replacer:
         self.failures: dict[int, ReplacementError] = {}
         #: The new replica joining now (a Raft learner catching up), and its host.
         self.joining: tuple[int, HostId] | None = None
+        #: The replica that last made a membership change, or that a follower named as
+        #: its leader: asked first next time (``None``: unknown).
+        self._leader: int | None = None
 
     async def replace(
         self,
@@ -408,9 +414,12 @@ class Replacer:
         after: int | None,
     ) -> None:
         await self._change(live, "add_learner", node, address)
-        await self._front.add_replica(ReplicaEndpoint(node, spawned.connection))
-        # The Raft core refuses to promote a learner that has not caught up: retried.
-        await self._change(live, "promote", node)
+        # The front reaches it while it catches up (tens to hundreds of milliseconds
+        # each). The Raft core refuses to promote a learner that has not caught up:
+        # retried. Promoted and then found not answering, it is removed (``_abandon``).
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._front.add_replica, ReplicaEndpoint(node, spawned.connection))
+            tg.start_soon(self._change, live, "promote", node)
         # Cells go to it only once it applied the kernel's latest Done. Applying takes
         # as long as the state is large and the host busy: the replacement's own
         # deadline bounds it, not a limit of its own.
@@ -456,25 +465,35 @@ class Replacer:
         (or tell its membership: ``members``); the leader's reply."""
         content = _content(op, node, address)
         targets = itertools.cycle(live)
-        hint: int | None = None
         backoff = _BACKOFF_START_S
+        redirects = 0
         while True:
-            target = hint if hint in live else next(targets)
+            target = self._leader if self._leader in live else next(targets)
             assert target is not None
             reply = await self._front.control_request(
                 target, "nbos_member_request", content, timeout=_REQUEST_TIMEOUT_S
             )
             answer = reply["content"] if reply is not None else {}
+            ename = answer.get("ename")
             if answer.get("status") == "ok":
+                self._leader = target
                 log.info("kernel %s: %s %d done through %d", self._kernel_id, op, node, target)
                 return answer
-            if answer.get("ename") == "NotLeaderError":
+            if ename == "NotLeaderError":
                 leader = answer.get("leader")
-                hint = leader if leader != target else None
-            elif answer.get("ename") in ("ValidationError", "KernelError"):
+                self._leader = leader if leader != target else None
+                redirects += 1
+                # The leader named is asked at once; none named (an election), or
+                # followers naming each other round the group, are waited out.
+                if self._leader in live and redirects <= len(live):
+                    continue
+            elif ename in ("ValidationError", "KernelError"):
                 raise ReplicationError(f"{op} {node} refused: {answer.get('evalue')}")
-            else:
-                hint = None
+            elif ename != "MembershipChangeError":
+                # No answer, or a replica shutting down: another one is asked. A leader
+                # that refused for now (a learner not caught up, a change pending) is
+                # asked again.
+                self._leader = None
             log.debug("kernel %s: %s %d not done yet: %s", self._kernel_id, op, node, answer)
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX_S)

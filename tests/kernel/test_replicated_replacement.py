@@ -7,6 +7,7 @@ every cell, so a replacement catches up from a snapshot plus the log.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -135,6 +136,50 @@ async def member_request(kernel: Kernel, **content: object) -> dict[str, Any]:
                 if reply["content"].get("ename") != "NotLeaderError":
                     return reply["content"]  # type: ignore[no-any-return]
             await anyio.sleep(0.2)  # no leader yet
+
+
+async def raft_leader(kernel: Kernel) -> int:
+    """The replica that answers a ``members`` request: the Raft leader."""
+    with anyio.fail_after(30):
+        while True:
+            for node in kernel.front.alive:
+                reply = await kernel.front.control_request(
+                    node, "nbos_member_request", {"op": "members"}, timeout=10
+                )
+                if reply is not None and reply["content"].get("status") == "ok":
+                    return node
+            await anyio.sleep(0.2)  # no leader yet
+
+
+async def test_each_membership_change_goes_to_the_leader_that_made_the_last(
+    kernel: Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A move's four membership requests each went first to the first live replica, and
+    # one the leader refused for now (a learner not caught up yet) then to the next one:
+    # a follower's NotLeaderError and a wait each time, a fifth of a migration's time.
+    # The leader that answered, or that a follower named, is asked first now.
+    await run_cells(kernel, STATE)
+    # Moved, the leader is the last of the replicas asked: each request went to another first.
+    leader = await raft_leader(kernel)
+    asked: list[tuple[int, str]] = []
+    request = kernel.front.control_request
+
+    async def spy(replica: int, msg_type: str, content: Any, **kw: Any) -> Any:
+        reply = await request(replica, msg_type, content, **kw)
+        if msg_type == "nbos_member_request":
+            answer = reply["content"] if reply is not None else {"status": "none"}
+            asked.append((replica, answer.get("ename") or answer["status"]))
+        return reply
+
+    monkeypatch.setattr(kernel.front, "control_request", spy)
+    new = await kernel.replace_replica(leader)
+    monkeypatch.undo()
+    answers = [answer for _, answer in asked]
+    assert answers.count("ok") >= 4, asked  # members, add_learner, promote, remove
+    for (target, answer), (following, _) in itertools.pairwise(asked):
+        if answer in ("ok", "MembershipChangeError"):
+            assert following == target, asked
+    await check_converged(kernel, new)
 
 
 async def test_a_member_the_kernel_does_not_know_is_removed_and_its_node_id_never_reused(
