@@ -140,23 +140,30 @@ class ControlHandlers(Applier):
             if isinstance(devices, list) and all(isinstance(d, int) for d in devices)
             else None
         )
-        future = asyncio.run_coroutine_threadsafe(self._evict(needed), self._main_loop)
         content: dict[str, Any] = {"status": "ok"}
-        try:
-            await asyncio.wrap_future(future)
-        except Exception as exc:
-            log.exception("eviction failed")
-            content = error_content(exc, self.execution_count)
+        # A cell binds all of our tensors onto its own devices: if none of ours is on a
+        # needed device, there is nothing to move, and the answer must not wait for the
+        # main loop, which a running cell's code may hold for as long as it runs. A cell
+        # binding meanwhile binds devices its host committed to it, never needed ones.
+        if self._holds(needed):
+            future = asyncio.run_coroutine_threadsafe(self._evict(needed), self._main_loop)
+            try:
+                await asyncio.wrap_future(future)
+            except Exception as exc:
+                log.exception("eviction failed")
+                content = error_content(exc, self.execution_count)
         self._session.send(stream, reply_of(EVICT_REQUEST), content, parent, ident=ident)
 
     async def _evict(self, needed: tuple[int, ...] | None) -> None:
-        # A cell binds all of our tensors onto its own devices: if none of ours is on a
-        # needed device, there is nothing to move and no running cell to wait for.
-        if needed is not None and not set(needed) & set(self._binder.resident):
-            return
         # Not while a cell uses the devices: the namespace lock is held during cells.
         async with self._namespace_lock:
-            await self._binder.evict()
+            # The cell that held it may have moved them off the needed devices.
+            if self._holds(needed):
+                await self._binder.evict()
+
+    def _holds(self, needed: tuple[int, ...] | None) -> bool:
+        """Whether our tensors may be on ``needed`` devices (``None``: any device)."""
+        return needed is None or bool(set(needed) & set(self._binder.resident))
 
     async def _member_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         """Change the kernel's Raft membership (see :func:`member_reply`)."""
