@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from nbos.core.ids import HostId, KernelId
-from nbos.gateway import Grant
+from nbos.gateway import Grant, Kernel
 from nbos.gateway.service import GatewayService
 from nbos.kernel.client import ExecuteResult
 from tests.agent._daemons import DEADLINE
@@ -26,27 +26,35 @@ def agent_logs(root: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in root.rglob("*.log") if p.is_file())
 
 
+async def resident_kernel(
+    service: GatewayService, b_gpus: int, hogs_gpus: int
+) -> tuple[Kernel, Kernel, HostId, list[Grant]]:
+    """Kernels a (2 GPUs) and b (``b_gpus``), a's tensors on both GPUs of a's host, and
+    ``hogs_gpus`` GPUs of each other host committed to hogs: a, b, a's host, the hogs."""
+    scheduler = service.directory.scheduler
+    a = await service.kernel_manager.start_kernel(gpus=2)
+    b = await service.kernel_manager.start_kernel(gpus=b_gpus)
+    ran = await a.execute("import torch\nw = torch.arange(4.0)", timeout=DEADLINE)
+    assert ran.status == "ok", ran.reply
+    host = next(r.host for r in a.replicas if r.node == ran.executor)
+    hogs: list[Grant] = []
+    others = sorted(h.host_id for h in scheduler.view().hosts if h.host_id != host)
+    for i, other in enumerate(others):
+        grant = await scheduler.acquire(
+            KernelId(f"hog-{i}"), 1, {1: HostId(other)}, last_executor=None, gpus=hogs_gpus
+        )
+        hogs.append(await scheduler.committed(grant))
+    return a, b, host, hogs
+
+
 async def test_an_agent_has_the_resident_kernel_move_its_tensors_off_before_another_kernel_runs(
     tmp_path: Path,
 ) -> None:
     async with GatewayService.serve(
         local_settings(tmp_path), shutdown_kernels_on_exit=True
     ) as service:
-        scheduler = service.directory.scheduler
-        a = await service.kernel_manager.start_kernel(gpus=2)
-        b = await service.kernel_manager.start_kernel(gpus=2)
-        ran = await a.execute("import torch\nw = torch.arange(4.0)", timeout=DEADLINE)
-        assert ran.status == "ok", ran.reply
-        host = next(r.host for r in a.replicas if r.node == ran.executor)
         # Only a's host has 2 GPUs free for b, and they hold a's tensors.
-        hogs: list[Grant] = []
-        others = sorted(h.host_id for h in scheduler.view().hosts if h.host_id != host)
-        for i, other in enumerate(others):
-            grant = await scheduler.acquire(
-                KernelId(f"hog-{i}"), 1, {1: HostId(other)}, last_executor=None, gpus=1
-            )
-            hogs.append(await scheduler.committed(grant))
-
+        a, b, host, hogs = await resident_kernel(service, b_gpus=2, hogs_gpus=1)
         result = await b.execute("print('ran')", timeout=DEADLINE)
         assert result.stdout == "ran\n", result.reply
         assert next(r.host for r in b.replicas if r.node == result.executor) == host
@@ -54,7 +62,7 @@ async def test_an_agent_has_the_resident_kernel_move_its_tensors_off_before_anot
         assert evicted in agent_logs(tmp_path)
         # a's next cell brings its tensors back.
         for grant in hogs:
-            await scheduler.release(grant)
+            await service.directory.scheduler.release(grant)
         assert (await a.execute("print(w.sum().item())")).stdout == "6.0\n"
 
 
@@ -80,17 +88,8 @@ async def test_a_replica_running_a_cell_answers_at_once_for_a_device_its_tensors
     async with GatewayService.serve(
         local_settings(tmp_path), shutdown_kernels_on_exit=True
     ) as service:
-        scheduler = service.directory.scheduler
-        a = await service.kernel_manager.start_kernel(gpus=2)
-        b = await service.kernel_manager.start_kernel(gpus=1)
-        ran = await a.execute("import torch\nw = torch.arange(4.0)", timeout=DEADLINE)
-        assert ran.status == "ok", ran.reply
-        host = next(r.host for r in a.replicas if r.node == ran.executor)
-        for i, other in enumerate(h.host_id for h in scheduler.view().hosts if h.host_id != host):
-            grant = await scheduler.acquire(
-                KernelId(f"hog-{i}"), 1, {1: HostId(other)}, last_executor=None, gpus=2
-            )
-            await scheduler.committed(grant)
+        # Only a's host has a GPU free for b, and it holds a's tensors.
+        a, b, host, _ = await resident_kernel(service, b_gpus=1, hogs_gpus=2)
         held: list[ExecuteResult] = []
 
         async def hold() -> None:
