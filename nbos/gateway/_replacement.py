@@ -414,12 +414,11 @@ class Replacer:
         after: int | None,
     ) -> None:
         await self._change(live, "add_learner", node, address)
-        # The front reaches it while it catches up (tens to hundreds of milliseconds
-        # each). The Raft core refuses to promote a learner that has not caught up:
-        # retried. Promoted and then found not answering, it is removed (``_abandon``).
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._front.add_replica, ReplicaEndpoint(node, spawned.connection))
-            tg.start_soon(self._change, live, "promote", node)
+        # The leader catches it up meanwhile. Reached first, a new replica that does not
+        # answer is abandoned as a learner, not as a voter counted in the majority.
+        await self._front.add_replica(ReplicaEndpoint(node, spawned.connection))
+        # The Raft core refuses to promote a learner that has not caught up: retried.
+        await self._change(live, "promote", node)
         # Cells go to it only once it applied the kernel's latest Done. Applying takes
         # as long as the state is large and the host busy: the replacement's own
         # deadline bounds it, not a limit of its own.
