@@ -99,6 +99,9 @@ class TorchGpuBinder:
     async def release(self, *, evict: bool) -> None:
         """End the binding, evicting now or leaving state resident."""
         global _bound  # noqa: PLW0603
+        if _bound and _torch_loaded():
+            # A cell that imported torch itself may have put tensors on its devices.
+            self._resident = _bound
         _bound = ()
         if evict:
             await self.evict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -65,6 +66,24 @@ async def test_lazy_release_keeps_residency_until_evict() -> None:
     await binder.bind([0])
     await binder.release(evict=False)
     assert binder.resident == (0,)
+    await binder.evict()
+    assert binder.resident == ()
+
+
+async def test_a_cell_that_imports_torch_leaves_its_devices_resident(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Bound before torch was loaded, the cell's devices were never counted resident: its
+    # tensors there were not moved off when another kernel got them (found in review).
+    ns: dict[str, Any] = {}
+    binder = TorchGpuBinder(lambda: ns, target=lambda _: torch.device("cpu"))
+    monkeypatch.delitem(sys.modules, "torch")
+    await binder.bind([1])
+    assert binder.resident == ()
+    monkeypatch.undo()  # the cell imports torch
+    ns["w"] = torch.ones(2)
+    await binder.release(evict=False)
+    assert binder.resident == (1,)
     await binder.evict()
     assert binder.resident == ()
 
