@@ -71,8 +71,9 @@ class LeastLoadedPolicy(_AdmittingPolicy):
     Kernels without GPUs leave every ratio as it was: the replica count spreads them.
 
     When none of those hosts has the kernel's GPUs idle, the last of them gives way to
-    the admitted host that has, chosen as a migration target is: the kernel's first
-    cell runs at once there, where it would otherwise wait for a replica to move there.
+    the admitted host that has, ranked first as a migration target is (most idle GPUs):
+    the kernel's next cell runs at once there, where it would otherwise wait for a
+    replica to move there.
 
     A migration goes to the host with the most idle GPUs, which leaves the most
     room for the next cell there.
@@ -118,7 +119,10 @@ class LeastLoadedPolicy(_AdmittingPolicy):
         cluster: ClusterView,
     ) -> Sequence[HostView]:
         """``chosen``, its last host swapped for the best of ``ready`` (admitted hosts with
-        the kernel's GPUs idle, the target among them) when none of ``chosen`` is ready."""
+        the kernel's GPUs idle, ranked by the migration target's key) when none of
+        ``chosen`` is ready. A replica placed alone (a replacement, a drain) too: kept to
+        the new kernels only, the simulator's month took 4 % more GPU-hours over 72 hours
+        and 25 % more migrations (``docs/simulator.md``)."""
         if request.gpus <= 0 or not ready or any(h.gpus_idle >= request.gpus for h in chosen):
             return chosen
         return [*chosen[:-1], self._target(ready, request, cluster)]

@@ -96,7 +96,8 @@ def test_least_loaded_picks_lowest_subscription_ratio() -> None:
 def test_least_loaded_puts_one_replica_where_the_first_cell_can_run() -> None:
     # The three least subscribed hosts have 3 GPUs idle at most; the kernel asks for 4.
     # Its first cell would wait for a replica to move to "roomy" or "spare": placed there,
-    # it runs at once. The host is the migration's target (most idle GPUs: "spare").
+    # it runs at once. Of the admitted hosts, the one a migration target ranks first (most
+    # idle GPUs: "spare"; "over" has more, but is over the subscription limit).
     view = cluster(
         host("a", committed=5),
         host("b", committed=6, subscribed=1),
@@ -112,6 +113,8 @@ def test_least_loaded_puts_one_replica_where_the_first_cell_can_run() -> None:
         assert LeastLoadedPolicy().place(request(gpus=3), ranked) == ("a", "b", "c")
         # Only a host over the subscription limit has 8 idle: the cell waits either way.
         assert LeastLoadedPolicy().place(request(gpus=8), ranked) == ("a", "b", "c")
+        # A replica placed alone (a replacement, a drain) goes there too.
+        assert LeastLoadedPolicy().place(request(gpus=4, replicas=1), ranked) == ("spare",)
     # Kernels without GPUs are spread by the replica count alone.
     assert LeastLoadedPolicy().place(request(gpus=0), view) == ("a", "b", "c")
 
