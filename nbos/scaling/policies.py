@@ -24,7 +24,7 @@ from nbos.scaling._admission import (
     ratio_after,
     require,
 )
-from nbos.scaling._index import current_index
+from nbos.scaling._index import HostIndex, current_index
 
 log = logging.getLogger(__name__)
 
@@ -92,40 +92,38 @@ class LeastLoadedPolicy(_AdmittingPolicy):
         index = current_index(cluster)
         if index is None:
             candidates = admissible(request, cluster)
-            require(candidates, request, cluster)
-            ready = [h for h in candidates if h.gpus_idle >= request.gpus]
         else:
             groups = index.lowest_load(request.gpus, request.exclude)
             candidates = admitted_first(groups, request, cluster)
-            require(candidates, request, cluster)
-            ready = next(
-                (
-                    admitted
-                    for firsts in index.most_room(request.gpus, request.exclude)
-                    if (admitted := [h for h in firsts if admits(h, request, cluster)])
-                ),
-                [],
-            )
-        ranked = self._choose(candidates, request, cluster)
-        chosen = tuple(h.host_id for h in self._with_ready(ranked, ready, request, cluster))
+        require(candidates, request, cluster)
+        hosts = self._choose(candidates, request, cluster)
+        if request.gpus > 0 and not any(h.gpus_idle >= request.gpus for h in hosts):
+            ready = self._ready(request, cluster, index, candidates)
+            if ready is not None:
+                hosts = [*hosts[:-1], ready]
+        chosen = tuple(h.host_id for h in hosts)
         log.debug("%s placed kernel %s on %s", self.name, request.kernel_id, chosen)
         return chosen
 
-    def _with_ready(
+    def _ready(
         self,
-        chosen: Sequence[HostView],
-        ready: list[HostView],
         request: PlacementRequest,
         cluster: ClusterView,
-    ) -> Sequence[HostView]:
-        """``chosen``, its last host swapped for the best of ``ready`` (admitted hosts with
-        the kernel's GPUs idle, ranked by the migration target's key) when none of
-        ``chosen`` is ready. A replica placed alone (a replacement, a drain) too: kept to
-        the new kernels only, the simulator's month took 4 % more GPU-hours over 72 hours
-        and 25 % more migrations (``docs/simulator.md``)."""
-        if request.gpus <= 0 or not ready or any(h.gpus_idle >= request.gpus for h in chosen):
-            return chosen
-        return [*chosen[:-1], self._target(ready, request, cluster)]
+        index: HostIndex | None,
+        candidates: list[HostView],
+    ) -> HostView | None:
+        """The admitted host with the request's GPUs idle that the migration target's key
+        ranks first, or ``None``. A replica placed alone (a replacement, a drain) goes there
+        too: kept to new kernels only, the simulator's month took 4 % more GPU-hours over
+        72 hours and 25 % more migrations (``docs/simulator.md``)."""
+        if index is None:
+            ready = [h for h in candidates if h.gpus_idle >= request.gpus]
+        else:
+            # Per idle count, most first: a group's first host is its best admitted one.
+            groups = index.most_room(request.gpus, request.exclude)
+            admitted = ([h for h in firsts if admits(h, request, cluster)] for firsts in groups)
+            ready = next((hosts for hosts in admitted if hosts), [])
+        return self._target(ready, request, cluster) if ready else None
 
     def migration_target(self, request: PlacementRequest, cluster: ClusterView) -> HostId | None:
         """As the plain rule; with the model's index, among the hosts with most idle GPUs only."""
