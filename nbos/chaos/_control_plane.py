@@ -24,7 +24,7 @@ import attrs
 
 from nbos.chaos._deployment_faults import _check_hold, _hold, _replica_host
 from nbos.chaos._nemesis import Strike, described
-from nbos.chaos._processes import LocalGateway, cont, stop
+from nbos.chaos._processes import LocalGateway, cont, group_members, stop
 from nbos.chaos._target import Capability, ChaosKernel
 from nbos.core.errors import ConfigError, NemesisUnsupportedError
 
@@ -98,6 +98,11 @@ class FreezeAgent:
         cont(strike.pids[0])
 
 
+#: How long a heal waits for a killed CPU hog's processes to end (a loaded machine).
+_GROUP_GONE_S = 10.0
+_POLL_S = 0.02
+
+
 def _check_workers(instance: CpuHog, attribute: object, value: int | None) -> None:
     if value is not None and value < 1:
         raise ConfigError("workers", value, "at least 1 (None: one per core)")
@@ -144,6 +149,11 @@ class CpuHog:
         for pid in strike.pids:  # our children: reaped, by PID
             with contextlib.suppress(ChildProcessError):
                 await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+        # stress-ng's workers are not our children: on a loaded machine one may still run
+        # for a moment after the SIGKILL.
+        with anyio.move_on_after(_GROUP_GONE_S):
+            while group_members(strike.pids[0]):  # noqa: ASYNC110 (not our children: polled)
+                await anyio.sleep(_POLL_S)
 
 
 def _spawn(argv: list[str], group: int) -> int:

@@ -68,6 +68,19 @@ def process_state(pid: int) -> str | None:
     return None
 
 
+def group_members(group: int) -> list[int]:
+    """The processes of process group ``group`` that have not ended (zombies aside)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # ended meanwhile
+            fields = (proc / "stat").read_text().rpartition(")")[2].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                found.append(int(proc.name))
+    return found
+
+
 async def stop(pid: int, what: str) -> None:
     """``SIGSTOP`` ``pid`` and return once ``/proc`` shows it stopped."""
     os.kill(pid, signal.SIGSTOP)

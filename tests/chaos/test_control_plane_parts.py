@@ -19,7 +19,7 @@ import pytest
 
 from nbos.chaos import ChaosKernel, CpuHog, LocalGateway, listening_pids, process_state
 from nbos.chaos._full_disk import FILL, _mount_full, _unmount
-from nbos.chaos._processes import cont, stop
+from nbos.chaos._processes import cont, group_members, stop
 from nbos.core.errors import KernelError
 from nbos.transport.ports import free_loopback_ports
 
@@ -93,25 +93,12 @@ async def test_the_cpu_hog_loads_every_worker_and_its_heal_ends_them(
     try:
         want = 3 if stress else 2  # stress-ng: itself and its 2 workers
         with anyio.fail_after(30):
-            while len(_in_group(group)) < want:  # noqa: ASYNC110 (other processes: polled)
+            while len(group_members(group)) < want:  # noqa: ASYNC110 (other processes: polled)
                 await anyio.sleep(0.05)
         assert ("stress-ng" if stress else "python busy loops") in strike.target
     finally:
         await hog.heal(NO_KERNEL, strike)
-    assert _in_group(group) == []
-
-
-def _in_group(group: int) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == group and fields[0] != "Z":
-                found.append(int(proc.name))
-    return found
+    assert group_members(group) == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
