@@ -24,9 +24,9 @@ the control API (``StartKernel``, what the ``nbos`` kernelspec asks) and cells r
    machine with cores to spare the gateway pays one more hop, on a loaded one its own
    share of CPU time can make it the faster. Then the cell round-robin over all N
    gateway kernels (``NBOS_BENCH_GATEWAY_PASSES`` passes, default 2, after one untimed
-   pass): each kernel was idle while the others ran theirs, with 50 kernels longer than
-   the second after which its Raft group goes quiet (``[raft] quiesce_ticks``,
-   ``docs/raft.md``), so these cells wake their group first.
+   pass): each kernel was idle while the others ran theirs, longer than the 0.2 s after
+   which its Raft group goes quiet (``[raft] quiesce_ticks``, ``docs/raft.md``), so these
+   cells wake their group first.
 3. **Gateway CPU**: every client closed and the anchor shut down, the cluster is left
    alone for ``NBOS_BENCH_GATEWAY_SETTLE_S`` seconds (default 15: longer than the fronts'
    wait before they back their pings off), then the gateway process's own CPU time (user

@@ -514,6 +514,17 @@ def _initial_view(
     )
 
 
+def core_config(settings: RaftSettings) -> RaftConfig:
+    """The pure node's configuration from a kernel's ``[raft]`` settings."""
+    return RaftConfig(
+        election_ticks=settings.election_ticks,
+        heartbeat_ticks=settings.heartbeat_ticks,
+        max_inflight=settings.max_inflight,
+        max_batch_bytes=settings.max_batch_bytes,
+        quiesce_ticks=settings.quiesce_ticks,
+    )
+
+
 @asynccontextmanager
 async def open_raft_log(
     *,
@@ -542,14 +553,7 @@ async def open_raft_log(
     storage = await anyio.to_thread.run_sync(_open_storage, data_dir, settings)
     try:
         view = _initial_view(storage, [int(m) for m in members], join, recover)
-        config = RaftConfig(
-            election_ticks=settings.election_ticks,
-            heartbeat_ticks=settings.heartbeat_ticks,
-            max_inflight=settings.max_inflight,
-            max_batch_bytes=settings.max_batch_bytes,
-            quiesce_ticks=settings.quiesce_ticks,
-        )
-        node = RaftNode(int(node_id), view, config, random.Random(seed))
+        node = RaftNode(int(node_id), view, core_config(settings), random.Random(seed))
         peers = {n: p for n, p in members.items() if n != node_id}
         replicated = RaftReplicatedLog(
             node=node,

@@ -6,10 +6,12 @@ import random
 
 import pytest
 
+from nbos.core.config import RaftSettings
 from nbos.core.errors import NotLeaderError
 from nbos.core.wire.raft import RaftHeartbeat, RaftHeartbeatResponse, RaftWake
 from nbos.raft.core import RaftConfig, RaftNode, Role, bootstrap
 from nbos.raft.core.sim import SimCluster
+from nbos.raft.driver import core_config
 from tests.raft.conftest import MakeCluster
 
 QUIESCE = 5
@@ -53,6 +55,18 @@ def test_quiescing_is_off_by_default(make_cluster: MakeCluster) -> None:
     cluster.wait_leader()
     cluster.run(100)
     assert not any(cluster.node(n).quiesced for n in (1, 2, 3))
+
+
+def test_a_kernels_group_goes_quiet_within_an_election_timeout_by_default() -> None:
+    # What an awake group costs per sporadic cell is its ticks (bench/cell_cpu.py): with
+    # the defaults, one cell's commit is followed by at most an election timeout of them.
+    settings = RaftSettings()
+    cluster = SimCluster.bootstrapped([1, 2, 3], core_config(settings), seed=3)
+    leader = cluster.wait_leader()
+    index = cluster.node(leader).propose(b"cell")
+    cluster.run(settings.election_ticks + 2 * settings.heartbeat_ticks)
+    assert all(cluster.node(n).applied_index >= index for n in (1, 2, 3))
+    assert all(cluster.node(n).quiesced for n in (1, 2, 3))
 
 
 def test_a_proposal_wakes_the_group_which_quiesces_again(make_cluster: MakeCluster) -> None:
