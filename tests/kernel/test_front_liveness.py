@@ -71,6 +71,25 @@ def group(ctx: zmq.asyncio.Context, hb_ports: dict[int, int | None]) -> dict[int
     return upstreams
 
 
+async def test_a_replica_held_back_takes_no_request_but_counts_for_a_majority(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # Two of three restarted in place and probed: the kernel's log can commit (their Raft
+    # members run), but a cell must go to the survivor, whose output surely reaches us.
+    upstreams = group(ctx, {1: None, 2: None, 3: None})
+    liveness = Liveness("k", upstreams, FAST, busy=lambda: False)
+    with liveness.held_back(1), liveness.held_back(2):
+        assert liveness.alive == (3,)
+        assert liveness.has_quorum
+    assert liveness.alive == (1, 2, 3)
+    liveness.mark_dead(3, "test")
+    with liveness.held_back(1):
+        assert liveness.alive == (2,)
+        assert liveness.has_quorum
+        liveness.mark_dead(2, "test")
+        assert not liveness.has_quorum
+
+
 async def test_a_standby_replica_counts_only_once_activated(ctx: zmq.asyncio.Context) -> None:
     upstreams = group(ctx, {1: None, 2: None, 3: None})
     liveness = Liveness("k", upstreams, FAST, busy=lambda: False)

@@ -15,7 +15,8 @@ and catches up by itself), unless it was replaced meanwhile.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -91,6 +92,8 @@ class Liveness:
         self._busy = busy
         #: Replicas being added (replacements): reachable, but not used for cells yet.
         self._standby: set[int] = set()
+        #: Replicas restarted in place whose probe has not passed yet (:meth:`held_back`).
+        self._held_back: set[int] = set()
         self._listeners: list[DeathListener] = []
         #: Replicas declared dead on suspicion alone (missed heartbeats): pinged still.
         self._unresponsive: set[int] = set()
@@ -105,10 +108,12 @@ class Liveness:
 
     @property
     def alive(self) -> tuple[int, ...]:
-        """Node ids of the replicas believed alive (standby ones aside), ascending."""
-        return tuple(
-            sorted(r for r, up in self._upstreams.items() if up.alive and r not in self._standby)
-        )
+        """Node ids of the replicas believed alive (standby and held back ones aside),
+        ascending: those a request may go to."""
+        return tuple(r for r in self._running() if r not in self._held_back)
+
+    def _running(self) -> list[int]:
+        return sorted(r for r, up in self._upstreams.items() if up.alive and r not in self._standby)
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -122,8 +127,19 @@ class Liveness:
 
     @property
     def has_quorum(self) -> bool:
-        """Whether a majority of the kernel's replicas is alive (its log can commit)."""
-        return len(self.alive) * 2 > len(self.voters)
+        """Whether a majority of the kernel's replicas is alive (its log can commit); one
+        held back counts, its Raft member runs."""
+        return len(self._running()) * 2 > len(self.voters)
+
+    @contextmanager
+    def held_back(self, replica: int) -> Iterator[None]:
+        """No request goes to ``replica`` while the block runs, though it counts towards
+        a majority: restarted in place, it is probed first (``Membership.revive``)."""
+        self._held_back.add(replica)
+        try:
+            yield
+        finally:
+            self._held_back.discard(replica)
 
     def standby(self, replica: int) -> None:
         """``replica`` is being added: not counted until :meth:`activate`."""

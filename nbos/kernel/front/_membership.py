@@ -146,7 +146,12 @@ class Membership:
         if up.alive or self._tg is None:
             return
         up.revive()
-        if not await self._probe(replica, timeout=timeout):
+        # Until our IOPub subscription reached the new process, what a cell printed
+        # there would be lost (a SUB socket misses what is published before), its reply
+        # and idle not: no cell goes to it before its probe saw both.
+        with self._liveness.held_back(replica):
+            answered = await self._probe(replica, timeout=timeout)
+        if not answered:
             up.mark_dead()
             raise KernelError(f"replica {replica} did not answer within {timeout} s")
         self._liveness.revived(replica)
