@@ -111,15 +111,20 @@ async def cluster(
     policy: str | ClusterDecisions = "least-loaded",
     clock: Callable[[], float] = time.monotonic,
     fair_share: FairShare | None = None,
+    rpc_timeout: float = 0.5,
 ) -> AsyncIterator[Cluster]:
-    """Agents for ``hosts`` (host -> device indices) and a scheduler that has heard from all."""
+    """Agents for ``hosts`` (host -> device indices) and a scheduler that has heard from all.
+
+    ``rpc_timeout``: how long the scheduler waits for an agent's answer; short, so that
+    a partitioned host is suspected soon.
+    """
     network = MemoryNetwork(seed=1)
     gateway = network.endpoint(GATEWAY)
     async with (
         GpuScheduler.serve(
             gateway,
             policy,
-            rpc_timeout=0.5,
+            rpc_timeout=rpc_timeout,
             retry_interval=0.05,
             host_timeout=1.0,
             poll_interval=0.1,
