@@ -45,12 +45,14 @@ log = logging.getLogger(__name__)
 # before its assignment, a template before its first fork. One that is not installed is
 # ipykernel's concern, not ours.
 _STARTUP_IMPORTS = (
+    "anyio._backends._asyncio",  # the Raft member's event loop (about 13 ms)
     "anyio._core._sockets",
     "anyio._core._streams",
     "argcomplete",
     "faulthandler",
     "IPython.core.completerlib",
     "IPython.core.debugger",
+    "IPython.core.logger",
     "IPython.core.oinspect",
     "IPython.extensions.storemagic",
     "psutil",
