@@ -62,7 +62,7 @@ class RaftSettings(_Section, frozen=True):
     The default is one election timeout. The ticks of an awake group are most of what a
     sporadic cell costs (each turns three members' loops, every other one sends
     heartbeats), while waking a quiet group costs a cell no measurable time:
-    ``bench/cell_cpu.py`` measured 40 ms of CPU per cell every 2 s, 193 ms at 100 ticks.
+    ``bench/cell_cpu.py`` measured 40-60 ms of CPU per cell every 2 s, 193 ms at 100 ticks.
     """
 
     tick_ms: int = 10
