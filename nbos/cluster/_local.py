@@ -177,8 +177,9 @@ class LocalCluster:
         The placement policy puts the replicas on distinct hosts; ``gpus`` is the
         kernel's GPUs per cell (a cell may ask for another count). ``chooser``
         replaces the GPU-aware executor choice. Raises
-        :class:`~nbos.core.errors.OverloadedError` (a ``PlacementError``) at once when
-        ``[gateway] max_starting`` starts run already or no host has room for it.
+        :class:`~nbos.core.errors.OverloadedError` (a ``PlacementError``) when
+        ``[gateway] max_starting`` starts run already and none ended within ``[gateway]
+        start_wait_s``, or at once when no host has room for it.
         """
         if self._kernel_manager is None:
             raise KernelError("start_kernel() outside `async with LocalCluster(...)`")

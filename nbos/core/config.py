@@ -141,8 +141,9 @@ class GatewaySettings(_Section, frozen=True):
     client that reads slowly holds bounded memory (``docs/jupyter.md``).
 
     Admission (``docs/deploy.md``): at most ``max_starting`` kernel starts run at once
-    (control API, HTTP API and kernelspec alike); one more is refused at once, as
-    overloaded, with the seconds after which to ask again.
+    (control API, HTTP API and kernelspec alike); one more waits up to ``start_wait_s``
+    for one of them to end (0: not at all), then is refused as overloaded, with the
+    seconds after which to ask again.
     """
 
     address: str = "127.0.0.1:7070"
@@ -177,6 +178,7 @@ class GatewaySettings(_Section, frozen=True):
     cull_idle_timeout: float = 0.0
     client_backlog_mib: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
     max_starting: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
+    start_wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 1.0
 
 
 class AuthSettings(_Section, frozen=True):

@@ -270,10 +270,10 @@ class PlacementError(NbosError):
 
 class OverloadedError(PlacementError):
     """The cluster takes no more kernels now: as many starts as ``[gateway] max_starting``
-    are under way, or no host has room for the replicas (``[cluster]
-    max_replicas_per_host``, ``min_free_memory_mib``). Refused at once, hurting nothing
-    that runs; ask again after ``retry_after_s`` seconds (HTTP: 503 with ``Retry-After``;
-    control API: ``ControlError(kind="overloaded")``).
+    are under way (and none ended within ``start_wait_s``), or no host has room for the
+    replicas (``[cluster] max_replicas_per_host``, ``min_free_memory_mib``). Refused
+    hurting nothing that runs; ask again after ``retry_after_s`` seconds (HTTP: 503 with
+    ``Retry-After``; control API: ``ControlError(kind="overloaded")``).
 
     A :class:`PlacementError`, so that who caught a full cluster still catches it.
     """

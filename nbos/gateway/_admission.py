@@ -2,9 +2,12 @@
 
 A start costs the hosts three Python processes booting at once; a flood of them starved
 the agents (whose silence then looked like failure) and hurt kernels that already ran.
-So at most ``[gateway] max_starting`` starts run at once, and one more is refused at once
-with :class:`~nbos.core.errors.OverloadedError`, never queued: a queue would hold the
-client's connection as long as the flood lasts. The client is told to ask again when a
+So at most ``[gateway] max_starting`` starts run at once. One more waits at most
+``[gateway] start_wait_s`` for a slot, then is refused with
+:class:`~nbos.core.errors.OverloadedError`: never queued for longer, as a queue would hold
+the client's connection as long as the flood lasts. The wait keeps the slots full in a
+burst: a refused client asks again in whole seconds (``Retry-After``), and a slot that
+ends meanwhile would stand empty until one wakes. The client is told to ask again when a
 slot is likely free: once the oldest start under way is expected to end, at the time a
 start takes now (smoothed over the starts that ended). Telling it the whole time a start
 takes left slots empty for seconds in a burst, every refused client asleep.
@@ -17,6 +20,8 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import anyio
 
 from nbos.core.errors import ConfigError, OverloadedError
 from nbos.metrics import ClusterEvent, events
@@ -33,15 +38,21 @@ _MAX_RETRY_S = 60.0
 
 
 class StartAdmission:
-    """At most ``limit`` kernel starts at once; :meth:`slot` refuses one more at once."""
+    """At most ``limit`` kernel starts at once; :meth:`wait` waits up to ``wait_s`` for
+    a slot, :meth:`slot` refuses one more at once."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, wait_s: float = 0.0) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigError("gateway.max_starting", limit, "at least 1")
+        if not (isinstance(wait_s, int | float) and 0 <= wait_s <= _MAX_RETRY_S):
+            raise ConfigError("gateway.start_wait_s", wait_s, f"0 to {_MAX_RETRY_S:g} seconds")
         self.limit = limit
+        self.wait_s = float(wait_s)
         #: When each start under way began (``time.monotonic()``).
         self._began: list[float] = []
         self._estimate_s = _FIRST_ESTIMATE_S
+        #: Set when a start ends, for the starts waiting for a slot (made by the first).
+        self._ended: anyio.Event | None = None
 
     @property
     def running(self) -> int:
@@ -68,6 +79,17 @@ class StartAdmission:
         if self.running >= self.limit:
             raise self.refuse(f"{self.running} kernels are starting, the most at once")
 
+    async def wait(self) -> None:
+        """Return once a start may run, having waited at most ``wait_s`` for one under way
+        to end; :class:`OverloadedError` if none did. Waiting starts wake together, and
+        the first to run on takes the slot (the others wait again)."""
+        with anyio.move_on_after(self.wait_s):
+            while self.running >= self.limit:
+                if self._ended is None:
+                    self._ended = anyio.Event()
+                await self._ended.wait()
+        self.check()
+
     @contextmanager
     def slot(self) -> Iterator[None]:
         """Hold one start's place for the block; :class:`OverloadedError` if none is free."""
@@ -80,6 +102,9 @@ class StartAdmission:
             ended = True
         finally:
             self._began.remove(began)
+            if self._ended is not None:
+                self._ended.set()
+                self._ended = None
             if ended:
                 took = time.monotonic() - began
                 self._estimate_s += _WEIGHT * (took - self._estimate_s)

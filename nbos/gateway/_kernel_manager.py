@@ -270,7 +270,9 @@ class KernelManager:
         # Kernels whose shutdown is being recorded: in no record any more.
         self._ending: set[KernelId] = set()
         #: How many starts run at once (``[gateway] max_starting``); restores are not starts.
-        self.admission = StartAdmission(options.settings.gateway.max_starting)
+        self.admission = StartAdmission(
+            options.settings.gateway.max_starting, options.settings.gateway.start_wait_s
+        )
         # The kernels the manager let go on running without it as it exited (see serve).
         self._left_running: set[KernelId] = set()
         # Set once a kernel's task ended: its record is off the state file then.
@@ -394,8 +396,9 @@ class KernelManager:
         it is in :attr:`starts_waiting` with why, ``on_wait(why)`` is called once, and it
         is placed when a host joins (or room frees up), for at most :data:`HOST_WAIT_S`.
 
-        Raises :class:`~nbos.core.errors.OverloadedError` at once, starting nothing, when
-        ``[gateway] max_starting`` starts run already, or when no host has room for the
+        Raises :class:`~nbos.core.errors.OverloadedError`, starting nothing, when
+        ``[gateway] max_starting`` starts run already and none ended within ``[gateway]
+        start_wait_s``, or at once when no host has room for the
         replicas and none can be added (no autoscaler, its ceiling ``max_hosts``, or the
         wait for a host ran out), :class:`~nbos.core.errors.PolicyContractError`
         for a policy that broke its contract, and
@@ -404,7 +407,7 @@ class KernelManager:
         """
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
             raise ConfigError("gpus", gpus, "a non-negative number of GPUs per cell")
-        self.admission.check()
+        await self.admission.wait()
         kernel_id = kernel_id if kernel_id is not None else new_kernel_id()
         start = self._starts[kernel_id] = StartUnderWay(kernel_id, owner, gpus, time.time())
         try:

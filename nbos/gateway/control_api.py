@@ -35,8 +35,9 @@ down, then the gateway exits, stopping the replicas and local agents it runs
 
 A request naming a kernel that does not run (or that ended during a ``WatchKernel``)
 is answered with ``ControlError(kind="unknown")``; a ``StartKernel`` the gateway takes no
-room for now (``[gateway] max_starting`` starts under way, or no host with room) with
-``ControlError(kind="overloaded")`` at once, whose ``retry_after_s`` says when to ask again.
+room for now (``[gateway] max_starting`` starts under way and none ended within
+``start_wait_s``, or no host with room) with ``ControlError(kind="overloaded")``, whose
+``retry_after_s`` says when to ask again.
 A start that waits for a host the autoscaler adds is answered once the kernel runs, or with
 ``early=True`` at once (``starting``; :func:`start_kernel` waits for it then).
 

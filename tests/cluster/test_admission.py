@@ -18,7 +18,7 @@ pytestmark = pytest.mark.anyio
 async def test_a_start_past_the_bound_or_past_the_hosts_limits_is_refused_at_once() -> None:
     settings = Settings(
         cluster=ClusterSettings(max_replicas_per_host=1, min_free_memory_mib=0),
-        gateway=GatewaySettings(max_starting=1),
+        gateway=GatewaySettings(max_starting=1, start_wait_s=0),
     )
     async with nbos.LocalCluster(hosts=3, durable=False, settings=settings) as cluster:
         started: list[Kernel] = []
@@ -54,6 +54,31 @@ async def test_a_start_past_the_bound_or_past_the_hosts_limits_is_refused_at_onc
                 except OverloadedError as exc:
                     await anyio.sleep(min(exc.retry_after_s, 0.5))
         assert (await second.execute("print(1)")).stdout == "1\n"
+
+
+async def test_a_start_past_the_bound_waits_for_a_slot_within_start_wait_s() -> None:
+    settings = Settings(gateway=GatewaySettings(max_starting=1, start_wait_s=60))
+    async with nbos.LocalCluster(hosts=3, durable=False, settings=settings) as cluster:
+        admission = cluster.kernel_manager.admission
+        most = 0
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, admission.running)
+                await anyio.sleep(0.01)
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                async with anyio.create_task_group() as starts:
+                    starts.start_soon(cluster.start_kernel)
+                    starts.start_soon(cluster.start_kernel)
+                tg.cancel_scope.cancel()
+        # The second waited for the first's slot and took it: both run, one at a time.
+        assert len(cluster.kernels) == 2 and most == 1
+        for kernel in cluster.kernels:
+            assert (await kernel.execute("print(6 * 7)")).stdout == "42\n"
 
 
 async def test_hosts_short_of_free_memory_take_no_replica() -> None:

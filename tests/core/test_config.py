@@ -88,6 +88,10 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
         ("[gateway]\nmax_starting = -3", "gateway.max_starting"),
         ("[gateway]\nmax_starting = 2.5", "gateway.max_starting"),
         ("[gateway]\nmax_starting = 100000", "gateway.max_starting"),
+        ("[gateway]\nstart_wait_s = -1", "gateway.start_wait_s"),
+        ("[gateway]\nstart_wait_s = nan", "gateway.start_wait_s"),
+        ("[gateway]\nstart_wait_s = 61", "gateway.start_wait_s"),
+        ('[gateway]\nstart_wait_s = "1s"', "gateway.start_wait_s"),
         ("[gateway]\nclient_backlog_mib = 0", "gateway.client_backlog_mib"),
         ("[gateway]\nclient_backlog_mib = 1.5", "gateway.client_backlog_mib"),
         ("[cluster]\nmax_replicas_per_host = -1", "cluster.max_replicas_per_host"),
@@ -106,11 +110,12 @@ def test_bad_admission_settings_are_refused_by_name(tmp_path: Path, line: str, k
 def test_admission_settings_are_read() -> None:
     env = {
         "NBOS_GATEWAY__MAX_STARTING": "2",
+        "NBOS_GATEWAY__START_WAIT_S": "0",
         "NBOS_CLUSTER__MAX_REPLICAS_PER_HOST": "0",
         "NBOS_CLUSTER__MIN_FREE_MEMORY_MIB": "1024",
     }
     settings = Settings.load(env=env)
-    assert settings.gateway.max_starting == 2
+    assert (settings.gateway.max_starting, settings.gateway.start_wait_s) == (2, 0.0)
     assert (settings.cluster.max_replicas_per_host, settings.cluster.min_free_memory_mib) == (
         0,
         1024,

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from nbos.core.errors import OverloadedError
+from nbos.core.errors import ConfigError, OverloadedError
 from nbos.core.identity import User
 from nbos.gateway._admission import StartAdmission
 from nbos.gateway.auth import Authenticator
@@ -63,7 +63,12 @@ def replicas_of(root: Path) -> dict[int, str]:
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
     (control,) = free_loopback_ports(1)
-    extra = {"NBOS_GATEWAY__MAX_STARTING": "2", "NBOS_GATEWAY__ADDRESS": f"127.0.0.1:{control}"}
+    extra = {
+        "NBOS_GATEWAY__MAX_STARTING": "2",
+        # Refused at once, not after a wait for a slot: the flood must meet refusals.
+        "NBOS_GATEWAY__START_WAIT_S": "0",
+        "NBOS_GATEWAY__ADDRESS": f"127.0.0.1:{control}",
+    }
     process, url, log = start_http_gateway(tmp_path, TOKEN, extra)
     yield url, f"127.0.0.1:{control}", log
     stop(process)
@@ -194,6 +199,29 @@ async def test_the_kernelspecs_kernel_host_asks_again_after_retry_after(
             tg.cancel_scope.cancel()
     finally:
         socket.close(0)
+
+
+async def test_a_start_waits_at_most_start_wait_s_for_a_slot() -> None:
+    admission = StartAdmission(1, wait_s=0.5)
+    with admission.slot():
+        began = anyio.current_time()
+        with pytest.raises(OverloadedError, match="1 kernels are starting"):
+            await admission.wait()
+        assert anyio.current_time() - began >= 0.5  # it waited, then was refused
+
+    async def end_soon() -> None:
+        with admission.slot():
+            await anyio.sleep(0.1)
+
+    admission.wait_s = 60.0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(end_soon)
+        await anyio.sleep(0.01)
+        assert admission.running == 1
+        await admission.wait()  # the slot that ended is this start's
+        assert admission.running == 0
+    with pytest.raises(ConfigError):
+        StartAdmission(1, wait_s=float("nan"))
 
 
 async def test_a_refused_start_asks_again_once_the_oldest_start_is_due_to_end() -> None:
