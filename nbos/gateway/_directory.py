@@ -196,6 +196,9 @@ class HostDirectory:
                 limits=limits,
                 fair_share=fair_share,
             ) as scheduler,
+            # Closed only once the task group ended: a receive loop cancelled while it
+            # holds a message would route it into a closed inbox.
+            inbox_in,
             anyio.create_task_group() as tg,
         ):
             directory._scheduler = scheduler
@@ -205,7 +208,6 @@ class HostDirectory:
                 yield directory
             finally:
                 tg.cancel_scope.cancel()
-                await inbox_in.aclose()
 
     # --- queries -----------------------------------------------------------------
 
