@@ -36,6 +36,7 @@ import pytest
 from tests._servers._process import serve_or_skip
 from tests._servers.swarm import Swarm, SwarmNode
 from tests.agent._daemons import ROOT
+from tests.deploy.conftest import REPORTS
 
 pytestmark = [pytest.mark.long, pytest.mark.timeout(3600)]
 
@@ -55,6 +56,8 @@ keys = "keys"
 missed_heartbeats = 20
 """
 _WAIT_S = 300.0
+#: Lines of each service's log a failed test prints.
+_FAILURE_LOG_LINES = 150
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +100,24 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, image: Path) -> Iterator[Swa
     print(f"swarm up in {time.monotonic() - started:.0f} s", file=sys.stderr)
     yield swarm
     next(nodes, None)
+
+
+@pytest.fixture(autouse=True)
+def service_logs_on_failure(request: pytest.FixtureRequest, swarm: Swarm) -> Iterator[None]:
+    """When a test failed, the last lines of the stack's services' logs (on its stderr):
+    what the gateway and the agents saw is gone with the swarm."""
+    yield
+    call = request.node.stash.get(REPORTS, {}).get("call")
+    if call is None or not call.failed:
+        return
+    for service in ("nbos_gateway", "nbos_agent"):
+        try:
+            logs = swarm.manager.docker(
+                "service", "logs", "--timestamps", "--tail", str(_FAILURE_LOG_LINES), service
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            logs = f"(no logs: {exc})"
+        print(f"--- {service} ---\n{logs}", file=sys.stderr)
 
 
 class User:
