@@ -23,8 +23,9 @@ the plan's source host moved to its target (the :class:`Migrate` callable, a
 replacement with an explicit target) and waits again, for the new replica first (the
 simulator runs the cell where the replica moved).
 At most one migration per waiting cell, and only while every replica is alive, so
-the kernel never drops below a quorum; a failed one is logged and the cell keeps
-waiting.
+the kernel never drops below a quorum. A failed one is logged; if its source replica runs
+on (it failed before the source was removed), the cell decides again after a pause that
+grows, so a move that was its only way to GPUs is tried anew; else it waits for the others.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ from nbos.metrics import events
 from nbos.scaling.migration import MigrationPlan
 
 log = logging.getLogger(__name__)
+
+#: How long a cell whose migration failed waits before it decides again, at first; the
+#: pause doubles after each failure, up to the second figure.
+_MIGRATION_RETRY_S = 1.0
+_MIGRATION_RETRY_MAX_S = 30.0
 
 #: ``migrate(node, host, after)``: move replica ``node`` to ``host``; cells go to the new
 #: replica once it applied cell ``after``. Returns the new node id.
@@ -181,31 +187,42 @@ class GpuChooser:
         held: MoveHold | None,
         executor: int | None,
     ) -> Grant:
-        """The scheduler's grant for the cell; migrates a replica once if that lets it run.
-        ``held``: GPUs held for it (:meth:`_take_over`); ``executor``: the replica to prefer
-        as the last executor (else the request's)."""
-        outcome = await self._wait(
-            request, replicas, gpus, may_migrate=True, held=held, executor=executor
-        )
-        if isinstance(outcome, Grant):
-            return outcome
-        plan, hold = outcome
-        began = time.time()
-        try:
-            if request.notify is not None:
-                await request.notify(
-                    f"nbos: the cell waits for a migration: its replica on {plan.source} "
-                    f"moves to {plan.target}"
-                )
-            source = next(n for n, h in replicas.items() if h == plan.source)
-            node = await self._migrate(source, plan.target, request.exec_index - 1)
-        except BaseException:
+        """The scheduler's grant for the cell; migrates a replica once if that lets it run
+        (tried again while a move fails early). ``held``: GPUs held for it
+        (:meth:`_take_over`); ``executor``: the replica to prefer as the last executor (else
+        the request's)."""
+        pause = _MIGRATION_RETRY_S
+        while True:
+            outcome = await self._wait(
+                request, replicas, gpus, may_migrate=True, held=held, executor=executor
+            )
+            if isinstance(outcome, Grant):
+                return outcome
+            plan, hold = outcome
+            began = time.time()
+            try:
+                if request.notify is not None:
+                    await request.notify(
+                        f"nbos: the cell waits for a migration: its replica on {plan.source} "
+                        f"moves to {plan.target}"
+                    )
+                source = next(n for n, h in replicas.items() if h == plan.source)
+                node = await self._migrate(source, plan.target, request.exec_index - 1)
+            except BaseException:
+                hold.release()
+                raise
+            self._scheduler.ledger.cell_migrated(
+                self._kernel_id, request.exec_index, time.time() - began
+            )
+            if node is not None or source not in self._hosts:
+                break
+            # The move failed early and its source runs on: the cell may decide again
+            # (a move may be its only way to GPUs), after a pause that grows.
             hold.release()
-            raise
-        self._scheduler.ledger.cell_migrated(
-            self._kernel_id, request.exec_index, time.time() - began
-        )
-        # The source was fenced (or, failed early, is spared): the cell waits for the others.
+            await anyio.sleep(pause)
+            pause = min(2 * pause, _MIGRATION_RETRY_MAX_S)
+        # The source was fenced (moved, or the move failed after it was removed): the cell
+        # waits for the others.
         survivors = {n: h for n, h in self._hosts.items() if n in replicas and n != source}
         if node is not None:
             survivors[node] = self._hosts[node]

@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from nbos.core.errors import KernelError
 from nbos.core.executor_chooser import ChoiceRequest
 from nbos.core.ids import HostId, KernelId
 from nbos.gateway import Grant, MoveHold
@@ -333,3 +334,28 @@ async def test_a_retry_whose_lost_attempts_replica_died_goes_to_the_last_executo
         await chooser.release(first)
         assert retry.replica == 2
         await chooser.release(retry)
+
+
+async def test_a_cell_whose_move_failed_early_moves_again_and_runs_where_it_moved() -> None:
+    """Every replica host's GPU is held for good, and h3's is idle: the cell's one way to a
+    GPU is a move. The first move fails before its source was removed (the target's agent
+    was not ready, say), so the source runs on. The cell decides again and moves; it used
+    to wait for its other replicas' GPUs for ever."""
+    async with cluster(FOUR, policy=decisions()) as c:
+        await hog(c, "h0", "h1", "h2")
+        chooser = GpuChooser(c.scheduler, kernel("a"), replicas("h0", "h1", "h2"), 1)
+        tries: list[tuple[int, HostId]] = []
+
+        async def migrate(source: int, target: HostId, after: int) -> int:
+            tries.append((source, target))
+            if len(tries) == 1:
+                raise KernelError(f"replica {source} not replaced: the target did not answer")
+            chooser.replica_replaced(source, 3, target)
+            return 3
+
+        chooser.enable_migration(migrate)
+        with anyio.fail_after(DEADLINE):
+            plan = await chooser.choose(ChoiceRequest(1, 2, (0, 1, 2)))
+        assert [target for _, target in tries] == [HostId("h3")] * 2
+        assert plan.replica == 3 and chooser.hosts[3] == HostId("h3")
+        await chooser.release(plan)
