@@ -199,21 +199,7 @@ class GpuChooser:
             if isinstance(outcome, Grant):
                 return outcome
             plan, hold = outcome
-            began = time.time()
-            try:
-                if request.notify is not None:
-                    await request.notify(
-                        f"nbos: the cell waits for a migration: its replica on {plan.source} "
-                        f"moves to {plan.target}"
-                    )
-                source = next(n for n, h in replicas.items() if h == plan.source)
-                node = await self._migrate(source, plan.target, request.exec_index - 1)
-            except BaseException:
-                hold.release()
-                raise
-            self._scheduler.ledger.cell_migrated(
-                self._kernel_id, request.exec_index, time.time() - began
-            )
+            source, node = await self._move(request, replicas, plan, hold)
             if node is not None or source not in self._hosts:
                 break
             # The move failed early and its source runs on: the cell may decide again
@@ -244,6 +230,32 @@ class GpuChooser:
             hold.release()
         assert isinstance(grant, Grant)
         return grant
+
+    async def _move(
+        self,
+        request: ChoiceRequest,
+        replicas: Mapping[int, HostId],
+        plan: MigrationPlan,
+        hold: MoveHold,
+    ) -> tuple[int, int | None]:
+        """Move the cell's replica on ``plan.source`` to ``plan.target`` (``hold`` released
+        if this raises): that replica's node id and the new one's (``None``: it failed)."""
+        began = time.time()
+        try:
+            if request.notify is not None:
+                await request.notify(
+                    f"nbos: the cell waits for a migration: its replica on {plan.source} "
+                    f"moves to {plan.target}"
+                )
+            source = next(n for n, h in replicas.items() if h == plan.source)
+            node = await self._migrate(source, plan.target, request.exec_index - 1)
+        except BaseException:
+            hold.release()
+            raise
+        self._scheduler.ledger.cell_migrated(
+            self._kernel_id, request.exec_index, time.time() - began
+        )
+        return source, node
 
     async def _wait(
         self,
