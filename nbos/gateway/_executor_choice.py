@@ -202,10 +202,16 @@ class GpuChooser:
             source, node = await self._move(request, replicas, plan, hold)
             if node is not None or source not in self._hosts:
                 break
-            # The move failed early and its source runs on: the cell may decide again
-            # (a move may be its only way to GPUs), after a pause that grows.
+            # The move failed early and its source runs on. A move may be the cell's only
+            # way to GPUs: it may decide one again after a pause that grows, meanwhile
+            # waiting (as the autoscaler sees) for GPUs where its replicas are.
             hold.release()
-            await anyio.sleep(pause)
+            with anyio.move_on_after(pause):
+                grant = await self._wait(
+                    request, replicas, gpus, may_migrate=False, held=held, executor=executor
+                )
+                assert isinstance(grant, Grant)
+                return grant
             pause = min(2 * pause, _MIGRATION_RETRY_MAX_S)
         # The source was fenced (moved, or the move failed after it was removed): the cell
         # waits for the others.
